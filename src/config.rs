@@ -1,0 +1,2494 @@
+//! Configuration: the YAML file format and the validated, immutable [`Config`] built from it.
+//!
+//! Two layers, as in `river` and `vector`: private file structs mirror the YAML exactly
+//! (`deny_unknown_fields`, defaults from serde default functions), then one validating
+//! conversion turns them into the public [`Config`] the rest of the proxy reads. Loading is a
+//! pure function of the text, so the file watcher can validate an edit before swapping it in.
+//! Every validation error names the offending field by its path, e.g.
+//! `routes[1].idempotency.ttl: invalid duration "3 parsecs" (use e.g. 250ms, 30s, 5m, 24h)`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+/// The validated, immutable proxy configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Address the proxy listens on.
+    pub listen: SocketAddr,
+    /// Proxy worker threads, 1..=256.
+    pub threads: usize,
+    /// Longest pause allowed between two reads of a request body.
+    pub request_body_timeout: Duration,
+    /// Graceful shutdown budget.
+    pub shutdown: ShutdownConfig,
+    /// The admin listener (`/healthz`, `/readyz`, `/metrics`).
+    pub admin: AdminConfig,
+    /// Upstreams, sorted by name; routes refer to them by index.
+    pub upstreams: Vec<UpstreamConfig>,
+    /// Index into `upstreams` for requests that match no route.
+    pub default_upstream: Option<usize>,
+    /// Settings shared by every idempotent route.
+    pub idempotency: GlobalIdempotency,
+    /// The record store.
+    pub store: StoreConfig,
+    /// Routes in file order; the first match wins.
+    pub routes: Vec<Route>,
+    /// Hex SHA-256 of the YAML text this config was loaded from.
+    pub source_hash: String,
+}
+
+/// How the proxy drains on `SIGTERM`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShutdownConfig {
+    /// Time in-flight requests get to finish (and their records to be stored) after `SIGTERM`.
+    pub grace_period: Duration,
+    /// Time pingora gives its services to stop once the grace period is over.
+    pub graceful_shutdown_timeout: Duration,
+}
+
+/// The admin listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminConfig {
+    /// Address of the admin HTTP server.
+    pub listen: SocketAddr,
+}
+
+/// One named group of backend addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamConfig {
+    /// Name used by routes and `default_upstream`.
+    pub name: String,
+    /// `host:port` strings, each checked to resolve at load time.
+    pub addrs: Vec<String>,
+    /// Budget for establishing a connection.
+    pub connect_timeout: Duration,
+    /// Budget for each read from the upstream.
+    pub read_timeout: Duration,
+    /// Budget for each write to the upstream.
+    pub write_timeout: Duration,
+    /// How long an idle keep-alive connection stays in the pool.
+    pub idle_timeout: Duration,
+}
+
+/// Idempotency settings shared by every route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalIdempotency {
+    /// Header carrying the idempotency key (lower-case).
+    pub key_header: HeaderName,
+    /// Header carrying the tenant (lower-case).
+    pub tenant_header: HeaderName,
+    /// Tenant used when the tenant header is absent; satisfies `[A-Za-z0-9._:-]{1,128}`.
+    pub default_tenant: String,
+    /// Snowflake worker id, 0..=1023; `None` lets the proxy pick one.
+    pub worker_id: Option<u16>,
+}
+
+/// The record store and what to do when it is unavailable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// Which backend holds the records.
+    pub backend: StoreBackend,
+    /// Settings of the embedded memory store (also the `local` fallback).
+    pub memory: MemoryStoreConfig,
+    /// Settings of the Redis store, when a `store.redis` block is present.
+    pub redis: Option<RedisConfig>,
+    /// Policy when the store is down or its circuit is open.
+    pub on_unavailable: OnUnavailable,
+}
+
+/// Which record store backend is in use.
+// Deserialized directly from the file: the closed set is identical in both layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreBackend {
+    /// The embedded, in-process store.
+    Memory,
+    /// Redis 6+ (single server, Sentinel or Cluster).
+    Redis,
+}
+
+/// Settings of the embedded memory store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryStoreConfig {
+    /// Byte capacity across all shards.
+    pub capacity_bytes: usize,
+    /// Number of independently locked shards, 1..=4096.
+    pub shards: usize,
+}
+
+/// Settings of the Redis store.
+// Debug is hand-written so a password in the URL never reaches a log line.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// `redis://`, `rediss://` or `redis+sentinel://` URL, possibly with `user:pass@`.
+    pub url: String,
+    /// Prefix of every key the proxy writes.
+    pub key_prefix: String,
+}
+
+/// What to do with an idempotent request when the store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnavailable {
+    /// Answer 503 with `Retry-After`; the backend is not contacted.
+    Reject,
+    /// Fall back to the in-process store and Bloom filter (`DEGRADED`).
+    Local,
+    /// Forward without protection (`DEGRADED`).
+    Pass,
+}
+
+/// One route: which requests it matches and where they go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// Unique, non-empty name (used in logs and metrics).
+    pub name: String,
+    /// Upper-case methods this route applies to; empty means every method.
+    pub methods: Vec<Method>,
+    /// Path prefix, starting with `/`, matched on segment boundaries.
+    pub path_prefix: String,
+    /// Index into [`Config::upstreams`].
+    pub upstream: usize,
+    /// Idempotency settings; `None` makes this a plain forwarding route.
+    pub idempotency: Option<RouteIdempotency>,
+}
+
+/// Idempotency settings of one route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteIdempotency {
+    /// Whether a request without a key is refused or bypasses protection.
+    pub key: KeyMode,
+    /// How long a completed response is replayed.
+    pub ttl: Duration,
+    /// How long an in-flight claim lives; longer than the upstream's connect + read timeouts.
+    pub lock_ttl: Duration,
+    /// What a retry does while the original is still executing.
+    pub on_in_flight: OnInFlight,
+    /// How long `on_in_flight: wait` waits for the original to finish.
+    pub wait_timeout: Duration,
+    /// Whether the request body is part of the fingerprint.
+    pub fingerprint_body: bool,
+    /// Headers whose values are part of the fingerprint (lower-case, sorted, unique).
+    pub fingerprint_headers: Vec<HeaderName>,
+    /// Headers that bind a key to its principal (lower-case, sorted, unique).
+    pub scope_headers: Vec<HeaderName>,
+    /// Which response statuses are stored for replay.
+    pub cache_statuses: StatusSet,
+    /// Response headers never stored for replay (lower-case, sorted, unique).
+    pub replay_exclude_headers: Vec<HeaderName>,
+    /// Largest request body accepted; larger ones get 413.
+    pub max_request_bytes: usize,
+    /// Largest response body stored; larger ones make the record unreplayable.
+    pub max_response_bytes: usize,
+}
+
+/// Whether an idempotent route insists on a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyMode {
+    /// No key: 400.
+    Required,
+    /// No key: forward unprotected with `X-Idempotent-Result: BYPASS`.
+    Optional,
+}
+
+/// What a retry does while the original request is still in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnInFlight {
+    /// Answer 409 with `Retry-After` at once.
+    Reject,
+    /// Wait up to `wait_timeout` for the original and replay it.
+    Wait,
+}
+
+/// The set of response statuses that are stored for replay (`cache_statuses`).
+///
+/// An exact code is cached; otherwise an exclusion (`!code`) is not; otherwise a listed class
+/// (`2xx`..`5xx`) is cached, except 408 and 429, which are transient and only cached when listed
+/// as exact codes. Lookups are a couple of bit tests: no allocation.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StatusSet {
+    /// Bit `n` set means the class `nxx` is listed (n in 2..=5).
+    classes: u8,
+    exact: StatusBits,
+    excluded: StatusBits,
+}
+
+/// The outcome of [`Config::match_route`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteMatch {
+    /// The route at this index applies idempotency to the request.
+    Idempotent(usize),
+    /// Forward untouched to `upstream`; `route` is the route that matched, if any.
+    Forward {
+        /// Index of the matching route, `None` when `default_upstream` caught the request.
+        route: Option<usize>,
+        /// Index into [`Config::upstreams`].
+        upstream: usize,
+    },
+    /// No route matches and there is no default upstream.
+    NoRoute,
+}
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {}: {source}", .path.display())]
+    Io {
+        /// The file that was being read.
+        path: PathBuf,
+        /// The underlying I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The text is not YAML of the expected shape. serde_yaml's message names the field path,
+    /// the line and column, and for an unknown key its name and the keys allowed there.
+    #[error("{0}")]
+    Parse(String),
+    /// A value has the right shape but is not acceptable.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// Path of the offending field, e.g. `routes[0].idempotency.ttl`.
+        field: String,
+        /// What is wrong and, where useful, what would be accepted.
+        message: String,
+    },
+}
+
+// === File layer ===
+//
+// These structs mirror the YAML one to one. Scalars whose syntax we own (durations, byte sizes,
+// status entries) stay raw here so the validating conversion can report them by field path.
+
+const DURATION_HINT: &str = "use e.g. 250ms, 30s, 5m, 24h";
+const BYTES_HINT: &str = "use e.g. 1048576, 512KiB, 256MiB, 1GiB";
+const STATUS_HINT: &str =
+    "use a class (2xx, 3xx, 4xx, 5xx), an exact code (201) or a quoted exclusion (\"!429\")";
+const REDIS_SCHEMES: [&str; 3] = ["redis://", "rediss://", "redis+sentinel://"];
+const MAX_BODY_BYTES: u64 = 1 << 30;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default = "default_listen")]
+    listen: String,
+    #[serde(default = "default_threads")]
+    threads: i64,
+    #[serde(default = "default_request_body_timeout")]
+    request_body_timeout: Scalar,
+    #[serde(default)]
+    shutdown: FileShutdown,
+    #[serde(default)]
+    admin: FileAdmin,
+    #[serde(deserialize_with = "unique_upstreams")]
+    upstreams: BTreeMap<String, FileUpstream>,
+    #[serde(default)]
+    default_upstream: Option<String>,
+    #[serde(default)]
+    idempotency: FileIdempotency,
+    #[serde(default)]
+    store: FileStore,
+    routes: Vec<FileRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileShutdown {
+    grace_period: Scalar,
+    graceful_shutdown_timeout: Scalar,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileAdmin {
+    listen: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileUpstream {
+    addrs: Vec<String>,
+    #[serde(default = "default_connect_timeout")]
+    connect_timeout: Scalar,
+    #[serde(default = "default_read_timeout")]
+    read_timeout: Scalar,
+    #[serde(default = "default_write_timeout")]
+    write_timeout: Scalar,
+    #[serde(default = "default_idle_timeout")]
+    idle_timeout: Scalar,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileIdempotency {
+    key_header: String,
+    tenant_header: String,
+    default_tenant: String,
+    worker_id: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileStore {
+    backend: StoreBackend,
+    memory: FileMemoryStore,
+    redis: Option<FileRedis>,
+    on_unavailable: OnUnavailable,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileMemoryStore {
+    capacity: Scalar,
+    shards: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileRedis {
+    url: String,
+    key_prefix: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileRoute {
+    name: String,
+    #[serde(default)]
+    methods: Vec<String>,
+    path_prefix: String,
+    upstream: String,
+    #[serde(default, deserialize_with = "present_block")]
+    idempotency: Option<FileRouteIdempotency>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileRouteIdempotency {
+    key: KeyMode,
+    ttl: Scalar,
+    lock_ttl: Scalar,
+    on_in_flight: OnInFlight,
+    wait_timeout: Scalar,
+    fingerprint: FileFingerprint,
+    scope_headers: Vec<String>,
+    cache_statuses: Vec<Scalar>,
+    replay_exclude_headers: Vec<String>,
+    max_request_bytes: Scalar,
+    max_response_bytes: Scalar,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileFingerprint {
+    body: bool,
+    headers: Vec<String>,
+}
+
+/// A YAML scalar kept as written: durations, byte sizes and status entries are parsed later,
+/// where the error can name the field.
+#[derive(Debug, Clone, PartialEq)]
+enum Scalar {
+    Text(String),
+    Int(i128),
+    Float(f64),
+}
+
+// === File defaults ===
+//
+// The single source of every default; the reference config documents the same values.
+
+fn default_listen() -> String {
+    "0.0.0.0:6180".to_owned()
+}
+
+fn default_threads() -> i64 {
+    2
+}
+
+fn default_request_body_timeout() -> Scalar {
+    Scalar::text("10s")
+}
+
+fn default_connect_timeout() -> Scalar {
+    Scalar::text("2s")
+}
+
+fn default_read_timeout() -> Scalar {
+    Scalar::text("20s")
+}
+
+fn default_write_timeout() -> Scalar {
+    Scalar::text("20s")
+}
+
+fn default_idle_timeout() -> Scalar {
+    Scalar::text("60s")
+}
+
+impl Default for FileShutdown {
+    fn default() -> Self {
+        FileShutdown {
+            // Leaves headroom under Kubernetes' default terminationGracePeriodSeconds (30).
+            grace_period: Scalar::text("20s"),
+            graceful_shutdown_timeout: Scalar::text("5s"),
+        }
+    }
+}
+
+impl Default for FileAdmin {
+    fn default() -> Self {
+        FileAdmin {
+            listen: "127.0.0.1:6181".to_owned(),
+        }
+    }
+}
+
+impl Default for FileIdempotency {
+    fn default() -> Self {
+        FileIdempotency {
+            key_header: "Idempotency-Key".to_owned(),
+            tenant_header: "X-Tenant-ID".to_owned(),
+            default_tenant: "default".to_owned(),
+            worker_id: None,
+        }
+    }
+}
+
+impl Default for FileStore {
+    fn default() -> Self {
+        FileStore {
+            backend: StoreBackend::Memory,
+            memory: FileMemoryStore::default(),
+            redis: None,
+            on_unavailable: OnUnavailable::Reject,
+        }
+    }
+}
+
+impl Default for FileMemoryStore {
+    fn default() -> Self {
+        FileMemoryStore {
+            capacity: Scalar::text("256MiB"),
+            shards: 64,
+        }
+    }
+}
+
+impl Default for FileRedis {
+    fn default() -> Self {
+        FileRedis {
+            url: "redis://127.0.0.1:6379".to_owned(),
+            key_prefix: "idemgate".to_owned(),
+        }
+    }
+}
+
+impl Default for FileRouteIdempotency {
+    fn default() -> Self {
+        FileRouteIdempotency {
+            key: KeyMode::Required,
+            ttl: Scalar::text("24h"),
+            lock_ttl: Scalar::text("30s"),
+            on_in_flight: OnInFlight::Reject,
+            wait_timeout: Scalar::text("5s"),
+            fingerprint: FileFingerprint::default(),
+            scope_headers: vec!["Authorization".to_owned()],
+            cache_statuses: vec![Scalar::text("2xx"), Scalar::text("4xx")],
+            replay_exclude_headers: vec!["Set-Cookie".to_owned()],
+            max_request_bytes: Scalar::Int(1 << 20),
+            max_response_bytes: Scalar::Int(1 << 20),
+        }
+    }
+}
+
+impl Default for FileFingerprint {
+    fn default() -> Self {
+        FileFingerprint {
+            body: true,
+            headers: Vec::new(),
+        }
+    }
+}
+
+/// Deserializes the upstream map, refusing a name given twice: a plain map would silently keep
+/// the last block, so an edit could swap a backend without anyone noticing.
+fn unique_upstreams<'de, D>(deserializer: D) -> Result<BTreeMap<String, FileUpstream>, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    struct UpstreamsVisitor;
+
+    impl<'de> Visitor<'de> for UpstreamsVisitor {
+        type Value = BTreeMap<String, FileUpstream>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a map of upstream name to upstream")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut upstreams = BTreeMap::new();
+            while let Some(name) = map.next_key::<String>()? {
+                if upstreams.contains_key(&name) {
+                    return Err(de::Error::custom(format!(
+                        "duplicate upstream name `{name}`"
+                    )));
+                }
+                let upstream = map.next_value::<FileUpstream>()?;
+                upstreams.insert(name, upstream);
+            }
+            Ok(upstreams)
+        }
+    }
+
+    deserializer.deserialize_map(UpstreamsVisitor)
+}
+
+/// A block that is present is enabled, even when empty: `idempotency:` with every key commented
+/// out is YAML null, and reading that as "no idempotency" would silently drop protection.
+fn present_block<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Option::<T>::deserialize(deserializer).map(|block| Some(block.unwrap_or_default()))
+}
+
+// === impl Scalar ===
+
+impl Scalar {
+    fn text(s: &str) -> Self {
+        Scalar::Text(s.to_owned())
+    }
+}
+
+impl fmt::Display for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scalar::Text(s) => write!(f, "{s:?}"),
+            Scalar::Int(n) => write!(f, "{n}"),
+            Scalar::Float(x) => write!(f, "{x}"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ScalarVisitor;
+
+        impl Visitor<'_> for ScalarVisitor {
+            type Value = Scalar;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or a number")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Scalar, E> {
+                Ok(Scalar::text(v))
+            }
+
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Scalar, E> {
+                Ok(Scalar::Text(v))
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Scalar, E> {
+                Ok(Scalar::Int(v.into()))
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Scalar, E> {
+                Ok(Scalar::Int(v.into()))
+            }
+
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Scalar, E> {
+                Ok(Scalar::Float(v))
+            }
+        }
+
+        deserializer.deserialize_any(ScalarVisitor)
+    }
+}
+
+// === impl Config ===
+
+impl Config {
+    /// Reads and validates the config file at `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_yaml_str(&text)
+    }
+
+    /// Parses and validates a config from YAML text. Pure: the same text gives the same result.
+    pub fn from_yaml_str(text: &str) -> Result<Config, ConfigError> {
+        let file: FileConfig =
+            serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let source_hash = hex::encode(Sha256::digest(text.as_bytes()));
+        file.into_config(source_hash)
+    }
+
+    /// Finds where a request goes. `path` is the request path without the query.
+    ///
+    /// The first route whose prefix and methods match wins: [`RouteMatch::Idempotent`] if it has
+    /// an idempotency block, else [`RouteMatch::Forward`]. Failing that, the first route whose
+    /// prefix matches under any method forwards untouched; then `default_upstream`; then
+    /// [`RouteMatch::NoRoute`]. On the hot path: no allocation.
+    pub fn match_route(&self, method: &Method, path: &str) -> RouteMatch {
+        let mut prefix_only = None;
+        for (i, route) in self.routes.iter().enumerate() {
+            if !prefix_matches(&route.path_prefix, path) {
+                continue;
+            }
+            if route.methods.is_empty() || route.methods.contains(method) {
+                return match route.idempotency {
+                    Some(_) => RouteMatch::Idempotent(i),
+                    None => RouteMatch::Forward {
+                        route: Some(i),
+                        upstream: route.upstream,
+                    },
+                };
+            }
+            if prefix_only.is_none() {
+                prefix_only = Some((i, route.upstream));
+            }
+        }
+        match (prefix_only, self.default_upstream) {
+            (Some((i, upstream)), _) => RouteMatch::Forward {
+                route: Some(i),
+                upstream,
+            },
+            (None, Some(upstream)) => RouteMatch::Forward {
+                route: None,
+                upstream,
+            },
+            (None, None) => RouteMatch::NoRoute,
+        }
+    }
+}
+
+/// `/orders` matches `/orders` and `/orders/1` but not `/ordersx`; `/orders/` matches only below.
+fn prefix_matches(prefix: &str, path: &str) -> bool {
+    path.starts_with(prefix)
+        && (prefix.ends_with('/')
+            || path.len() == prefix.len()
+            || path.as_bytes().get(prefix.len()) == Some(&b'/'))
+}
+
+// === Validating conversion ===
+
+impl FileConfig {
+    fn into_config(self, source_hash: String) -> Result<Config, ConfigError> {
+        let listen = socket_addr("listen", &self.listen)?;
+        let threads = int_in_range("threads", self.threads, 1, 256)?;
+        let request_body_timeout =
+            positive_duration("request_body_timeout".into(), &self.request_body_timeout)?;
+
+        let shutdown = ShutdownConfig {
+            grace_period: duration("shutdown.grace_period".into(), &self.shutdown.grace_period)?,
+            graceful_shutdown_timeout: duration(
+                "shutdown.graceful_shutdown_timeout".into(),
+                &self.shutdown.graceful_shutdown_timeout,
+            )?,
+        };
+
+        let admin = AdminConfig {
+            listen: socket_addr("admin.listen", &self.admin.listen)?,
+        };
+        if listeners_overlap(listen, admin.listen) {
+            return Err(invalid(
+                "admin.listen",
+                format!("{} overlaps the proxy listener {listen}", admin.listen),
+            ));
+        }
+
+        if self.upstreams.is_empty() {
+            return Err(invalid("upstreams", "at least one upstream is required"));
+        }
+        // BTreeMap iteration is sorted by name, which `upstream_index` relies on.
+        let upstreams = self
+            .upstreams
+            .into_iter()
+            .map(|(name, upstream)| upstream.into_config(name))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        let default_upstream =
+            match &self.default_upstream {
+                Some(name) => Some(upstream_index(&upstreams, name).ok_or_else(|| {
+                    invalid("default_upstream", unknown_upstream(name, &upstreams))
+                })?),
+                None if upstreams.len() == 1 => Some(0),
+                None => None,
+            };
+
+        let idempotency = self.idempotency.into_config()?;
+        let store = self.store.into_config()?;
+
+        let mut routes: Vec<Route> = Vec::with_capacity(self.routes.len());
+        for (i, file_route) in self.routes.into_iter().enumerate() {
+            let route = file_route.into_config(&format!("routes[{i}]"), &upstreams)?;
+            if let Some(k) = routes.iter().position(|r| r.name == route.name) {
+                return Err(invalid(
+                    format!("routes[{i}].name"),
+                    format!("duplicate route name {:?} (also routes[{k}])", route.name),
+                ));
+            }
+            routes.push(route);
+        }
+
+        Ok(Config {
+            listen,
+            threads,
+            request_body_timeout,
+            shutdown,
+            admin,
+            upstreams,
+            default_upstream,
+            idempotency,
+            store,
+            routes,
+            source_hash,
+        })
+    }
+}
+
+impl FileUpstream {
+    fn into_config(self, name: String) -> Result<UpstreamConfig, ConfigError> {
+        if name.is_empty() {
+            return Err(invalid("upstreams", "upstream names must not be empty"));
+        }
+        let base = format!("upstreams.{name}");
+        if self.addrs.is_empty() {
+            return Err(invalid(
+                format!("{base}.addrs"),
+                "at least one address (host:port) is required",
+            ));
+        }
+        for (j, addr) in self.addrs.iter().enumerate() {
+            resolves(format!("{base}.addrs[{j}]"), addr)?;
+        }
+        Ok(UpstreamConfig {
+            connect_timeout: positive_duration(
+                format!("{base}.connect_timeout"),
+                &self.connect_timeout,
+            )?,
+            read_timeout: positive_duration(format!("{base}.read_timeout"), &self.read_timeout)?,
+            write_timeout: positive_duration(format!("{base}.write_timeout"), &self.write_timeout)?,
+            // Zero is allowed: it means idle connections are not kept.
+            idle_timeout: duration(format!("{base}.idle_timeout"), &self.idle_timeout)?,
+            addrs: self.addrs,
+            name,
+        })
+    }
+}
+
+impl FileIdempotency {
+    fn into_config(self) -> Result<GlobalIdempotency, ConfigError> {
+        let key_header = header_name("idempotency.key_header".into(), &self.key_header)?;
+        let tenant_header = header_name("idempotency.tenant_header".into(), &self.tenant_header)?;
+        if key_header == tenant_header {
+            return Err(invalid(
+                "idempotency.tenant_header",
+                format!("must differ from key_header ({key_header})"),
+            ));
+        }
+        if !is_valid_tenant(&self.default_tenant) {
+            return Err(invalid(
+                "idempotency.default_tenant",
+                format!(
+                    "invalid tenant {:?} (1-128 characters of A-Z a-z 0-9 . _ : -)",
+                    self.default_tenant
+                ),
+            ));
+        }
+        let worker_id = self
+            .worker_id
+            .map(|id| int_in_range("idempotency.worker_id", id, 0, 1023))
+            .transpose()?;
+        Ok(GlobalIdempotency {
+            key_header,
+            tenant_header,
+            default_tenant: self.default_tenant,
+            worker_id,
+        })
+    }
+}
+
+impl FileStore {
+    fn into_config(self) -> Result<StoreConfig, ConfigError> {
+        let capacity = byte_size("store.memory.capacity".into(), &self.memory.capacity)?;
+        let memory = MemoryStoreConfig {
+            capacity_bytes: bytes_in_range("store.memory.capacity".into(), capacity, 1, u64::MAX)?,
+            shards: int_in_range("store.memory.shards", self.memory.shards, 1, 4096)?,
+        };
+        let redis = self.redis.map(FileRedis::into_config).transpose()?;
+        if self.backend == StoreBackend::Redis {
+            return Err(invalid(
+                "store.backend",
+                "redis is not available in this version yet; use memory",
+            ));
+        }
+        Ok(StoreConfig {
+            backend: self.backend,
+            memory,
+            redis,
+            on_unavailable: self.on_unavailable,
+        })
+    }
+}
+
+impl FileRedis {
+    fn into_config(self) -> Result<RedisConfig, ConfigError> {
+        let rest = REDIS_SCHEMES
+            .iter()
+            .find_map(|scheme| self.url.strip_prefix(scheme));
+        match rest {
+            Some(rest) if !rest.is_empty() => {}
+            Some(_) => return Err(invalid("store.redis.url", "the URL has no host")),
+            None => {
+                // Only the scheme is echoed: the rest may carry a password.
+                let scheme = self.url.split_once("://").map_or("", |(s, _)| s);
+                return Err(invalid(
+                    "store.redis.url",
+                    format!(
+                        "unsupported scheme {scheme:?} (use redis://, rediss:// or redis+sentinel://)"
+                    ),
+                ));
+            }
+        }
+        // Braces would break the `{tenant:hash}` Redis Cluster hash tag that follows the prefix.
+        if self.key_prefix.is_empty()
+            || self
+                .key_prefix
+                .chars()
+                .any(|c| c == '{' || c == '}' || c.is_whitespace() || c.is_control())
+        {
+            return Err(invalid(
+                "store.redis.key_prefix",
+                format!(
+                    "invalid key prefix {:?} (non-empty, no braces or whitespace)",
+                    self.key_prefix
+                ),
+            ));
+        }
+        Ok(RedisConfig {
+            url: self.url,
+            key_prefix: self.key_prefix,
+        })
+    }
+}
+
+impl FileRoute {
+    fn into_config(self, base: &str, upstreams: &[UpstreamConfig]) -> Result<Route, ConfigError> {
+        if self.name.trim().is_empty() {
+            return Err(invalid(format!("{base}.name"), "must not be empty"));
+        }
+
+        let mut methods: Vec<Method> = Vec::with_capacity(self.methods.len());
+        for (j, raw) in self.methods.iter().enumerate() {
+            let method = Method::from_bytes(raw.to_ascii_uppercase().as_bytes()).map_err(|_| {
+                invalid(
+                    format!("{base}.methods[{j}]"),
+                    format!("invalid HTTP method {raw:?}"),
+                )
+            })?;
+            if !methods.contains(&method) {
+                methods.push(method);
+            }
+        }
+
+        if !self.path_prefix.starts_with('/') {
+            return Err(invalid(
+                format!("{base}.path_prefix"),
+                format!("{:?} must start with \"/\"", self.path_prefix),
+            ));
+        }
+        // The prefix is compared with the request path alone, so these could never match.
+        if self
+            .path_prefix
+            .chars()
+            .any(|c| c == '?' || c == '#' || c.is_whitespace() || c.is_control())
+        {
+            return Err(invalid(
+                format!("{base}.path_prefix"),
+                format!(
+                    "{:?} must be a plain path (no query, fragment or whitespace)",
+                    self.path_prefix
+                ),
+            ));
+        }
+
+        let upstream = upstream_index(upstreams, &self.upstream).ok_or_else(|| {
+            invalid(
+                format!("{base}.upstream"),
+                unknown_upstream(&self.upstream, upstreams),
+            )
+        })?;
+
+        let idempotency = match self.idempotency {
+            Some(file) => {
+                Some(file.into_config(&format!("{base}.idempotency"), upstreams.get(upstream))?)
+            }
+            None => None,
+        };
+
+        Ok(Route {
+            name: self.name,
+            methods,
+            path_prefix: self.path_prefix,
+            upstream,
+            idempotency,
+        })
+    }
+}
+
+impl FileRouteIdempotency {
+    fn into_config(
+        self,
+        base: &str,
+        upstream: Option<&UpstreamConfig>,
+    ) -> Result<RouteIdempotency, ConfigError> {
+        let ttl = positive_duration(format!("{base}.ttl"), &self.ttl)?;
+        let lock_ttl = positive_duration(format!("{base}.lock_ttl"), &self.lock_ttl)?;
+        if lock_ttl > ttl {
+            return Err(invalid(
+                format!("{base}.lock_ttl"),
+                format!(
+                    "{} is longer than ttl ({}); a claim must not outlive its record",
+                    fmt_duration(lock_ttl),
+                    fmt_duration(ttl)
+                ),
+            ));
+        }
+        if let Some(upstream) = upstream {
+            let execution = upstream
+                .connect_timeout
+                .saturating_add(upstream.read_timeout);
+            if lock_ttl <= execution {
+                return Err(invalid(
+                    format!("{base}.lock_ttl"),
+                    format!(
+                        "{} must be longer than upstream {:?} connect_timeout + read_timeout ({}); \
+                         otherwise a slow execution loses its lock and a retry could execute again",
+                        fmt_duration(lock_ttl),
+                        upstream.name,
+                        fmt_duration(execution)
+                    ),
+                ));
+            }
+        }
+        let wait_timeout = positive_duration(format!("{base}.wait_timeout"), &self.wait_timeout)?;
+
+        let fingerprint_headers = header_list(
+            &format!("{base}.fingerprint.headers"),
+            &self.fingerprint.headers,
+        )?;
+        let scope_headers = header_list(&format!("{base}.scope_headers"), &self.scope_headers)?;
+        let replay_exclude_headers = header_list(
+            &format!("{base}.replay_exclude_headers"),
+            &self.replay_exclude_headers,
+        )?;
+        let cache_statuses =
+            StatusSet::from_entries(&format!("{base}.cache_statuses"), &self.cache_statuses)?;
+
+        let max_request_bytes = {
+            let field = format!("{base}.max_request_bytes");
+            let bytes = byte_size(field.clone(), &self.max_request_bytes)?;
+            bytes_in_range(field, bytes, 1, MAX_BODY_BYTES)?
+        };
+        let max_response_bytes = {
+            let field = format!("{base}.max_response_bytes");
+            let bytes = byte_size(field.clone(), &self.max_response_bytes)?;
+            bytes_in_range(field, bytes, 1, MAX_BODY_BYTES)?
+        };
+
+        Ok(RouteIdempotency {
+            key: self.key,
+            ttl,
+            lock_ttl,
+            on_in_flight: self.on_in_flight,
+            wait_timeout,
+            fingerprint_body: self.fingerprint.body,
+            fingerprint_headers,
+            scope_headers,
+            cache_statuses,
+            replay_exclude_headers,
+            max_request_bytes,
+            max_response_bytes,
+        })
+    }
+}
+
+// === Field validators ===
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+fn socket_addr(field: &str, raw: &str) -> Result<SocketAddr, ConfigError> {
+    raw.parse().map_err(|_| {
+        invalid(
+            field,
+            format!("invalid socket address {raw:?} (use e.g. 0.0.0.0:6180 or [::]:6180)"),
+        )
+    })
+}
+
+/// Whether binding both addresses would collide (port 0 picks a free port, so never).
+fn listeners_overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() != 0
+        && a.port() == b.port()
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+fn int_in_range<T: TryFrom<i64>>(
+    field: &str,
+    value: i64,
+    min: i64,
+    max: i64,
+) -> Result<T, ConfigError> {
+    if !(min..=max).contains(&value) {
+        return Err(invalid(
+            field,
+            format!("{value} is out of range ({min}..={max})"),
+        ));
+    }
+    T::try_from(value).map_err(|_| invalid(field, format!("{value} is out of range")))
+}
+
+fn resolves(field: String, addr: &str) -> Result<(), ConfigError> {
+    match addr.to_socket_addrs() {
+        Ok(mut resolved) => match resolved.next() {
+            Some(_) => Ok(()),
+            None => Err(invalid(field, format!("{addr:?} resolves to no address"))),
+        },
+        Err(e) => Err(invalid(
+            field,
+            format!("cannot resolve {addr:?} as host:port: {e}"),
+        )),
+    }
+}
+
+fn duration(field: String, raw: &Scalar) -> Result<Duration, ConfigError> {
+    parse_duration(raw).map_err(|message| invalid(field, message))
+}
+
+fn positive_duration(field: String, raw: &Scalar) -> Result<Duration, ConfigError> {
+    let value = parse_duration(raw).map_err(|message| invalid(field.clone(), message))?;
+    if value.is_zero() {
+        return Err(invalid(field, "must be greater than zero"));
+    }
+    Ok(value)
+}
+
+fn byte_size(field: String, raw: &Scalar) -> Result<u64, ConfigError> {
+    parse_byte_size(raw).map_err(|message| invalid(field, message))
+}
+
+fn bytes_in_range(field: String, value: u64, min: u64, max: u64) -> Result<usize, ConfigError> {
+    if value < min || value > max {
+        return Err(invalid(
+            field,
+            format!("{value} bytes is out of range ({min}..={max})"),
+        ));
+    }
+    usize::try_from(value).map_err(|_| invalid(field, format!("{value} bytes is too large")))
+}
+
+fn header_name(field: String, raw: &str) -> Result<HeaderName, ConfigError> {
+    // `from_bytes` lower-cases, which is how the proxy compares names.
+    HeaderName::from_bytes(raw.as_bytes())
+        .map_err(|_| invalid(field, format!("invalid header name {raw:?}")))
+}
+
+/// Header lists are sorted and deduplicated: scope and fingerprint headers feed hashes, and
+/// reordering the list in an edit must not turn every stored key into a new one.
+fn header_list(field: &str, raw: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
+    let mut names = raw
+        .iter()
+        .enumerate()
+        .map(|(j, name)| header_name(format!("{field}[{j}]"), name))
+        .collect::<Result<Vec<_>, _>>()?;
+    names.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    names.dedup();
+    Ok(names)
+}
+
+fn upstream_index(upstreams: &[UpstreamConfig], name: &str) -> Option<usize> {
+    upstreams
+        .binary_search_by(|u| u.name.as_str().cmp(name))
+        .ok()
+}
+
+fn unknown_upstream(name: &str, upstreams: &[UpstreamConfig]) -> String {
+    let known: Vec<&str> = upstreams.iter().map(|u| u.name.as_str()).collect();
+    format!("unknown upstream {name:?} (defined: {})", known.join(", "))
+}
+
+/// The tenant rule from the spec: 1-128 characters of `[A-Za-z0-9._:-]`.
+fn is_valid_tenant(tenant: &str) -> bool {
+    (1..=128).contains(&tenant.len())
+        && tenant
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+// === Scalar syntaxes ===
+
+/// Parses `250ms`, `30s`, `5m`, `24h`, `7d` and compounds such as `1h30m`. A bare number is
+/// refused rather than guessed at: `ttl: 30` could mean seconds or milliseconds.
+fn parse_duration(raw: &Scalar) -> Result<Duration, String> {
+    let unit_required = || format!("invalid duration {raw}: a unit is required ({DURATION_HINT})");
+    let text = match raw {
+        Scalar::Text(s) => s.trim(),
+        Scalar::Int(_) | Scalar::Float(_) => return Err(unit_required()),
+    };
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(unit_required());
+    }
+    parse_duration_text(text).ok_or_else(|| format!("invalid duration {raw} ({DURATION_HINT})"))
+}
+
+fn parse_duration_text(text: &str) -> Option<Duration> {
+    if text.is_empty() {
+        return None;
+    }
+    let mut rest = text;
+    let mut total_ms: u64 = 0;
+    while !rest.is_empty() {
+        // Both runs are ASCII, so the byte counts are char boundaries.
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            return None;
+        }
+        let value: u64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let letters = rest.bytes().take_while(u8::is_ascii_alphabetic).count();
+        let unit_ms: u64 = match &rest[..letters] {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => return None,
+        };
+        rest = &rest[letters..];
+        total_ms = total_ms.checked_add(value.checked_mul(unit_ms)?)?;
+    }
+    Some(Duration::from_millis(total_ms))
+}
+
+/// Formats a duration in the config's own syntax, for error messages.
+fn fmt_duration(d: Duration) -> String {
+    const UNITS: [(&str, u128); 5] = [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+        ("ms", 1),
+    ];
+    let mut ms = d.as_millis();
+    if ms == 0 {
+        return "0s".to_owned();
+    }
+    let mut out = String::new();
+    for (unit, size) in UNITS {
+        if ms >= size {
+            out.push_str(&format!("{}{unit}", ms / size));
+            ms %= size;
+        }
+    }
+    out
+}
+
+/// Parses an integer byte count or a string such as `512KiB`, `256 MiB`, `1GB`.
+fn parse_byte_size(raw: &Scalar) -> Result<u64, String> {
+    let bad = || format!("invalid byte size {raw} ({BYTES_HINT})");
+    let text = match raw {
+        Scalar::Int(n) => return u64::try_from(*n).map_err(|_| bad()),
+        Scalar::Float(_) => return Err(bad()),
+        Scalar::Text(s) => s.trim(),
+    };
+    let digits = text.bytes().take_while(u8::is_ascii_digit).count();
+    if digits == 0 {
+        return Err(bad());
+    }
+    let value: u64 = text[..digits].parse().map_err(|_| bad())?;
+    let unit: u64 = match text[digits..].trim_start() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    value.checked_mul(unit).ok_or_else(bad)
+}
+
+// === impl StatusSet ===
+
+/// One bit per status code 0..640.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+struct StatusBits([u64; 10]);
+
+impl StatusBits {
+    fn get(&self, status: u16) -> bool {
+        self.0
+            .get(usize::from(status / 64))
+            .is_some_and(|word| word & (1 << (status % 64)) != 0)
+    }
+
+    fn set(&mut self, status: u16) {
+        if let Some(word) = self.0.get_mut(usize::from(status / 64)) {
+            *word |= 1 << (status % 64);
+        }
+    }
+}
+
+enum StatusEntry {
+    Class(u16),
+    Exact(u16),
+    Exclude(u16),
+}
+
+impl StatusSet {
+    /// Whether a response with this status is stored for replay.
+    pub fn contains(&self, status: u16) -> bool {
+        if self.exact.get(status) {
+            return true;
+        }
+        if self.excluded.get(status) {
+            return false;
+        }
+        // Timeouts and rate limits say "try again", so a class alone never makes them final.
+        if status == 408 || status == 429 {
+            return false;
+        }
+        let class = status / 100;
+        (2..=5).contains(&class) && self.classes & (1 << class) != 0
+    }
+
+    fn from_entries(field: &str, entries: &[Scalar]) -> Result<StatusSet, ConfigError> {
+        let mut set = StatusSet {
+            classes: 0,
+            exact: StatusBits::default(),
+            excluded: StatusBits::default(),
+        };
+        for (j, raw) in entries.iter().enumerate() {
+            let entry_field = || format!("{field}[{j}]");
+            let (code, listed, other) =
+                match parse_status_entry(raw).map_err(|message| invalid(entry_field(), message))? {
+                    StatusEntry::Class(class) => {
+                        set.classes |= 1 << class;
+                        continue;
+                    }
+                    StatusEntry::Exact(code) => (code, &mut set.exact, &set.excluded),
+                    StatusEntry::Exclude(code) => (code, &mut set.excluded, &set.exact),
+                };
+            if other.get(code) {
+                return Err(invalid(
+                    entry_field(),
+                    format!("{code} is both listed and excluded"),
+                ));
+            }
+            listed.set(code);
+        }
+        Ok(set)
+    }
+}
+
+fn parse_status_entry(raw: &Scalar) -> Result<StatusEntry, String> {
+    let bad = || format!("invalid status {raw} ({STATUS_HINT})");
+    let text = match raw {
+        Scalar::Int(n) => return status_code(*n).map(StatusEntry::Exact),
+        Scalar::Float(_) => return Err(bad()),
+        Scalar::Text(s) => s.trim(),
+    };
+    let code_of = |digits: &str| -> Result<u16, String> {
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let n: i128 = digits.parse().map_err(|_| bad())?;
+        status_code(n)
+    };
+    if let Some(code) = text.strip_prefix('!') {
+        return code_of(code.trim_start()).map(StatusEntry::Exclude);
+    }
+    let bytes = text.as_bytes();
+    if bytes.len() == 3 && bytes[1..].eq_ignore_ascii_case(b"xx") {
+        return match bytes[0] {
+            b'1' => Err(informational()),
+            b @ b'2'..=b'5' => Ok(StatusEntry::Class(u16::from(b - b'0'))),
+            _ => Err(bad()),
+        };
+    }
+    code_of(text).map(StatusEntry::Exact)
+}
+
+fn status_code(n: i128) -> Result<u16, String> {
+    if !(100..=599).contains(&n) {
+        return Err(format!("{n} is not an HTTP status code (100-599)"));
+    }
+    if n < 200 {
+        return Err(informational());
+    }
+    u16::try_from(n).map_err(|_| format!("{n} is not an HTTP status code (100-599)"))
+}
+
+fn informational() -> String {
+    "1xx responses are informational and never final, so they cannot be cached".to_owned()
+}
+
+impl Default for StatusSet {
+    /// `["2xx", "4xx"]`, the file default.
+    fn default() -> Self {
+        StatusSet {
+            classes: (1 << 2) | (1 << 4),
+            exact: StatusBits::default(),
+            excluded: StatusBits::default(),
+        }
+    }
+}
+
+impl fmt::Debug for StatusSet {
+    /// Lists the entries in file syntax, e.g. `StatusSet["2xx", "4xx", "201", "!404"]`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let classes = (2..=5u16)
+            .filter(|class| self.classes & (1 << class) != 0)
+            .map(|class| format!("{class}xx"));
+        let exact = (100..=599u16)
+            .filter(|&code| self.exact.get(code))
+            .map(|code| code.to_string());
+        let excluded = (100..=599u16)
+            .filter(|&code| self.excluded.get(code))
+            .map(|code| format!("!{code}"));
+        f.write_str("StatusSet")?;
+        f.debug_list()
+            .entries(classes.chain(exact).chain(excluded))
+            .finish()
+    }
+}
+
+// === impl RedisConfig ===
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &redact_url(&self.url))
+            .field("key_prefix", &self.key_prefix)
+            .finish()
+    }
+}
+
+/// Replaces the `user:pass@` part of a URL with `***@`.
+fn redact_url(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => format!("{scheme}://***{}", &rest[at..]),
+                None => url.to_owned(),
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
+// === impl ConfigError ===
+
+impl ConfigError {
+    /// The path of the offending field, when the error is about one value.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { field, .. } => Some(field),
+            ConfigError::Io { .. } | ConfigError::Parse(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REFERENCE: &str = include_str!("../config/idemgate.yaml");
+
+    const MINIMAL: &str = r#"
+upstreams:
+  orders:
+    addrs: ["127.0.0.1:8080"]
+routes:
+  - name: orders
+    path_prefix: /
+    upstream: orders
+    idempotency: {}
+"#;
+
+    fn load(text: &str) -> Config {
+        match Config::from_yaml_str(text) {
+            Ok(config) => config,
+            Err(e) => panic!("config should load: {e}"),
+        }
+    }
+
+    fn load_err(text: &str) -> ConfigError {
+        match Config::from_yaml_str(text) {
+            Ok(config) => panic!("config should be rejected: {config:?}"),
+            Err(e) => e,
+        }
+    }
+
+    /// The minimal config with `extra` appended under the route's idempotency block.
+    fn with_route_idempotency(extra: &str) -> String {
+        format!(
+            "upstreams:\n  orders:\n    addrs: [\"127.0.0.1:8080\"]\nroutes:\n  - name: orders\n    path_prefix: /\n    upstream: orders\n    idempotency:\n{}",
+            indent(extra, 6)
+        )
+    }
+
+    fn indent(text: &str, by: usize) -> String {
+        text.lines()
+            .map(|line| format!("{}{line}\n", " ".repeat(by)))
+            .collect()
+    }
+
+    /// Asserts the error is `Invalid` for `field` and returns its full message.
+    fn assert_field(text: &str, field: &str) -> String {
+        let err = load_err(text);
+        assert_eq!(err.field(), Some(field), "wrong field in: {err}");
+        err.to_string()
+    }
+
+    fn text(s: &str) -> Scalar {
+        Scalar::text(s)
+    }
+
+    fn secs(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    fn header(name: &'static str) -> HeaderName {
+        HeaderName::from_static(name)
+    }
+
+    // === whole configs ===
+
+    #[test]
+    fn reference_config_loads() {
+        let config = load(REFERENCE);
+        assert_eq!(config.listen, "0.0.0.0:6180".parse().unwrap());
+        assert_eq!(config.upstreams.len(), 2);
+        assert_eq!(config.upstreams[0].name, "orders");
+        assert_eq!(config.upstreams[1].name, "payments");
+        assert_eq!(config.default_upstream, Some(0));
+        assert_eq!(config.routes.len(), 3);
+        assert_eq!(config.routes[0].upstream, 1);
+        let payments = config.routes[0].idempotency.as_ref().unwrap();
+        assert_eq!(payments.on_in_flight, OnInFlight::Wait);
+        assert!(!payments.cache_statuses.contains(404));
+        assert!(payments.cache_statuses.contains(409));
+        assert!(config.routes[1].idempotency.is_none());
+        assert_eq!(
+            config.store.redis.as_ref().map(|r| r.key_prefix.as_str()),
+            Some("idemgate")
+        );
+        // The explicit values written in the reference are the defaults.
+        let orders = config.routes[2].idempotency.as_ref().unwrap();
+        let minimal = load(MINIMAL);
+        assert_eq!(orders, minimal.routes[0].idempotency.as_ref().unwrap());
+        assert_eq!(config.idempotency, minimal.idempotency);
+        assert_eq!(config.shutdown, minimal.shutdown);
+        assert_eq!(config.admin, minimal.admin);
+        assert_eq!(config.store.memory, minimal.store.memory);
+        assert_eq!(config.upstreams[0], minimal.upstreams[0]);
+        assert_eq!(
+            (config.threads, config.request_body_timeout),
+            (minimal.threads, minimal.request_body_timeout)
+        );
+    }
+
+    #[test]
+    fn reference_config_routes() {
+        let config = load(REFERENCE);
+        assert_eq!(
+            config.match_route(&Method::POST, "/payments/1"),
+            RouteMatch::Idempotent(0)
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/orders/search"),
+            RouteMatch::Forward {
+                route: Some(1),
+                upstream: 0
+            }
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/orders"),
+            RouteMatch::Idempotent(2)
+        );
+        assert_eq!(
+            config.match_route(&Method::GET, "/orders/1"),
+            RouteMatch::Forward {
+                route: Some(2),
+                upstream: 0
+            }
+        );
+    }
+
+    #[test]
+    fn minimal_config_gets_every_default() {
+        let config = load(MINIMAL);
+        assert_eq!(config.listen, "0.0.0.0:6180".parse().unwrap());
+        assert_eq!(config.threads, 2);
+        assert_eq!(config.request_body_timeout, secs(10));
+        assert_eq!(
+            config.shutdown,
+            ShutdownConfig {
+                grace_period: secs(20),
+                graceful_shutdown_timeout: secs(5),
+            }
+        );
+        assert_eq!(config.admin.listen, "127.0.0.1:6181".parse().unwrap());
+        assert_eq!(
+            config.upstreams,
+            vec![UpstreamConfig {
+                name: "orders".into(),
+                addrs: vec!["127.0.0.1:8080".into()],
+                connect_timeout: secs(2),
+                read_timeout: secs(20),
+                write_timeout: secs(20),
+                idle_timeout: secs(60),
+            }]
+        );
+        assert_eq!(config.default_upstream, Some(0));
+        assert_eq!(
+            config.idempotency,
+            GlobalIdempotency {
+                key_header: header("idempotency-key"),
+                tenant_header: header("x-tenant-id"),
+                default_tenant: "default".into(),
+                worker_id: None,
+            }
+        );
+        assert_eq!(
+            config.store,
+            StoreConfig {
+                backend: StoreBackend::Memory,
+                memory: MemoryStoreConfig {
+                    capacity_bytes: 256 << 20,
+                    shards: 64,
+                },
+                redis: None,
+                on_unavailable: OnUnavailable::Reject,
+            }
+        );
+        assert_eq!(
+            config.routes,
+            vec![Route {
+                name: "orders".into(),
+                methods: vec![],
+                path_prefix: "/".into(),
+                upstream: 0,
+                idempotency: Some(RouteIdempotency {
+                    key: KeyMode::Required,
+                    ttl: secs(24 * 3600),
+                    lock_ttl: secs(30),
+                    on_in_flight: OnInFlight::Reject,
+                    wait_timeout: secs(5),
+                    fingerprint_body: true,
+                    fingerprint_headers: vec![],
+                    scope_headers: vec![header("authorization")],
+                    cache_statuses: StatusSet::default(),
+                    replay_exclude_headers: vec![header("set-cookie")],
+                    max_request_bytes: 1 << 20,
+                    max_response_bytes: 1 << 20,
+                }),
+            }]
+        );
+        assert_eq!(
+            config.source_hash,
+            hex::encode(Sha256::digest(MINIMAL.as_bytes()))
+        );
+        assert_eq!(config.source_hash.len(), 64);
+    }
+
+    #[test]
+    fn route_without_idempotency_block_is_plain() {
+        let config = load(
+            "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes: [{name: r, path_prefix: /, upstream: a}]\n",
+        );
+        assert_eq!(config.routes[0].idempotency, None);
+    }
+
+    #[test]
+    fn empty_idempotency_block_enables_defaults() {
+        // `idempotency:` with nothing under it is YAML null; it must not disable protection.
+        let config = load(&with_route_idempotency(""));
+        assert_eq!(
+            config.routes[0].idempotency,
+            load(MINIMAL).routes[0].idempotency
+        );
+    }
+
+    #[test]
+    fn empty_routes_list_is_allowed() {
+        let config = load("upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes: []\n");
+        assert!(config.routes.is_empty());
+        assert_eq!(
+            config.match_route(&Method::POST, "/x"),
+            RouteMatch::Forward {
+                route: None,
+                upstream: 0
+            }
+        );
+    }
+
+    #[test]
+    fn load_reads_a_file_and_reports_io_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idemgate.yaml");
+        std::fs::write(&path, MINIMAL).unwrap();
+        assert_eq!(Config::load(&path).unwrap(), load(MINIMAL));
+
+        let missing = dir.path().join("missing.yaml");
+        let err = Config::load(&missing).unwrap_err();
+        assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
+        assert_eq!(err.field(), None);
+        assert!(err.to_string().contains("missing.yaml"), "{err}");
+    }
+
+    #[test]
+    fn source_hash_tracks_the_text() {
+        let a = load(MINIMAL);
+        let b = load(&format!("{MINIMAL}# a comment\n"));
+        assert_ne!(a.source_hash, b.source_hash);
+        assert_eq!(a.routes, b.routes);
+    }
+
+    // === parse errors ===
+
+    #[test]
+    fn unknown_field_is_rejected_by_name() {
+        let err = load_err(&format!("{MINIMAL}lisen: \"0.0.0.0:1\"\n"));
+        assert!(matches!(err, ConfigError::Parse(_)), "{err:?}");
+        assert_eq!(err.field(), None);
+        assert!(err.to_string().contains("lisen"), "{err}");
+
+        let err = load_err(&with_route_idempotency("tll: 1h"));
+        let message = err.to_string();
+        assert!(message.contains("unknown field `tll`"), "{message}");
+        assert!(message.contains("routes[0].idempotency"), "{message}");
+    }
+
+    #[test]
+    fn bad_yaml_reports_the_line() {
+        let err = load_err("upstreams:\n  orders:\n    addrs: [\"127.0.0.1:8080\"\nroutes: []\n");
+        assert!(matches!(err, ConfigError::Parse(_)), "{err:?}");
+        assert!(err.to_string().contains("line"), "{err}");
+    }
+
+    #[test]
+    fn missing_required_keys_are_parse_errors() {
+        let err = load_err("routes: []\n");
+        assert!(err.to_string().contains("upstreams"), "{err}");
+        let err = load_err("upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\n");
+        assert!(err.to_string().contains("routes"), "{err}");
+        let err = load_err("");
+        assert!(matches!(err, ConfigError::Parse(_)), "{err:?}");
+    }
+
+    #[test]
+    fn duplicate_upstream_name_is_rejected() {
+        let err = load_err(
+            "upstreams:\n  a:\n    addrs: [\"127.0.0.1:1\"]\n  a:\n    addrs: [\"127.0.0.1:2\"]\nroutes: []\n",
+        );
+        assert!(err.to_string().contains("duplicate"), "{err}");
+    }
+
+    #[test]
+    fn unknown_enum_value_is_rejected() {
+        let err = load_err(&with_route_idempotency("on_in_flight: queue"));
+        assert!(err.to_string().contains("queue"), "{err}");
+        let err = load_err(&format!("{MINIMAL}store: {{on_unavailable: maybe}}\n"));
+        assert!(err.to_string().contains("maybe"), "{err}");
+    }
+
+    // === validation rules, one field path each ===
+
+    #[test]
+    fn listen_must_be_a_socket_address() {
+        let message = assert_field(&format!("listen: \"localhost\"\n{MINIMAL}"), "listen");
+        assert!(
+            message.starts_with("listen: invalid socket address"),
+            "{message}"
+        );
+        assert_field(
+            &format!("admin: {{listen: \"nope\"}}\n{MINIMAL}"),
+            "admin.listen",
+        );
+    }
+
+    #[test]
+    fn admin_listener_must_not_collide() {
+        assert_field(
+            &format!("listen: \"0.0.0.0:7000\"\nadmin: {{listen: \"127.0.0.1:7000\"}}\n{MINIMAL}"),
+            "admin.listen",
+        );
+        load(&format!(
+            "listen: \"127.0.0.1:0\"\nadmin: {{listen: \"127.0.0.1:0\"}}\n{MINIMAL}"
+        ));
+    }
+
+    #[test]
+    fn threads_range() {
+        assert_field(&format!("threads: 0\n{MINIMAL}"), "threads");
+        assert_field(&format!("threads: 257\n{MINIMAL}"), "threads");
+        assert_eq!(load(&format!("threads: 256\n{MINIMAL}")).threads, 256);
+    }
+
+    #[test]
+    fn top_level_durations() {
+        assert_field(
+            &format!("request_body_timeout: 0s\n{MINIMAL}"),
+            "request_body_timeout",
+        );
+        assert_field(
+            &format!("shutdown: {{grace_period: soon}}\n{MINIMAL}"),
+            "shutdown.grace_period",
+        );
+        assert_field(
+            &format!("shutdown: {{graceful_shutdown_timeout: 5}}\n{MINIMAL}"),
+            "shutdown.graceful_shutdown_timeout",
+        );
+        let config = load(&format!("shutdown: {{grace_period: 0s}}\n{MINIMAL}"));
+        assert_eq!(config.shutdown.grace_period, Duration::ZERO);
+    }
+
+    #[test]
+    fn upstreams_must_not_be_empty() {
+        assert_field("upstreams: {}\nroutes: []\n", "upstreams");
+    }
+
+    #[test]
+    fn upstream_addrs_must_be_present_and_resolve() {
+        let message = assert_field(
+            "upstreams: {orders: {addrs: []}}\nroutes: []\n",
+            "upstreams.orders.addrs",
+        );
+        assert!(message.contains("at least one"), "{message}");
+        assert_field(
+            "upstreams: {orders: {addrs: [\"127.0.0.1:1\", \"127.0.0.1\"]}}\nroutes: []\n",
+            "upstreams.orders.addrs[1]",
+        );
+        assert_field(
+            "upstreams: {orders: {addrs: [\"127.0.0.1:99999\"]}}\nroutes: []\n",
+            "upstreams.orders.addrs[0]",
+        );
+        let config =
+            load("upstreams: {orders: {addrs: [\"[::1]:80\", \"127.0.0.1:80\"]}}\nroutes: []\n");
+        assert_eq!(config.upstreams[0].addrs, vec!["[::1]:80", "127.0.0.1:80"]);
+    }
+
+    #[test]
+    fn upstream_timeouts_must_be_positive() {
+        for key in ["connect_timeout", "read_timeout", "write_timeout"] {
+            assert_field(
+                &format!(
+                    "upstreams: {{orders: {{addrs: [\"127.0.0.1:1\"], {key}: 0s}}}}\nroutes: []\n"
+                ),
+                &format!("upstreams.orders.{key}"),
+            );
+        }
+        let config =
+            load("upstreams: {orders: {addrs: [\"127.0.0.1:1\"], idle_timeout: 0s}}\nroutes: []\n");
+        assert_eq!(config.upstreams[0].idle_timeout, Duration::ZERO);
+    }
+
+    #[test]
+    fn default_upstream_must_exist() {
+        let two = "upstreams:\n  a: {addrs: [\"127.0.0.1:1\"]}\n  b: {addrs: [\"127.0.0.1:2\"]}\nroutes: []\n";
+        let message = assert_field(&format!("default_upstream: c\n{two}"), "default_upstream");
+        assert!(message.contains("defined: a, b"), "{message}");
+        assert_eq!(
+            load(&format!("default_upstream: b\n{two}")).default_upstream,
+            Some(1)
+        );
+        // Two upstreams and no explicit default: unmatched requests have nowhere to go.
+        assert_eq!(load(two).default_upstream, None);
+    }
+
+    #[test]
+    fn upstreams_are_sorted_and_routes_point_at_them() {
+        let config = load(
+            "upstreams:\n  zeta: {addrs: [\"127.0.0.1:1\"]}\n  alpha: {addrs: [\"127.0.0.1:2\"]}\nroutes:\n  - {name: z, path_prefix: /z, upstream: zeta}\n  - {name: a, path_prefix: /a, upstream: alpha}\n",
+        );
+        let names: Vec<&str> = config.upstreams.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(names, ["alpha", "zeta"]);
+        assert_eq!(config.routes[0].upstream, 1);
+        assert_eq!(config.routes[1].upstream, 0);
+    }
+
+    #[test]
+    fn global_idempotency_headers() {
+        assert_field(
+            &format!("idempotency: {{key_header: \"Idempotency Key\"}}\n{MINIMAL}"),
+            "idempotency.key_header",
+        );
+        assert_field(
+            &format!("idempotency: {{tenant_header: \"\"}}\n{MINIMAL}"),
+            "idempotency.tenant_header",
+        );
+        assert_field(
+            &format!("idempotency: {{tenant_header: idempotency-KEY}}\n{MINIMAL}"),
+            "idempotency.tenant_header",
+        );
+        let config = load(&format!(
+            "idempotency: {{key_header: X-Request-Key, tenant_header: X-Org}}\n{MINIMAL}"
+        ));
+        assert_eq!(config.idempotency.key_header, header("x-request-key"));
+        assert_eq!(config.idempotency.tenant_header, header("x-org"));
+    }
+
+    #[test]
+    fn default_tenant_follows_the_tenant_rule() {
+        let long = "a".repeat(129);
+        for bad in ["\"\"", "\"two words\"", "\"caf\u{e9}\"", long.as_str()] {
+            assert_field(
+                &format!("idempotency: {{default_tenant: {bad}}}\n{MINIMAL}"),
+                "idempotency.default_tenant",
+            );
+        }
+        let ok = "a".repeat(128);
+        load(&format!("idempotency: {{default_tenant: {ok}}}\n{MINIMAL}"));
+        let config = load(&format!(
+            "idempotency: {{default_tenant: \"Org_1.eu:prod-2\"}}\n{MINIMAL}"
+        ));
+        assert_eq!(config.idempotency.default_tenant, "Org_1.eu:prod-2");
+    }
+
+    #[test]
+    fn worker_id_range() {
+        assert_field(
+            &format!("idempotency: {{worker_id: 1024}}\n{MINIMAL}"),
+            "idempotency.worker_id",
+        );
+        assert_field(
+            &format!("idempotency: {{worker_id: -1}}\n{MINIMAL}"),
+            "idempotency.worker_id",
+        );
+        let config = load(&format!("idempotency: {{worker_id: 1023}}\n{MINIMAL}"));
+        assert_eq!(config.idempotency.worker_id, Some(1023));
+    }
+
+    #[test]
+    fn redis_backend_is_not_available_yet() {
+        let err = load_err(&format!("store: {{backend: redis}}\n{MINIMAL}"));
+        assert_eq!(err.field(), Some("store.backend"));
+        assert_eq!(
+            err.to_string(),
+            "store.backend: redis is not available in this version yet; use memory"
+        );
+    }
+
+    #[test]
+    fn redis_url_scheme_and_prefix() {
+        let message = assert_field(
+            &format!("store: {{redis: {{url: \"http://user:secret@host:6379\"}}}}\n{MINIMAL}"),
+            "store.redis.url",
+        );
+        assert!(!message.contains("secret"), "{message}");
+        assert_field(
+            &format!("store: {{redis: {{url: \"redis://\"}}}}\n{MINIMAL}"),
+            "store.redis.url",
+        );
+        assert_field(
+            &format!("store: {{redis: {{key_prefix: \"a{{b}}\"}}}}\n{MINIMAL}"),
+            "store.redis.key_prefix",
+        );
+        for url in [
+            "redis://127.0.0.1:6379",
+            "rediss://user:pass@cache:6380/0",
+            "redis+sentinel://sentinel:26379/mymaster",
+        ] {
+            let config = load(&format!("store: {{redis: {{url: \"{url}\"}}}}\n{MINIMAL}"));
+            let redis = config.store.redis.unwrap();
+            assert_eq!(redis.url, url);
+            assert_eq!(redis.key_prefix, "idemgate");
+        }
+        let config = load(&format!("store: {{redis: {{}}}}\n{MINIMAL}"));
+        assert_eq!(config.store.redis.unwrap().url, "redis://127.0.0.1:6379");
+    }
+
+    #[test]
+    fn redis_debug_hides_the_password() {
+        let redis = RedisConfig {
+            url: "rediss://user:secret@cache:6380/0".into(),
+            key_prefix: "p".into(),
+        };
+        let debug = format!("{redis:?}");
+        assert!(!debug.contains("secret"), "{debug}");
+        assert!(debug.contains("rediss://***@cache:6380/0"), "{debug}");
+    }
+
+    #[test]
+    fn memory_store_settings() {
+        assert_field(
+            &format!("store: {{memory: {{capacity: 0}}}}\n{MINIMAL}"),
+            "store.memory.capacity",
+        );
+        assert_field(
+            &format!("store: {{memory: {{capacity: lots}}}}\n{MINIMAL}"),
+            "store.memory.capacity",
+        );
+        assert_field(
+            &format!("store: {{memory: {{shards: 0}}}}\n{MINIMAL}"),
+            "store.memory.shards",
+        );
+        assert_field(
+            &format!("store: {{memory: {{shards: 4097}}}}\n{MINIMAL}"),
+            "store.memory.shards",
+        );
+        let config = load(&format!(
+            "store: {{memory: {{capacity: 1GB, shards: 3}}, on_unavailable: local}}\n{MINIMAL}"
+        ));
+        assert_eq!(config.store.memory.capacity_bytes, 1_000_000_000);
+        assert_eq!(config.store.memory.shards, 3);
+        assert_eq!(config.store.on_unavailable, OnUnavailable::Local);
+    }
+
+    #[test]
+    fn route_names_are_required_and_unique() {
+        let base = "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n";
+        assert_field(
+            &format!("{base}  - {{name: \"\", path_prefix: /, upstream: a}}\n"),
+            "routes[0].name",
+        );
+        let message = assert_field(
+            &format!(
+                "{base}  - {{name: r, path_prefix: /x, upstream: a}}\n  - {{name: r, path_prefix: /y, upstream: a}}\n"
+            ),
+            "routes[1].name",
+        );
+        assert!(message.contains("routes[0]"), "{message}");
+    }
+
+    #[test]
+    fn route_methods_are_normalized_and_checked() {
+        let base = "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n";
+        let config = load(&format!(
+            "{base}  - {{name: r, path_prefix: /, upstream: a, methods: [post, Put, POST, purge]}}\n"
+        ));
+        assert_eq!(
+            config.routes[0].methods,
+            vec![
+                Method::POST,
+                Method::PUT,
+                Method::from_bytes(b"PURGE").unwrap()
+            ]
+        );
+        assert_field(
+            &format!(
+                "{base}  - {{name: r, path_prefix: /, upstream: a, methods: [POST, \"GE T\"]}}\n"
+            ),
+            "routes[0].methods[1]",
+        );
+        assert_field(
+            &format!("{base}  - {{name: r, path_prefix: /, upstream: a, methods: [\"\"]}}\n"),
+            "routes[0].methods[0]",
+        );
+    }
+
+    #[test]
+    fn route_path_prefix_must_be_a_path() {
+        let base = "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n";
+        for bad in ["orders", "\"\"", "\"/orders?x=1\"", "\"/a b\""] {
+            assert_field(
+                &format!("{base}  - {{name: r, path_prefix: {bad}, upstream: a}}\n"),
+                "routes[0].path_prefix",
+            );
+        }
+    }
+
+    #[test]
+    fn route_upstream_must_exist() {
+        let message = assert_field(
+            "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n  - {name: r, path_prefix: /, upstream: b}\n",
+            "routes[0].upstream",
+        );
+        assert!(message.contains("\"b\""), "{message}");
+    }
+
+    #[test]
+    fn ttl_must_be_a_positive_duration() {
+        let message = assert_field(
+            &with_route_idempotency("ttl: 3 parsecs"),
+            "routes[0].idempotency.ttl",
+        );
+        assert_eq!(
+            message,
+            "routes[0].idempotency.ttl: invalid duration \"3 parsecs\" (use e.g. 250ms, 30s, 5m, 24h)"
+        );
+        let message = assert_field(
+            &with_route_idempotency("ttl: 0h"),
+            "routes[0].idempotency.ttl",
+        );
+        assert!(message.contains("greater than zero"), "{message}");
+        let message = assert_field(
+            &with_route_idempotency("ttl: 86400"),
+            "routes[0].idempotency.ttl",
+        );
+        assert!(message.contains("unit is required"), "{message}");
+    }
+
+    #[test]
+    fn lock_ttl_must_not_exceed_ttl() {
+        let message = assert_field(
+            &with_route_idempotency("ttl: 1m\nlock_ttl: 2m"),
+            "routes[0].idempotency.lock_ttl",
+        );
+        assert!(message.contains("longer than ttl"), "{message}");
+        assert_field(
+            &with_route_idempotency("lock_ttl: 0s"),
+            "routes[0].idempotency.lock_ttl",
+        );
+    }
+
+    #[test]
+    fn lock_ttl_must_outlast_the_upstream_timeouts() {
+        // Default connect 2s + read 20s = 22s.
+        let message = assert_field(
+            &with_route_idempotency("lock_ttl: 22s"),
+            "routes[0].idempotency.lock_ttl",
+        );
+        assert!(message.contains("22s"), "{message}");
+        assert!(message.contains("retry could execute again"), "{message}");
+        let config = load(&with_route_idempotency("lock_ttl: 22s1ms"));
+        assert_eq!(
+            config.routes[0].idempotency.as_ref().unwrap().lock_ttl,
+            Duration::from_millis(22_001)
+        );
+        // A slower upstream needs a longer lock.
+        let slow = MINIMAL.replace(
+            "addrs: [\"127.0.0.1:8080\"]",
+            "addrs: [\"127.0.0.1:8080\"]\n    read_timeout: 1m",
+        );
+        assert_field(&slow, "routes[0].idempotency.lock_ttl");
+    }
+
+    #[test]
+    fn wait_timeout_must_be_positive() {
+        assert_field(
+            &with_route_idempotency("wait_timeout: 0ms"),
+            "routes[0].idempotency.wait_timeout",
+        );
+        let config = load(&with_route_idempotency(
+            "on_in_flight: wait\nwait_timeout: 250ms",
+        ));
+        let idem = config.routes[0].idempotency.as_ref().unwrap();
+        assert_eq!(idem.on_in_flight, OnInFlight::Wait);
+        assert_eq!(idem.wait_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn header_lists_are_checked_lowercased_and_sorted() {
+        assert_field(
+            &with_route_idempotency("scope_headers: [Authorization, \"Bad Header\"]"),
+            "routes[0].idempotency.scope_headers[1]",
+        );
+        assert_field(
+            &with_route_idempotency("fingerprint: {headers: [\"x:y\"]}"),
+            "routes[0].idempotency.fingerprint.headers[0]",
+        );
+        assert_field(
+            &with_route_idempotency("replay_exclude_headers: [\"\"]"),
+            "routes[0].idempotency.replay_exclude_headers[0]",
+        );
+        let config = load(&with_route_idempotency(
+            "scope_headers: [X-Api-Key, Authorization, authorization]\nfingerprint: {body: false, headers: [Content-Type]}\nreplay_exclude_headers: [Set-Cookie, X-Trace]\nkey: optional",
+        ));
+        let idem = config.routes[0].idempotency.as_ref().unwrap();
+        assert_eq!(
+            idem.scope_headers,
+            vec![header("authorization"), header("x-api-key")]
+        );
+        assert_eq!(idem.fingerprint_headers, vec![header("content-type")]);
+        assert!(!idem.fingerprint_body);
+        assert_eq!(
+            idem.replay_exclude_headers,
+            vec![header("set-cookie"), header("x-trace")]
+        );
+        assert_eq!(idem.key, KeyMode::Optional);
+    }
+
+    #[test]
+    fn scope_headers_may_be_empty() {
+        let config = load(&with_route_idempotency("scope_headers: []"));
+        assert!(config.routes[0]
+            .idempotency
+            .as_ref()
+            .unwrap()
+            .scope_headers
+            .is_empty());
+    }
+
+    #[test]
+    fn cache_statuses_entries_are_checked() {
+        let field = "routes[0].idempotency.cache_statuses[1]";
+        for bad in [
+            "\"2xy\"", "\"6xx\"", "\"1xx\"", "101", "\"600\"", "\"!abc\"", "2.5", "\"!2xx\"",
+        ] {
+            assert_field(
+                &with_route_idempotency(&format!("cache_statuses: [\"2xx\", {bad}]")),
+                field,
+            );
+        }
+        let message = assert_field(
+            &with_route_idempotency("cache_statuses: [\"2xx\", \"1xx\"]"),
+            field,
+        );
+        assert!(message.contains("never final"), "{message}");
+        let message = assert_field(
+            &with_route_idempotency("cache_statuses: [429, \"!429\"]"),
+            field,
+        );
+        assert!(message.contains("both listed and excluded"), "{message}");
+    }
+
+    #[test]
+    fn cache_statuses_accept_classes_codes_and_exclusions() {
+        let config = load(&with_route_idempotency(
+            "cache_statuses: [\"2XX\", 409, \"429\", \"!201\", \"5xx\"]",
+        ));
+        let set = &config.routes[0]
+            .idempotency
+            .as_ref()
+            .unwrap()
+            .cache_statuses;
+        assert!(set.contains(200));
+        assert!(!set.contains(201));
+        assert!(set.contains(409));
+        assert!(set.contains(429));
+        assert!(!set.contains(404));
+        assert!(set.contains(500));
+        assert_eq!(
+            format!("{set:?}"),
+            r#"StatusSet["2xx", "5xx", "409", "429", "!201"]"#
+        );
+        let empty = load(&with_route_idempotency("cache_statuses: []"));
+        assert!(!empty.routes[0]
+            .idempotency
+            .as_ref()
+            .unwrap()
+            .cache_statuses
+            .contains(200));
+    }
+
+    #[test]
+    fn body_limits() {
+        for key in ["max_request_bytes", "max_response_bytes"] {
+            let field = format!("routes[0].idempotency.{key}");
+            assert_field(&with_route_idempotency(&format!("{key}: 0")), &field);
+            assert_field(&with_route_idempotency(&format!("{key}: 2GiB")), &field);
+            assert_field(&with_route_idempotency(&format!("{key}: 1.5MiB")), &field);
+        }
+        let config = load(&with_route_idempotency(
+            "max_request_bytes: 1GiB\nmax_response_bytes: 64KiB",
+        ));
+        let idem = config.routes[0].idempotency.as_ref().unwrap();
+        assert_eq!(idem.max_request_bytes, 1 << 30);
+        assert_eq!(idem.max_response_bytes, 64 << 10);
+    }
+
+    #[test]
+    fn errors_name_the_right_route_index() {
+        let text = "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n  - {name: one, path_prefix: /one, upstream: a, idempotency: {}}\n  - {name: two, path_prefix: /two, upstream: a, idempotency: {ttl: 3 parsecs}}\n";
+        assert_field(text, "routes[1].idempotency.ttl");
+    }
+
+    // === scalar syntaxes ===
+
+    #[test]
+    fn durations_parse() {
+        let cases = [
+            ("250ms", Duration::from_millis(250)),
+            ("30s", secs(30)),
+            ("5m", secs(300)),
+            ("24h", secs(86_400)),
+            ("7d", secs(7 * 86_400)),
+            ("1h30m", secs(5_400)),
+            ("1m30s500ms", Duration::from_millis(90_500)),
+            (" 10s ", secs(10)),
+            ("0s", Duration::ZERO),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(parse_duration(&text(input)), Ok(expected), "{input}");
+        }
+    }
+
+    #[test]
+    fn durations_reject_bad_input() {
+        for input in [
+            "",
+            "s",
+            "10",
+            "10 s",
+            "1.5s",
+            "-5s",
+            "3 parsecs",
+            "10sec",
+            "5M",
+            "1h30",
+            "99999999999999999999d",
+        ] {
+            let err = parse_duration(&text(input)).unwrap_err();
+            assert!(err.contains(DURATION_HINT), "{input}: {err}");
+        }
+        let err = parse_duration(&Scalar::Int(30)).unwrap_err();
+        assert_eq!(
+            err,
+            "invalid duration 30: a unit is required (use e.g. 250ms, 30s, 5m, 24h)"
+        );
+        assert!(parse_duration(&Scalar::Float(1.5))
+            .unwrap_err()
+            .contains("unit is required"));
+        assert!(parse_duration(&text("30"))
+            .unwrap_err()
+            .contains("unit is required"));
+        assert!(parse_duration(&text("18446744073709551615d")).is_err());
+    }
+
+    #[test]
+    fn durations_format_back() {
+        assert_eq!(fmt_duration(secs(5_400)), "1h30m");
+        assert_eq!(fmt_duration(Duration::from_millis(22_001)), "22s1ms");
+        assert_eq!(fmt_duration(secs(86_400)), "1d");
+        assert_eq!(fmt_duration(Duration::ZERO), "0s");
+    }
+
+    #[test]
+    fn byte_sizes_parse() {
+        let cases = [
+            (Scalar::Int(1_048_576), 1_048_576),
+            (text("1048576"), 1_048_576),
+            (text("512B"), 512),
+            (text("512KiB"), 512 << 10),
+            (text("256MiB"), 256 << 20),
+            (text("256 MiB"), 256 << 20),
+            (text("1GiB"), 1 << 30),
+            (text("2KB"), 2_000),
+            (text("3MB"), 3_000_000),
+            (text("1GB"), 1_000_000_000),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(parse_byte_size(&input), Ok(expected), "{input}");
+        }
+    }
+
+    #[test]
+    fn byte_sizes_reject_bad_input() {
+        for input in [
+            text(""),
+            text("MiB"),
+            text("1.5MiB"),
+            text("10 parsecs"),
+            text("1mib"),
+            text("-1"),
+            text("99999999999GiB"),
+            Scalar::Int(-1),
+            Scalar::Float(1.0),
+        ] {
+            let err = parse_byte_size(&input).unwrap_err();
+            assert!(err.contains(BYTES_HINT), "{input}: {err}");
+        }
+    }
+
+    // === StatusSet ===
+
+    fn status_set(entries: &[&str]) -> StatusSet {
+        let entries: Vec<Scalar> = entries.iter().map(|e| text(e)).collect();
+        StatusSet::from_entries("cache_statuses", &entries).unwrap()
+    }
+
+    #[test]
+    fn default_status_set() {
+        let set = status_set(&["2xx", "4xx"]);
+        assert_eq!(set, StatusSet::default());
+        for cached in [200, 201, 204, 404, 409, 422] {
+            assert!(set.contains(cached), "{cached}");
+        }
+        for not_cached in [100, 302, 304, 408, 429, 500, 503, 0, 99, 600, 999, u16::MAX] {
+            assert!(!set.contains(not_cached), "{not_cached}");
+        }
+    }
+
+    #[test]
+    fn transient_statuses_need_exact_entries() {
+        let set = status_set(&["4xx", "429"]);
+        assert!(set.contains(429));
+        assert!(!set.contains(408));
+        assert!(status_set(&["408"]).contains(408));
+    }
+
+    #[test]
+    fn exact_beats_exclusion_beats_class() {
+        let set = status_set(&["2xx", "!201", "5xx", "!503"]);
+        assert!(set.contains(200));
+        assert!(!set.contains(201));
+        assert!(set.contains(500));
+        assert!(!set.contains(503));
+        let set = status_set(&["!204", "3xx", "302"]);
+        assert!(!set.contains(204));
+        assert!(set.contains(301));
+        assert!(set.contains(302));
+        assert!(status_set(&["201"]).contains(201));
+        assert!(!status_set(&["201"]).contains(200));
+    }
+
+    // === match_route ===
+
+    fn routing_config() -> Config {
+        load(
+            r#"
+upstreams:
+  a: {addrs: ["127.0.0.1:1"]}
+  b: {addrs: ["127.0.0.1:2"]}
+default_upstream: b
+routes:
+  - {name: orders, methods: [POST], path_prefix: /orders, upstream: a, idempotency: {}}
+  - {name: orders-read, methods: [GET], path_prefix: /orders, upstream: b}
+  - {name: pay, methods: [POST, PUT], path_prefix: /pay/, upstream: b, idempotency: {}}
+  - {name: any, path_prefix: /any, upstream: a, idempotency: {}}
+"#,
+        )
+    }
+
+    #[test]
+    fn prefix_matches_on_segment_boundaries() {
+        let config = routing_config();
+        assert_eq!(
+            config.match_route(&Method::POST, "/orders"),
+            RouteMatch::Idempotent(0)
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/orders/1"),
+            RouteMatch::Idempotent(0)
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/ordersx"),
+            RouteMatch::Forward {
+                route: None,
+                upstream: 1
+            }
+        );
+        // A prefix ending in '/' matches only paths below it.
+        assert_eq!(
+            config.match_route(&Method::POST, "/pay/x"),
+            RouteMatch::Idempotent(2)
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/pay/"),
+            RouteMatch::Idempotent(2)
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/pay"),
+            RouteMatch::Forward {
+                route: None,
+                upstream: 1
+            }
+        );
+        assert!(prefix_matches("/", "/anything"));
+        assert!(!prefix_matches("/orders", "/order"));
+    }
+
+    #[test]
+    fn first_route_matching_method_wins() {
+        let config = routing_config();
+        assert_eq!(
+            config.match_route(&Method::GET, "/orders/1"),
+            RouteMatch::Forward {
+                route: Some(1),
+                upstream: 1
+            }
+        );
+        assert_eq!(
+            config.match_route(&Method::PUT, "/pay/1"),
+            RouteMatch::Idempotent(2)
+        );
+        // An empty methods list takes every method, extension methods included.
+        let purge = Method::from_bytes(b"PURGE").unwrap();
+        assert_eq!(
+            config.match_route(&purge, "/any"),
+            RouteMatch::Idempotent(3)
+        );
+    }
+
+    #[test]
+    fn unlisted_method_forwards_to_the_first_prefix_match() {
+        let config = routing_config();
+        assert_eq!(
+            config.match_route(&Method::DELETE, "/orders/1"),
+            RouteMatch::Forward {
+                route: Some(0),
+                upstream: 0
+            }
+        );
+        assert_eq!(
+            config.match_route(&Method::GET, "/pay/1"),
+            RouteMatch::Forward {
+                route: Some(2),
+                upstream: 1
+            }
+        );
+    }
+
+    #[test]
+    fn unmatched_goes_to_default_upstream_or_nowhere() {
+        let config = routing_config();
+        assert_eq!(
+            config.match_route(&Method::POST, "/elsewhere"),
+            RouteMatch::Forward {
+                route: None,
+                upstream: 1
+            }
+        );
+        let mut no_default = config.clone();
+        no_default.default_upstream = None;
+        assert_eq!(
+            no_default.match_route(&Method::POST, "/elsewhere"),
+            RouteMatch::NoRoute
+        );
+        assert_eq!(
+            no_default.match_route(&Method::POST, ""),
+            RouteMatch::NoRoute
+        );
+    }
+
+    #[test]
+    fn config_error_field_accessor() {
+        let err = invalid("routes[0].upstream", "unknown upstream");
+        assert_eq!(err.field(), Some("routes[0].upstream"));
+        assert_eq!(err.to_string(), "routes[0].upstream: unknown upstream");
+        assert_eq!(ConfigError::Parse("bad".into()).field(), None);
+    }
+
+    #[test]
+    fn redact_url_handles_odd_input() {
+        assert_eq!(redact_url("redis://host:1"), "redis://host:1");
+        assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://***@h:1/0");
+        assert_eq!(redact_url("no scheme"), "no scheme");
+        assert_eq!(redact_url("redis://h/p@x"), "redis://h/p@x");
+    }
+}

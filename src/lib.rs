@@ -1,0 +1,27 @@
+//! idemgate: a reverse proxy that makes non-idempotent HTTP APIs safe to retry.
+//!
+//! Architecture map (dependencies point one way, left to right):
+//!
+//! ```text
+//!   config  ──►  key / snowflake / store  ──►  proxy / admin  ──►  server (main)
+//! ```
+//!
+//! - [`config`]: YAML file structs and the validated, immutable [`config::Config`].
+//! - [`key`]: idempotency-key and tenant parsing, record ids and request fingerprints.
+//! - [`snowflake`]: time-ordered 64-bit execution ids.
+//! - [`store`]: the [`store::RecordStore`] seam and its backends.
+//! - [`problem`]: every error the proxy itself answers, as RFC 9457 problem+json.
+//! - [`metrics`]: the Prometheus registry shared by proxy and admin.
+//! - [`proxy`]: the pingora `ProxyHttp` implementation: the request flow.
+//! - [`admin`]: `/healthz`, `/readyz`, `/metrics`.
+//! - [`server`]: wires pingora services, logging and graceful shutdown.
+
+pub mod admin;
+pub mod config;
+pub mod key;
+pub mod metrics;
+pub mod problem;
+pub mod proxy;
+pub mod server;
+pub mod snowflake;
+pub mod store;

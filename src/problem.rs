@@ -1,0 +1,249 @@
+//! Every answer the proxy makes by itself: its status, `X-Idempotent-Result` and RFC 9457 body.
+//!
+//! One place maps an error kind to its HTTP meaning; the proxy converts once, here. The `type`
+//! URIs are stable and documented in the README so clients can tell a proxy-made 409/422 from the
+//! backend's own.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+/// The `X-Idempotent-Result` value of a response on an idempotent route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Executed now; the response is (being) stored.
+    Miss,
+    /// Replayed from the store; the backend was not contacted.
+    Hit,
+    /// 409: another request holds the key, or the stored result cannot be replayed.
+    Conflict,
+    /// 422: the key was used with a different request.
+    Mismatch,
+    /// 400 (or 413/408): the request was refused before any claim.
+    Invalid,
+    /// The route's key is optional and none was sent: forwarded without protection.
+    Bypass,
+    /// The store was unavailable and policy forwarded the request anyway.
+    Degraded,
+    /// 503: the store was unavailable (or full) and policy refused the request.
+    Unavailable,
+}
+
+impl Outcome {
+    /// Header value and metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Miss => "MISS",
+            Outcome::Hit => "HIT",
+            Outcome::Conflict => "CONFLICT",
+            Outcome::Mismatch => "MISMATCH",
+            Outcome::Invalid => "INVALID",
+            Outcome::Bypass => "BYPASS",
+            Outcome::Degraded => "DEGRADED",
+            Outcome::Unavailable => "UNAVAILABLE",
+        }
+    }
+}
+
+/// An error the proxy answers itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Problem {
+    /// `key: required` and no key header.
+    KeyMissing,
+    /// The key header is malformed (detail says how, never echoing the key).
+    KeyInvalid(String),
+    /// The tenant header is malformed.
+    TenantInvalid(String),
+    /// The request body exceeds `max_request_bytes`.
+    RequestTooLarge {
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The client stopped sending the body for longer than `request_body_timeout`.
+    RequestTimeout,
+    /// The request body could not be read (client error or framing).
+    RequestBodyUnreadable,
+    /// Another request with the same key is executing.
+    InFlight {
+        /// When a retry may succeed.
+        retry_after: Duration,
+    },
+    /// The key was used before with a different request.
+    FingerprintMismatch,
+    /// The key's response was too large to store; it will not be executed again.
+    NotReplayable,
+    /// The record store is unreachable and policy is `reject`.
+    StoreUnavailable,
+    /// The record store is full of live records.
+    StoreFull,
+    /// No route and no default upstream.
+    NoRoute,
+    /// The backend could not be reached; nothing was sent, the key was released.
+    UpstreamConnect,
+    /// The request was sent but no complete answer came back; the key stays locked.
+    UpstreamOutcomeUnknown,
+}
+
+/// Base of every problem `type` URI.
+pub const PROBLEM_BASE: &str = "https://idemgate.dev/problems/";
+
+impl Problem {
+    /// HTTP status of the answer.
+    pub fn status(&self) -> u16 {
+        match self {
+            Problem::KeyMissing | Problem::KeyInvalid(_) | Problem::TenantInvalid(_) => 400,
+            Problem::RequestBodyUnreadable => 400,
+            Problem::RequestTooLarge { .. } => 413,
+            Problem::RequestTimeout => 408,
+            Problem::InFlight { .. } | Problem::NotReplayable => 409,
+            Problem::FingerprintMismatch => 422,
+            Problem::StoreUnavailable | Problem::StoreFull => 503,
+            Problem::NoRoute => 404,
+            Problem::UpstreamConnect => 502,
+            Problem::UpstreamOutcomeUnknown => 504,
+        }
+    }
+
+    /// Last segment of the `type` URI; stable, documented.
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Problem::KeyMissing => "idempotency-key-missing",
+            Problem::KeyInvalid(_) => "idempotency-key-invalid",
+            Problem::TenantInvalid(_) => "tenant-invalid",
+            Problem::RequestTooLarge { .. } => "request-too-large",
+            Problem::RequestTimeout => "request-timeout",
+            Problem::RequestBodyUnreadable => "request-body-unreadable",
+            Problem::InFlight { .. } => "request-in-flight",
+            Problem::FingerprintMismatch => "fingerprint-mismatch",
+            Problem::NotReplayable => "response-not-replayable",
+            Problem::StoreUnavailable => "store-unavailable",
+            Problem::StoreFull => "store-full",
+            Problem::NoRoute => "no-route",
+            Problem::UpstreamConnect => "upstream-unreachable",
+            Problem::UpstreamOutcomeUnknown => "upstream-outcome-unknown",
+        }
+    }
+
+    /// Short human title.
+    pub fn title(&self) -> &'static str {
+        match self {
+            Problem::KeyMissing => "Idempotency-Key header required",
+            Problem::KeyInvalid(_) => "Idempotency-Key header is malformed",
+            Problem::TenantInvalid(_) => "Tenant header is malformed",
+            Problem::RequestTooLarge { .. } => "Request body too large",
+            Problem::RequestTimeout => "Request body not received in time",
+            Problem::RequestBodyUnreadable => "Request body could not be read",
+            Problem::InFlight { .. } => "A request with this idempotency key is in progress",
+            Problem::FingerprintMismatch => {
+                "Idempotency key reused with a different request"
+            }
+            Problem::NotReplayable => "Stored response for this idempotency key is not replayable",
+            Problem::StoreUnavailable => "Idempotency store unavailable",
+            Problem::StoreFull => "Idempotency store full",
+            Problem::NoRoute => "No route for this request",
+            Problem::UpstreamConnect => "Backend unreachable",
+            Problem::UpstreamOutcomeUnknown => "Backend outcome unknown",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Problem::KeyMissing => "This route requires an idempotency key header.".into(),
+            Problem::KeyInvalid(why) | Problem::TenantInvalid(why) => why.clone(),
+            Problem::RequestTooLarge { limit } => {
+                format!("The request body exceeds the limit of {limit} bytes.")
+            }
+            Problem::RequestTimeout => "The client stopped sending the request body.".into(),
+            Problem::RequestBodyUnreadable => "The request body was malformed or cut off.".into(),
+            Problem::InFlight { .. } => {
+                "The first request with this key has not finished; retry later to get its result."
+                    .into()
+            }
+            Problem::FingerprintMismatch => "This key was first used with a different method, \
+                path, body or fingerprinted headers; use a new key for a new request."
+                .into(),
+            Problem::NotReplayable => "The request was executed, but its response was larger \
+                than the replay limit; it will not be executed again."
+                .into(),
+            Problem::StoreUnavailable => {
+                "The request was not forwarded because duplicates could not be detected.".into()
+            }
+            Problem::StoreFull => "The request was not forwarded because the store is full of \
+                live records."
+                .into(),
+            Problem::NoRoute => "No configured route matches this request.".into(),
+            Problem::UpstreamConnect => "The backend could not be reached; the request was not \
+                sent and may be retried with the same key."
+                .into(),
+            Problem::UpstreamOutcomeUnknown => "The request was sent but the backend's answer \
+                was lost; retries with this key are refused until the lock expires."
+                .into(),
+        }
+    }
+
+    /// The `X-Idempotent-Result` this answer carries on an idempotent route.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            Problem::KeyMissing
+            | Problem::KeyInvalid(_)
+            | Problem::TenantInvalid(_)
+            | Problem::RequestTooLarge { .. }
+            | Problem::RequestTimeout
+            | Problem::RequestBodyUnreadable => Outcome::Invalid,
+            Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
+            Problem::FingerprintMismatch => Outcome::Mismatch,
+            Problem::StoreUnavailable | Problem::StoreFull => Outcome::Unavailable,
+            Problem::NoRoute => Outcome::Invalid,
+            Problem::UpstreamConnect | Problem::UpstreamOutcomeUnknown => Outcome::Miss,
+        }
+    }
+
+    /// Seconds for `Retry-After`, where a retry can help.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        match self {
+            Problem::InFlight { retry_after } => Some(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+            Problem::StoreUnavailable | Problem::StoreFull => Some(1),
+            _ => None,
+        }
+    }
+
+    /// The RFC 9457 body.
+    pub fn body(&self) -> Bytes {
+        let body = serde_json::json!({
+            "type": format!("{PROBLEM_BASE}{}", self.slug()),
+            "title": self.title(),
+            "status": self.status(),
+            "detail": self.detail(),
+        });
+        Bytes::from(body.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_is_problem_json_with_stable_type() {
+        let p = Problem::FingerprintMismatch;
+        let v: serde_json::Value = serde_json::from_slice(&p.body()).unwrap();
+        assert_eq!(v["type"], "https://idemgate.dev/problems/fingerprint-mismatch");
+        assert_eq!(v["status"], 422);
+        assert_eq!(p.outcome(), Outcome::Mismatch);
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        let p = Problem::InFlight { retry_after: Duration::from_millis(1200) };
+        assert_eq!(p.retry_after_secs(), Some(2));
+        let p = Problem::InFlight { retry_after: Duration::from_millis(10) };
+        assert_eq!(p.retry_after_secs(), Some(1));
+        assert_eq!(Problem::FingerprintMismatch.retry_after_secs(), None);
+    }
+
+    #[test]
+    fn proxy_made_conflicts_are_told_apart() {
+        assert_ne!(Problem::NotReplayable.slug(), Problem::InFlight { retry_after: Duration::ZERO }.slug());
+        assert_eq!(Problem::NotReplayable.status(), 409);
+    }
+}

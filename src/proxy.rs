@@ -1,0 +1,863 @@
+//! The request flow of SPEC §1 as a pingora `ProxyHttp`: route, key, claim, replay or execute.
+//!
+//! Requests on routes without idempotency (and optional-key requests without a key) take
+//! pingora's own proxy path. A keyed request is handled whole in `request_filter`: its body is
+//! read and fingerprinted before the claim, so it cannot take that path (pingora's retry buffer
+//! replays at most 64 KiB), and is executed by [`Gate::execute`] over pingora's upstream
+//! connector, which also lets the outcome be stored when the client has gone away.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderName, HeaderValue};
+use pingora::connectors::http::Connector;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::HttpPeer;
+use pingora::protocols::http::client::HttpSession as UpstreamSession;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::{Error, Result};
+
+use crate::config::{Config, KeyMode, OnInFlight, OnUnavailable, Route, RouteIdempotency, RouteMatch};
+use crate::key;
+use crate::metrics::Metrics;
+use crate::problem::{Outcome, Problem};
+use crate::snowflake::Snowflake;
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
+    RecordStore, StoreError, StoredResponse, WriteOutcome,
+};
+
+/// Header carrying the result of the idempotency check to the client.
+pub const RESULT_HEADER: &str = "x-idempotent-result";
+/// Header marking a replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+/// Header carrying the execution id to the backend.
+pub const EXECUTION_ID_HEADER: &str = "x-idempotency-id";
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1): never forwarded by the executor, never stored.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+];
+
+/// A config and the upstream pools built from it: swapped as one, so a request sees one version.
+pub struct Generation {
+    /// The validated config.
+    pub config: Config,
+    /// One pool per `config.upstreams` entry, same order.
+    pub pools: Vec<UpstreamPool>,
+}
+
+impl Generation {
+    /// Builds the upstream pools for `config`.
+    pub fn new(config: Config) -> std::result::Result<Self, String> {
+        let pools = config
+            .upstreams
+            .iter()
+            .map(UpstreamPool::new)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(Generation { config, pools })
+    }
+}
+
+/// Round-robin over the resolved addresses of one upstream.
+pub struct UpstreamPool {
+    peers: Vec<HttpPeer>,
+    next: AtomicUsize,
+    idle_timeout: Duration,
+    read_timeout: Duration,
+    write_timeout: Duration,
+}
+
+impl UpstreamPool {
+    fn new(up: &crate::config::UpstreamConfig) -> std::result::Result<Self, String> {
+        use std::net::ToSocketAddrs;
+        let mut peers = Vec::new();
+        for addr in &up.addrs {
+            let resolved = addr
+                .to_socket_addrs()
+                .map_err(|e| format!("upstreams.{}.addrs: cannot resolve {addr}: {e}", up.name))?;
+            for sa in resolved {
+                let mut peer = HttpPeer::new(sa, false, String::new());
+                peer.options.connection_timeout = Some(up.connect_timeout);
+                peer.options.read_timeout = Some(up.read_timeout);
+                peer.options.write_timeout = Some(up.write_timeout);
+                peer.options.idle_timeout = Some(up.idle_timeout);
+                peers.push(peer);
+            }
+        }
+        if peers.is_empty() {
+            return Err(format!("upstreams.{}.addrs: no address resolved", up.name));
+        }
+        Ok(UpstreamPool {
+            peers,
+            next: AtomicUsize::new(0),
+            idle_timeout: up.idle_timeout,
+            read_timeout: up.read_timeout,
+            write_timeout: up.write_timeout,
+        })
+    }
+
+    fn pick(&self) -> &HttpPeer {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.peers.len();
+        &self.peers[i]
+    }
+}
+
+/// Counts requests being handled so shutdown can tell when the drain is done.
+#[derive(Default)]
+pub struct InFlightCounter(AtomicUsize);
+
+impl InFlightCounter {
+    /// Requests being handled right now.
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+struct InFlightGuard {
+    counter: Arc<InFlightCounter>,
+    metrics: Arc<Metrics>,
+}
+
+impl InFlightGuard {
+    fn new(counter: Arc<InFlightCounter>, metrics: Arc<Metrics>) -> Self {
+        counter.0.fetch_add(1, Ordering::AcqRel);
+        metrics.in_flight.inc();
+        InFlightGuard { counter, metrics }
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.counter.0.fetch_sub(1, Ordering::AcqRel);
+        self.metrics.in_flight.dec();
+    }
+}
+
+/// Per-request state, created by pingora for every request.
+pub struct RequestCtx {
+    gen: Arc<Generation>,
+    started: Instant,
+    route: Option<usize>,
+    upstream: Option<usize>,
+    outcome: Option<Outcome>,
+    record_label: Option<String>,
+    _guard: InFlightGuard,
+}
+
+/// The proxy application: shared state for every request.
+pub struct Gate {
+    current: Arc<ArcSwap<Generation>>,
+    store: Arc<dyn RecordStore>,
+    fallback: Option<Arc<dyn RecordStore>>,
+    ids: Snowflake,
+    metrics: Arc<Metrics>,
+    connector: Connector,
+    in_flight: Arc<InFlightCounter>,
+}
+
+/// How a keyed request ended, for the log line and metrics.
+struct Handled {
+    outcome: Outcome,
+}
+
+/// Where the claim was made, so completion goes to the same store.
+struct Claim<'a> {
+    store: &'a dyn RecordStore,
+    key: RecordKey,
+    owner: OwnerToken,
+    execution_id: u64,
+}
+
+// === impl Gate ===
+
+impl Gate {
+    /// Creates the application. `fallback` is the in-process store used when `on_unavailable:
+    /// local` and the main store fails.
+    pub fn new(
+        current: Arc<ArcSwap<Generation>>,
+        store: Arc<dyn RecordStore>,
+        fallback: Option<Arc<dyn RecordStore>>,
+        worker_id: u16,
+        metrics: Arc<Metrics>,
+        in_flight: Arc<InFlightCounter>,
+    ) -> Self {
+        Gate {
+            current,
+            store,
+            fallback,
+            ids: Snowflake::new(worker_id),
+            metrics,
+            connector: Connector::new(None),
+            in_flight,
+        }
+    }
+
+    /// Runs the SPEC §1 flow for a request on an idempotent route. Returns `None` when the
+    /// request should continue on pingora's proxy path (optional key absent).
+    async fn handle_keyed(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        route: &Route,
+        idem: &RouteIdempotency,
+    ) -> Result<Option<Handled>> {
+        let config = &ctx.gen.config;
+        let req = session.req_header();
+
+        // Step 2: the key. A bad header is never treated as "no key".
+        let key = match key::parse_key(req.headers.get_all(&config.idempotency.key_header)) {
+            Ok(Some(k)) => k,
+            Ok(None) => match idem.key {
+                KeyMode::Required => return self.refuse(session, Problem::KeyMissing).await,
+                KeyMode::Optional => {
+                    ctx.outcome = Some(Outcome::Bypass);
+                    return Ok(None);
+                }
+            },
+            Err(e) => return self.refuse(session, Problem::KeyInvalid(e.to_string())).await,
+        };
+
+        // Step 3: tenant and principal scope.
+        let tenant = match req.headers.get(&config.idempotency.tenant_header) {
+            None => config.idempotency.default_tenant.clone(),
+            Some(v) => match key::validate_tenant(v.as_bytes()) {
+                Ok(t) => t.to_owned(),
+                Err(e) => {
+                    return self.refuse(session, Problem::TenantInvalid(e.to_string())).await
+                }
+            },
+        };
+        let hash = key::record_hash(&tenant, &req.headers, &idem.scope_headers, &key);
+        ctx.record_label = Some(key::hash_label(&hash));
+        let record_key = RecordKey { tenant, hash };
+
+        // Step 4: the whole body, then the fingerprint.
+        let body = match self.read_body(session, idem.max_request_bytes, config.request_body_timeout).await {
+            Ok(b) => b,
+            Err(p) => return self.refuse(session, p).await,
+        };
+        let req = session.req_header();
+        let fingerprint = key::fingerprint(
+            &req.method,
+            req.raw_path(),
+            &req.headers,
+            &idem.fingerprint_headers,
+            idem.fingerprint_body.then_some(&body[..]),
+        );
+
+        // Step 5: claim or read, waiting on an in-flight twin when the route says so.
+        let claim_req = ClaimRequest {
+            key: record_key,
+            fingerprint,
+            owner: OwnerToken::random(),
+            execution_id: self.ids.next_id(),
+            lock_ttl: idem.lock_ttl,
+            ttl: idem.ttl,
+        };
+        let deadline = Instant::now() + idem.wait_timeout;
+        let mut store: &dyn RecordStore = self.store.as_ref();
+        let mut degraded = false;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let started = Instant::now();
+            let answer = store.claim(&claim_req).await;
+            self.observe_store("claim", started, answer.is_err());
+            let existing = match answer {
+                Ok(ClaimOutcome::Acquired { execution_id }) => {
+                    let claim = Claim {
+                        store,
+                        key: claim_req.key.clone(),
+                        owner: claim_req.owner,
+                        execution_id,
+                    };
+                    let outcome = if degraded { Outcome::Degraded } else { Outcome::Miss };
+                    return self
+                        .execute(session, ctx, route, idem, body, Some(claim), outcome)
+                        .await
+                        .map(Some);
+                }
+                Ok(ClaimOutcome::Existing(record)) => record,
+                Err(StoreError::Full { .. }) => return self.refuse(session, Problem::StoreFull).await,
+                Err(e) => {
+                    tracing::warn!(error = %e, "record store failed on claim");
+                    match config.store.on_unavailable {
+                        OnUnavailable::Reject => {
+                            return self.refuse(session, Problem::StoreUnavailable).await
+                        }
+                        OnUnavailable::Pass => {
+                            return self
+                                .execute(session, ctx, route, idem, body, None, Outcome::Degraded)
+                                .await
+                                .map(Some);
+                        }
+                        OnUnavailable::Local => match (&self.fallback, degraded) {
+                            (Some(local), false) => {
+                                store = local.as_ref();
+                                degraded = true;
+                                continue;
+                            }
+                            _ => return self.refuse(session, Problem::StoreUnavailable).await,
+                        },
+                    }
+                }
+            };
+            if existing.fingerprint != fingerprint {
+                return self.refuse(session, Problem::FingerprintMismatch).await;
+            }
+            match existing.state {
+                RecordState::Completed(Completion::Response(stored)) => {
+                    self.replay(session, &stored).await?;
+                    return Ok(Some(Handled { outcome: Outcome::Hit }));
+                }
+                RecordState::Completed(Completion::Unreplayable { .. }) => {
+                    return self.refuse(session, Problem::NotReplayable).await
+                }
+                RecordState::InFlight { lock_remaining } => {
+                    let now = Instant::now();
+                    if idem.on_in_flight == OnInFlight::Reject || now >= deadline {
+                        let problem = Problem::InFlight { retry_after: lock_remaining };
+                        return self.refuse(session, problem).await;
+                    }
+                    let started = Instant::now();
+                    let waited = store.wait_for_change(&claim_req.key, deadline - now).await;
+                    self.observe_store("wait", started, waited.is_err());
+                    if let Err(e) = waited {
+                        tracing::warn!(error = %e, "record store failed while waiting");
+                        return self.refuse(session, Problem::StoreUnavailable).await;
+                    }
+                    // Claim again: the original completed (replay), released (execute) or is
+                    // still running (wait more, or 409 at the deadline).
+                }
+                RecordState::Released => {
+                    // A released record with our fingerprint is claimable, so this is a race
+                    // with another claimer; a few more rounds settle it.
+                    if attempts > 8 {
+                        let problem = Problem::InFlight { retry_after: Duration::from_secs(1) };
+                        return self.refuse(session, problem).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads the whole request body, bounded by `limit` bytes and `timeout` between reads.
+    async fn read_body(
+        &self,
+        session: &mut Session,
+        limit: usize,
+        timeout: Duration,
+    ) -> std::result::Result<Bytes, Problem> {
+        let req = session.req_header();
+        let declared = req
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(Problem::RequestTooLarge { limit });
+        }
+        let expects_continue = req
+            .headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if session.is_body_done() {
+            return Ok(Bytes::new());
+        }
+        if expects_continue {
+            // The key and tenant were valid: invite the body now.
+            session
+                .write_continue_response()
+                .await
+                .map_err(|_| Problem::RequestBodyUnreadable)?;
+        }
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit as u64) as usize);
+        loop {
+            let chunk = tokio::time::timeout(timeout, session.read_request_body()).await;
+            match chunk {
+                Err(_) => return Err(Problem::RequestTimeout),
+                Ok(Err(_)) => return Err(Problem::RequestBodyUnreadable),
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(data))) => {
+                    if buf.len() + data.len() > limit {
+                        return Err(Problem::RequestTooLarge { limit });
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+        Ok(buf.freeze())
+    }
+
+    /// Forwards a keyed request and stores (or releases) its outcome. The client going away
+    /// does not stop it: the backend's answer is read to the end and stored regardless.
+    #[allow(clippy::too_many_arguments)]
+    async fn execute(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        route: &Route,
+        idem: &RouteIdempotency,
+        body: Bytes,
+        claim: Option<Claim<'_>>,
+        outcome: Outcome,
+    ) -> Result<Handled> {
+        let pool = &ctx.gen.pools[route.upstream];
+        let peer = pool.pick();
+
+        let mut up_req = session.req_header().clone();
+        for name in connection_tokens(&up_req.headers) {
+            up_req.remove_header(&name);
+        }
+        for name in HOP_BY_HOP {
+            up_req.remove_header(*name);
+        }
+        up_req.remove_header(&header::EXPECT);
+        let had_body = !body.is_empty()
+            || session.req_header().headers.contains_key(header::CONTENT_LENGTH)
+            || session.req_header().headers.contains_key(header::TRANSFER_ENCODING);
+        if had_body {
+            up_req.insert_header(header::CONTENT_LENGTH, body.len())?;
+        }
+        if let Some(c) = &claim {
+            up_req.insert_header(EXECUTION_ID_HEADER, c.execution_id)?;
+        }
+
+        let started = Instant::now();
+        let sent = self.send_request(peer, pool, up_req, &body).await;
+        let mut upstream = match sent {
+            Ok(up) => up,
+            Err(e) => {
+                tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
+                if let Some(c) = &claim {
+                    self.release(c).await;
+                }
+                return self
+                    .refuse(session, Problem::UpstreamConnect)
+                    .await
+                    .map(|_| Handled { outcome });
+            }
+        };
+
+        // The request is on the wire: from here on the outcome is unknown until a complete
+        // response arrives, and the claim is kept unless one does.
+        let response = match read_final_header(&mut upstream).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
+                return self
+                    .refuse(session, Problem::UpstreamOutcomeUnknown)
+                    .await
+                    .map(|_| Handled { outcome });
+            }
+        };
+        let status = response.status.as_u16();
+        let storable = claim.is_some() && idem.cache_statuses.contains(status);
+
+        let mut downstream = response.clone();
+        for name in connection_tokens(&downstream.headers) {
+            downstream.remove_header(&name);
+        }
+        for name in ["connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"] {
+            downstream.remove_header(name);
+        }
+        downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
+        let mut client_gone = session
+            .write_response_header(Box::new(downstream), false)
+            .await
+            .is_err();
+
+        let mut captured = storable.then(BytesMut::new);
+        let mut too_large = false;
+        let body_result: Result<()> = async {
+            while !upstream.response_done() {
+                let Some(chunk) = upstream.read_response_body().await? else {
+                    break;
+                };
+                if let Some(buf) = captured.as_mut() {
+                    if buf.len() + chunk.len() > idem.max_response_bytes {
+                        too_large = true;
+                        captured = None;
+                    } else {
+                        buf.extend_from_slice(&chunk);
+                    }
+                }
+                if !client_gone {
+                    client_gone = session.write_response_body(Some(chunk), false).await.is_err();
+                }
+            }
+            Ok(())
+        }
+        .await;
+        self.metrics
+            .upstream_duration
+            .with_label_values(&[route.name.as_str()])
+            .observe(started.elapsed().as_secs_f64());
+
+        if let Err(e) = body_result {
+            tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
+            upstream.shutdown().await;
+            // The client saw a partial response; closing is the only honest signal left.
+            session.set_keepalive(None);
+            return Err(Error::explain(
+                pingora::ErrorType::ConnectionClosed,
+                "upstream response cut off",
+            ));
+        }
+        if !client_gone {
+            client_gone = session.write_response_body(None, true).await.is_err();
+        }
+        self.connector
+            .release_http_session(upstream, peer, Some(pool.idle_timeout))
+            .await;
+
+        if let Some(claim) = &claim {
+            if storable {
+                let completion = match captured {
+                    Some(body) if !too_large => Completion::Response(Arc::new(StoredResponse {
+                        status,
+                        headers: replay_headers(&response, &idem.replay_exclude_headers),
+                        body: body.freeze(),
+                    })),
+                    _ => Completion::Unreplayable { status },
+                };
+                self.complete(claim, completion, idem.ttl).await;
+            } else {
+                self.release(claim).await;
+            }
+        }
+        if client_gone {
+            tracing::info!(route = %route.name, status, "client left before the response; outcome stored");
+        }
+        Ok(Handled { outcome })
+    }
+
+    /// Connects (pooled) and writes the request. A pooled connection the backend had already
+    /// closed fails on write before anything was processed, so that case retries once on a fresh
+    /// connection.
+    async fn send_request(
+        &self,
+        peer: &HttpPeer,
+        pool: &UpstreamPool,
+        req: RequestHeader,
+        body: &Bytes,
+    ) -> Result<UpstreamSession> {
+        let mut last_err = None;
+        for _ in 0..2 {
+            let (mut up, reused) = self.connector.get_http_session(peer).await?;
+            up.set_read_timeout(Some(pool.read_timeout));
+            up.set_write_timeout(Some(pool.write_timeout));
+            match up.write_request_header(Box::new(req.clone())).await {
+                Ok(()) => {}
+                Err(e) if reused => {
+                    last_err = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+            if !body.is_empty() {
+                up.write_request_body(body.clone(), true).await?;
+            }
+            up.finish_request_body().await?;
+            return Ok(up);
+        }
+        Err(last_err.unwrap_or_else(|| Error::new(pingora::ErrorType::ConnectError)))
+    }
+
+    async fn complete(&self, claim: &Claim<'_>, completion: Completion, ttl: Duration) {
+        let started = Instant::now();
+        let written = claim.store.complete(&claim.key, claim.owner, completion, ttl).await;
+        self.observe_store("complete", started, written.is_err());
+        match written {
+            Ok(WriteOutcome::Applied) => {}
+            Ok(WriteOutcome::NotOwner) => {
+                self.metrics.fenced_writes.inc();
+                tracing::warn!(record = %key::hash_label(&claim.key.hash), "lock lapsed and was taken over; response not stored");
+            }
+            Err(e) => {
+                tracing::error!(record = %key::hash_label(&claim.key.hash), error = %e, "storing the response failed");
+            }
+        }
+    }
+
+    async fn release(&self, claim: &Claim<'_>) {
+        let started = Instant::now();
+        let written = claim.store.release(&claim.key, claim.owner).await;
+        self.observe_store("release", started, written.is_err());
+        match written {
+            Ok(WriteOutcome::Applied) => {}
+            Ok(WriteOutcome::NotOwner) => self.metrics.fenced_writes.inc(),
+            Err(e) => {
+                tracing::warn!(record = %key::hash_label(&claim.key.hash), error = %e, "releasing the claim failed; it lapses at lock_ttl");
+            }
+        }
+    }
+
+    fn observe_store(&self, op: &str, started: Instant, failed: bool) {
+        self.metrics
+            .store_duration
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
+        if failed {
+            self.metrics.store_errors.with_label_values(&[op]).inc();
+        }
+    }
+
+    /// Writes a stored response back byte for byte, plus the replay markers.
+    async fn replay(&self, session: &mut Session, stored: &StoredResponse) -> Result<()> {
+        let mut resp = ResponseHeader::build(stored.status, Some(stored.headers.len() + 4))?;
+        for (name, value) in &stored.headers {
+            let value = HeaderValue::from_maybe_shared(value.clone())
+                .map_err(|_| Error::explain(pingora::ErrorType::InternalError, "stored header"))?;
+            resp.append_header(name.clone(), value)?;
+        }
+        resp.insert_header(header::CONTENT_LENGTH, stored.body.len())?;
+        resp.insert_header(header::DATE, httpdate::fmt_http_date(std::time::SystemTime::now()))?;
+        resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
+        resp.insert_header(REPLAYED_HEADER, "true")?;
+        let head_only = session.req_header().method == http::Method::HEAD;
+        session.write_response_header(Box::new(resp), false).await?;
+        let body = if head_only { Bytes::new() } else { stored.body.clone() };
+        session.write_response_body(Some(body), true).await?;
+        Ok(())
+    }
+
+    /// Answers with a proxy-made problem; the request is not forwarded.
+    async fn refuse(&self, session: &mut Session, problem: Problem) -> Result<Option<Handled>> {
+        write_problem(session, &problem, Some(problem.outcome())).await?;
+        Ok(Some(Handled { outcome: problem.outcome() }))
+    }
+}
+
+/// Writes `problem` as problem+json, with `X-Idempotent-Result` when on an idempotent route.
+async fn write_problem(
+    session: &mut Session,
+    problem: &Problem,
+    outcome: Option<Outcome>,
+) -> Result<()> {
+    let body = problem.body();
+    let mut resp = ResponseHeader::build(problem.status(), Some(5))?;
+    resp.insert_header(header::CONTENT_TYPE, "application/problem+json")?;
+    resp.insert_header(header::CONTENT_LENGTH, body.len())?;
+    if let Some(o) = outcome {
+        resp.insert_header(RESULT_HEADER, o.as_str())?;
+    }
+    if let Some(secs) = problem.retry_after_secs() {
+        resp.insert_header(header::RETRY_AFTER, secs)?;
+    }
+    if !session.is_body_done() {
+        // The body was not (fully) read: the connection cannot carry another request.
+        session.set_keepalive(None);
+    }
+    session.write_response_header(Box::new(resp), false).await?;
+    session.write_response_body(Some(body), true).await?;
+    Ok(())
+}
+
+/// Reads response headers, skipping informational (1xx) ones.
+async fn read_final_header(up: &mut UpstreamSession) -> Result<ResponseHeader> {
+    loop {
+        up.read_response_header().await?;
+        let Some(resp) = up.response_header() else {
+            return Err(Error::explain(pingora::ErrorType::InvalidHTTPHeader, "no response header"));
+        };
+        let code = resp.status.as_u16();
+        if code >= 200 || code == 101 {
+            return Ok(resp.clone());
+        }
+    }
+}
+
+/// The headers a `Connection` header names: hop-by-hop too (RFC 9110 §7.6.1).
+fn connection_tokens(headers: &http::HeaderMap) -> Vec<HeaderName> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect()
+}
+
+/// The end-to-end headers of a response as stored for replay: no hop-by-hop headers, no framing
+/// (`Content-Length` is set at replay), no `Date` (a replay is a new message), and none of
+/// `replay_exclude_headers`.
+fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String, Bytes)> {
+    let connection_named = connection_tokens(&resp.headers);
+    resp.headers
+        .iter()
+        .filter(|(name, _)| {
+            let n = name.as_str();
+            !HOP_BY_HOP.contains(&n)
+                && n != "content-length"
+                && n != "date"
+                && !exclude.contains(name)
+                && !connection_named.contains(name)
+        })
+        .map(|(name, value)| (name.as_str().to_owned(), Bytes::copy_from_slice(value.as_bytes())))
+        .collect()
+}
+
+fn label(ctx: &RequestCtx) -> &str {
+    ctx.route
+        .and_then(|i| ctx.gen.config.routes.get(i))
+        .map_or("-", |r| r.name.as_str())
+}
+
+#[async_trait]
+impl ProxyHttp for Gate {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> Self::CTX {
+        RequestCtx {
+            gen: self.current.load_full(),
+            started: Instant::now(),
+            route: None,
+            upstream: None,
+            outcome: None,
+            record_label: None,
+            _guard: InFlightGuard::new(self.in_flight.clone(), self.metrics.clone()),
+        }
+    }
+
+    /// In this phase the route is matched and keyed requests are answered whole (replayed,
+    /// refused or executed). Returns `Ok(true)` when the response has been written, `Ok(false)`
+    /// to let pingora forward the request untouched.
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
+        let gen = ctx.gen.clone();
+        let req = session.req_header();
+        match gen.config.match_route(&req.method, req.uri.path()) {
+            RouteMatch::NoRoute => {
+                write_problem(session, &Problem::NoRoute, None).await?;
+                Ok(true)
+            }
+            RouteMatch::Forward { route, upstream } => {
+                ctx.route = route;
+                ctx.upstream = Some(upstream);
+                Ok(false)
+            }
+            RouteMatch::Idempotent(i) => {
+                let route = &gen.config.routes[i];
+                ctx.route = Some(i);
+                ctx.upstream = Some(route.upstream);
+                let Some(idem) = route.idempotency.as_ref() else {
+                    return Ok(false);
+                };
+                match self.handle_keyed(session, ctx, route, idem).await? {
+                    Some(handled) => {
+                        ctx.outcome = Some(handled.outcome);
+                        Ok(true)
+                    }
+                    None => Ok(false),
+                }
+            }
+        }
+    }
+
+    /// Picks the next address of the matched route's upstream (round robin).
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Self::CTX) -> Result<Box<HttpPeer>> {
+        let upstream = ctx
+            .upstream
+            .ok_or_else(|| Error::explain(pingora::ErrorType::InternalError, "no upstream chosen"))?;
+        Ok(Box::new(ctx.gen.pools[upstream].pick().clone()))
+    }
+
+    /// Marks forwarded responses of idempotent routes (`BYPASS`).
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        upstream_response: &mut ResponseHeader,
+        ctx: &mut Self::CTX,
+    ) -> Result<()> {
+        if let Some(outcome) = ctx.outcome {
+            upstream_response.insert_header(RESULT_HEADER, outcome.as_str())?;
+        }
+        Ok(())
+    }
+
+    /// Answers proxy failures on the forwarding path as problem+json.
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Self::CTX) -> FailToProxy {
+        let problem = match e.esource() {
+            pingora::ErrorSource::Upstream => Some(Problem::UpstreamConnect),
+            pingora::ErrorSource::Downstream => None,
+            _ => Some(Problem::UpstreamConnect),
+        };
+        let code = match (&problem, session.response_written()) {
+            (Some(p), None) => match write_problem(session, p, ctx.outcome).await {
+                Ok(()) => p.status(),
+                Err(_) => 0,
+            },
+            (_, Some(written)) => written.status.as_u16(),
+            (None, None) => 0,
+        };
+        FailToProxy { error_code: code, can_reuse_downstream: false }
+    }
+
+    /// One structured line and the metrics for every request.
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
+        let status = session.response_written().map_or(0, |r| r.status.as_u16());
+        let result = ctx.outcome.map_or("FORWARD", Outcome::as_str);
+        let route = label(ctx);
+        let elapsed = ctx.started.elapsed();
+        self.metrics.requests.with_label_values(&[route, result]).inc();
+        self.metrics
+            .request_duration
+            .with_label_values(&[route, result])
+            .observe(elapsed.as_secs_f64());
+        let req = session.req_header();
+        tracing::info!(
+            target: "idemgate::access",
+            method = %req.method,
+            path = req.uri.path(),
+            route,
+            result,
+            status,
+            duration_ms = elapsed.as_secs_f64() * 1000.0,
+            record = ctx.record_label.as_deref().unwrap_or(""),
+            error = e.map(|e| e.to_string()).unwrap_or_default(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replay_headers_drop_hop_by_hop_framing_date_and_excluded() {
+        let mut resp = ResponseHeader::build(201, None).unwrap();
+        resp.append_header("content-type", "application/json").unwrap();
+        resp.append_header("set-cookie", "s=1").unwrap();
+        resp.append_header("connection", "keep-alive, x-hop").unwrap();
+        resp.append_header("x-hop", "1").unwrap();
+        resp.append_header("transfer-encoding", "chunked").unwrap();
+        resp.append_header("content-length", "10").unwrap();
+        resp.append_header("date", "Sun, 29 Nov 2026 00:00:00 GMT").unwrap();
+        resp.append_header("x-order", "a").unwrap();
+        resp.append_header("x-order", "b").unwrap();
+        let kept = replay_headers(&resp, &[HeaderName::from_static("set-cookie")]);
+        let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["content-type", "x-order", "x-order"]);
+        assert_eq!(kept[2].1, Bytes::from_static(b"b"));
+    }
+
+    #[test]
+    fn connection_named_headers_are_hop_by_hop() {
+        let mut h = http::HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("x-a, X-B"));
+        let names = connection_tokens(&h);
+        assert_eq!(names, [HeaderName::from_static("x-a"), HeaderName::from_static("x-b")]);
+    }
+}

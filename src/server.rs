@@ -1,0 +1,181 @@
+//! Wires the pingora server: proxy and admin services, background work, logging, and a SIGTERM
+//! drain that exits as soon as in-flight requests (and their records) are done.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
+use pingora::services::background::{background_service, BackgroundService};
+use pingora::services::listening::Service;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::admin::{Admin, Readiness};
+use crate::config::{Config, StoreBackend};
+use crate::metrics::Metrics;
+use crate::proxy::{Gate, Generation, InFlightCounter};
+use crate::snowflake;
+use crate::store::{MemoryStore, RecordStore};
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The config is valid YAML but cannot be run (an upstream does not resolve, ...).
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Runs the proxy until shutdown. Returns once pingora has stopped (SIGINT, SIGQUIT, or a
+/// SIGTERM whose drain ran to the grace period); a SIGTERM drain that finishes early exits the
+/// process with status 0 directly.
+pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
+    let memory = Arc::new(MemoryStore::new(
+        config.store.memory.capacity_bytes,
+        config.store.memory.shards,
+    ));
+    let store: Arc<dyn RecordStore> = match config.store.backend {
+        StoreBackend::Memory => memory.clone(),
+        StoreBackend::Redis => {
+            return Err(StartError::Config(
+                "store.backend: redis is not available in this version".into(),
+            ))
+        }
+    };
+    let worker_id = config
+        .idempotency
+        .worker_id
+        .unwrap_or_else(snowflake::default_worker_id);
+
+    let mut conf = ServerConf {
+        threads: config.threads,
+        grace_period_seconds: Some(config.shutdown.grace_period.as_secs()),
+        graceful_shutdown_timeout_seconds: Some(config.shutdown.graceful_shutdown_timeout.as_secs()),
+        ..ServerConf::default()
+    };
+    let pid = std::process::id();
+    let tmp = std::env::temp_dir();
+    conf.pid_file = tmp.join(format!("idemgate-{pid}.pid")).display().to_string();
+    conf.upgrade_sock = tmp.join(format!("idemgate-{pid}.sock")).display().to_string();
+    let listen = config.listen.to_string();
+    let admin_listen = config.admin.listen.to_string();
+
+    let generation = Generation::new(config).map_err(StartError::Config)?;
+    let current = Arc::new(ArcSwap::from_pointee(generation));
+    let metrics = Arc::new(Metrics::new());
+    let in_flight = Arc::new(InFlightCounter::default());
+    let readiness = Arc::new(Readiness::default());
+
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+
+    let gate = Gate::new(
+        current.clone(),
+        store.clone(),
+        None,
+        worker_id,
+        metrics.clone(),
+        in_flight.clone(),
+    );
+    let mut proxy = pingora::proxy::http_proxy_service_with_name(&server.configuration, gate, "idemgate");
+    proxy.add_tcp(&listen);
+
+    let mut admin = Service::new(
+        "idemgate admin".to_string(),
+        Admin::new(current, store, metrics, readiness.clone()),
+    );
+    admin.add_tcp(&admin_listen);
+    admin.threads = Some(1);
+
+    let sweeper = background_service("store sweeper", Sweeper { store: memory });
+
+    server.add_service(proxy);
+    server.add_service(admin);
+    server.add_service(sweeper);
+
+    tracing::info!(%listen, admin = %admin_listen, worker_id, version = env!("CARGO_PKG_VERSION"), "idemgate starting");
+    server.run(RunArgs {
+        shutdown_signal: Box::new(Signals { in_flight, readiness, on_exit }),
+    });
+    on_exit();
+    Ok(())
+}
+
+/// Drops expired records of the embedded store once a second.
+struct Sweeper {
+    store: Arc<MemoryStore>,
+}
+
+#[async_trait]
+impl BackgroundService for Sweeper {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => { self.store.sweep_expired(); }
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+/// pingora's signal handling plus an early exit: after SIGTERM, pingora closes the listeners and
+/// then sleeps the whole grace period; we exit as soon as nothing is in flight.
+struct Signals {
+    in_flight: Arc<InFlightCounter>,
+    readiness: Arc<Readiness>,
+    on_exit: fn(),
+}
+
+#[async_trait]
+impl ShutdownSignalWatch for Signals {
+    async fn recv(&self) -> ShutdownSignal {
+        let (Ok(mut term), Ok(mut int), Ok(mut quit)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::quit()),
+        ) else {
+            tracing::error!("cannot install signal handlers; only SIGKILL stops this process");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {
+                tracing::info!("SIGTERM: draining in-flight requests");
+                self.readiness.start_draining();
+                let in_flight = self.in_flight.clone();
+                let on_exit = self.on_exit;
+                std::thread::spawn(move || exit_when_drained(&in_flight, on_exit));
+                ShutdownSignal::GracefulTerminate
+            }
+            _ = int.recv() => ShutdownSignal::FastShutdown,
+            _ = quit.recv() => ShutdownSignal::GracefulUpgrade,
+        }
+    }
+}
+
+/// Waits until no request has been in flight for two consecutive looks, then exits 0.
+fn exit_when_drained(in_flight: &InFlightCounter, on_exit: fn()) {
+    // Let the listeners close and requests already accepted reach the proxy first.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut idle_looks = 0;
+    loop {
+        if in_flight.get() == 0 {
+            idle_looks += 1;
+            if idle_looks >= 2 {
+                tracing::info!("drained; exiting");
+                on_exit();
+                std::process::exit(0);
+            }
+        } else {
+            idle_looks = 0;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Where `--config` points, resolved for messages.
+pub fn describe(path: &std::path::Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}

@@ -1,0 +1,751 @@
+//! The conformance suite every [`RecordStore`] backend must pass, shared by their test files.
+//!
+//! Cases use real time with short durations, because a Redis server's clock cannot be paused;
+//! the whole suite takes a few seconds. Every case uses fresh random keys, so cases may share
+//! one server. This is test support: a failed expectation panics, as an assertion does.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::Barrier;
+
+use super::{
+    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
+    RecordStore, StoreError, StoredResponse, WriteOutcome,
+};
+
+/// Lock lifetime for cases that let a lock lapse.
+const LOCK_TTL: Duration = Duration::from_millis(300);
+/// Record lifetime for cases that do not wait for expiry.
+const TTL: Duration = Duration::from_secs(2);
+/// Record lifetime for the expiry case.
+const SHORT_TTL: Duration = Duration::from_millis(600);
+/// Lock lifetime for cases where a lapse would confuse the outcome.
+const LONG_LOCK: Duration = Duration::from_secs(10);
+/// Timeout for waits that the other side is expected to end early.
+const WAIT_TIMEOUT: Duration = Duration::from_secs(4);
+/// Concurrent claimers in the race case.
+const RACERS: usize = 20;
+
+/// Runs every conformance case against stores made by `make` (each case gets a fresh store).
+pub async fn run_all<S, F, Fut>(make: F)
+where
+    S: RecordStore,
+    F: Fn() -> Fut,
+    Fut: Future<Output = Arc<S>>,
+{
+    case_first_claim_acquires(&make().await).await;
+    case_second_claim_sees_in_flight(&make().await).await;
+    case_different_fingerprint_is_visible(&make().await).await;
+    case_completed_response_replays_byte_exact(&make().await).await;
+    case_complete_by_non_owner_is_refused(&make().await).await;
+    case_release_then_claim_keeps_execution_id(&make().await).await;
+    case_release_by_non_owner_is_refused(&make().await).await;
+    case_lapsed_lock_is_taken_over_and_fenced(&make().await).await;
+    case_unreplayable_completion_reads_back(&make().await).await;
+    case_record_expires_after_ttl(&make().await).await;
+    case_reclaim_extends_record_life(&make().await).await;
+    case_wait_returns_at_once_when_not_in_flight(&make().await).await;
+    case_wait_wakes_on_complete(&make().await).await;
+    case_wait_wakes_on_release(&make().await).await;
+    case_wait_returns_when_lock_lapses(&make().await).await;
+    case_wait_times_out_while_in_flight(&make().await).await;
+    case_concurrent_claims_have_one_winner(&make().await).await;
+    case_delete_removes(&make().await).await;
+    case_tenants_are_distinct(&make().await).await;
+}
+
+/// The first claim of a key acquires it with the request's own execution id.
+pub async fn case_first_claim_acquires<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    assert_eq!(ok(store.get(&key).await), None, "fresh key must be absent");
+    let req = request(&key, fingerprint(1));
+    assert_eq!(
+        ok(store.claim(&req).await),
+        ClaimOutcome::Acquired {
+            execution_id: req.execution_id
+        }
+    );
+    let record = ok(store.get(&key).await).expect("claimed record must exist");
+    assert_eq!(record.fingerprint, req.fingerprint);
+    assert_eq!(record.execution_id, req.execution_id);
+    assert_in_flight(&record, req.lock_ttl);
+}
+
+/// A second claim with the same fingerprint sees the first one in flight and changes nothing.
+pub async fn case_second_claim_sees_in_flight<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+    let second = request(&key, fingerprint(1));
+    let record = existing(ok(store.claim(&second).await));
+    assert_eq!(record.fingerprint, first.fingerprint);
+    assert_eq!(record.execution_id, first.execution_id);
+    assert_in_flight(&record, first.lock_ttl);
+    // The first claimer still owns the record.
+    assert_eq!(
+        ok(store.release(&key, second.owner).await),
+        WriteOutcome::NotOwner
+    );
+    assert_eq!(
+        ok(store.release(&key, first.owner).await),
+        WriteOutcome::Applied
+    );
+}
+
+/// A claim with another fingerprint gets the stored fingerprint back, in every state, and never
+/// takes the record over.
+pub async fn case_different_fingerprint_is_visible<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+
+    let other = request(&key, fingerprint(2));
+    let record = existing(ok(store.claim(&other).await));
+    assert_eq!(record.fingerprint, first.fingerprint);
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+
+    // Released: a different request still does not get to execute under this key.
+    assert_eq!(
+        ok(store.release(&key, first.owner).await),
+        WriteOutcome::Applied
+    );
+    let other = request(&key, fingerprint(2));
+    let record = existing(ok(store.claim(&other).await));
+    assert_eq!(record.fingerprint, first.fingerprint);
+    assert_eq!(record.execution_id, first.execution_id);
+    assert_eq!(record.state, RecordState::Released);
+
+    // The matching request may, and completes.
+    let again = request(&key, fingerprint(1));
+    ok(store.claim(&again).await);
+    let completion = Completion::Response(Arc::new(simple_response(201, b"done")));
+    ok(store
+        .complete(&key, again.owner, completion.clone(), TTL)
+        .await);
+    let other = request(&key, fingerprint(2));
+    let record = existing(ok(store.claim(&other).await));
+    assert_eq!(record.fingerprint, first.fingerprint);
+    assert_eq!(record.state, RecordState::Completed(completion));
+}
+
+/// A response completed by the owner comes back byte for byte: status, header order and
+/// duplicates, binary values and body, and an empty body.
+pub async fn case_completed_response_replays_byte_exact<S: RecordStore>(store: &Arc<S>) {
+    let binary_body: Vec<u8> = [0x00, 0xFF, 0x00, b'\r', b'\n', 0xFE, 0x80, 0x00, 0xFF]
+        .into_iter()
+        .chain((0..=255u8).rev())
+        .collect();
+    let responses = [
+        StoredResponse {
+            status: 201,
+            headers: vec![
+                ("x-zeta".into(), Bytes::from_static(b"last-alphabetically")),
+                (
+                    "content-type".into(),
+                    Bytes::from_static(b"application/octet-stream"),
+                ),
+                ("x-multi".into(), Bytes::from_static(b"one")),
+                ("x-alpha".into(), Bytes::from_static(b"")),
+                ("x-multi".into(), Bytes::from_static(b"two")),
+                ("x-bytes".into(), Bytes::from_static(b"\x80\xFFopaque\t ")),
+            ],
+            body: Bytes::from(binary_body),
+        },
+        StoredResponse {
+            status: 204,
+            headers: Vec::new(),
+            body: Bytes::new(),
+        },
+        StoredResponse {
+            status: 404,
+            headers: vec![("content-length".into(), Bytes::from_static(b"0"))],
+            body: Bytes::new(),
+        },
+    ];
+    for response in responses {
+        let key = fresh_key();
+        let req = request(&key, fingerprint(1));
+        ok(store.claim(&req).await);
+        let completion = Completion::Response(Arc::new(response.clone()));
+        assert_eq!(
+            ok(store.complete(&key, req.owner, completion, TTL).await),
+            WriteOutcome::Applied
+        );
+        let record = existing(ok(store.claim(&request(&key, fingerprint(1))).await));
+        assert_eq!(record.execution_id, req.execution_id);
+        match record.state {
+            RecordState::Completed(Completion::Response(stored)) => {
+                assert_eq!(*stored, response, "replayed response differs");
+            }
+            other => panic!("expected a completed response, got {other:?}"),
+        }
+        // Completed records are immutable: the owner cannot write again.
+        let second = Completion::Response(Arc::new(simple_response(500, b"again")));
+        assert_eq!(
+            ok(store.complete(&key, req.owner, second, TTL).await),
+            WriteOutcome::NotOwner
+        );
+        assert_eq!(
+            ok(store.release(&key, req.owner).await),
+            WriteOutcome::NotOwner
+        );
+    }
+}
+
+/// Only the owner completes; anyone else (or any key nobody claimed) gets `NotOwner`.
+pub async fn case_complete_by_non_owner_is_refused<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = request(&key, fingerprint(1));
+    ok(store.claim(&req).await);
+    let completion = Completion::Response(Arc::new(simple_response(200, b"intruder")));
+    assert_eq!(
+        ok(store
+            .complete(&key, OwnerToken::random(), completion.clone(), TTL)
+            .await),
+        WriteOutcome::NotOwner
+    );
+    let record = ok(store.get(&key).await).expect("record must survive a refused write");
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+
+    let absent = fresh_key();
+    assert_eq!(
+        ok(store.complete(&absent, req.owner, completion, TTL).await),
+        WriteOutcome::NotOwner
+    );
+    assert_eq!(
+        ok(store.get(&absent).await),
+        None,
+        "a refused write must not create"
+    );
+}
+
+/// A release by the owner lets the next claim execute again under the original execution id.
+pub async fn case_release_then_claim_keeps_execution_id<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+    assert_eq!(
+        ok(store.release(&key, first.owner).await),
+        WriteOutcome::Applied
+    );
+    let record = ok(store.get(&key).await).expect("released record must be kept");
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(record.execution_id, first.execution_id);
+    assert_eq!(record.fingerprint, first.fingerprint);
+
+    let retry = request(&key, fingerprint(1));
+    assert_ne!(retry.execution_id, first.execution_id);
+    assert_eq!(
+        ok(store.claim(&retry).await),
+        ClaimOutcome::Acquired {
+            execution_id: first.execution_id
+        }
+    );
+    // The retry now owns it; the first owner is fenced off.
+    let completion = Completion::Response(Arc::new(simple_response(200, b"second try")));
+    assert_eq!(
+        ok(store
+            .complete(&key, first.owner, completion.clone(), TTL)
+            .await),
+        WriteOutcome::NotOwner
+    );
+    assert_eq!(
+        ok(store
+            .complete(&key, retry.owner, completion.clone(), TTL)
+            .await),
+        WriteOutcome::Applied
+    );
+    let record = ok(store.get(&key).await).expect("completed record must exist");
+    assert_eq!(record.execution_id, first.execution_id);
+    assert_eq!(record.state, RecordState::Completed(completion));
+}
+
+/// Only the owner releases, and only once.
+pub async fn case_release_by_non_owner_is_refused<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = request(&key, fingerprint(1));
+    ok(store.claim(&req).await);
+    assert_eq!(
+        ok(store.release(&key, OwnerToken::random()).await),
+        WriteOutcome::NotOwner
+    );
+    let record = ok(store.get(&key).await).expect("record must survive a refused release");
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+    assert_eq!(
+        ok(store.release(&key, req.owner).await),
+        WriteOutcome::Applied
+    );
+    assert_eq!(
+        ok(store.release(&key, req.owner).await),
+        WriteOutcome::NotOwner
+    );
+    assert_eq!(
+        ok(store.release(&fresh_key(), req.owner).await),
+        WriteOutcome::NotOwner
+    );
+}
+
+/// After the lock lapses a new claimer takes over under the same execution id, and the lapsed
+/// owner can neither complete nor release over it.
+pub async fn case_lapsed_lock_is_taken_over_and_fenced<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
+
+    let second = request(&key, fingerprint(1));
+    assert_eq!(
+        ok(store.claim(&second).await),
+        ClaimOutcome::Acquired {
+            execution_id: first.execution_id
+        }
+    );
+    let late = Completion::Response(Arc::new(simple_response(200, b"lapsed owner")));
+    assert_eq!(
+        ok(store.complete(&key, first.owner, late, TTL).await),
+        WriteOutcome::NotOwner
+    );
+    assert_eq!(
+        ok(store.release(&key, first.owner).await),
+        WriteOutcome::NotOwner
+    );
+    let record = ok(store.get(&key).await).expect("record must exist");
+    assert!(
+        matches!(record.state, RecordState::InFlight { .. }),
+        "lapsed owner overwrote the new claim: {record:?}"
+    );
+
+    let fresh = Completion::Response(Arc::new(simple_response(201, b"new owner")));
+    assert_eq!(
+        ok(store.complete(&key, second.owner, fresh.clone(), TTL).await),
+        WriteOutcome::Applied
+    );
+    let record = ok(store.get(&key).await).expect("record must exist");
+    assert_eq!(record.state, RecordState::Completed(fresh));
+    assert_eq!(record.execution_id, first.execution_id);
+}
+
+/// An unreplayable completion reads back as such, and keeps the key spent.
+pub async fn case_unreplayable_completion_reads_back<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = request(&key, fingerprint(1));
+    ok(store.claim(&req).await);
+    let completion = Completion::Unreplayable { status: 200 };
+    assert_eq!(
+        ok(store
+            .complete(&key, req.owner, completion.clone(), TTL)
+            .await),
+        WriteOutcome::Applied
+    );
+    let record = existing(ok(store.claim(&request(&key, fingerprint(1))).await));
+    assert_eq!(record.state, RecordState::Completed(completion));
+    assert_eq!(record.execution_id, req.execution_id);
+}
+
+/// A record is gone once its ttl has passed: the next claim starts afresh with a new execution
+/// id. The ttl given to `complete` governs a completed record, longer or shorter than the
+/// claim's; an abandoned in-flight record goes after the claim's ttl.
+pub async fn case_record_expires_after_ttl<S: RecordStore>(store: &Arc<S>) {
+    // Claimed for long, completed for short: complete's ttl wins.
+    let completed = fresh_key();
+    let req = request(&completed, fingerprint(1));
+    ok(store.claim(&req).await);
+    let completion = Completion::Response(Arc::new(simple_response(200, b"short-lived")));
+    ok(store
+        .complete(&completed, req.owner, completion, SHORT_TTL)
+        .await);
+
+    // Claimed for short, completed for long: the response outlives the claim's ttl.
+    let extended = fresh_key();
+    let kept = ClaimRequest {
+        ttl: SHORT_TTL,
+        ..request(&extended, fingerprint(1))
+    };
+    ok(store.claim(&kept).await);
+    let completion = Completion::Response(Arc::new(simple_response(200, b"long-lived")));
+    ok(store
+        .complete(&extended, kept.owner, completion.clone(), TTL)
+        .await);
+
+    let abandoned = fresh_key();
+    let lost = ClaimRequest {
+        ttl: SHORT_TTL,
+        ..request(&abandoned, fingerprint(1))
+    };
+    ok(store.claim(&lost).await);
+
+    tokio::time::sleep(SHORT_TTL + Duration::from_millis(300)).await;
+    for (key, old) in [(&completed, &req), (&abandoned, &lost)] {
+        assert_eq!(ok(store.get(key).await), None, "record outlived its ttl");
+        let next = request(key, fingerprint(2));
+        assert_eq!(
+            ok(store.claim(&next).await),
+            ClaimOutcome::Acquired {
+                execution_id: next.execution_id
+            }
+        );
+        assert_ne!(next.execution_id, old.execution_id);
+    }
+    let record = ok(store.get(&extended).await).expect("completion ttl must extend the record");
+    assert_eq!(record.state, RecordState::Completed(completion));
+}
+
+/// A re-claim keeps the record alive for the new claim's ttl, so a record released near the
+/// end of its life cannot vanish under its next owner.
+pub async fn case_reclaim_extends_record_life<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let short = |key: &RecordKey| ClaimRequest {
+        ttl: SHORT_TTL,
+        ..request(key, fingerprint(1))
+    };
+    let first = short(&key);
+    ok(store.claim(&first).await);
+    ok(store.release(&key, first.owner).await);
+    tokio::time::sleep(SHORT_TTL * 2 / 3).await;
+
+    let second = short(&key);
+    assert_eq!(
+        ok(store.claim(&second).await),
+        ClaimOutcome::Acquired {
+            execution_id: first.execution_id
+        }
+    );
+    // Past the first claim's expiry, well within the second's.
+    tokio::time::sleep(SHORT_TTL / 2).await;
+    let record = ok(store.get(&key).await).expect("re-claimed record expired under its owner");
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+    let completion = Completion::Unreplayable { status: 200 };
+    assert_eq!(
+        ok(store.complete(&key, second.owner, completion, TTL).await),
+        WriteOutcome::Applied
+    );
+}
+
+/// `wait_for_change` returns at once for an absent, completed or released record.
+pub async fn case_wait_returns_at_once_when_not_in_flight<S: RecordStore>(store: &Arc<S>) {
+    let started = Instant::now();
+    assert_eq!(
+        ok(store.wait_for_change(&fresh_key(), WAIT_TIMEOUT).await),
+        None
+    );
+
+    let completed = fresh_key();
+    let req = request(&completed, fingerprint(1));
+    ok(store.claim(&req).await);
+    let completion = Completion::Unreplayable { status: 202 };
+    ok(store
+        .complete(&completed, req.owner, completion.clone(), TTL)
+        .await);
+    let record = ok(store.wait_for_change(&completed, WAIT_TIMEOUT).await);
+    assert_eq!(
+        record.map(|r| r.state),
+        Some(RecordState::Completed(completion))
+    );
+
+    let released = fresh_key();
+    let req = request(&released, fingerprint(1));
+    ok(store.claim(&req).await);
+    ok(store.release(&released, req.owner).await);
+    let record = ok(store.wait_for_change(&released, WAIT_TIMEOUT).await);
+    assert_eq!(record.map(|r| r.state), Some(RecordState::Released));
+
+    assert!(
+        started.elapsed() < WAIT_TIMEOUT / 2,
+        "waits on settled records took {:?}",
+        started.elapsed()
+    );
+}
+
+/// `wait_for_change` returns promptly when the owner completes from another task.
+pub async fn case_wait_wakes_on_complete<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = ClaimRequest {
+        lock_ttl: LONG_LOCK,
+        ..request(&key, fingerprint(1))
+    };
+    ok(store.claim(&req).await);
+    let completion = Completion::Response(Arc::new(simple_response(201, b"finished")));
+    let writer = {
+        let (store, key, completion) = (Arc::clone(store), key.clone(), completion.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            store.complete(&key, req.owner, completion, TTL).await
+        })
+    };
+    let started = Instant::now();
+    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
+    let waited = started.elapsed();
+    assert_eq!(ok(joined(writer.await)), WriteOutcome::Applied);
+    assert_eq!(
+        record.map(|r| r.state),
+        Some(RecordState::Completed(completion))
+    );
+    assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+}
+
+/// `wait_for_change` returns promptly when the owner releases from another task.
+pub async fn case_wait_wakes_on_release<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = ClaimRequest {
+        lock_ttl: LONG_LOCK,
+        ..request(&key, fingerprint(1))
+    };
+    ok(store.claim(&req).await);
+    let writer = {
+        let (store, key) = (Arc::clone(store), key.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            store.release(&key, req.owner).await
+        })
+    };
+    let started = Instant::now();
+    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
+    let waited = started.elapsed();
+    assert_eq!(ok(joined(writer.await)), WriteOutcome::Applied);
+    assert_eq!(record.map(|r| r.state), Some(RecordState::Released));
+    assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+}
+
+/// `wait_for_change` returns when the holder's lock lapses, without waiting for its timeout.
+pub async fn case_wait_returns_when_lock_lapses<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = request(&key, fingerprint(1));
+    ok(store.claim(&req).await);
+    let started = Instant::now();
+    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
+    let waited = started.elapsed();
+    let record = record.expect("lapsed record must still exist");
+    assert_eq!(record.execution_id, req.execution_id);
+    assert!(
+        matches!(
+            record.state,
+            RecordState::InFlight { .. } | RecordState::Released
+        ),
+        "unexpected state {:?}",
+        record.state
+    );
+    assert!(
+        waited >= LOCK_TTL - Duration::from_millis(50),
+        "returned before the lock lapsed: {waited:?}"
+    );
+    assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+}
+
+/// `wait_for_change` gives up after its timeout and returns the record still in flight.
+pub async fn case_wait_times_out_while_in_flight<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = ClaimRequest {
+        lock_ttl: LONG_LOCK,
+        ..request(&key, fingerprint(1))
+    };
+    ok(store.claim(&req).await);
+    let timeout = Duration::from_millis(400);
+    let started = Instant::now();
+    let record = ok(store.wait_for_change(&key, timeout).await);
+    let waited = started.elapsed();
+    let record = record.expect("in-flight record must be returned");
+    assert_in_flight(&record, LONG_LOCK);
+    assert!(
+        waited >= timeout - Duration::from_millis(50),
+        "returned before the timeout: {waited:?}"
+    );
+    assert!(
+        waited < timeout + Duration::from_secs(2),
+        "wait took {waited:?}"
+    );
+}
+
+/// Of many concurrent claims of one key exactly one acquires; all others see its record.
+pub async fn case_concurrent_claims_have_one_winner<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let start = Arc::new(Barrier::new(RACERS));
+    let racers: Vec<_> = (0..RACERS)
+        .map(|_| {
+            let (store, start) = (Arc::clone(store), Arc::clone(&start));
+            let req = request(&key, fingerprint(1));
+            tokio::spawn(async move {
+                start.wait().await;
+                let outcome = store.claim(&req).await;
+                (req.execution_id, outcome)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut losers = Vec::new();
+    for racer in racers {
+        let (execution_id, outcome) = joined(racer.await);
+        match ok(outcome) {
+            ClaimOutcome::Acquired { execution_id: got } => {
+                assert_eq!(got, execution_id, "winner must keep its own execution id");
+                winners.push(got);
+            }
+            ClaimOutcome::Existing(record) => losers.push(record),
+        }
+    }
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one claim must acquire: {winners:?}"
+    );
+    for record in losers {
+        assert_eq!(record.execution_id, winners[0]);
+        assert!(matches!(record.state, RecordState::InFlight { .. }));
+    }
+}
+
+/// Delete removes a record in any state; the key is then claimable afresh.
+pub async fn case_delete_removes<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = request(&key, fingerprint(1));
+    ok(store.claim(&req).await);
+    assert!(ok(store.delete(&key).await));
+    assert_eq!(ok(store.get(&key).await), None);
+    assert!(!ok(store.delete(&key).await), "second delete finds nothing");
+    let completion = Completion::Unreplayable { status: 200 };
+    assert_eq!(
+        ok(store
+            .complete(&key, req.owner, completion.clone(), TTL)
+            .await),
+        WriteOutcome::NotOwner
+    );
+
+    let next = request(&key, fingerprint(2));
+    assert_eq!(
+        ok(store.claim(&next).await),
+        ClaimOutcome::Acquired {
+            execution_id: next.execution_id
+        }
+    );
+    ok(store.complete(&key, next.owner, completion, TTL).await);
+    assert!(ok(store.delete(&key).await), "completed records delete too");
+    assert_eq!(ok(store.get(&key).await), None);
+}
+
+/// The same hash under two tenants names two records.
+pub async fn case_tenants_are_distinct<S: RecordStore>(store: &Arc<S>) {
+    let hash: Digest = rand::random();
+    let acme = RecordKey {
+        tenant: "acme".into(),
+        hash,
+    };
+    let globex = RecordKey {
+        tenant: "globex".into(),
+        hash,
+    };
+    let acme_req = request(&acme, fingerprint(1));
+    let globex_req = request(&globex, fingerprint(2));
+    assert_eq!(
+        ok(store.claim(&acme_req).await),
+        ClaimOutcome::Acquired {
+            execution_id: acme_req.execution_id
+        }
+    );
+    assert_eq!(
+        ok(store.claim(&globex_req).await),
+        ClaimOutcome::Acquired {
+            execution_id: globex_req.execution_id
+        }
+    );
+    // One tenant's owner token means nothing under the other tenant.
+    let completion = Completion::Unreplayable { status: 200 };
+    assert_eq!(
+        ok(store
+            .complete(&globex, acme_req.owner, completion.clone(), TTL)
+            .await),
+        WriteOutcome::NotOwner
+    );
+    assert_eq!(
+        ok(store
+            .complete(&acme, acme_req.owner, completion.clone(), TTL)
+            .await),
+        WriteOutcome::Applied
+    );
+    let globex_record = ok(store.get(&globex).await).expect("globex record must exist");
+    assert_eq!(globex_record.fingerprint, globex_req.fingerprint);
+    assert!(matches!(globex_record.state, RecordState::InFlight { .. }));
+
+    assert!(ok(store.delete(&acme).await));
+    assert!(
+        ok(store.get(&globex).await).is_some(),
+        "delete crossed tenants"
+    );
+    let third = RecordKey {
+        tenant: "initech".into(),
+        hash,
+    };
+    assert_eq!(ok(store.get(&third).await), None);
+}
+
+// === helpers ===
+
+/// A key no other case (or earlier run against the same server) uses.
+fn fresh_key() -> RecordKey {
+    RecordKey {
+        tenant: "conformance".into(),
+        hash: rand::random(),
+    }
+}
+
+fn fingerprint(n: u8) -> Digest {
+    [n; 32]
+}
+
+/// A claim with a fresh owner and execution id and the default short durations.
+fn request(key: &RecordKey, fingerprint: Digest) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint,
+        owner: OwnerToken::random(),
+        execution_id: rand::random(),
+        lock_ttl: LOCK_TTL,
+        ttl: TTL,
+    }
+}
+
+fn simple_response(status: u16, body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+        body: Bytes::from_static(body),
+    }
+}
+
+#[track_caller]
+fn ok<T>(result: Result<T, StoreError>) -> T {
+    match result {
+        Ok(value) => value,
+        Err(err) => panic!("store call failed: {err}"),
+    }
+}
+
+#[track_caller]
+fn joined<T>(result: Result<T, tokio::task::JoinError>) -> T {
+    match result {
+        Ok(value) => value,
+        Err(err) => panic!("conformance task failed: {err}"),
+    }
+}
+
+#[track_caller]
+fn existing(outcome: ClaimOutcome) -> Record {
+    match outcome {
+        ClaimOutcome::Existing(record) => record,
+        other => panic!("expected an existing record, got {other:?}"),
+    }
+}
+
+#[track_caller]
+fn assert_in_flight(record: &Record, lock_ttl: Duration) {
+    match record.state {
+        RecordState::InFlight { lock_remaining } => {
+            assert!(
+                lock_remaining > Duration::ZERO && lock_remaining <= lock_ttl,
+                "lock_remaining {lock_remaining:?} outside (0, {lock_ttl:?}]"
+            );
+        }
+        ref other => panic!("expected in flight, got {other:?}"),
+    }
+}

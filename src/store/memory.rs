@@ -1,0 +1,815 @@
+//! The embedded record store: in-process, sharded, TTL-evicting, bounded by a byte capacity.
+//!
+//! Records live in a fixed set of shards, each a `parking_lot::Mutex<HashMap>`; the shard is
+//! picked from the record hash (already SHA-256, so its bytes are uniform and need no rehash).
+//! Every operation locks exactly one shard and never across an `.await`, and no code path holds
+//! two shard locks at once, so there is no global lock on the hot path and no lock ordering to
+//! get wrong. Expired records are treated as absent on every access and removed then; a
+//! background sweeper ([`MemoryStore::spawn_sweeper`]) and a sweep before refusing for lack of
+//! room collect the rest. When full the store refuses new claims rather than forget a live record.
+
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::pin::pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::{
+    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
+    RecordStore, StoreError, StoreUsage, WriteOutcome,
+};
+
+/// Bytes charged against the capacity for every record, whatever its state: the map slot, the
+/// entry, the tenant string and the allocator's share, rounded up.
+pub const ENTRY_OVERHEAD_BYTES: usize = 128;
+
+/// Upper bound on the shard count; more shards than this only waste memory.
+const MAX_SHARDS: usize = 1 << 16;
+
+/// Roughly thirty years: stands in for "never" when a deadline would overflow `Instant`.
+const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+
+type Shard = Mutex<HashMap<MapKey, Entry, BuildHasherDefault<DigestHasher>>>;
+
+/// The in-process [`RecordStore`]: sharded maps of records with TTLs and a byte capacity.
+pub struct MemoryStore {
+    shards: Box<[Shard]>,
+    /// `shards.len() - 1`; the shard count is a power of two.
+    shard_mask: usize,
+    capacity: usize,
+    /// Bytes charged by live (and not yet collected expired) records; never exceeds `capacity`.
+    used: AtomicUsize,
+    /// Records held, including expired ones not yet collected.
+    records: AtomicUsize,
+}
+
+/// One record as the memory store keeps it.
+struct Entry {
+    fingerprint: Digest,
+    execution_id: u64,
+    state: EntryState,
+    /// When the record stops existing, whatever its state.
+    expires_at: Instant,
+    /// Bytes this entry charged against the capacity, returned when it is removed.
+    charged: usize,
+    /// Wakes `wait_for_change` callers; created by the first waiter, so records nobody waits on
+    /// cost no allocation for it.
+    notify: Option<Arc<Notify>>,
+}
+
+/// Where a record is in its life; see the diagram in `store/mod.rs`.
+enum EntryState {
+    InFlight {
+        owner: OwnerToken,
+        lock_until: Instant,
+    },
+    Released,
+    Completed(Completion),
+}
+
+/// What one locked attempt at a write decided.
+enum Attempt<T> {
+    Done(T),
+    /// The write needs more room than is free; the caller sweeps (holding no lock) and retries.
+    NeedRoom,
+}
+
+// === impl MemoryStore ===
+
+impl MemoryStore {
+    /// A store holding at most `capacity_bytes` (see [`ENTRY_OVERHEAD_BYTES`] and
+    /// [`super::StoredResponse::size_bytes`] for what counts), split over `shards` shards rounded
+    /// up to a power of two (at least 1).
+    pub fn new(capacity_bytes: usize, shards: usize) -> Self {
+        let count = shards.clamp(1, MAX_SHARDS).next_power_of_two();
+        let shards = (0..count)
+            .map(|_| Mutex::new(HashMap::default()))
+            .collect::<Vec<_>>()
+            .into_boxed_slice();
+        MemoryStore {
+            shards,
+            shard_mask: count - 1,
+            capacity: capacity_bytes,
+            used: AtomicUsize::new(0),
+            records: AtomicUsize::new(0),
+        }
+    }
+
+    /// Removes every expired record from every shard and returns how many went.
+    ///
+    /// Locks one shard at a time, so it may run while requests are served.
+    pub fn sweep_expired(&self) -> usize {
+        let now = Instant::now();
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            shard.lock().retain(|_, entry| {
+                if entry.expired(now) {
+                    self.forget(entry);
+                    removed += 1;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        removed
+    }
+
+    /// Spawns a task that calls [`MemoryStore::sweep_expired`] every `every`.
+    ///
+    /// The task holds only a `Weak` reference, so it does not keep the store alive: it ends at
+    /// the first tick after the last `Arc` is dropped. Must be called within a Tokio runtime.
+    pub fn spawn_sweeper(self: &Arc<Self>, every: Duration) -> JoinHandle<()> {
+        let store: Weak<Self> = Arc::downgrade(self);
+        // `interval` panics on a zero period; a sweep per millisecond is already plenty.
+        let every = every.max(Duration::from_millis(1));
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval_at(Instant::now() + every, every);
+            // After a stall one sweep catches up on everything; a burst of them would not help.
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let Some(store) = store.upgrade() else {
+                    break;
+                };
+                store.sweep_expired();
+            }
+        })
+    }
+
+    fn shard(&self, key: &RecordKey) -> &Shard {
+        // Low bits of the first digest word pick the shard; the map inside hashes the second
+        // word, so the two choices stay independent.
+        let index = digest_word(&key.hash, 0) as usize & self.shard_mask;
+        &self.shards[index]
+    }
+
+    /// Charges `bytes` against the capacity if they fit; never lets `used` exceed `capacity`.
+    fn try_charge(&self, bytes: usize) -> bool {
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                used.checked_add(bytes)
+                    .filter(|&total| total <= self.capacity)
+            })
+            .is_ok()
+    }
+
+    /// Books out an entry that has just been removed from its map, and wakes its waiters so they
+    /// re-read (and find it gone).
+    fn forget(&self, entry: &Entry) {
+        self.used.fetch_sub(entry.charged, Ordering::Relaxed);
+        self.records.fetch_sub(1, Ordering::Relaxed);
+        entry.wake();
+    }
+
+    /// Removes the record under `key` if it has expired, so callers see expired records as absent.
+    fn expire_if_due<S: std::hash::BuildHasher>(
+        &self,
+        map: &mut HashMap<MapKey, Entry, S>,
+        key: &RecordKey,
+        now: Instant,
+    ) {
+        let view: &dyn KeyView = key;
+        if map.get(view).is_some_and(|entry| entry.expired(now)) {
+            if let Some(entry) = map.remove(view) {
+                self.forget(&entry);
+            }
+        }
+    }
+
+    /// One locked claim attempt: acts on an existing record, or inserts a new one if it fits.
+    fn try_claim(&self, req: &ClaimRequest) -> Attempt<ClaimOutcome> {
+        let now = Instant::now();
+        let mut map = self.shard(&req.key).lock();
+        self.expire_if_due(&mut map, &req.key, now);
+        if let Some(entry) = map.get_mut(&req.key as &dyn KeyView) {
+            return Attempt::Done(entry.claim_existing(req, now));
+        }
+        if !self.try_charge(ENTRY_OVERHEAD_BYTES) {
+            return Attempt::NeedRoom;
+        }
+        map.insert(MapKey::from(&req.key), Entry::new_in_flight(req, now));
+        self.records.fetch_add(1, Ordering::Relaxed);
+        Attempt::Done(ClaimOutcome::Acquired {
+            execution_id: req.execution_id,
+        })
+    }
+
+    /// One locked completion attempt; `extra` is what the completion adds to the entry's charge.
+    fn try_complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        completion: &Completion,
+        extra: usize,
+        ttl: Duration,
+    ) -> Attempt<WriteOutcome> {
+        let now = Instant::now();
+        let mut map = self.shard(key).lock();
+        self.expire_if_due(&mut map, key, now);
+        let Some(entry) = map.get_mut(key as &dyn KeyView) else {
+            return Attempt::Done(WriteOutcome::NotOwner);
+        };
+        // A lapsed lock does not matter here: until someone re-claims, the owner may still finish.
+        if !entry.owned_by(owner) {
+            return Attempt::Done(WriteOutcome::NotOwner);
+        }
+        if !self.try_charge(extra) {
+            return Attempt::NeedRoom;
+        }
+        entry.charged += extra;
+        entry.state = EntryState::Completed(completion.clone());
+        entry.expires_at = deadline(now, ttl);
+        entry.wake();
+        Attempt::Done(WriteOutcome::Applied)
+    }
+}
+
+#[async_trait]
+impl RecordStore for MemoryStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if let Attempt::Done(outcome) = self.try_claim(req) {
+            return Ok(outcome);
+        }
+        // No lock is held here, so sweeping every shard cannot deadlock with this one. The
+        // retry re-reads the record: someone may have created it meanwhile.
+        self.sweep_expired();
+        match self.try_claim(req) {
+            Attempt::Done(outcome) => Ok(outcome),
+            Attempt::NeedRoom => Err(StoreError::Full {
+                used: self.used.load(Ordering::Relaxed),
+                capacity: self.capacity,
+            }),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let extra = match &completion {
+            Completion::Response(response) => response.size_bytes(),
+            Completion::Unreplayable { .. } => 0,
+        };
+        if extra <= self.capacity {
+            if let Attempt::Done(outcome) = self.try_complete(key, owner, &completion, extra, ttl) {
+                return Ok(outcome);
+            }
+            self.sweep_expired();
+            if let Attempt::Done(outcome) = self.try_complete(key, owner, &completion, extra, ttl) {
+                return Ok(outcome);
+            }
+        }
+        // Still no room for the response. Refusing the write would leave the record in flight,
+        // so after its lock lapses a retry would execute the request a second time; dropping the
+        // record would do the same at once. Keeping it as Unreplayable costs no extra bytes and
+        // keeps the key spent: retries get a 409 instead of a second execution.
+        let status = match &completion {
+            Completion::Response(response) => response.status,
+            Completion::Unreplayable { status } => *status,
+        };
+        match self.try_complete(key, owner, &Completion::Unreplayable { status }, 0, ttl) {
+            Attempt::Done(outcome) => Ok(outcome),
+            // Unreachable: charging zero bytes always fits. Answer as a full store all the same.
+            Attempt::NeedRoom => Err(StoreError::Full {
+                used: self.used.load(Ordering::Relaxed),
+                capacity: self.capacity,
+            }),
+        }
+    }
+
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        let now = Instant::now();
+        let mut map = self.shard(key).lock();
+        self.expire_if_due(&mut map, key, now);
+        match map.get_mut(key as &dyn KeyView) {
+            Some(entry) if entry.owned_by(owner) => {
+                // Fingerprint, execution id and expiry stay: the next claim re-executes under
+                // the same id, and the record lives on until its original deadline.
+                entry.state = EntryState::Released;
+                entry.wake();
+                Ok(WriteOutcome::Applied)
+            }
+            _ => Ok(WriteOutcome::NotOwner),
+        }
+    }
+
+    async fn wait_for_change(
+        &self,
+        key: &RecordKey,
+        timeout: Duration,
+    ) -> Result<Option<Record>, StoreError> {
+        let give_up_at = deadline(Instant::now(), timeout);
+        let mut timed_out = false;
+        loop {
+            let notify: Arc<Notify>;
+            let wake_at: Instant;
+            let notified = {
+                let now = Instant::now();
+                let mut map = self.shard(key).lock();
+                self.expire_if_due(&mut map, key, now);
+                let Some(entry) = map.get_mut(key as &dyn KeyView) else {
+                    return Ok(None);
+                };
+                let lock_until = match entry.state {
+                    EntryState::InFlight { lock_until, .. } if now < lock_until => lock_until,
+                    _ => return Ok(Some(entry.record(now))),
+                };
+                if timed_out || now >= give_up_at {
+                    return Ok(Some(entry.record(now)));
+                }
+                notify = Arc::clone(entry.notify.get_or_insert_with(|| Arc::new(Notify::new())));
+                wake_at = lock_until.min(give_up_at);
+                // Created under the shard lock: `notify_waiters` reaches a `Notified` from the
+                // moment it exists, so a write between unlocking and polling is not lost.
+                notify.notified()
+            };
+            let mut notified = pin!(notified);
+            notified.as_mut().enable();
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(wake_at) => {
+                    // The timer may fire a hair before `Instant::now()` agrees; decide by which
+                    // deadline it was, not by re-reading the clock.
+                    timed_out = wake_at >= give_up_at;
+                }
+            }
+        }
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let now = Instant::now();
+        let mut map = self.shard(key).lock();
+        self.expire_if_due(&mut map, key, now);
+        Ok(map.get(key as &dyn KeyView).map(|entry| entry.record(now)))
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let mut map = self.shard(key).lock();
+        self.expire_if_due(&mut map, key, now);
+        match map.remove(key as &dyn KeyView) {
+            Some(entry) => {
+                self.forget(&entry);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn usage(&self) -> Option<StoreUsage> {
+        Some(StoreUsage {
+            records: self.records.load(Ordering::Relaxed),
+            bytes: self.used.load(Ordering::Relaxed),
+            capacity: self.capacity,
+        })
+    }
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.shards.len())
+            .field("capacity", &self.capacity)
+            .field("used", &self.used.load(Ordering::Relaxed))
+            .field("records", &self.records.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+// === impl Entry ===
+
+impl Entry {
+    fn new_in_flight(req: &ClaimRequest, now: Instant) -> Self {
+        Entry {
+            fingerprint: req.fingerprint,
+            execution_id: req.execution_id,
+            state: EntryState::InFlight {
+                owner: req.owner,
+                lock_until: deadline(now, req.lock_ttl),
+            },
+            // A record must outlive its lock, or it could vanish while its owner still executes.
+            expires_at: deadline(now, req.ttl.max(req.lock_ttl)),
+            charged: ENTRY_OVERHEAD_BYTES,
+            notify: None,
+        }
+    }
+
+    fn expired(&self, now: Instant) -> bool {
+        now >= self.expires_at
+    }
+
+    fn owned_by(&self, owner: OwnerToken) -> bool {
+        matches!(self.state, EntryState::InFlight { owner: holder, .. } if holder == owner)
+    }
+
+    /// Claim on a live record: take it over if it is free and the request is the same one,
+    /// otherwise report it unchanged.
+    fn claim_existing(&mut self, req: &ClaimRequest, now: Instant) -> ClaimOutcome {
+        let free = match self.state {
+            EntryState::Released => true,
+            EntryState::InFlight { lock_until, .. } => now >= lock_until,
+            EntryState::Completed(_) => false,
+        };
+        // A different request under the same key must not take the record over: the caller
+        // answers it 422 from the record it gets back.
+        if !free || self.fingerprint != req.fingerprint {
+            return ClaimOutcome::Existing(self.record(now));
+        }
+        self.state = EntryState::InFlight {
+            owner: req.owner,
+            lock_until: deadline(now, req.lock_ttl),
+        };
+        // Never shorten a record's life, but make sure it outlives the new lock.
+        self.expires_at = self
+            .expires_at
+            .max(deadline(now, req.ttl.max(req.lock_ttl)));
+        ClaimOutcome::Acquired {
+            execution_id: self.execution_id,
+        }
+    }
+
+    fn record(&self, now: Instant) -> Record {
+        let state = match &self.state {
+            EntryState::InFlight { lock_until, .. } => RecordState::InFlight {
+                lock_remaining: lock_until.saturating_duration_since(now),
+            },
+            EntryState::Released => RecordState::Released,
+            EntryState::Completed(completion) => RecordState::Completed(completion.clone()),
+        };
+        Record {
+            fingerprint: self.fingerprint,
+            execution_id: self.execution_id,
+            state,
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(notify) = &self.notify {
+            notify.notify_waiters();
+        }
+    }
+}
+
+// === impl MapKey ===
+
+/// The map key: tenant and hash, as the trait's `RecordKey` is. It is hashed by digest bytes
+/// alone (already uniform) but compared on both parts, so equal hashes under different tenants
+/// stay different records.
+struct MapKey {
+    hash: Digest,
+    tenant: Box<str>,
+}
+
+/// Lets the maps be searched with a borrowed `RecordKey`, with no `String` clone per lookup.
+trait KeyView {
+    fn digest(&self) -> &Digest;
+    fn tenant(&self) -> &str;
+}
+
+impl From<&RecordKey> for MapKey {
+    fn from(key: &RecordKey) -> Self {
+        MapKey {
+            hash: key.hash,
+            tenant: key.tenant.as_str().into(),
+        }
+    }
+}
+
+impl KeyView for MapKey {
+    fn digest(&self) -> &Digest {
+        &self.hash
+    }
+    fn tenant(&self) -> &str {
+        &self.tenant
+    }
+}
+
+impl KeyView for RecordKey {
+    fn digest(&self) -> &Digest {
+        &self.hash
+    }
+    fn tenant(&self) -> &str {
+        &self.tenant
+    }
+}
+
+impl<'a> Borrow<dyn KeyView + 'a> for MapKey {
+    fn borrow(&self) -> &(dyn KeyView + 'a) {
+        self
+    }
+}
+
+impl Hash for dyn KeyView + '_ {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Word 0 chose the shard; word 1 spreads keys within it.
+        state.write_u64(digest_word(self.digest(), 1));
+    }
+}
+
+impl PartialEq for dyn KeyView + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest() == other.digest() && self.tenant() == other.tenant()
+    }
+}
+
+impl Eq for dyn KeyView + '_ {}
+
+// `Borrow` requires the owned key to hash and compare exactly as its borrowed view does.
+impl Hash for MapKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        Hash::hash(self as &dyn KeyView, state);
+    }
+}
+
+impl PartialEq for MapKey {
+    fn eq(&self, other: &Self) -> bool {
+        (self as &dyn KeyView) == (other as &dyn KeyView)
+    }
+}
+
+impl Eq for MapKey {}
+
+// === impl DigestHasher ===
+
+/// A hasher for keys that are already uniformly distributed: it passes one `u64` through.
+#[derive(Default)]
+struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.0 = word;
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used by `MapKey`; this FNV-1a fallback keeps the hasher correct
+        // should anything else ever be fed to it.
+        for &byte in bytes {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// The `index`-th little-endian 64-bit word of a digest (`index` < 4).
+fn digest_word(digest: &Digest, index: usize) -> u64 {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&digest[index * 8..index * 8 + 8]);
+    u64::from_le_bytes(word)
+}
+
+/// `now + after`, saturating to a far-future instant instead of overflowing.
+fn deadline(now: Instant, after: Duration) -> Instant {
+    now.checked_add(after)
+        .or_else(|| now.checked_add(FAR_FUTURE))
+        .unwrap_or(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::store::{conformance, StoredResponse};
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn key(n: u8) -> RecordKey {
+        let mut hash = [0u8; 32];
+        // Vary the first byte so keys spread over shards, and the last so they differ anyway.
+        hash[0] = n;
+        hash[31] = n;
+        RecordKey {
+            tenant: "t".into(),
+            hash,
+        }
+    }
+
+    fn claim_req(key: &RecordKey, ttl: Duration) -> ClaimRequest {
+        ClaimRequest {
+            key: key.clone(),
+            fingerprint: [7; 32],
+            owner: OwnerToken::random(),
+            execution_id: rand::random(),
+            lock_ttl: ttl.min(10 * SECOND),
+            ttl,
+        }
+    }
+
+    fn response(body_len: usize) -> Completion {
+        Completion::Response(Arc::new(StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+            body: Bytes::from(vec![b'x'; body_len]),
+        }))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn conformance_suite() {
+        conformance::run_all(|| async { Arc::new(MemoryStore::new(1 << 20, 4)) }).await;
+    }
+
+    #[test]
+    fn shard_count_is_a_power_of_two() {
+        assert_eq!(MemoryStore::new(0, 0).shards.len(), 1);
+        assert_eq!(MemoryStore::new(0, 1).shards.len(), 1);
+        assert_eq!(MemoryStore::new(0, 3).shards.len(), 4);
+        assert_eq!(MemoryStore::new(0, 16).shards.len(), 16);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn full_store_refuses_and_keeps_live_records() {
+        let store = MemoryStore::new(3 * ENTRY_OVERHEAD_BYTES, 4);
+        let keys: Vec<_> = (1..=3).map(key).collect();
+        for k in &keys {
+            let outcome = store.claim(&claim_req(k, 60 * SECOND)).await.unwrap();
+            assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
+        }
+        let err = store.claim(&claim_req(&key(4), 60 * SECOND)).await;
+        match err {
+            Err(StoreError::Full { used, capacity }) => {
+                assert_eq!(used, 3 * ENTRY_OVERHEAD_BYTES);
+                assert_eq!(capacity, 3 * ENTRY_OVERHEAD_BYTES);
+            }
+            other => panic!("expected Full, got {other:?}"),
+        }
+        for k in &keys {
+            assert!(store.get(k).await.unwrap().is_some(), "live record dropped");
+        }
+        // An existing record is still answered when the store is full.
+        let again = store
+            .claim(&claim_req(&keys[0], 60 * SECOND))
+            .await
+            .unwrap();
+        assert!(matches!(again, ClaimOutcome::Existing(_)));
+        let usage = store.usage().unwrap();
+        assert_eq!(usage.records, 3);
+        assert_eq!(usage.bytes, 3 * ENTRY_OVERHEAD_BYTES);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn full_store_sweeps_expired_records_to_make_room() {
+        let store = MemoryStore::new(3 * ENTRY_OVERHEAD_BYTES, 4);
+        store.claim(&claim_req(&key(1), 5 * SECOND)).await.unwrap();
+        store.claim(&claim_req(&key(2), 60 * SECOND)).await.unwrap();
+        store.claim(&claim_req(&key(3), 60 * SECOND)).await.unwrap();
+        tokio::time::advance(6 * SECOND).await;
+        // Key 1 expired but nobody touched it: it still holds its bytes until swept.
+        assert_eq!(store.usage().unwrap().records, 3);
+        let outcome = store.claim(&claim_req(&key(4), 60 * SECOND)).await.unwrap();
+        assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
+        assert!(store.get(&key(1)).await.unwrap().is_none());
+        for n in 2..=4 {
+            assert!(store.get(&key(n)).await.unwrap().is_some());
+        }
+        // Full again, and nothing left to sweep.
+        assert!(matches!(
+            store.claim(&claim_req(&key(5), 60 * SECOND)).await,
+            Err(StoreError::Full { .. })
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_records_are_absent_and_collected_on_access() {
+        let store = MemoryStore::new(1 << 20, 2);
+        let k = key(1);
+        store.claim(&claim_req(&k, 5 * SECOND)).await.unwrap();
+        tokio::time::advance(5 * SECOND).await;
+        assert_eq!(store.get(&k).await.unwrap(), None);
+        assert_eq!(
+            store.usage().unwrap(),
+            StoreUsage {
+                records: 0,
+                bytes: 0,
+                capacity: 1 << 20
+            }
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sweeper_removes_expired_and_stops_with_the_store() {
+        let store = Arc::new(MemoryStore::new(1 << 20, 4));
+        for n in 1..=5 {
+            store.claim(&claim_req(&key(n), 5 * SECOND)).await.unwrap();
+        }
+        store.claim(&claim_req(&key(6), 60 * SECOND)).await.unwrap();
+        let sweeper = store.spawn_sweeper(SECOND);
+        // Paused time auto-advances while this sleeps, letting the sweeper tick.
+        tokio::time::sleep(7 * SECOND).await;
+        let usage = store.usage().unwrap();
+        assert_eq!(usage.records, 1);
+        assert_eq!(usage.bytes, ENTRY_OVERHEAD_BYTES);
+        drop(store);
+        tokio::time::timeout(5 * SECOND, sweeper)
+            .await
+            .expect("sweeper outlived its store")
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn response_larger_than_capacity_is_kept_unreplayable() {
+        let store = MemoryStore::new(4 * ENTRY_OVERHEAD_BYTES, 1);
+        let k = key(1);
+        let req = claim_req(&k, 60 * SECOND);
+        store.claim(&req).await.unwrap();
+        let outcome = store
+            .complete(&k, req.owner, response(10_000), 60 * SECOND)
+            .await
+            .unwrap();
+        assert_eq!(outcome, WriteOutcome::Applied);
+        let record = store.get(&k).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            RecordState::Completed(Completion::Unreplayable { status: 201 })
+        );
+        assert_eq!(store.usage().unwrap().bytes, ENTRY_OVERHEAD_BYTES);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn response_that_fits_after_a_sweep_is_stored() {
+        let store = MemoryStore::new(4 * ENTRY_OVERHEAD_BYTES, 2);
+        // Fill the store with short-lived records, then complete one long-lived record.
+        for n in 2..=4 {
+            store.claim(&claim_req(&key(n), 5 * SECOND)).await.unwrap();
+        }
+        let k = key(1);
+        let req = claim_req(&k, 60 * SECOND);
+        store.claim(&req).await.unwrap();
+        tokio::time::advance(6 * SECOND).await;
+        let completion = response(100);
+        store
+            .complete(&k, req.owner, completion.clone(), 60 * SECOND)
+            .await
+            .unwrap();
+        let record = store.get(&k).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed(completion));
+        assert_eq!(store.usage().unwrap().records, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delete_returns_bytes() {
+        let store = MemoryStore::new(1 << 20, 2);
+        let k = key(1);
+        let req = claim_req(&k, 60 * SECOND);
+        store.claim(&req).await.unwrap();
+        store
+            .complete(&k, req.owner, response(500), 60 * SECOND)
+            .await
+            .unwrap();
+        assert!(store.usage().unwrap().bytes > ENTRY_OVERHEAD_BYTES + 500);
+        assert!(store.delete(&k).await.unwrap());
+        assert_eq!(store.usage().unwrap().bytes, 0);
+        assert_eq!(store.usage().unwrap().records, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_change_sleeps_without_polling_until_timeout() {
+        let store = MemoryStore::new(1 << 20, 2);
+        let k = key(1);
+        store.claim(&claim_req(&k, 60 * SECOND)).await.unwrap();
+        let started = Instant::now();
+        let record = store.wait_for_change(&k, 5 * SECOND).await.unwrap();
+        assert_eq!(started.elapsed(), 5 * SECOND);
+        assert!(matches!(
+            record.map(|r| r.state),
+            Some(RecordState::InFlight { .. })
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_change_wakes_on_delete() {
+        let store = Arc::new(MemoryStore::new(1 << 20, 2));
+        let k = key(1);
+        store.claim(&claim_req(&k, 60 * SECOND)).await.unwrap();
+        let deleter = {
+            let (store, k) = (Arc::clone(&store), k.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(SECOND).await;
+                store.delete(&k).await.unwrap()
+            })
+        };
+        let started = Instant::now();
+        assert_eq!(store.wait_for_change(&k, 30 * SECOND).await.unwrap(), None);
+        assert_eq!(started.elapsed(), SECOND);
+        assert!(deleter.await.unwrap());
+    }
+}

@@ -1,0 +1,225 @@
+//! The record store seam: the one trait every backend (memory, Redis, test fakes) implements.
+//!
+//! A record is the idempotency state of one scoped key. Its life:
+//!
+//! ```text
+//!   (absent) --claim--> InFlight{owner} --complete(owner)--> Completed | Unreplayable
+//!                          |     ^
+//!                  release(owner) | claim (lock lapsed or released)
+//!                          v     |
+//!                        Released
+//! ```
+//!
+//! The execution id is minted at the first claim and kept for the life of the record, so every
+//! execution of one key carries the same `X-Idempotency-Id`. Completion and release are
+//! compare-and-set on the owner token: a claimer whose lock lapsed cannot overwrite a newer owner.
+
+pub mod conformance;
+pub mod memory;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+pub use memory::MemoryStore;
+
+/// SHA-256 digest used for record ids and fingerprints.
+pub type Digest = [u8; 32];
+
+/// Identifies one record: the tenant (kept readable for key naming and admin) and the scoped hash.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    /// Validated tenant, `[A-Za-z0-9._:-]{1,128}`.
+    pub tenant: String,
+    /// SHA-256 over (tenant, scope values, key), length-prefixed.
+    pub hash: Digest,
+}
+
+/// A random token naming the holder of an in-flight claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OwnerToken(pub u128);
+
+impl OwnerToken {
+    /// A fresh random token.
+    pub fn random() -> Self {
+        OwnerToken(rand::random())
+    }
+}
+
+/// What a claimer asks the store for.
+#[derive(Clone, Debug)]
+pub struct ClaimRequest {
+    /// The record to claim or read.
+    pub key: RecordKey,
+    /// Fingerprint of this request (method, path, body, chosen headers).
+    pub fingerprint: Digest,
+    /// The claimer's owner token.
+    pub owner: OwnerToken,
+    /// Execution id to use when the record is created; an existing record keeps its own.
+    pub execution_id: u64,
+    /// How long the in-flight claim lives before another request may take over.
+    pub lock_ttl: Duration,
+    /// How long the record (in any state) is kept once created or released.
+    pub ttl: Duration,
+}
+
+/// A response as stored for replay: status, end-to-end headers and body, byte for byte.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// Header names (lower-case) and raw values, in the order the backend sent them.
+    pub headers: Vec<(String, Bytes)>,
+    /// The whole response body.
+    pub body: Bytes,
+}
+
+impl StoredResponse {
+    /// Approximate memory the response occupies, for capacity accounting.
+    pub fn size_bytes(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + v.len() + 16)
+                .sum::<usize>()
+            + 32
+    }
+}
+
+/// How an execution ended, as written by `complete`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// The response is stored and will be replayed.
+    Response(Arc<StoredResponse>),
+    /// The response was larger than `max_response_bytes`: the key is spent but cannot be replayed.
+    Unreplayable {
+        /// Status the backend answered with, for diagnostics.
+        status: u16,
+    },
+}
+
+/// The state of a record as read from the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RecordState {
+    /// Claimed and executing; the lock lapses after `lock_remaining`.
+    InFlight {
+        /// Time left on the holder's lock.
+        lock_remaining: Duration,
+    },
+    /// The last execution was released (transient failure): the next claim executes again.
+    Released,
+    /// Finished; `Completion` says whether it can be replayed.
+    Completed(Completion),
+}
+
+/// A record as read from the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Fingerprint of the request that created the record.
+    pub fingerprint: Digest,
+    /// Execution id minted at the first claim.
+    pub execution_id: u64,
+    /// Current state.
+    pub state: RecordState,
+}
+
+/// Answer to a claim: the caller now owns the record, or it already existed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller holds the claim and must execute, then `complete` or `release`.
+    Acquired {
+        /// The record's execution id (the request's own for a new record, the old one otherwise).
+        execution_id: u64,
+    },
+    /// Someone else created the record; nothing was changed.
+    Existing(Record),
+}
+
+/// Answer to `complete` and `release`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// The write took effect.
+    Applied,
+    /// The caller no longer owns the record (lock lapsed and another request claimed it, or the
+    /// record expired); nothing was changed.
+    NotOwner,
+}
+
+/// Failures of the store itself (not of the request).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store cannot take a new record without dropping a live one.
+    #[error("record store is full ({used} of {capacity} bytes in use)")]
+    Full {
+        /// Bytes in use.
+        used: usize,
+        /// Configured capacity.
+        capacity: usize,
+    },
+    /// The store could not be reached or answered in time.
+    #[error("record store unavailable: {0}")]
+    Unavailable(String),
+    /// The store answered something this version cannot read.
+    #[error("record store returned a malformed record: {0}")]
+    Corrupt(String),
+}
+
+/// The record store: atomic claim, fenced completion and release, and waiting for a change.
+#[async_trait]
+pub trait RecordStore: Send + Sync + 'static {
+    /// Claims the record if absent, released, or its lock lapsed; otherwise reads it.
+    /// One atomic step: two concurrent claims never both acquire.
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError>;
+
+    /// Stores the outcome if `owner` still holds the claim; the record then lives for `ttl`.
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError>;
+
+    /// Drops the claim if `owner` still holds it, keeping fingerprint and execution id so the
+    /// next claim executes again under the same id.
+    async fn release(&self, key: &RecordKey, owner: OwnerToken)
+        -> Result<WriteOutcome, StoreError>;
+
+    /// Waits until the record is no longer in flight (completed, released, lock lapsed or gone)
+    /// or `timeout` passes, and returns what it then reads. Does not poll hot.
+    async fn wait_for_change(
+        &self,
+        key: &RecordKey,
+        timeout: Duration,
+    ) -> Result<Option<Record>, StoreError>;
+
+    /// Reads a record without changing it.
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
+
+    /// Removes a record whatever its state (admin purge). Returns whether one existed.
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError>;
+
+    /// Checks the store can serve requests (readiness). The embedded store always can.
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Bytes and records held, where the backend knows them (for metrics).
+    fn usage(&self) -> Option<StoreUsage> {
+        None
+    }
+}
+
+/// Size of what a store holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreUsage {
+    /// Records held, all states.
+    pub records: usize,
+    /// Bytes accounted against the capacity.
+    pub bytes: usize,
+    /// Configured capacity in bytes.
+    pub capacity: usize,
+}

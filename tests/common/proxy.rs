@@ -1,0 +1,177 @@
+//! Starts the real `idemgate` binary on free ports in front of a backend.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use super::backend::Backend;
+use super::client::Request;
+
+/// A free loopback port (bound then released; the proxy binds it right after).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Builds the config of a test proxy: an `orders` route on `/orders` (idempotent, POST PUT
+/// PATCH DELETE), an `optional` route on `/optional` (key optional), a `plain` route on `/plain`
+/// (no idempotency), and two upstreams so unmatched paths have no default.
+pub struct ProxyBuilder {
+    backend: SocketAddr,
+    idempotency: Vec<String>,
+    upstream: Vec<String>,
+    store: Vec<String>,
+    top: Vec<String>,
+}
+
+impl ProxyBuilder {
+    pub fn new(backend: &Backend) -> Self {
+        ProxyBuilder { backend: backend.addr, idempotency: vec![], upstream: vec![], store: vec![], top: vec![] }
+    }
+    /// A line (`key: value`) added to the `orders` route's idempotency block.
+    pub fn idem(mut self, line: &str) -> Self {
+        self.idempotency.push(line.to_string());
+        self
+    }
+    /// A line added to the `orders` upstream.
+    pub fn upstream(mut self, line: &str) -> Self {
+        self.upstream.push(line.to_string());
+        self
+    }
+    /// A line added to the `store` block.
+    pub fn store(mut self, line: &str) -> Self {
+        self.store.push(line.to_string());
+        self
+    }
+    /// A top-level line.
+    pub fn top(mut self, line: &str) -> Self {
+        self.top.push(line.to_string());
+        self
+    }
+
+    fn yaml(&self, port: u16, admin: u16) -> String {
+        let ind = |lines: &[String], n: usize| {
+            lines.iter().map(|l| format!("{}{l}\n", " ".repeat(n))).collect::<String>()
+        };
+        format!(
+            "listen: \"127.0.0.1:{port}\"\nthreads: 2\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
+             upstreams:\n  orders:\n    addrs: [\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
+             idempotency:\n  worker_id: 1\nstore:\n  backend: memory\n{store}\
+             routes:\n  - name: orders\n    methods: [POST, PUT, PATCH, DELETE]\n    path_prefix: /orders\n    upstream: orders\n    idempotency:\n      key: required\n{idem}\
+             \x20 - name: optional\n    methods: [POST]\n    path_prefix: /optional\n    upstream: orders\n    idempotency:\n      key: optional\n\
+             \x20 - name: plain\n    path_prefix: /plain\n    upstream: orders\n",
+            top = ind(&self.top, 0),
+            backend = self.backend,
+            up = ind(&self.upstream, 4),
+            store = ind(&self.store, 2),
+            idem = ind(&self.idempotency, 6),
+        )
+    }
+
+    /// Starts the proxy and waits until it answers.
+    pub async fn start(self) -> Proxy {
+        let port = free_port();
+        let admin_port = free_port();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config_path = dir.path().join("idemgate.yaml");
+        let yaml = self.yaml(port, admin_port);
+        std::fs::write(&config_path, &yaml).expect("write config");
+        let log_path = dir.path().join("idemgate.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(&config_path)
+            .env("IDEMGATE_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn idemgate");
+        let proxy = Proxy {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            admin: SocketAddr::from(([127, 0, 0, 1], admin_port)),
+            child: Some(child),
+            log_path,
+            _dir: dir,
+        };
+        proxy.wait_ready().await;
+        proxy
+    }
+}
+
+/// A running proxy process; killed on drop.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    child: Option<Child>,
+    pub log_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Proxy {
+    async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let proxy_up = tokio::net::TcpStream::connect(self.addr).await.is_ok();
+            let admin_up = tokio::net::TcpStream::connect(self.admin).await.is_ok();
+            if proxy_up && admin_up {
+                let r = Request::get("/healthz").send(self.admin).await;
+                if r.status == 200 {
+                    return;
+                }
+            }
+            if Instant::now() > deadline {
+                panic!("idemgate did not start; log:\n{}", self.log());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// What the proxy logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// Sends a signal (`TERM`, `KILL`, ...) to the proxy.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill").arg(format!("-{name}")).arg(self.pid().to_string()).status();
+        assert!(status.is_ok_and(|s| s.success()), "kill -{name} failed");
+    }
+
+    /// Waits for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        let child = self.child.as_mut()?;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The admin `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        Request::get("/metrics").send(self.admin).await.text()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            let mut err = std::io::stderr();
+            let _ = writeln!(err, "--- idemgate log ---\n{}", self.log());
+        }
+    }
+}

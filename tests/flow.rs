@@ -1,0 +1,537 @@
+//! SPEC §1, row by row, against the real binary in front of a real counting backend.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Backend, ProxyBuilder, Request};
+
+async fn setup() -> (Backend, common::Proxy) {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    (backend, proxy)
+}
+
+#[tokio::test]
+async fn first_request_executes_and_retry_replays_byte_exact() {
+    let (backend, proxy) = setup().await;
+    let req = Request::post("/orders").key("order-1").json(r#"{"sku":"A","qty":1}"#);
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.result(), Some("MISS"));
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_eq!(backend.count(), 1);
+
+    let second = req.send(proxy.addr).await;
+    assert_eq!(second.status, 201);
+    assert_eq!(second.result(), Some("HIT"));
+    assert_eq!(second.header("idempotent-replayed"), Some("true"));
+    assert_eq!(second.body, first.body);
+    // Same end-to-end headers, same order, repeated ones kept; Set-Cookie not replayed.
+    let mut expected = first.end_to_end_headers();
+    expected.retain(|(n, _)| n != "set-cookie");
+    assert_eq!(second.end_to_end_headers(), expected);
+    assert!(first.header("set-cookie").is_some());
+    assert_eq!(second.headers_named("x-multi"), vec![&b"one"[..], &b"two"[..]]);
+    assert!(second.header("date").is_some(), "a replay carries a fresh Date");
+    assert_eq!(backend.count(), 1, "a replay never reaches the backend");
+}
+
+#[tokio::test]
+async fn replays_binary_chunked_and_empty_bodies() {
+    let (backend, proxy) = setup().await;
+    for (path, key) in [("/orders/binary", "bin"), ("/orders/chunked", "chunk"), ("/orders/empty", "empty")] {
+        let req = Request::post(path).key(key).body("x");
+        let first = req.send(proxy.addr).await;
+        assert_eq!(first.status, 200, "{path}");
+        assert_eq!(first.result(), Some("MISS"));
+        let second = req.send(proxy.addr).await;
+        assert_eq!(second.result(), Some("HIT"), "{path}");
+        assert_eq!(second.body, first.body, "{path}");
+        assert_eq!(second.header("content-type"), first.header("content-type"), "{path}");
+        assert_eq!(second.header("content-length"), Some(first.body.len().to_string().as_str()));
+    }
+    assert_eq!(backend.count(), 3);
+    let chunked = Request::post("/orders/chunked").key("chunk").body("x").send(proxy.addr).await;
+    assert_eq!(chunked.text(), "part-0;part-1;part-2;part-3;part-4;");
+    let binary = Request::post("/orders/binary").key("bin").body("x").send(proxy.addr).await;
+    assert_eq!(binary.body.len(), 4096);
+    assert_eq!(&binary.body[..256], &(0..=255u8).collect::<Vec<_>>()[..]);
+}
+
+#[tokio::test]
+async fn quoted_and_bare_keys_are_the_same_key() {
+    let (backend, proxy) = setup().await;
+    let a = Request::post("/orders").key("\"abc-1\"").body("{}").send(proxy.addr).await;
+    let b = Request::post("/orders").key("abc-1").body("{}").send(proxy.addr).await;
+    assert_eq!((a.result(), b.result()), (Some("MISS"), Some("HIT")));
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
+async fn malformed_keys_and_tenants_are_400_and_never_forwarded() {
+    let (backend, proxy) = setup().await;
+    let long = "k".repeat(256);
+    let cases: Vec<(&str, Request)> = vec![
+        ("idempotency-key-missing", Request::post("/orders").body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key("").body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key(&long).body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key("\"unterminated").body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key("\"a\"junk").body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key("has space").body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key("caf\u{e9}").body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key("a").key("b").body("{}")),
+        ("idempotency-key-invalid", Request::post("/orders").key("a, b").body("{}")),
+        ("tenant-invalid", Request::post("/orders").key("t1").header("X-Tenant-ID", "a{b}").body("{}")),
+        ("tenant-invalid", Request::post("/orders").key("t1").header("X-Tenant-ID", "x".repeat(129)).body("{}")),
+    ];
+    for (kind, req) in cases {
+        let resp = req.send(proxy.addr).await;
+        assert_eq!(resp.status, 400, "{kind}: {req:?}");
+        assert_eq!(resp.result(), Some("INVALID"));
+        assert_eq!(resp.problem_type(), kind, "{req:?}");
+    }
+    // The same key repeated with the same value is one key.
+    let ok = Request::post("/orders").key("same").key("\"same\"").body("{}").send(proxy.addr).await;
+    assert_eq!(ok.result(), Some("MISS"));
+    assert_eq!(backend.count(), 1, "no malformed request reached the backend");
+    // 255 characters is the limit, inclusive.
+    let max = Request::post("/orders").key(&"k".repeat(255)).body("{}").send(proxy.addr).await;
+    assert_eq!(max.result(), Some("MISS"));
+}
+
+#[tokio::test]
+async fn changed_payload_path_or_query_is_422() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("fingerprint: { body: true, headers: [X-Currency] }")
+        .start()
+        .await;
+    let base = || Request::post("/orders").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#);
+    assert_eq!(base().send(proxy.addr).await.result(), Some("MISS"));
+    let changes = [
+        Request::post("/orders").key("k422").header("X-Currency", "EUR").json(r#"{"a":2}"#),
+        Request::post("/orders/other").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#),
+        Request::post("/orders?x=1").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#),
+        Request::new("PUT", "/orders").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#),
+        Request::post("/orders").key("k422").header("X-Currency", "USD").json(r#"{"a":1}"#),
+    ];
+    for req in changes {
+        let resp = req.send(proxy.addr).await;
+        assert_eq!(resp.status, 422, "{req:?}");
+        assert_eq!(resp.result(), Some("MISMATCH"));
+        assert_eq!(resp.problem_type(), "fingerprint-mismatch");
+    }
+    assert_eq!(base().send(proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
+async fn tenants_and_principals_are_isolated() {
+    let (backend, proxy) = setup().await;
+    let req = |tenant: Option<&str>, auth: Option<&str>| {
+        let mut r = Request::post("/orders").key("shared-key").body("{}");
+        if let Some(t) = tenant {
+            r = r.header("X-Tenant-ID", t);
+        }
+        if let Some(a) = auth {
+            r = r.header("Authorization", a);
+        }
+        r
+    };
+    let combos = [
+        (Some("acme"), Some("Bearer alice")),
+        (Some("globex"), Some("Bearer alice")),
+        (Some("acme"), Some("Bearer bob")),
+        (None, Some("Bearer alice")),
+        (Some("acme"), None),
+    ];
+    for (t, a) in combos {
+        assert_eq!(req(t, a).send(proxy.addr).await.result(), Some("MISS"), "{t:?} {a:?}");
+    }
+    for (t, a) in combos {
+        assert_eq!(req(t, a).send(proxy.addr).await.result(), Some("HIT"), "{t:?} {a:?}");
+    }
+    assert_eq!(backend.count(), combos.len());
+}
+
+async fn concurrent_duplicates(mode: &str) -> (Backend, Vec<common::Response>) {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem(&format!("on_in_flight: {mode}"))
+        .idem("wait_timeout: 10s")
+        .start()
+        .await;
+    let req = Request::post("/orders/slow/400").key("dup").json(r#"{"pay":100}"#);
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let req = req.clone();
+            let addr = proxy.addr;
+            tokio::spawn(async move { req.send(addr).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    drop(proxy);
+    (backend, out)
+}
+
+#[tokio::test]
+async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
+    let (backend, responses) = concurrent_duplicates("reject").await;
+    assert_eq!(backend.count(), 1);
+    let miss = responses.iter().filter(|r| r.result() == Some("MISS")).count();
+    let conflicts: Vec<_> = responses.iter().filter(|r| r.status == 409).collect();
+    assert_eq!(miss, 1);
+    assert_eq!(miss + conflicts.len() + responses.iter().filter(|r| r.result() == Some("HIT")).count(), 20);
+    for c in conflicts {
+        assert_eq!(c.result(), Some("CONFLICT"));
+        assert_eq!(c.problem_type(), "request-in-flight");
+        assert!(c.header("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|s| s >= 1));
+    }
+}
+
+#[tokio::test]
+async fn twenty_concurrent_duplicates_execute_once_wait_mode() {
+    let (backend, responses) = concurrent_duplicates("wait").await;
+    assert_eq!(backend.count(), 1);
+    assert!(responses.iter().all(|r| r.status == 201), "{:?}", responses.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert_eq!(responses.iter().filter(|r| r.result() == Some("MISS")).count(), 1);
+    assert_eq!(responses.iter().filter(|r| r.result() == Some("HIT")).count(), 19);
+    assert!(responses.windows(2).all(|w| w[0].body == w[1].body));
+}
+
+#[tokio::test]
+async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("on_in_flight: wait")
+        .idem("wait_timeout: 200ms")
+        .start()
+        .await;
+    let req = Request::post("/orders/slow/1500").key("slow-wait").body("{}");
+    let addr = proxy.addr;
+    let first = tokio::spawn({
+        let req = req.clone();
+        async move { req.send(addr).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    let second = req.send(addr).await;
+    assert_eq!(second.status, 409);
+    assert!(started.elapsed() < Duration::from_millis(1200), "waited past wait_timeout");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(req.send(addr).await.result(), Some("HIT"));
+}
+
+#[tokio::test]
+async fn server_errors_release_the_key_and_the_retry_keeps_its_execution_id() {
+    let (backend, proxy) = setup().await;
+    let req = Request::post("/orders/flaky/2").key("flaky").body("{}");
+    let r1 = req.send(proxy.addr).await;
+    assert_eq!((r1.status, r1.result()), (503, Some("MISS")));
+    let r2 = req.send(proxy.addr).await;
+    assert_eq!(r2.status, 503);
+    let r3 = req.send(proxy.addr).await;
+    assert_eq!((r3.status, r3.result()), (201, Some("MISS")));
+    let r4 = req.send(proxy.addr).await;
+    assert_eq!((r4.status, r4.result()), (201, Some("HIT")));
+    let ids: Vec<_> = backend.executions().into_iter().map(|e| e.execution_id).collect();
+    assert_eq!(ids.len(), 3);
+    assert!(ids[0].is_some());
+    assert!(ids.iter().all(|id| *id == ids[0]), "same X-Idempotency-Id on every execution: {ids:?}");
+}
+
+#[tokio::test]
+async fn transient_statuses_are_released_and_client_errors_stored() {
+    let (backend, proxy) = setup().await;
+    for code in [500u16, 502, 408, 429] {
+        let req = Request::post(&format!("/orders/status/{code}")).key(&format!("k{code}")).body("{}");
+        assert_eq!(req.send(proxy.addr).await.status, code);
+        assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"), "{code} is released");
+    }
+    assert_eq!(backend.count(), 8);
+    for code in [400u16, 404, 409, 422] {
+        let req = Request::post(&format!("/orders/status/{code}")).key(&format!("k{code}")).body("{}");
+        let first = req.send(proxy.addr).await;
+        let second = req.send(proxy.addr).await;
+        assert_eq!((first.status, second.status), (code, code));
+        assert_eq!(second.result(), Some("HIT"), "{code} is stored");
+        assert_eq!(second.body, first.body);
+    }
+    assert_eq!(backend.count(), 12);
+}
+
+#[tokio::test]
+async fn execution_ids_are_snowflakes_distinct_per_key() {
+    let (backend, proxy) = setup().await;
+    for i in 0..5 {
+        Request::post("/orders").key(&format!("id-{i}")).body("{}").send(proxy.addr).await;
+    }
+    let ids: Vec<u64> = backend
+        .executions()
+        .iter()
+        .map(|e| e.execution_id.as_deref().unwrap().parse().unwrap())
+        .collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "time-ordered: {ids:?}");
+    for id in ids {
+        let parts = idemgate::snowflake::decode(id);
+        assert_eq!(parts.worker_id, 1);
+    }
+}
+
+#[tokio::test]
+async fn completed_record_expires_after_ttl() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("ttl: 1s")
+        .idem("lock_ttl: 1s")
+        .upstream("connect_timeout: 100ms")
+        .upstream("read_timeout: 500ms")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("ttl").body("{}");
+    assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
+    let ids: Vec<_> = backend.executions().into_iter().map(|e| e.execution_id).collect();
+    assert_ne!(ids[0], ids[1], "an expired record starts over with a new execution id");
+}
+
+#[tokio::test]
+async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("lock_ttl: 1500ms")
+        .upstream("connect_timeout: 100ms")
+        .upstream("read_timeout: 400ms")
+        .start()
+        .await;
+    // The backend answers after the proxy's read timeout: outcome unknown.
+    let req = Request::post("/orders/slow/800").key("lost").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.status, 504);
+    assert_eq!(first.problem_type(), "upstream-outcome-unknown");
+    let second = req.send(proxy.addr).await;
+    assert_eq!(second.status, 409, "the claim is kept while the outcome is unknown");
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let third = Request::post("/orders/slow/800").key("lost").body("{}").send(proxy.addr).await;
+    // Executes again after the lock lapsed, under the same execution id.
+    assert_eq!(third.status, 504);
+    let ids: Vec<_> = backend.executions().into_iter().map(|e| e.execution_id).collect();
+    assert_eq!(ids.len(), 2);
+    assert_eq!(ids[0], ids[1]);
+}
+
+#[tokio::test]
+async fn unreachable_backend_releases_the_key() {
+    let dead = common::proxy::free_port();
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    drop(proxy);
+    // A proxy whose orders upstream points at a closed port.
+    let mut b2 = backend.clone();
+    b2.addr = std::net::SocketAddr::from(([127, 0, 0, 1], dead));
+    let proxy = ProxyBuilder::new(&b2).start().await;
+    let req = Request::post("/orders").key("down").body("{}");
+    let r = req.send(proxy.addr).await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.problem_type(), "upstream-unreachable");
+    // Released: the retry is tried again (not 409).
+    assert_eq!(req.send(proxy.addr).await.status, 502);
+}
+
+#[tokio::test]
+async fn responses_over_the_limit_are_streamed_and_never_executed_twice() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).idem("max_response_bytes: 1KiB").start().await;
+    let req = Request::post("/orders/large/5000").key("big").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.body.len(), 5000, "the client still gets the whole response");
+    let second = req.send(proxy.addr).await;
+    assert_eq!(second.status, 409);
+    assert_eq!(second.result(), Some("CONFLICT"));
+    assert_eq!(second.problem_type(), "response-not-replayable");
+    assert_eq!(backend.count(), 1);
+    // At the limit exactly, it is stored.
+    let edge = Request::post("/orders/large/1024").key("edge").body("{}");
+    edge.send(proxy.addr).await;
+    assert_eq!(edge.send(proxy.addr).await.result(), Some("HIT"));
+}
+
+#[tokio::test]
+async fn one_mebibyte_and_chunked_bodies_reach_the_backend_whole() {
+    let (backend, proxy) = setup().await;
+    let body: Vec<u8> = (0..1024 * 1024).map(|i| (i % 251) as u8).collect();
+    let req = Request::post("/orders/echo").key("1mib").body(body.clone());
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.body, body);
+    assert_eq!(backend.executions()[0].body, body);
+    assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
+
+    let chunked_body: Vec<u8> = (0..300 * 1024).map(|i| (i % 7) as u8).collect();
+    let req = Request::post("/orders/echo").key("chunked").body(chunked_body.clone()).chunked(16 * 1024);
+    let r = req.send(proxy.addr).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(backend.executions()[1].body, chunked_body);
+    // The same body sent with other chunk sizes is the same request.
+    let again = Request::post("/orders/echo").key("chunked").body(chunked_body).chunked(1000);
+    assert_eq!(again.send(proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 2);
+}
+
+#[tokio::test]
+async fn bodies_over_the_limit_are_413_and_never_forwarded() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).idem("max_request_bytes: 64KiB").start().await;
+    let big = vec![b'x'; 64 * 1024 + 1];
+    let r = Request::post("/orders").key("big1").body(big.clone()).send(proxy.addr).await;
+    assert_eq!(r.status, 413);
+    assert_eq!(r.problem_type(), "request-too-large");
+    let r = Request::post("/orders").key("big2").body(big).chunked(8192).send(proxy.addr).await;
+    assert_eq!(r.status, 413);
+    assert_eq!(r.result(), Some("INVALID"));
+    assert_eq!(backend.count(), 0);
+    let ok = Request::post("/orders").key("fits").body(vec![b'x'; 64 * 1024]).send(proxy.addr).await;
+    assert_eq!(ok.result(), Some("MISS"));
+}
+
+#[tokio::test]
+async fn expect_continue_is_answered_and_not_forwarded() {
+    let (backend, proxy) = setup().await;
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: cont\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = [0u8; 64];
+    use tokio::io::AsyncReadExt;
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 100"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+    s.write_all(b"{}").await.unwrap();
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.status, 201);
+    let e = &backend.executions()[0];
+    assert!(e.headers.iter().all(|(n, _)| n != "expect"));
+    assert_eq!(e.body, b"{}");
+}
+
+#[tokio::test]
+async fn client_disconnect_does_not_lose_the_outcome() {
+    let (backend, proxy) = setup().await;
+    use tokio::io::AsyncWriteExt;
+    let req = Request::post("/orders/slow/500").key("gone").body("{\"a\":1}");
+    {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(&req.to_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Dropped: the client goes away while the backend is still working.
+    }
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let retry = req.send(proxy.addr).await;
+    assert_eq!(retry.result(), Some("HIT"), "the outcome was stored after the client left");
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
+async fn routes_without_idempotency_forward_untouched() {
+    let (backend, proxy) = setup().await;
+    let plain = Request::post("/plain").key("p").body("{}").send(proxy.addr).await;
+    assert_eq!(plain.status, 201);
+    assert_eq!(plain.result(), None);
+    let plain2 = Request::post("/plain").key("p").body("{}").send(proxy.addr).await;
+    assert_eq!(plain2.result(), None);
+    // A method the idempotent route does not list.
+    let get = Request::get("/orders").key("g").send(proxy.addr).await;
+    assert_eq!(get.status, 201);
+    assert_eq!(get.result(), None);
+    // Optional key absent: forwarded, marked BYPASS, not stored.
+    let opt = Request::post("/optional").body("{}").send(proxy.addr).await;
+    assert_eq!((opt.status, opt.result()), (201, Some("BYPASS")));
+    let opt = Request::post("/optional").body("{}").send(proxy.addr).await;
+    assert_eq!(opt.result(), Some("BYPASS"));
+    // Optional key present: protected.
+    let k = Request::post("/optional").key("o").body("{}");
+    assert_eq!(k.send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(k.send(proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 6);
+    assert!(backend.executions()[0].execution_id.is_none(), "no idempotency headers on plain routes");
+    // No route and no default upstream.
+    let none = Request::post("/nowhere").body("{}").send(proxy.addr).await;
+    assert_eq!(none.status, 404);
+    assert_eq!(none.problem_type(), "no-route");
+}
+
+#[tokio::test]
+async fn full_store_refuses_new_claims_with_503() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).store("memory: { capacity: 4KiB, shards: 1 }").start().await;
+    let mut codes = Vec::new();
+    for i in 0..200 {
+        let r = Request::post("/orders").key(&format!("fill-{i}")).body("{}").send(proxy.addr).await;
+        codes.push(r.status);
+        if r.status == 503 {
+            assert_eq!(r.result(), Some("UNAVAILABLE"));
+            assert_eq!(r.problem_type(), "store-full");
+            assert!(r.header("retry-after").is_some());
+            break;
+        }
+    }
+    assert_eq!(codes.last(), Some(&503), "the store filled up");
+    // Live records are never forgotten: the first key still replays.
+    let first = Request::post("/orders").key("fill-0").body("{}").send(proxy.addr).await;
+    assert_eq!(first.result(), Some("HIT"));
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_requests_and_exits_zero() {
+    let backend = Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend).start().await;
+    let addr = proxy.addr;
+    let inflight = tokio::spawn(async move { Request::post("/orders/slow/1000").key("drain").body("{}").send(addr).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.signal("TERM");
+    let started = std::time::Instant::now();
+    let resp = inflight.await.unwrap();
+    assert_eq!(resp.status, 201);
+    assert_eq!(resp.result(), Some("MISS"));
+    let status = tokio::task::spawn_blocking(move || {
+        let s = proxy.wait_exit(Duration::from_secs(15));
+        (s, proxy)
+    })
+    .await
+    .unwrap();
+    let (status, proxy) = status;
+    let status = status.expect("exited within the grace period");
+    assert!(status.success(), "exit status {status:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "did not wait out the whole grace period");
+    assert!(proxy.log().contains("drained"));
+    // New connections are refused once draining.
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+#[tokio::test]
+async fn admin_endpoints_and_metrics() {
+    let (_backend, proxy) = setup().await;
+    Request::post("/orders").key("secret-key-value").body("{}").send(proxy.addr).await;
+    Request::post("/orders").key("secret-key-value").body("{}").send(proxy.addr).await;
+    Request::post("/orders").body("{}").send(proxy.addr).await;
+    assert_eq!(Request::get("/healthz").send(proxy.admin).await.status, 200);
+    assert_eq!(Request::get("/readyz").send(proxy.admin).await.status, 200);
+    let m = proxy.metrics().await;
+    assert!(m.contains(r#"idemgate_requests_total{result="MISS",route="orders"} 1"#), "{m}");
+    assert!(m.contains(r#"idemgate_requests_total{result="HIT",route="orders"} 1"#));
+    assert!(m.contains(r#"idemgate_requests_total{result="INVALID",route="orders"} 1"#));
+    assert!(m.contains("idemgate_request_duration_seconds_bucket"));
+    assert!(m.contains("idemgate_store_records 1"));
+    assert!(!m.contains("secret-key-value"));
+    assert!(!proxy.log().contains("secret-key-value"), "raw keys never logged");
+    assert_eq!(Request::get("/nope").send(proxy.admin).await.status, 404);
+}
