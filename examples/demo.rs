@@ -28,9 +28,17 @@ async fn order_service(orders: Arc<AtomicU64>, req: Request<Incoming>) -> Respon
         .and_then(|v| v.to_str().ok())
         .unwrap_or("-")
         .to_string();
-    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     if method != hyper::Method::POST {
-        return json(200, format!("{{\"orders_created\":{}}}", orders.load(Ordering::SeqCst)));
+        return json(
+            200,
+            format!("{{\"orders_created\":{}}}", orders.load(Ordering::SeqCst)),
+        );
     }
     if path.ends_with("/slow") {
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -44,7 +52,10 @@ async fn order_service(orders: Arc<AtomicU64>, req: Request<Incoming>) -> Respon
         "order-service: created order ord_{n} (execution {exec_id}, {} body bytes)",
         body.len()
     );
-    json(201, format!("{{\"id\":\"ord_{n}\",\"status\":\"created\"}}"))
+    json(
+        201,
+        format!("{{\"id\":\"ord_{n}\",\"status\":\"created\"}}"),
+    )
 }
 
 fn json(status: u16, body: String) -> Response<Full<Bytes>> {
@@ -58,7 +69,9 @@ fn json(status: u16, body: String) -> Response<Full<Bytes>> {
 fn start_order_service() {
     let orders = Arc::new(AtomicU64::new(0));
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
         let Ok(rt) = rt else {
             eprintln!("demo: cannot start the order service runtime");
             std::process::exit(1);
@@ -73,7 +86,9 @@ fn start_order_service() {
             };
             println!("order-service: listening on http://{BACKEND}");
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 let orders = orders.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {

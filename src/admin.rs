@@ -48,7 +48,12 @@ impl Admin {
         metrics: Arc<Metrics>,
         readiness: Arc<Readiness>,
     ) -> Self {
-        Admin { current, store, metrics, readiness }
+        Admin {
+            current,
+            store,
+            metrics,
+            readiness,
+        }
     }
 
     async fn ready(&self) -> (StatusCode, String) {
@@ -61,7 +66,10 @@ impl Admin {
             Err(e) if policy != OnUnavailable::Reject => {
                 (StatusCode::OK, format!("ready (store degraded: {e})\n"))
             }
-            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("store unavailable: {e}\n")),
+            Err(e) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("store unavailable: {e}\n"),
+            ),
         }
     }
 
@@ -96,11 +104,17 @@ impl ServeHttp for Admin {
             }
             (true, "/metrics") => {
                 self.refresh_store_gauges();
-                text(StatusCode::OK, "text/plain; version=0.0.4", self.metrics.render())
+                text(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    self.metrics.render(),
+                )
             }
-            (false, "/healthz" | "/readyz" | "/metrics") => {
-                text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", b"method not allowed\n".to_vec())
-            }
+            (false, "/healthz" | "/readyz" | "/metrics") => text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                b"method not allowed\n".to_vec(),
+            ),
             _ => text(StatusCode::NOT_FOUND, "text/plain", b"not found\n".to_vec()),
         }
     }

@@ -55,7 +55,10 @@ fn main() -> ExitCode {
     let config = match Config::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("idemgate: invalid config {}: {e}", idemgate::server::describe(&cli.config).display());
+            eprintln!(
+                "idemgate: invalid config {}: {e}",
+                idemgate::server::describe(&cli.config).display()
+            );
             return ExitCode::from(if cli.check { 1 } else { EXIT_BAD_CONFIG });
         }
     };

@@ -44,7 +44,10 @@ impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new("idemgate_requests_total", "Requests by route and idempotency result"),
+            Opts::new(
+                "idemgate_requests_total",
+                "Requests by route and idempotency result",
+            ),
             &["route", "result"],
         )
         .expect("static metric definition");
@@ -76,7 +79,10 @@ impl Metrics {
         )
         .expect("static metric definition");
         let store_errors = IntCounterVec::new(
-            Opts::new("idemgate_store_errors_total", "Record store failures by operation"),
+            Opts::new(
+                "idemgate_store_errors_total",
+                "Record store failures by operation",
+            ),
             &["op"],
         )
         .expect("static metric definition");
@@ -85,16 +91,20 @@ impl Metrics {
             "Completions or releases refused because another request took over the lock",
         )
         .expect("static metric definition");
-        let in_flight =
-            IntGauge::new("idemgate_in_flight_requests", "Requests being handled right now")
-                .expect("static metric definition");
+        let in_flight = IntGauge::new(
+            "idemgate_in_flight_requests",
+            "Requests being handled right now",
+        )
+        .expect("static metric definition");
         let store_records = IntGauge::new("idemgate_store_records", "Records held by the store")
             .expect("static metric definition");
         let store_bytes = IntGauge::new("idemgate_store_bytes", "Bytes held by the store")
             .expect("static metric definition");
-        let store_capacity_bytes =
-            IntGauge::new("idemgate_store_capacity_bytes", "Byte capacity of the store")
-                .expect("static metric definition");
+        let store_capacity_bytes = IntGauge::new(
+            "idemgate_store_capacity_bytes",
+            "Byte capacity of the store",
+        )
+        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),

@@ -134,9 +134,7 @@ impl Problem {
             Problem::RequestTimeout => "Request body not received in time",
             Problem::RequestBodyUnreadable => "Request body could not be read",
             Problem::InFlight { .. } => "A request with this idempotency key is in progress",
-            Problem::FingerprintMismatch => {
-                "Idempotency key reused with a different request"
-            }
+            Problem::FingerprintMismatch => "Idempotency key reused with a different request",
             Problem::NotReplayable => "Stored response for this idempotency key is not replayable",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
@@ -201,7 +199,9 @@ impl Problem {
     /// Seconds for `Retry-After`, where a retry can help.
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
-            Problem::InFlight { retry_after } => Some(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+            Problem::InFlight { retry_after } => {
+                Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
+            }
             Problem::StoreUnavailable | Problem::StoreFull => Some(1),
             _ => None,
         }
@@ -227,23 +227,36 @@ mod tests {
     fn body_is_problem_json_with_stable_type() {
         let p = Problem::FingerprintMismatch;
         let v: serde_json::Value = serde_json::from_slice(&p.body()).unwrap();
-        assert_eq!(v["type"], "https://idemgate.dev/problems/fingerprint-mismatch");
+        assert_eq!(
+            v["type"],
+            "https://idemgate.dev/problems/fingerprint-mismatch"
+        );
         assert_eq!(v["status"], 422);
         assert_eq!(p.outcome(), Outcome::Mismatch);
     }
 
     #[test]
     fn retry_after_rounds_up_to_whole_seconds() {
-        let p = Problem::InFlight { retry_after: Duration::from_millis(1200) };
+        let p = Problem::InFlight {
+            retry_after: Duration::from_millis(1200),
+        };
         assert_eq!(p.retry_after_secs(), Some(2));
-        let p = Problem::InFlight { retry_after: Duration::from_millis(10) };
+        let p = Problem::InFlight {
+            retry_after: Duration::from_millis(10),
+        };
         assert_eq!(p.retry_after_secs(), Some(1));
         assert_eq!(Problem::FingerprintMismatch.retry_after_secs(), None);
     }
 
     #[test]
     fn proxy_made_conflicts_are_told_apart() {
-        assert_ne!(Problem::NotReplayable.slug(), Problem::InFlight { retry_after: Duration::ZERO }.slug());
+        assert_ne!(
+            Problem::NotReplayable.slug(),
+            Problem::InFlight {
+                retry_after: Duration::ZERO
+            }
+            .slug()
+        );
         assert_eq!(Problem::NotReplayable.status(), 409);
     }
 }

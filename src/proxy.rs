@@ -21,14 +21,16 @@ use pingora::protocols::http::client::HttpSession as UpstreamSession;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{Error, Result};
 
-use crate::config::{Config, KeyMode, OnInFlight, OnUnavailable, Route, RouteIdempotency, RouteMatch};
+use crate::config::{
+    Config, KeyMode, OnInFlight, OnUnavailable, Route, RouteIdempotency, RouteMatch,
+};
 use crate::key;
 use crate::metrics::Metrics;
 use crate::problem::{Outcome, Problem};
 use crate::snowflake::Snowflake;
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
-    RecordStore, StoreError, StoredResponse, WriteOutcome,
+    ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
+    StoreError, StoredResponse, WriteOutcome,
 };
 
 /// Header carrying the result of the idempotency check to the client.
@@ -226,7 +228,11 @@ impl Gate {
                     return Ok(None);
                 }
             },
-            Err(e) => return self.refuse(session, Problem::KeyInvalid(e.to_string())).await,
+            Err(e) => {
+                return self
+                    .refuse(session, Problem::KeyInvalid(e.to_string()))
+                    .await
+            }
         };
 
         // Step 3: tenant and principal scope.
@@ -235,7 +241,9 @@ impl Gate {
             Some(v) => match key::validate_tenant(v.as_bytes()) {
                 Ok(t) => t.to_owned(),
                 Err(e) => {
-                    return self.refuse(session, Problem::TenantInvalid(e.to_string())).await
+                    return self
+                        .refuse(session, Problem::TenantInvalid(e.to_string()))
+                        .await
                 }
             },
         };
@@ -244,7 +252,10 @@ impl Gate {
         let record_key = RecordKey { tenant, hash };
 
         // Step 4: the whole body, then the fingerprint.
-        let body = match self.read_body(session, idem.max_request_bytes, config.request_body_timeout).await {
+        let body = match self
+            .read_body(session, idem.max_request_bytes, config.request_body_timeout)
+            .await
+        {
             Ok(b) => b,
             Err(p) => return self.refuse(session, p).await,
         };
@@ -283,14 +294,20 @@ impl Gate {
                         owner: claim_req.owner,
                         execution_id,
                     };
-                    let outcome = if degraded { Outcome::Degraded } else { Outcome::Miss };
+                    let outcome = if degraded {
+                        Outcome::Degraded
+                    } else {
+                        Outcome::Miss
+                    };
                     return self
                         .execute(session, ctx, route, idem, body, Some(claim), outcome)
                         .await
                         .map(Some);
                 }
                 Ok(ClaimOutcome::Existing(record)) => record,
-                Err(StoreError::Full { .. }) => return self.refuse(session, Problem::StoreFull).await,
+                Err(StoreError::Full { .. }) => {
+                    return self.refuse(session, Problem::StoreFull).await
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "record store failed on claim");
                     match config.store.on_unavailable {
@@ -320,7 +337,9 @@ impl Gate {
             match existing.state {
                 RecordState::Completed(Completion::Response(stored)) => {
                     self.replay(session, &stored).await?;
-                    return Ok(Some(Handled { outcome: Outcome::Hit }));
+                    return Ok(Some(Handled {
+                        outcome: Outcome::Hit,
+                    }));
                 }
                 RecordState::Completed(Completion::Unreplayable { .. }) => {
                     return self.refuse(session, Problem::NotReplayable).await
@@ -328,7 +347,9 @@ impl Gate {
                 RecordState::InFlight { lock_remaining } => {
                     let now = Instant::now();
                     if idem.on_in_flight == OnInFlight::Reject || now >= deadline {
-                        let problem = Problem::InFlight { retry_after: lock_remaining };
+                        let problem = Problem::InFlight {
+                            retry_after: lock_remaining,
+                        };
                         return self.refuse(session, problem).await;
                     }
                     let started = Instant::now();
@@ -345,7 +366,9 @@ impl Gate {
                     // A released record with our fingerprint is claimable, so this is a race
                     // with another claimer; a few more rounds settle it.
                     if attempts > 8 {
-                        let problem = Problem::InFlight { retry_after: Duration::from_secs(1) };
+                        let problem = Problem::InFlight {
+                            retry_after: Duration::from_secs(1),
+                        };
                         return self.refuse(session, problem).await;
                     }
                 }
@@ -426,8 +449,14 @@ impl Gate {
         }
         up_req.remove_header(&header::EXPECT);
         let had_body = !body.is_empty()
-            || session.req_header().headers.contains_key(header::CONTENT_LENGTH)
-            || session.req_header().headers.contains_key(header::TRANSFER_ENCODING);
+            || session
+                .req_header()
+                .headers
+                .contains_key(header::CONTENT_LENGTH)
+            || session
+                .req_header()
+                .headers
+                .contains_key(header::TRANSFER_ENCODING);
         if had_body {
             up_req.insert_header(header::CONTENT_LENGTH, body.len())?;
         }
@@ -470,7 +499,14 @@ impl Gate {
         for name in connection_tokens(&downstream.headers) {
             downstream.remove_header(&name);
         }
-        for name in ["connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"] {
+        for name in [
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "te",
+            "trailer",
+            "upgrade",
+        ] {
             downstream.remove_header(name);
         }
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
@@ -495,7 +531,10 @@ impl Gate {
                     }
                 }
                 if !client_gone {
-                    client_gone = session.write_response_body(Some(chunk), false).await.is_err();
+                    client_gone = session
+                        .write_response_body(Some(chunk), false)
+                        .await
+                        .is_err();
                 }
             }
             Ok(())
@@ -578,7 +617,10 @@ impl Gate {
 
     async fn complete(&self, claim: &Claim<'_>, completion: Completion, ttl: Duration) {
         let started = Instant::now();
-        let written = claim.store.complete(&claim.key, claim.owner, completion, ttl).await;
+        let written = claim
+            .store
+            .complete(&claim.key, claim.owner, completion, ttl)
+            .await;
         self.observe_store("complete", started, written.is_err());
         match written {
             Ok(WriteOutcome::Applied) => {}
@@ -624,12 +666,19 @@ impl Gate {
             resp.append_header(name.clone(), value)?;
         }
         resp.insert_header(header::CONTENT_LENGTH, stored.body.len())?;
-        resp.insert_header(header::DATE, httpdate::fmt_http_date(std::time::SystemTime::now()))?;
+        resp.insert_header(
+            header::DATE,
+            httpdate::fmt_http_date(std::time::SystemTime::now()),
+        )?;
         resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
         resp.insert_header(REPLAYED_HEADER, "true")?;
         let head_only = session.req_header().method == http::Method::HEAD;
         session.write_response_header(Box::new(resp), false).await?;
-        let body = if head_only { Bytes::new() } else { stored.body.clone() };
+        let body = if head_only {
+            Bytes::new()
+        } else {
+            stored.body.clone()
+        };
         session.write_response_body(Some(body), true).await?;
         Ok(())
     }
@@ -637,7 +686,9 @@ impl Gate {
     /// Answers with a proxy-made problem; the request is not forwarded.
     async fn refuse(&self, session: &mut Session, problem: Problem) -> Result<Option<Handled>> {
         write_problem(session, &problem, Some(problem.outcome())).await?;
-        Ok(Some(Handled { outcome: problem.outcome() }))
+        Ok(Some(Handled {
+            outcome: problem.outcome(),
+        }))
     }
 }
 
@@ -671,7 +722,10 @@ async fn read_final_header(up: &mut UpstreamSession) -> Result<ResponseHeader> {
     loop {
         up.read_response_header().await?;
         let Some(resp) = up.response_header() else {
-            return Err(Error::explain(pingora::ErrorType::InvalidHTTPHeader, "no response header"));
+            return Err(Error::explain(
+                pingora::ErrorType::InvalidHTTPHeader,
+                "no response header",
+            ));
         };
         let code = resp.status.as_u16();
         if code >= 200 || code == 101 {
@@ -706,7 +760,12 @@ fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String,
                 && !exclude.contains(name)
                 && !connection_named.contains(name)
         })
-        .map(|(name, value)| (name.as_str().to_owned(), Bytes::copy_from_slice(value.as_bytes())))
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
         .collect()
 }
 
@@ -767,10 +826,14 @@ impl ProxyHttp for Gate {
     }
 
     /// Picks the next address of the matched route's upstream (round robin).
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Self::CTX) -> Result<Box<HttpPeer>> {
-        let upstream = ctx
-            .upstream
-            .ok_or_else(|| Error::explain(pingora::ErrorType::InternalError, "no upstream chosen"))?;
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut Self::CTX,
+    ) -> Result<Box<HttpPeer>> {
+        let upstream = ctx.upstream.ok_or_else(|| {
+            Error::explain(pingora::ErrorType::InternalError, "no upstream chosen")
+        })?;
         Ok(Box::new(ctx.gen.pools[upstream].pick().clone()))
     }
 
@@ -788,7 +851,12 @@ impl ProxyHttp for Gate {
     }
 
     /// Answers proxy failures on the forwarding path as problem+json.
-    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Self::CTX) -> FailToProxy {
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut Self::CTX,
+    ) -> FailToProxy {
         let problem = match e.esource() {
             pingora::ErrorSource::Upstream => Some(Problem::UpstreamConnect),
             pingora::ErrorSource::Downstream => None,
@@ -802,7 +870,10 @@ impl ProxyHttp for Gate {
             (_, Some(written)) => written.status.as_u16(),
             (None, None) => 0,
         };
-        FailToProxy { error_code: code, can_reuse_downstream: false }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
     }
 
     /// One structured line and the metrics for every request.
@@ -811,7 +882,10 @@ impl ProxyHttp for Gate {
         let result = ctx.outcome.map_or("FORWARD", Outcome::as_str);
         let route = label(ctx);
         let elapsed = ctx.started.elapsed();
-        self.metrics.requests.with_label_values(&[route, result]).inc();
+        self.metrics
+            .requests
+            .with_label_values(&[route, result])
+            .inc();
         self.metrics
             .request_duration
             .with_label_values(&[route, result])
@@ -838,13 +912,16 @@ mod tests {
     #[test]
     fn replay_headers_drop_hop_by_hop_framing_date_and_excluded() {
         let mut resp = ResponseHeader::build(201, None).unwrap();
-        resp.append_header("content-type", "application/json").unwrap();
+        resp.append_header("content-type", "application/json")
+            .unwrap();
         resp.append_header("set-cookie", "s=1").unwrap();
-        resp.append_header("connection", "keep-alive, x-hop").unwrap();
+        resp.append_header("connection", "keep-alive, x-hop")
+            .unwrap();
         resp.append_header("x-hop", "1").unwrap();
         resp.append_header("transfer-encoding", "chunked").unwrap();
         resp.append_header("content-length", "10").unwrap();
-        resp.append_header("date", "Sun, 29 Nov 2026 00:00:00 GMT").unwrap();
+        resp.append_header("date", "Sun, 29 Nov 2026 00:00:00 GMT")
+            .unwrap();
         resp.append_header("x-order", "a").unwrap();
         resp.append_header("x-order", "b").unwrap();
         let kept = replay_headers(&resp, &[HeaderName::from_static("set-cookie")]);
@@ -858,6 +935,12 @@ mod tests {
         let mut h = http::HeaderMap::new();
         h.insert("connection", HeaderValue::from_static("x-a, X-B"));
         let names = connection_tokens(&h);
-        assert_eq!(names, [HeaderName::from_static("x-a"), HeaderName::from_static("x-b")]);
+        assert_eq!(
+            names,
+            [
+                HeaderName::from_static("x-a"),
+                HeaderName::from_static("x-b")
+            ]
+        );
     }
 }

@@ -52,13 +52,21 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
     let mut conf = ServerConf {
         threads: config.threads,
         grace_period_seconds: Some(config.shutdown.grace_period.as_secs()),
-        graceful_shutdown_timeout_seconds: Some(config.shutdown.graceful_shutdown_timeout.as_secs()),
+        graceful_shutdown_timeout_seconds: Some(
+            config.shutdown.graceful_shutdown_timeout.as_secs(),
+        ),
         ..ServerConf::default()
     };
     let pid = std::process::id();
     let tmp = std::env::temp_dir();
-    conf.pid_file = tmp.join(format!("idemgate-{pid}.pid")).display().to_string();
-    conf.upgrade_sock = tmp.join(format!("idemgate-{pid}.sock")).display().to_string();
+    conf.pid_file = tmp
+        .join(format!("idemgate-{pid}.pid"))
+        .display()
+        .to_string();
+    conf.upgrade_sock = tmp
+        .join(format!("idemgate-{pid}.sock"))
+        .display()
+        .to_string();
     let listen = config.listen.to_string();
     let admin_listen = config.admin.listen.to_string();
 
@@ -79,7 +87,8 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
         metrics.clone(),
         in_flight.clone(),
     );
-    let mut proxy = pingora::proxy::http_proxy_service_with_name(&server.configuration, gate, "idemgate");
+    let mut proxy =
+        pingora::proxy::http_proxy_service_with_name(&server.configuration, gate, "idemgate");
     proxy.add_tcp(&listen);
 
     let mut admin = Service::new(
@@ -97,7 +106,11 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
 
     tracing::info!(%listen, admin = %admin_listen, worker_id, version = env!("CARGO_PKG_VERSION"), "idemgate starting");
     server.run(RunArgs {
-        shutdown_signal: Box::new(Signals { in_flight, readiness, on_exit }),
+        shutdown_signal: Box::new(Signals {
+            in_flight,
+            readiness,
+            on_exit,
+        }),
     });
     on_exit();
     Ok(())

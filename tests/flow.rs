@@ -15,7 +15,9 @@ async fn setup() -> (Backend, common::Proxy) {
 #[tokio::test]
 async fn first_request_executes_and_retry_replays_byte_exact() {
     let (backend, proxy) = setup().await;
-    let req = Request::post("/orders").key("order-1").json(r#"{"sku":"A","qty":1}"#);
+    let req = Request::post("/orders")
+        .key("order-1")
+        .json(r#"{"sku":"A","qty":1}"#);
     let first = req.send(proxy.addr).await;
     assert_eq!(first.status, 201);
     assert_eq!(first.result(), Some("MISS"));
@@ -32,15 +34,25 @@ async fn first_request_executes_and_retry_replays_byte_exact() {
     expected.retain(|(n, _)| n != "set-cookie");
     assert_eq!(second.end_to_end_headers(), expected);
     assert!(first.header("set-cookie").is_some());
-    assert_eq!(second.headers_named("x-multi"), vec![&b"one"[..], &b"two"[..]]);
-    assert!(second.header("date").is_some(), "a replay carries a fresh Date");
+    assert_eq!(
+        second.headers_named("x-multi"),
+        vec![&b"one"[..], &b"two"[..]]
+    );
+    assert!(
+        second.header("date").is_some(),
+        "a replay carries a fresh Date"
+    );
     assert_eq!(backend.count(), 1, "a replay never reaches the backend");
 }
 
 #[tokio::test]
 async fn replays_binary_chunked_and_empty_bodies() {
     let (backend, proxy) = setup().await;
-    for (path, key) in [("/orders/binary", "bin"), ("/orders/chunked", "chunk"), ("/orders/empty", "empty")] {
+    for (path, key) in [
+        ("/orders/binary", "bin"),
+        ("/orders/chunked", "chunk"),
+        ("/orders/empty", "empty"),
+    ] {
         let req = Request::post(path).key(key).body("x");
         let first = req.send(proxy.addr).await;
         assert_eq!(first.status, 200, "{path}");
@@ -48,13 +60,28 @@ async fn replays_binary_chunked_and_empty_bodies() {
         let second = req.send(proxy.addr).await;
         assert_eq!(second.result(), Some("HIT"), "{path}");
         assert_eq!(second.body, first.body, "{path}");
-        assert_eq!(second.header("content-type"), first.header("content-type"), "{path}");
-        assert_eq!(second.header("content-length"), Some(first.body.len().to_string().as_str()));
+        assert_eq!(
+            second.header("content-type"),
+            first.header("content-type"),
+            "{path}"
+        );
+        assert_eq!(
+            second.header("content-length"),
+            Some(first.body.len().to_string().as_str())
+        );
     }
     assert_eq!(backend.count(), 3);
-    let chunked = Request::post("/orders/chunked").key("chunk").body("x").send(proxy.addr).await;
+    let chunked = Request::post("/orders/chunked")
+        .key("chunk")
+        .body("x")
+        .send(proxy.addr)
+        .await;
     assert_eq!(chunked.text(), "part-0;part-1;part-2;part-3;part-4;");
-    let binary = Request::post("/orders/binary").key("bin").body("x").send(proxy.addr).await;
+    let binary = Request::post("/orders/binary")
+        .key("bin")
+        .body("x")
+        .send(proxy.addr)
+        .await;
     assert_eq!(binary.body.len(), 4096);
     assert_eq!(&binary.body[..256], &(0..=255u8).collect::<Vec<_>>()[..]);
 }
@@ -62,8 +89,16 @@ async fn replays_binary_chunked_and_empty_bodies() {
 #[tokio::test]
 async fn quoted_and_bare_keys_are_the_same_key() {
     let (backend, proxy) = setup().await;
-    let a = Request::post("/orders").key("\"abc-1\"").body("{}").send(proxy.addr).await;
-    let b = Request::post("/orders").key("abc-1").body("{}").send(proxy.addr).await;
+    let a = Request::post("/orders")
+        .key("\"abc-1\"")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    let b = Request::post("/orders")
+        .key("abc-1")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     assert_eq!((a.result(), b.result()), (Some("MISS"), Some("HIT")));
     assert_eq!(backend.count(), 1);
 }
@@ -73,17 +108,56 @@ async fn malformed_keys_and_tenants_are_400_and_never_forwarded() {
     let (backend, proxy) = setup().await;
     let long = "k".repeat(256);
     let cases: Vec<(&str, Request)> = vec![
-        ("idempotency-key-missing", Request::post("/orders").body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key("").body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key(&long).body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key("\"unterminated").body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key("\"a\"junk").body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key("has space").body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key("caf\u{e9}").body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key("a").key("b").body("{}")),
-        ("idempotency-key-invalid", Request::post("/orders").key("a, b").body("{}")),
-        ("tenant-invalid", Request::post("/orders").key("t1").header("X-Tenant-ID", "a{b}").body("{}")),
-        ("tenant-invalid", Request::post("/orders").key("t1").header("X-Tenant-ID", "x".repeat(129)).body("{}")),
+        (
+            "idempotency-key-missing",
+            Request::post("/orders").body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key("").body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key(&long).body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key("\"unterminated").body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key("\"a\"junk").body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key("has space").body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key("caf\u{e9}").body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key("a").key("b").body("{}"),
+        ),
+        (
+            "idempotency-key-invalid",
+            Request::post("/orders").key("a, b").body("{}"),
+        ),
+        (
+            "tenant-invalid",
+            Request::post("/orders")
+                .key("t1")
+                .header("X-Tenant-ID", "a{b}")
+                .body("{}"),
+        ),
+        (
+            "tenant-invalid",
+            Request::post("/orders")
+                .key("t1")
+                .header("X-Tenant-ID", "x".repeat(129))
+                .body("{}"),
+        ),
     ];
     for (kind, req) in cases {
         let resp = req.send(proxy.addr).await;
@@ -92,11 +166,24 @@ async fn malformed_keys_and_tenants_are_400_and_never_forwarded() {
         assert_eq!(resp.problem_type(), kind, "{req:?}");
     }
     // The same key repeated with the same value is one key.
-    let ok = Request::post("/orders").key("same").key("\"same\"").body("{}").send(proxy.addr).await;
+    let ok = Request::post("/orders")
+        .key("same")
+        .key("\"same\"")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     assert_eq!(ok.result(), Some("MISS"));
-    assert_eq!(backend.count(), 1, "no malformed request reached the backend");
+    assert_eq!(
+        backend.count(),
+        1,
+        "no malformed request reached the backend"
+    );
     // 255 characters is the limit, inclusive.
-    let max = Request::post("/orders").key(&"k".repeat(255)).body("{}").send(proxy.addr).await;
+    let max = Request::post("/orders")
+        .key(&"k".repeat(255))
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     assert_eq!(max.result(), Some("MISS"));
 }
 
@@ -107,14 +194,34 @@ async fn changed_payload_path_or_query_is_422() {
         .idem("fingerprint: { body: true, headers: [X-Currency] }")
         .start()
         .await;
-    let base = || Request::post("/orders").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#);
+    let base = || {
+        Request::post("/orders")
+            .key("k422")
+            .header("X-Currency", "EUR")
+            .json(r#"{"a":1}"#)
+    };
     assert_eq!(base().send(proxy.addr).await.result(), Some("MISS"));
     let changes = [
-        Request::post("/orders").key("k422").header("X-Currency", "EUR").json(r#"{"a":2}"#),
-        Request::post("/orders/other").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#),
-        Request::post("/orders?x=1").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#),
-        Request::new("PUT", "/orders").key("k422").header("X-Currency", "EUR").json(r#"{"a":1}"#),
-        Request::post("/orders").key("k422").header("X-Currency", "USD").json(r#"{"a":1}"#),
+        Request::post("/orders")
+            .key("k422")
+            .header("X-Currency", "EUR")
+            .json(r#"{"a":2}"#),
+        Request::post("/orders/other")
+            .key("k422")
+            .header("X-Currency", "EUR")
+            .json(r#"{"a":1}"#),
+        Request::post("/orders?x=1")
+            .key("k422")
+            .header("X-Currency", "EUR")
+            .json(r#"{"a":1}"#),
+        Request::new("PUT", "/orders")
+            .key("k422")
+            .header("X-Currency", "EUR")
+            .json(r#"{"a":1}"#),
+        Request::post("/orders")
+            .key("k422")
+            .header("X-Currency", "USD")
+            .json(r#"{"a":1}"#),
     ];
     for req in changes {
         let resp = req.send(proxy.addr).await;
@@ -147,10 +254,18 @@ async fn tenants_and_principals_are_isolated() {
         (Some("acme"), None),
     ];
     for (t, a) in combos {
-        assert_eq!(req(t, a).send(proxy.addr).await.result(), Some("MISS"), "{t:?} {a:?}");
+        assert_eq!(
+            req(t, a).send(proxy.addr).await.result(),
+            Some("MISS"),
+            "{t:?} {a:?}"
+        );
     }
     for (t, a) in combos {
-        assert_eq!(req(t, a).send(proxy.addr).await.result(), Some("HIT"), "{t:?} {a:?}");
+        assert_eq!(
+            req(t, a).send(proxy.addr).await.result(),
+            Some("HIT"),
+            "{t:?} {a:?}"
+        );
     }
     assert_eq!(backend.count(), combos.len());
 }
@@ -162,7 +277,9 @@ async fn concurrent_duplicates(mode: &str) -> (Backend, Vec<common::Response>) {
         .idem("wait_timeout: 10s")
         .start()
         .await;
-    let req = Request::post("/orders/slow/400").key("dup").json(r#"{"pay":100}"#);
+    let req = Request::post("/orders/slow/400")
+        .key("dup")
+        .json(r#"{"pay":100}"#);
     let tasks: Vec<_> = (0..20)
         .map(|_| {
             let req = req.clone();
@@ -182,14 +299,27 @@ async fn concurrent_duplicates(mode: &str) -> (Backend, Vec<common::Response>) {
 async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
     let (backend, responses) = concurrent_duplicates("reject").await;
     assert_eq!(backend.count(), 1);
-    let miss = responses.iter().filter(|r| r.result() == Some("MISS")).count();
+    let miss = responses
+        .iter()
+        .filter(|r| r.result() == Some("MISS"))
+        .count();
     let conflicts: Vec<_> = responses.iter().filter(|r| r.status == 409).collect();
     assert_eq!(miss, 1);
-    assert_eq!(miss + conflicts.len() + responses.iter().filter(|r| r.result() == Some("HIT")).count(), 20);
+    assert_eq!(
+        miss + conflicts.len()
+            + responses
+                .iter()
+                .filter(|r| r.result() == Some("HIT"))
+                .count(),
+        20
+    );
     for c in conflicts {
         assert_eq!(c.result(), Some("CONFLICT"));
         assert_eq!(c.problem_type(), "request-in-flight");
-        assert!(c.header("retry-after").and_then(|v| v.parse::<u64>().ok()).is_some_and(|s| s >= 1));
+        assert!(c
+            .header("retry-after")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|s| s >= 1));
     }
 }
 
@@ -197,9 +327,25 @@ async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
 async fn twenty_concurrent_duplicates_execute_once_wait_mode() {
     let (backend, responses) = concurrent_duplicates("wait").await;
     assert_eq!(backend.count(), 1);
-    assert!(responses.iter().all(|r| r.status == 201), "{:?}", responses.iter().map(|r| r.status).collect::<Vec<_>>());
-    assert_eq!(responses.iter().filter(|r| r.result() == Some("MISS")).count(), 1);
-    assert_eq!(responses.iter().filter(|r| r.result() == Some("HIT")).count(), 19);
+    assert!(
+        responses.iter().all(|r| r.status == 201),
+        "{:?}",
+        responses.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        responses
+            .iter()
+            .filter(|r| r.result() == Some("MISS"))
+            .count(),
+        1
+    );
+    assert_eq!(
+        responses
+            .iter()
+            .filter(|r| r.result() == Some("HIT"))
+            .count(),
+        19
+    );
     assert!(responses.windows(2).all(|w| w[0].body == w[1].body));
 }
 
@@ -211,7 +357,9 @@ async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
         .idem("wait_timeout: 200ms")
         .start()
         .await;
-    let req = Request::post("/orders/slow/1500").key("slow-wait").body("{}");
+    let req = Request::post("/orders/slow/1500")
+        .key("slow-wait")
+        .body("{}");
     let addr = proxy.addr;
     let first = tokio::spawn({
         let req = req.clone();
@@ -221,7 +369,10 @@ async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
     let started = std::time::Instant::now();
     let second = req.send(addr).await;
     assert_eq!(second.status, 409);
-    assert!(started.elapsed() < Duration::from_millis(1200), "waited past wait_timeout");
+    assert!(
+        started.elapsed() < Duration::from_millis(1200),
+        "waited past wait_timeout"
+    );
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(req.send(addr).await.result(), Some("HIT"));
 }
@@ -238,23 +389,38 @@ async fn server_errors_release_the_key_and_the_retry_keeps_its_execution_id() {
     assert_eq!((r3.status, r3.result()), (201, Some("MISS")));
     let r4 = req.send(proxy.addr).await;
     assert_eq!((r4.status, r4.result()), (201, Some("HIT")));
-    let ids: Vec<_> = backend.executions().into_iter().map(|e| e.execution_id).collect();
+    let ids: Vec<_> = backend
+        .executions()
+        .into_iter()
+        .map(|e| e.execution_id)
+        .collect();
     assert_eq!(ids.len(), 3);
     assert!(ids[0].is_some());
-    assert!(ids.iter().all(|id| *id == ids[0]), "same X-Idempotency-Id on every execution: {ids:?}");
+    assert!(
+        ids.iter().all(|id| *id == ids[0]),
+        "same X-Idempotency-Id on every execution: {ids:?}"
+    );
 }
 
 #[tokio::test]
 async fn transient_statuses_are_released_and_client_errors_stored() {
     let (backend, proxy) = setup().await;
     for code in [500u16, 502, 408, 429] {
-        let req = Request::post(&format!("/orders/status/{code}")).key(&format!("k{code}")).body("{}");
+        let req = Request::post(&format!("/orders/status/{code}"))
+            .key(&format!("k{code}"))
+            .body("{}");
         assert_eq!(req.send(proxy.addr).await.status, code);
-        assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"), "{code} is released");
+        assert_eq!(
+            req.send(proxy.addr).await.result(),
+            Some("MISS"),
+            "{code} is released"
+        );
     }
     assert_eq!(backend.count(), 8);
     for code in [400u16, 404, 409, 422] {
-        let req = Request::post(&format!("/orders/status/{code}")).key(&format!("k{code}")).body("{}");
+        let req = Request::post(&format!("/orders/status/{code}"))
+            .key(&format!("k{code}"))
+            .body("{}");
         let first = req.send(proxy.addr).await;
         let second = req.send(proxy.addr).await;
         assert_eq!((first.status, second.status), (code, code));
@@ -268,7 +434,11 @@ async fn transient_statuses_are_released_and_client_errors_stored() {
 async fn execution_ids_are_snowflakes_distinct_per_key() {
     let (backend, proxy) = setup().await;
     for i in 0..5 {
-        Request::post("/orders").key(&format!("id-{i}")).body("{}").send(proxy.addr).await;
+        Request::post("/orders")
+            .key(&format!("id-{i}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
     }
     let ids: Vec<u64> = backend
         .executions()
@@ -297,8 +467,15 @@ async fn completed_record_expires_after_ttl() {
     assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
     tokio::time::sleep(Duration::from_millis(1300)).await;
     assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
-    let ids: Vec<_> = backend.executions().into_iter().map(|e| e.execution_id).collect();
-    assert_ne!(ids[0], ids[1], "an expired record starts over with a new execution id");
+    let ids: Vec<_> = backend
+        .executions()
+        .into_iter()
+        .map(|e| e.execution_id)
+        .collect();
+    assert_ne!(
+        ids[0], ids[1],
+        "an expired record starts over with a new execution id"
+    );
 }
 
 #[tokio::test]
@@ -316,12 +493,23 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
     assert_eq!(first.status, 504);
     assert_eq!(first.problem_type(), "upstream-outcome-unknown");
     let second = req.send(proxy.addr).await;
-    assert_eq!(second.status, 409, "the claim is kept while the outcome is unknown");
+    assert_eq!(
+        second.status, 409,
+        "the claim is kept while the outcome is unknown"
+    );
     tokio::time::sleep(Duration::from_millis(1600)).await;
-    let third = Request::post("/orders/slow/800").key("lost").body("{}").send(proxy.addr).await;
+    let third = Request::post("/orders/slow/800")
+        .key("lost")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     // Executes again after the lock lapsed, under the same execution id.
     assert_eq!(third.status, 504);
-    let ids: Vec<_> = backend.executions().into_iter().map(|e| e.execution_id).collect();
+    let ids: Vec<_> = backend
+        .executions()
+        .into_iter()
+        .map(|e| e.execution_id)
+        .collect();
     assert_eq!(ids.len(), 2);
     assert_eq!(ids[0], ids[1]);
 }
@@ -347,11 +535,18 @@ async fn unreachable_backend_releases_the_key() {
 #[tokio::test]
 async fn responses_over_the_limit_are_streamed_and_never_executed_twice() {
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend).idem("max_response_bytes: 1KiB").start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("max_response_bytes: 1KiB")
+        .start()
+        .await;
     let req = Request::post("/orders/large/5000").key("big").body("{}");
     let first = req.send(proxy.addr).await;
     assert_eq!(first.status, 200);
-    assert_eq!(first.body.len(), 5000, "the client still gets the whole response");
+    assert_eq!(
+        first.body.len(),
+        5000,
+        "the client still gets the whole response"
+    );
     let second = req.send(proxy.addr).await;
     assert_eq!(second.status, 409);
     assert_eq!(second.result(), Some("CONFLICT"));
@@ -375,12 +570,18 @@ async fn one_mebibyte_and_chunked_bodies_reach_the_backend_whole() {
     assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
 
     let chunked_body: Vec<u8> = (0..300 * 1024).map(|i| (i % 7) as u8).collect();
-    let req = Request::post("/orders/echo").key("chunked").body(chunked_body.clone()).chunked(16 * 1024);
+    let req = Request::post("/orders/echo")
+        .key("chunked")
+        .body(chunked_body.clone())
+        .chunked(16 * 1024);
     let r = req.send(proxy.addr).await;
     assert_eq!(r.status, 200);
     assert_eq!(backend.executions()[1].body, chunked_body);
     // The same body sent with other chunk sizes is the same request.
-    let again = Request::post("/orders/echo").key("chunked").body(chunked_body).chunked(1000);
+    let again = Request::post("/orders/echo")
+        .key("chunked")
+        .body(chunked_body)
+        .chunked(1000);
     assert_eq!(again.send(proxy.addr).await.result(), Some("HIT"));
     assert_eq!(backend.count(), 2);
 }
@@ -388,16 +589,32 @@ async fn one_mebibyte_and_chunked_bodies_reach_the_backend_whole() {
 #[tokio::test]
 async fn bodies_over_the_limit_are_413_and_never_forwarded() {
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend).idem("max_request_bytes: 64KiB").start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("max_request_bytes: 64KiB")
+        .start()
+        .await;
     let big = vec![b'x'; 64 * 1024 + 1];
-    let r = Request::post("/orders").key("big1").body(big.clone()).send(proxy.addr).await;
+    let r = Request::post("/orders")
+        .key("big1")
+        .body(big.clone())
+        .send(proxy.addr)
+        .await;
     assert_eq!(r.status, 413);
     assert_eq!(r.problem_type(), "request-too-large");
-    let r = Request::post("/orders").key("big2").body(big).chunked(8192).send(proxy.addr).await;
+    let r = Request::post("/orders")
+        .key("big2")
+        .body(big)
+        .chunked(8192)
+        .send(proxy.addr)
+        .await;
     assert_eq!(r.status, 413);
     assert_eq!(r.result(), Some("INVALID"));
     assert_eq!(backend.count(), 0);
-    let ok = Request::post("/orders").key("fits").body(vec![b'x'; 64 * 1024]).send(proxy.addr).await;
+    let ok = Request::post("/orders")
+        .key("fits")
+        .body(vec![b'x'; 64 * 1024])
+        .send(proxy.addr)
+        .await;
     assert_eq!(ok.result(), Some("MISS"));
 }
 
@@ -413,8 +630,15 @@ async fn expect_continue_is_answered_and_not_forwarded() {
     .unwrap();
     let mut buf = [0u8; 64];
     use tokio::io::AsyncReadExt;
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
-    assert!(buf[..n].starts_with(b"HTTP/1.1 100"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 100"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
     s.write_all(b"{}").await.unwrap();
     let r = common::client::read_response(&mut s, false).await.unwrap();
     assert_eq!(r.status, 201);
@@ -427,7 +651,9 @@ async fn expect_continue_is_answered_and_not_forwarded() {
 async fn client_disconnect_does_not_lose_the_outcome() {
     let (backend, proxy) = setup().await;
     use tokio::io::AsyncWriteExt;
-    let req = Request::post("/orders/slow/500").key("gone").body("{\"a\":1}");
+    let req = Request::post("/orders/slow/500")
+        .key("gone")
+        .body("{\"a\":1}");
     {
         let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
         s.write_all(&req.to_bytes()).await.unwrap();
@@ -436,17 +662,29 @@ async fn client_disconnect_does_not_lose_the_outcome() {
     }
     tokio::time::sleep(Duration::from_millis(900)).await;
     let retry = req.send(proxy.addr).await;
-    assert_eq!(retry.result(), Some("HIT"), "the outcome was stored after the client left");
+    assert_eq!(
+        retry.result(),
+        Some("HIT"),
+        "the outcome was stored after the client left"
+    );
     assert_eq!(backend.count(), 1);
 }
 
 #[tokio::test]
 async fn routes_without_idempotency_forward_untouched() {
     let (backend, proxy) = setup().await;
-    let plain = Request::post("/plain").key("p").body("{}").send(proxy.addr).await;
+    let plain = Request::post("/plain")
+        .key("p")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     assert_eq!(plain.status, 201);
     assert_eq!(plain.result(), None);
-    let plain2 = Request::post("/plain").key("p").body("{}").send(proxy.addr).await;
+    let plain2 = Request::post("/plain")
+        .key("p")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     assert_eq!(plain2.result(), None);
     // A method the idempotent route does not list.
     let get = Request::get("/orders").key("g").send(proxy.addr).await;
@@ -462,7 +700,10 @@ async fn routes_without_idempotency_forward_untouched() {
     assert_eq!(k.send(proxy.addr).await.result(), Some("MISS"));
     assert_eq!(k.send(proxy.addr).await.result(), Some("HIT"));
     assert_eq!(backend.count(), 6);
-    assert!(backend.executions()[0].execution_id.is_none(), "no idempotency headers on plain routes");
+    assert!(
+        backend.executions()[0].execution_id.is_none(),
+        "no idempotency headers on plain routes"
+    );
     // No route and no default upstream.
     let none = Request::post("/nowhere").body("{}").send(proxy.addr).await;
     assert_eq!(none.status, 404);
@@ -472,10 +713,17 @@ async fn routes_without_idempotency_forward_untouched() {
 #[tokio::test]
 async fn full_store_refuses_new_claims_with_503() {
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend).store("memory: { capacity: 4KiB, shards: 1 }").start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .store("memory: { capacity: 4KiB, shards: 1 }")
+        .start()
+        .await;
     let mut codes = Vec::new();
     for i in 0..200 {
-        let r = Request::post("/orders").key(&format!("fill-{i}")).body("{}").send(proxy.addr).await;
+        let r = Request::post("/orders")
+            .key(&format!("fill-{i}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
         codes.push(r.status);
         if r.status == 503 {
             assert_eq!(r.result(), Some("UNAVAILABLE"));
@@ -486,7 +734,11 @@ async fn full_store_refuses_new_claims_with_503() {
     }
     assert_eq!(codes.last(), Some(&503), "the store filled up");
     // Live records are never forgotten: the first key still replays.
-    let first = Request::post("/orders").key("fill-0").body("{}").send(proxy.addr).await;
+    let first = Request::post("/orders")
+        .key("fill-0")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     assert_eq!(first.result(), Some("HIT"));
 }
 
@@ -495,7 +747,13 @@ async fn sigterm_drains_in_flight_requests_and_exits_zero() {
     let backend = Backend::start().await;
     let mut proxy = ProxyBuilder::new(&backend).start().await;
     let addr = proxy.addr;
-    let inflight = tokio::spawn(async move { Request::post("/orders/slow/1000").key("drain").body("{}").send(addr).await });
+    let inflight = tokio::spawn(async move {
+        Request::post("/orders/slow/1000")
+            .key("drain")
+            .body("{}")
+            .send(addr)
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.signal("TERM");
     let started = std::time::Instant::now();
@@ -511,7 +769,10 @@ async fn sigterm_drains_in_flight_requests_and_exits_zero() {
     let (status, proxy) = status;
     let status = status.expect("exited within the grace period");
     assert!(status.success(), "exit status {status:?}");
-    assert!(started.elapsed() < Duration::from_secs(10), "did not wait out the whole grace period");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "did not wait out the whole grace period"
+    );
     assert!(proxy.log().contains("drained"));
     // New connections are refused once draining.
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
@@ -520,18 +781,32 @@ async fn sigterm_drains_in_flight_requests_and_exits_zero() {
 #[tokio::test]
 async fn admin_endpoints_and_metrics() {
     let (_backend, proxy) = setup().await;
-    Request::post("/orders").key("secret-key-value").body("{}").send(proxy.addr).await;
-    Request::post("/orders").key("secret-key-value").body("{}").send(proxy.addr).await;
+    Request::post("/orders")
+        .key("secret-key-value")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    Request::post("/orders")
+        .key("secret-key-value")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
     Request::post("/orders").body("{}").send(proxy.addr).await;
     assert_eq!(Request::get("/healthz").send(proxy.admin).await.status, 200);
     assert_eq!(Request::get("/readyz").send(proxy.admin).await.status, 200);
     let m = proxy.metrics().await;
-    assert!(m.contains(r#"idemgate_requests_total{result="MISS",route="orders"} 1"#), "{m}");
+    assert!(
+        m.contains(r#"idemgate_requests_total{result="MISS",route="orders"} 1"#),
+        "{m}"
+    );
     assert!(m.contains(r#"idemgate_requests_total{result="HIT",route="orders"} 1"#));
     assert!(m.contains(r#"idemgate_requests_total{result="INVALID",route="orders"} 1"#));
     assert!(m.contains("idemgate_request_duration_seconds_bucket"));
     assert!(m.contains("idemgate_store_records 1"));
     assert!(!m.contains("secret-key-value"));
-    assert!(!proxy.log().contains("secret-key-value"), "raw keys never logged");
+    assert!(
+        !proxy.log().contains("secret-key-value"),
+        "raw keys never logged"
+    );
     assert_eq!(Request::get("/nope").send(proxy.admin).await.status, 404);
 }

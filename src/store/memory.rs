@@ -35,6 +35,12 @@ pub const ENTRY_OVERHEAD_BYTES: usize = 128;
 /// Upper bound on the shard count; more shards than this only waste memory.
 const MAX_SHARDS: usize = 1 << 16;
 
+/// Minimum spacing of the sweeps a full store runs to make room. While full, every refused
+/// claim would otherwise walk every shard; a flood of new keys must not turn into a flood of
+/// full sweeps. The price: a record that expired within this window may not be collected in time
+/// for a claim, which is then refused as if the store were full of live records.
+const ROOM_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
+
 /// Roughly thirty years: stands in for "never" when a deadline would overflow `Instant`.
 const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
 
@@ -50,6 +56,8 @@ pub struct MemoryStore {
     used: AtomicUsize,
     /// Records held, including expired ones not yet collected.
     records: AtomicUsize,
+    /// When the last make-room sweep started; see [`ROOM_SWEEP_INTERVAL`].
+    last_room_sweep: Mutex<Option<Instant>>,
 }
 
 /// One record as the memory store keeps it.
@@ -101,6 +109,7 @@ impl MemoryStore {
             capacity: capacity_bytes,
             used: AtomicUsize::new(0),
             records: AtomicUsize::new(0),
+            last_room_sweep: Mutex::new(None),
         }
     }
 
@@ -144,6 +153,20 @@ impl MemoryStore {
                 store.sweep_expired();
             }
         })
+    }
+
+    /// Sweeps to make room for a write that did not fit, unless another sweep started within
+    /// [`ROOM_SWEEP_INTERVAL`] (which also keeps concurrent refused writes from all sweeping).
+    fn sweep_for_room(&self) {
+        let now = Instant::now();
+        {
+            let mut last = self.last_room_sweep.lock();
+            if last.is_some_and(|at| now < at + ROOM_SWEEP_INTERVAL) {
+                return;
+            }
+            *last = Some(now);
+        }
+        self.sweep_expired();
     }
 
     fn shard(&self, key: &RecordKey) -> &Shard {
@@ -242,7 +265,7 @@ impl RecordStore for MemoryStore {
         }
         // No lock is held here, so sweeping every shard cannot deadlock with this one. The
         // retry re-reads the record: someone may have created it meanwhile.
-        self.sweep_expired();
+        self.sweep_for_room();
         match self.try_claim(req) {
             Attempt::Done(outcome) => Ok(outcome),
             Attempt::NeedRoom => Err(StoreError::Full {
@@ -267,7 +290,7 @@ impl RecordStore for MemoryStore {
             if let Attempt::Done(outcome) = self.try_complete(key, owner, &completion, extra, ttl) {
                 return Ok(outcome);
             }
-            self.sweep_expired();
+            self.sweep_for_room();
             if let Attempt::Done(outcome) = self.try_complete(key, owner, &completion, extra, ttl) {
                 return Ok(outcome);
             }
@@ -686,6 +709,11 @@ mod tests {
             store.claim(&claim_req(&key(5), 60 * SECOND)).await,
             Err(StoreError::Full { .. })
         ));
+        // Refusals do not stop later sweeps: once records expire, the room comes back.
+        tokio::time::advance(61 * SECOND).await;
+        let outcome = store.claim(&claim_req(&key(5), 60 * SECOND)).await.unwrap();
+        assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
+        assert_eq!(store.usage().unwrap().records, 1);
     }
 
     #[tokio::test(start_paused = true)]

@@ -48,13 +48,20 @@ fn full(b: impl Into<Bytes>) -> Body {
 impl Backend {
     /// Starts the backend on a free loopback port, in the background.
     pub async fn start() -> Backend {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind backend");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind backend");
         let addr = listener.local_addr().expect("backend addr");
-        let backend = Backend { addr, state: Arc::default() };
+        let backend = Backend {
+            addr,
+            state: Arc::default(),
+        };
         let b = backend.clone();
         tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 let b = b.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
@@ -93,7 +100,12 @@ impl Backend {
             .get("x-idempotency-id")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
-        let body = req.into_body().collect().await.map(|c| c.to_bytes().to_vec()).unwrap_or_default();
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes().to_vec())
+            .unwrap_or_default();
         let (n, same_id) = {
             let mut st = self.state.lock().unwrap();
             let same_id = st
@@ -101,26 +113,50 @@ impl Backend {
                 .iter()
                 .filter(|e| execution_id.is_some() && e.execution_id == execution_id)
                 .count();
-            st.executions.push(Execution { method, path: path.clone(), execution_id, headers, body: body.clone() });
+            st.executions.push(Execution {
+                method,
+                path: path.clone(),
+                execution_id,
+                headers,
+                body: body.clone(),
+            });
             (st.executions.len(), same_id)
         };
         let seg: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        let find = |name: &str| seg.iter().position(|s| *s == name).and_then(|i| seg.get(i + 1)).copied();
+        let find = |name: &str| {
+            seg.iter()
+                .position(|s| *s == name)
+                .and_then(|i| seg.get(i + 1))
+                .copied()
+        };
         if let Some(ms) = find("slow").and_then(|v| v.parse::<u64>().ok()) {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
         let mut resp = Response::builder();
         if seg.contains(&"binary") {
             let body: Vec<u8> = (0..=255u8).cycle().take(4096).collect();
-            return resp.status(200).header("content-type", "application/octet-stream").body(full(body)).unwrap();
+            return resp
+                .status(200)
+                .header("content-type", "application/octet-stream")
+                .body(full(body))
+                .unwrap();
         }
         if seg.contains(&"chunked") {
-            let frames = (0..5).map(|i| Ok::<_, Infallible>(Frame::data(Bytes::from(format!("part-{i};")))));
+            let frames =
+                (0..5).map(|i| Ok::<_, Infallible>(Frame::data(Bytes::from(format!("part-{i};")))));
             let body = BodyExt::boxed(chunk_frames(frames.collect()));
-            return resp.status(200).header("content-type", "text/plain").body(body).unwrap();
+            return resp
+                .status(200)
+                .header("content-type", "text/plain")
+                .body(body)
+                .unwrap();
         }
         if seg.contains(&"empty") {
-            return resp.status(200).header("x-empty", "yes").body(full(Bytes::new())).unwrap();
+            return resp
+                .status(200)
+                .header("x-empty", "yes")
+                .body(full(Bytes::new()))
+                .unwrap();
         }
         if let Some(code) = find("status").and_then(|v| v.parse::<u16>().ok()) {
             return resp
@@ -136,10 +172,18 @@ impl Backend {
         }
         if let Some(len) = find("large").and_then(|v| v.parse::<usize>().ok()) {
             let body: Vec<u8> = (0..len).map(|i| b'a' + (i % 26) as u8).collect();
-            return resp.status(200).header("content-type", "text/plain").body(full(body)).unwrap();
+            return resp
+                .status(200)
+                .header("content-type", "text/plain")
+                .body(full(body))
+                .unwrap();
         }
         if seg.contains(&"echo") {
-            return resp.status(200).header("content-type", "application/octet-stream").body(full(body)).unwrap();
+            return resp
+                .status(200)
+                .header("content-type", "application/octet-stream")
+                .body(full(body))
+                .unwrap();
         }
         resp = resp
             .status(201)
@@ -148,7 +192,8 @@ impl Backend {
             .header("set-cookie", "session=abc")
             .header("x-multi", "one")
             .header("x-multi", "two");
-        resp.body(full(format!("{{\"order\":{n},\"bytes\":{}}}", body.len()))).unwrap()
+        resp.body(full(format!("{{\"order\":{n},\"bytes\":{}}}", body.len())))
+            .unwrap()
     }
 }
 
@@ -163,7 +208,10 @@ fn chunk_frames(
     impl hyper::body::Body for Frames {
         type Data = Bytes;
         type Error = Infallible;
-        fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
             Poll::Ready(self.0.pop_front())
         }
     }

@@ -19,7 +19,13 @@ pub struct Request {
 
 impl Request {
     pub fn new(method: &str, path: &str) -> Self {
-        Request { method: method.into(), path: path.into(), headers: vec![], body: vec![], chunked: None }
+        Request {
+            method: method.into(),
+            path: path.into(),
+            headers: vec![],
+            body: vec![],
+            chunked: None,
+        }
     }
     pub fn post(path: &str) -> Self {
         Self::new("POST", path)
@@ -39,7 +45,8 @@ impl Request {
         self
     }
     pub fn json(self, body: &str) -> Self {
-        self.header("Content-Type", "application/json").body(body.as_bytes().to_vec())
+        self.header("Content-Type", "application/json")
+            .body(body.as_bytes().to_vec())
     }
     pub fn chunked(mut self, piece: usize) -> Self {
         self.chunked = Some(piece);
@@ -48,7 +55,8 @@ impl Request {
 
     /// The request's bytes on the wire.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = format!("{} {} HTTP/1.1\r\nHost: test\r\n", self.method, self.path).into_bytes();
+        let mut out =
+            format!("{} {} HTTP/1.1\r\nHost: test\r\n", self.method, self.path).into_bytes();
         for (n, v) in &self.headers {
             out.extend_from_slice(n.as_bytes());
             out.extend_from_slice(b": ");
@@ -66,9 +74,14 @@ impl Request {
                 out.extend_from_slice(b"0\r\n\r\n");
             }
             None => {
-                let has_len = self.headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("content-length"));
-                if !self.body.is_empty() && !has_len || self.method == "POST" && !has_len {
-                    out.extend_from_slice(format!("Content-Length: {}\r\n", self.body.len()).as_bytes());
+                let has_len = self
+                    .headers
+                    .iter()
+                    .any(|(n, _)| n.eq_ignore_ascii_case("content-length"));
+                if !has_len && (!self.body.is_empty() || self.method == "POST") {
+                    out.extend_from_slice(
+                        format!("Content-Length: {}\r\n", self.body.len()).as_bytes(),
+                    );
                 }
                 out.extend_from_slice(b"\r\n");
                 out.extend_from_slice(&self.body);
@@ -80,8 +93,13 @@ impl Request {
     /// Sends on a fresh connection and reads the whole response.
     pub async fn send(&self, addr: SocketAddr) -> Response {
         let mut stream = TcpStream::connect(addr).await.expect("connect to proxy");
-        stream.write_all(&self.to_bytes()).await.expect("write request");
-        read_response(&mut stream, self.method == "HEAD").await.expect("read response")
+        stream
+            .write_all(&self.to_bytes())
+            .await
+            .expect("write request");
+        read_response(&mut stream, self.method == "HEAD")
+            .await
+            .expect("read response")
     }
 }
 
@@ -99,11 +117,18 @@ pub struct Response {
 impl Response {
     pub fn header(&self, name: &str) -> Option<&str> {
         let name = name.to_ascii_lowercase();
-        self.headers.iter().find(|(n, _)| *n == name).and_then(|(_, v)| std::str::from_utf8(v).ok())
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
     }
     pub fn headers_named(&self, name: &str) -> Vec<&[u8]> {
         let name = name.to_ascii_lowercase();
-        self.headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v.as_slice()).collect()
+        self.headers
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_slice())
+            .collect()
     }
     pub fn result(&self) -> Option<&str> {
         self.header("x-idempotent-result")
@@ -112,9 +137,19 @@ impl Response {
         String::from_utf8_lossy(&self.body).into_owned()
     }
     pub fn problem_type(&self) -> String {
-        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
         let v: serde_json::Value = serde_json::from_slice(&self.body).expect("problem json");
-        v["type"].as_str().unwrap_or_default().rsplit('/').next().unwrap_or_default().to_string()
+        v["type"]
+            .as_str()
+            .unwrap_or_default()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string()
     }
     /// Headers minus the ones a replay legitimately changes.
     pub fn end_to_end_headers(&self) -> Vec<(String, Vec<u8>)> {
@@ -123,8 +158,13 @@ impl Response {
             .filter(|(n, _)| {
                 !matches!(
                     n.as_str(),
-                    "date" | "content-length" | "transfer-encoding" | "connection" | "keep-alive"
-                        | "x-idempotent-result" | "idempotent-replayed"
+                    "date"
+                        | "content-length"
+                        | "transfer-encoding"
+                        | "connection"
+                        | "keep-alive"
+                        | "x-idempotent-result"
+                        | "idempotent-replayed"
                 )
             })
             .cloned()
@@ -140,7 +180,10 @@ async fn read_until_headers(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::i
         let mut chunk = vec![0u8; 8192];
         let n = stream.read(&mut chunk).await?;
         if n == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "eof before headers"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "eof before headers",
+            ));
         }
         buf.extend_from_slice(&chunk[..n]);
     }
@@ -151,7 +194,10 @@ async fn fill(stream: &mut TcpStream, buf: &mut Vec<u8>, want: usize) -> std::io
         let mut chunk = vec![0u8; 65536];
         let n = stream.read(&mut chunk).await?;
         if n == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "eof in body"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "eof in body",
+            ));
         }
         buf.extend_from_slice(&chunk[..n]);
     }
@@ -167,7 +213,11 @@ pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Resul
             let head_text = String::from_utf8_lossy(&buf[..end]).into_owned();
             let mut lines = head_text.split("\r\n");
             let status_line = lines.next().unwrap_or_default();
-            let status: u16 = status_line.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let status: u16 = status_line
+                .split(' ')
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
             let mut headers = Vec::new();
             for line in lines.filter(|l| !l.is_empty()) {
                 if let Some((n, v)) = line.split_once(':') {
@@ -178,8 +228,14 @@ pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Resul
             if (100..200).contains(&status) {
                 continue;
             }
-            let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
-            let chunked = get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+            let get = |name: &str| {
+                headers
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            };
+            let chunked =
+                get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
             let mut body = Vec::new();
             if head || status == 204 || status == 304 {
             } else if chunked {
@@ -192,8 +248,11 @@ pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Resul
                         fill(stream, &mut buf, want).await?;
                     };
                     let size_text = String::from_utf8_lossy(&buf[..line_end]).into_owned();
-                    let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-                        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "chunk size"))?;
+                    let size =
+                        usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                            .map_err(|_| {
+                                std::io::Error::new(std::io::ErrorKind::InvalidData, "chunk size")
+                            })?;
                     buf.drain(..line_end + 2);
                     if size == 0 {
                         // Trailers (if any) end with an empty line.
@@ -226,10 +285,20 @@ pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Resul
                 buf.extend_from_slice(&rest);
                 body = std::mem::take(&mut buf);
             }
-            return Ok(Response { status, headers, body, chunked });
+            return Ok(Response {
+                status,
+                headers,
+                body,
+                chunked,
+            });
         }
     };
     tokio::time::timeout(Duration::from_secs(30), Box::pin(fut))
         .await
-        .unwrap_or_else(|_| Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "response timeout")))
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "response timeout",
+            ))
+        })
 }

@@ -11,7 +11,11 @@ use super::client::Request;
 
 /// A free loopback port (bound then released; the proxy binds it right after).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Builds the config of a test proxy: an `orders` route on `/orders` (idempotent, POST PUT
@@ -27,7 +31,13 @@ pub struct ProxyBuilder {
 
 impl ProxyBuilder {
     pub fn new(backend: &Backend) -> Self {
-        ProxyBuilder { backend: backend.addr, idempotency: vec![], upstream: vec![], store: vec![], top: vec![] }
+        ProxyBuilder {
+            backend: backend.addr,
+            idempotency: vec![],
+            upstream: vec![],
+            store: vec![],
+            top: vec![],
+        }
     }
     /// A line (`key: value`) added to the `orders` route's idempotency block.
     pub fn idem(mut self, line: &str) -> Self {
@@ -52,7 +62,10 @@ impl ProxyBuilder {
 
     fn yaml(&self, port: u16, admin: u16) -> String {
         let ind = |lines: &[String], n: usize| {
-            lines.iter().map(|l| format!("{}{l}\n", " ".repeat(n))).collect::<String>()
+            lines
+                .iter()
+                .map(|l| format!("{}{l}\n", " ".repeat(n)))
+                .collect::<String>()
         };
         format!(
             "listen: \"127.0.0.1:{port}\"\nthreads: 2\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
@@ -138,7 +151,10 @@ impl Proxy {
 
     /// Sends a signal (`TERM`, `KILL`, ...) to the proxy.
     pub fn signal(&self, name: &str) {
-        let status = Command::new("kill").arg(format!("-{name}")).arg(self.pid().to_string()).status();
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.pid().to_string())
+            .status();
         assert!(status.is_ok_and(|s| s.success()), "kill -{name} failed");
     }
 
