@@ -3,6 +3,10 @@
 //! Labels carry route names, results and store operations only: never a key, tenant, scope value
 //! or body, so cardinality is bounded by the config.
 
+use std::collections::HashMap;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, Metric, MetricFamily, MetricType};
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
@@ -142,12 +146,92 @@ impl Metrics {
         }
     }
 
+    /// Registers a gauge read from `value` at every scrape (state owned elsewhere, e.g. the
+    /// store layers' atomics, which must not depend on this module).
+    pub fn pull_gauge(
+        &self,
+        name: &str,
+        help: &str,
+        value: impl Fn() -> f64 + Send + Sync + 'static,
+    ) {
+        self.register_pulled(name, help, MetricType::GAUGE, Box::new(value));
+    }
+
+    /// Registers a counter read from `value` (monotonic) at every scrape.
+    pub fn pull_counter(
+        &self,
+        name: &str,
+        help: &str,
+        value: impl Fn() -> f64 + Send + Sync + 'static,
+    ) {
+        self.register_pulled(name, help, MetricType::COUNTER, Box::new(value));
+    }
+
+    fn register_pulled(&self, name: &str, help: &str, kind: MetricType, value: PullFn) {
+        match Pulled::new(name, help, kind, value) {
+            Ok(p) => {
+                if let Err(e) = self.registry.register(Box::new(p)) {
+                    tracing::warn!(metric = name, error = %e, "metric not registered");
+                }
+            }
+            Err(e) => tracing::warn!(metric = name, error = %e, "metric not registered"),
+        }
+    }
+
     /// Renders the registry in the Prometheus text exposition format.
     pub fn render(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(8 * 1024);
         // Encoding into a Vec cannot fail for well-formed metric families.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
+    }
+}
+
+type PullFn = Box<dyn Fn() -> f64 + Send + Sync>;
+
+/// A single-value metric whose value is read at scrape time.
+struct Pulled {
+    desc: Desc,
+    kind: MetricType,
+    value: PullFn,
+}
+
+impl Pulled {
+    fn new(name: &str, help: &str, kind: MetricType, value: PullFn) -> prometheus::Result<Self> {
+        let desc = Desc::new(
+            name.to_string(),
+            help.to_string(),
+            Vec::new(),
+            HashMap::new(),
+        )?;
+        Ok(Pulled { desc, kind, value })
+    }
+}
+
+impl Collector for Pulled {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let v = (self.value)();
+        let metric = if self.kind == MetricType::COUNTER {
+            let mut c = proto::Counter::default();
+            c.set_value(v);
+            let mut m = Metric::default();
+            m.set_counter(c);
+            m
+        } else {
+            let mut g = proto::Gauge::default();
+            g.set_value(v);
+            Metric::from_gauge(g)
+        };
+        let mut family = MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(self.kind);
+        family.set_metric(vec![metric]);
+        vec![family]
     }
 }
 
@@ -172,5 +256,26 @@ mod tests {
         assert!(text.contains("idemgate_requests_total{result=\"HIT\",route=\"orders\"} 1"));
         assert!(text.contains("idemgate_request_duration_seconds_bucket"));
         assert!(text.contains("idemgate_build_info"));
+    }
+
+    #[test]
+    fn pulled_metrics_are_read_at_scrape_time() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        let m = Metrics::new();
+        let hits = Arc::new(AtomicU64::new(0));
+        let h = hits.clone();
+        m.pull_counter("idemgate_test_hits_total", "hits", move || {
+            h.load(Ordering::Relaxed) as f64
+        });
+        m.pull_gauge("idemgate_test_fill_ratio", "fill", || 0.25);
+        hits.store(7, Ordering::Relaxed);
+        let text = String::from_utf8(m.render()).unwrap();
+        assert!(
+            text.contains("# TYPE idemgate_test_hits_total counter"),
+            "{text}"
+        );
+        assert!(text.contains("idemgate_test_hits_total 7"));
+        assert!(text.contains("idemgate_test_fill_ratio 0.25"));
     }
 }

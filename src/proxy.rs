@@ -28,6 +28,7 @@ use crate::key;
 use crate::metrics::Metrics;
 use crate::problem::{Outcome, Problem};
 use crate::snowflake::Snowflake;
+use crate::store::retry::{CompletionRetrier, PendingCompletion};
 use crate::store::{
     ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
     StoreError, StoredResponse, WriteOutcome,
@@ -167,6 +168,7 @@ pub struct Gate {
     metrics: Arc<Metrics>,
     connector: Connector,
     in_flight: Arc<InFlightCounter>,
+    retrier: CompletionRetrier,
 }
 
 /// How a keyed request ended, for the log line and metrics.
@@ -194,6 +196,7 @@ impl Gate {
         worker_id: u16,
         metrics: Arc<Metrics>,
         in_flight: Arc<InFlightCounter>,
+        retrier: CompletionRetrier,
     ) -> Self {
         Gate {
             current,
@@ -203,6 +206,7 @@ impl Gate {
             metrics,
             connector: Connector::new(None),
             in_flight,
+            retrier,
         }
     }
 
@@ -510,11 +514,15 @@ impl Gate {
             downstream.remove_header(name);
         }
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
-        let mut client_gone = session
-            .write_response_header(Box::new(downstream), false)
-            .await
-            .is_err();
 
+        // The last bytes of the response (and the header, until a body chunk follows it) are held
+        // back until the record is stored or released: a client that has the whole response and
+        // retries at once always finds the outcome, never its own claim (409).
+        let mut out = Downstream {
+            header: Some(Box::new(downstream)),
+            held: None,
+            gone: false,
+        };
         let mut captured = storable.then(BytesMut::new);
         let mut too_large = false;
         let body_result: Result<()> = async {
@@ -530,12 +538,7 @@ impl Gate {
                         buf.extend_from_slice(&chunk);
                     }
                 }
-                if !client_gone {
-                    client_gone = session
-                        .write_response_body(Some(chunk), false)
-                        .await
-                        .is_err();
-                }
+                out.push(session, chunk).await;
             }
             Ok(())
         }
@@ -548,15 +551,19 @@ impl Gate {
         if let Err(e) = body_result {
             tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
             upstream.shutdown().await;
+            if out.header.is_some() {
+                // Nothing reached the client yet: it can still be told the truth.
+                return self
+                    .refuse(session, Problem::UpstreamOutcomeUnknown)
+                    .await
+                    .map(|_| Handled { outcome });
+            }
             // The client saw a partial response; closing is the only honest signal left.
             session.set_keepalive(None);
             return Err(Error::explain(
                 pingora::ErrorType::ConnectionClosed,
                 "upstream response cut off",
             ));
-        }
-        if !client_gone {
-            client_gone = session.write_response_body(None, true).await.is_err();
         }
         self.connector
             .release_http_session(upstream, peer, Some(pool.idle_timeout))
@@ -577,7 +584,8 @@ impl Gate {
                 self.release(claim).await;
             }
         }
-        if client_gone {
+        out.finish(session).await;
+        if out.gone {
             tracing::info!(route = %route.name, status, "client left before the response; outcome stored");
         }
         Ok(Handled { outcome })
@@ -619,17 +627,25 @@ impl Gate {
         let started = Instant::now();
         let written = claim
             .store
-            .complete(&claim.key, claim.owner, completion, ttl)
+            .complete(&claim.key, claim.owner, completion.clone(), ttl)
             .await;
         self.observe_store("complete", started, written.is_err());
+        let record = key::hash_label(&claim.key.hash);
         match written {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::NotOwner) => {
                 self.metrics.fenced_writes.inc();
-                tracing::warn!(record = %key::hash_label(&claim.key.hash), "lock lapsed and was taken over; response not stored");
+                tracing::warn!(%record, "lock lapsed and was taken over; response not stored");
             }
             Err(e) => {
-                tracing::error!(record = %key::hash_label(&claim.key.hash), error = %e, "storing the response failed");
+                tracing::warn!(%record, error = %e, "storing the response failed; retrying");
+                self.retrier.submit(PendingCompletion {
+                    key: claim.key.clone(),
+                    owner: claim.owner,
+                    completion,
+                    ttl,
+                    execution_id: claim.execution_id,
+                });
             }
         }
     }
@@ -689,6 +705,43 @@ impl Gate {
         Ok(Some(Handled {
             outcome: problem.outcome(),
         }))
+    }
+}
+
+/// The client side of an executed request: writes lag one chunk behind the backend.
+struct Downstream {
+    header: Option<Box<ResponseHeader>>,
+    held: Option<Bytes>,
+    gone: bool,
+}
+
+impl Downstream {
+    /// Takes a new chunk, sending the one held before it (and the header, first time).
+    async fn push(&mut self, session: &mut Session, chunk: Bytes) {
+        if let Some(prev) = self.held.replace(chunk) {
+            self.write(session, Some(prev), false).await;
+        }
+    }
+
+    /// Sends what is held and ends the response.
+    async fn finish(&mut self, session: &mut Session) {
+        let last = self.held.take();
+        self.write(session, last, true).await;
+    }
+
+    async fn write(&mut self, session: &mut Session, data: Option<Bytes>, end: bool) {
+        if self.gone {
+            return;
+        }
+        if let Some(header) = self.header.take() {
+            if session.write_response_header(header, false).await.is_err() {
+                self.gone = true;
+                return;
+            }
+        }
+        if data.is_some() || end {
+            self.gone = session.write_response_body(data, end).await.is_err();
+        }
     }
 }
 

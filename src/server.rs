@@ -1,8 +1,11 @@
 //! Wires the pingora server: proxy and admin services, background work, logging, and a SIGTERM
 //! drain that exits as soon as in-flight requests (and their records) are done.
 
+use std::future::Future;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -18,6 +21,7 @@ use crate::config::{Config, StoreBackend};
 use crate::metrics::Metrics;
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::snowflake;
+use crate::store::retry::{CompletionRetrier, RetryOptions};
 use crate::store::{MemoryStore, RecordStore};
 
 /// Why the server could not start.
@@ -76,6 +80,9 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
     let in_flight = Arc::new(InFlightCounter::default());
     let readiness = Arc::new(Readiness::default());
 
+    let (retrier, retry_worker) = CompletionRetrier::new(store.clone(), RetryOptions::default());
+    register_store_metrics(&metrics, &retrier);
+
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
 
@@ -86,6 +93,7 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
         worker_id,
         metrics.clone(),
         in_flight.clone(),
+        retrier.clone(),
     );
     let mut proxy =
         pingora::proxy::http_proxy_service_with_name(&server.configuration, gate, "idemgate");
@@ -99,15 +107,21 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
     admin.threads = Some(1);
 
     let sweeper = background_service("store sweeper", Sweeper { store: memory });
+    let retry = background_service(
+        "completion retries",
+        RetryWorker(Mutex::new(Some(Box::pin(retry_worker)))),
+    );
 
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(sweeper);
+    server.add_service(retry);
 
     tracing::info!(%listen, admin = %admin_listen, worker_id, version = env!("CARGO_PKG_VERSION"), "idemgate starting");
     server.run(RunArgs {
         shutdown_signal: Box::new(Signals {
             in_flight,
+            retrier,
             readiness,
             on_exit,
         }),
@@ -134,10 +148,52 @@ impl BackgroundService for Sweeper {
     }
 }
 
+/// Runs the completion retrier's worker. It is not stopped by shutdown: the drain waits for the
+/// queue to empty (or the grace period to end).
+struct RetryWorker(Mutex<Option<Pin<Box<dyn Future<Output = ()> + Send>>>>);
+
+#[async_trait]
+impl BackgroundService for RetryWorker {
+    async fn start(&self, _shutdown: ShutdownWatch) {
+        let worker = self.0.lock().ok().and_then(|mut w| w.take());
+        if let Some(worker) = worker {
+            worker.await;
+        }
+    }
+}
+
+fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {
+    let stats = retrier.stats();
+    let s = stats.clone();
+    metrics.pull_counter(
+        "idemgate_completion_retries_total",
+        "Completions queued for a background retry after the store refused them",
+        move || s.queued.load(Ordering::Relaxed) as f64,
+    );
+    let s = stats.clone();
+    metrics.pull_counter(
+        "idemgate_completion_retry_recovered_total",
+        "Completions stored by a background retry",
+        move || s.recovered.load(Ordering::Relaxed) as f64,
+    );
+    let s = stats.clone();
+    metrics.pull_counter(
+        "idemgate_dead_letters_total",
+        "Completions written to the dead-letter file",
+        move || s.dead_lettered.load(Ordering::Relaxed) as f64,
+    );
+    metrics.pull_gauge(
+        "idemgate_completion_retry_pending",
+        "Completions waiting to be stored",
+        move || stats.pending.load(Ordering::Relaxed) as f64,
+    );
+}
+
 /// pingora's signal handling plus an early exit: after SIGTERM, pingora closes the listeners and
 /// then sleeps the whole grace period; we exit as soon as nothing is in flight.
 struct Signals {
     in_flight: Arc<InFlightCounter>,
+    retrier: CompletionRetrier,
     readiness: Arc<Readiness>,
     on_exit: fn(),
 }
@@ -158,8 +214,9 @@ impl ShutdownSignalWatch for Signals {
                 tracing::info!("SIGTERM: draining in-flight requests");
                 self.readiness.start_draining();
                 let in_flight = self.in_flight.clone();
+                let retrier = self.retrier.clone();
                 let on_exit = self.on_exit;
-                std::thread::spawn(move || exit_when_drained(&in_flight, on_exit));
+                std::thread::spawn(move || exit_when_drained(&in_flight, &retrier, on_exit));
                 ShutdownSignal::GracefulTerminate
             }
             _ = int.recv() => ShutdownSignal::FastShutdown,
@@ -168,13 +225,14 @@ impl ShutdownSignalWatch for Signals {
     }
 }
 
-/// Waits until no request has been in flight for two consecutive looks, then exits 0.
-fn exit_when_drained(in_flight: &InFlightCounter, on_exit: fn()) {
+/// Waits until no request is in flight and no completion waits for the store, for two
+/// consecutive looks, then exits 0.
+fn exit_when_drained(in_flight: &InFlightCounter, retrier: &CompletionRetrier, on_exit: fn()) {
     // Let the listeners close and requests already accepted reach the proxy first.
     std::thread::sleep(Duration::from_millis(200));
     let mut idle_looks = 0;
     loop {
-        if in_flight.get() == 0 {
+        if in_flight.get() == 0 && retrier.pending() == 0 {
             idle_looks += 1;
             if idle_looks >= 2 {
                 tracing::info!("drained; exiting");

@@ -14,8 +14,12 @@
 //! execution of one key carries the same `X-Idempotency-Id`. Completion and release are
 //! compare-and-set on the owner token: a claimer whose lock lapsed cannot overwrite a newer owner.
 
+pub mod breaker;
+pub mod cached;
 pub mod conformance;
+pub mod faulty;
 pub mod memory;
+pub mod retry;
 
 use std::sync::Arc;
 use std::time::Duration;

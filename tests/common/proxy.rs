@@ -173,6 +173,22 @@ impl Proxy {
         }
     }
 
+    /// The admin `/metrics` text once it contains `needle` (metrics are recorded just after a
+    /// response is written); panics after 5 s.
+    pub async fn metrics_containing(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let m = self.metrics().await;
+            if m.contains(needle) {
+                return m;
+            }
+            if Instant::now() > deadline {
+                panic!("metrics never contained {needle}:\n{m}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The admin `/metrics` text.
     pub async fn metrics(&self) -> String {
         Request::get("/metrics").send(self.admin).await.text()

@@ -1,0 +1,311 @@
+//! A circuit breaker around a shared store: after N consecutive failures it answers at once
+//! (so no request waits on a dead store), and half-opens to probe the real script path.
+//!
+//! ```text
+//!   Closed --N consecutive failures--> Open --open_for elapsed--> HalfOpen
+//!     ^                                  ^                           |
+//!     +------------ probe succeeds ------+---- probe fails ----------+
+//! ```
+//!
+//! While half-open, one caller probes with [`RecordStore::ping`] (which runs a script, not a
+//! bare PING, so a flushed script cache is noticed) and everyone else still fails fast.
+
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::{
+    ClaimOutcome, ClaimRequest, Completion, OwnerToken, Record, RecordKey, RecordStore, StoreError,
+    StoreUsage, WriteOutcome,
+};
+
+/// Breaker settings.
+#[derive(Clone, Debug)]
+pub struct BreakerOptions {
+    /// Consecutive failures (errors or timeouts) that open the circuit.
+    pub failure_threshold: u32,
+    /// How long the circuit stays open before a probe.
+    pub open_for: Duration,
+}
+
+impl Default for BreakerOptions {
+    fn default() -> Self {
+        BreakerOptions {
+            failure_threshold: 3,
+            open_for: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Circuit state, as exported by the `idemgate_store_circuit_state` gauge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CircuitState {
+    /// Calls go through.
+    Closed = 0,
+    /// Calls fail fast.
+    Open = 1,
+    /// One probe is deciding.
+    HalfOpen = 2,
+}
+
+/// Shared view of the breaker for metrics and readiness.
+#[derive(Debug, Default)]
+pub struct CircuitView {
+    state: AtomicU8,
+    consecutive_failures: AtomicU32,
+    /// How many times the circuit opened.
+    pub opened: std::sync::atomic::AtomicU64,
+}
+
+impl CircuitView {
+    /// Current state.
+    pub fn state(&self) -> CircuitState {
+        match self.state.load(Ordering::Acquire) {
+            1 => CircuitState::Open,
+            2 => CircuitState::HalfOpen,
+            _ => CircuitState::Closed,
+        }
+    }
+}
+
+/// A [`RecordStore`] that stops calling a failing store for a while.
+pub struct Breaker<S> {
+    inner: S,
+    options: BreakerOptions,
+    view: Arc<CircuitView>,
+    opened_at: Mutex<Option<Instant>>,
+    probing: tokio::sync::Mutex<()>,
+}
+
+fn is_outage(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable(_))
+}
+
+// === impl Breaker ===
+
+impl<S: RecordStore> Breaker<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, options: BreakerOptions) -> Self {
+        Breaker {
+            inner,
+            options,
+            view: Arc::default(),
+            opened_at: Mutex::new(None),
+            probing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The state shared with metrics and readiness.
+    pub fn view(&self) -> Arc<CircuitView> {
+        self.view.clone()
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn set_state(&self, s: CircuitState) {
+        self.view.state.store(s as u8, Ordering::Release);
+    }
+
+    /// Lets a call through, or fails fast while open. Past `open_for`, one caller probes.
+    async fn admit(&self) -> Result<(), StoreError> {
+        if self.view.state() == CircuitState::Closed {
+            return Ok(());
+        }
+        let opened_at = *self.opened_at.lock();
+        let ready_to_probe = opened_at.is_none_or(|t| t.elapsed() >= self.options.open_for);
+        if !ready_to_probe {
+            return Err(StoreError::Unavailable("circuit open".into()));
+        }
+        let Ok(_probe) = self.probing.try_lock() else {
+            return Err(StoreError::Unavailable(
+                "circuit half-open, probe in progress".into(),
+            ));
+        };
+        if self.view.state() == CircuitState::Closed {
+            return Ok(());
+        }
+        self.set_state(CircuitState::HalfOpen);
+        match self.inner.ping().await {
+            Ok(()) => {
+                self.view.consecutive_failures.store(0, Ordering::Release);
+                self.set_state(CircuitState::Closed);
+                tracing::info!("record store recovered; circuit closed");
+                Ok(())
+            }
+            Err(e) => {
+                self.open();
+                Err(e)
+            }
+        }
+    }
+
+    fn open(&self) {
+        *self.opened_at.lock() = Some(Instant::now());
+        // A failed probe re-opens the same outage; only a closed circuit opening counts.
+        if self.view.state() == CircuitState::Closed {
+            self.view.opened.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(open_for = ?self.options.open_for, "record store failing; circuit open");
+        }
+        self.set_state(CircuitState::Open);
+    }
+
+    fn record<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        match &result {
+            Err(e) if is_outage(e) => {
+                let n = self
+                    .view
+                    .consecutive_failures
+                    .fetch_add(1, Ordering::AcqRel)
+                    + 1;
+                if n >= self.options.failure_threshold {
+                    self.open();
+                }
+            }
+            _ => {
+                self.view.consecutive_failures.store(0, Ordering::Release);
+            }
+        }
+        result
+    }
+}
+
+#[async_trait]
+impl<S: RecordStore> RecordStore for Breaker<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.admit().await?;
+        self.record(self.inner.claim(req).await)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.admit().await?;
+        self.record(self.inner.complete(key, owner, completion, ttl).await)
+    }
+
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.admit().await?;
+        self.record(self.inner.release(key, owner).await)
+    }
+
+    async fn wait_for_change(
+        &self,
+        key: &RecordKey,
+        timeout: Duration,
+    ) -> Result<Option<Record>, StoreError> {
+        self.admit().await?;
+        self.record(self.inner.wait_for_change(key, timeout).await)
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.admit().await?;
+        self.record(self.inner.get(key).await)
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.admit().await?;
+        self.record(self.inner.delete(key).await)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.admit().await?;
+        self.record(self.inner.ping().await)
+    }
+
+    fn usage(&self) -> Option<StoreUsage> {
+        self.inner.usage()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::faulty::{Fault, FaultyStore};
+    use crate::store::MemoryStore;
+
+    fn breaker() -> Breaker<FaultyStore<MemoryStore>> {
+        Breaker::new(
+            FaultyStore::new(MemoryStore::new(1 << 20, 1)),
+            BreakerOptions {
+                failure_threshold: 3,
+                open_for: Duration::from_millis(200),
+            },
+        )
+    }
+
+    fn key() -> RecordKey {
+        RecordKey {
+            tenant: "t".into(),
+            hash: [1; 32],
+        }
+    }
+
+    #[tokio::test]
+    async fn opens_after_consecutive_failures_and_fails_fast() {
+        let b = breaker();
+        b.inner().set(Fault::Down);
+        for _ in 0..3 {
+            assert!(b.get(&key()).await.is_err());
+        }
+        assert_eq!(b.view().state(), CircuitState::Open);
+        let calls = b.inner().calls.load(Ordering::Relaxed);
+        let started = std::time::Instant::now();
+        for _ in 0..100 {
+            assert!(b.get(&key()).await.is_err());
+        }
+        assert_eq!(
+            b.inner().calls.load(Ordering::Relaxed),
+            calls,
+            "open circuit never calls"
+        );
+        assert!(started.elapsed() < Duration::from_millis(100));
+    }
+
+    #[tokio::test]
+    async fn half_open_probe_closes_on_recovery_and_reopens_on_failure() {
+        let b = breaker();
+        b.inner().set(Fault::Down);
+        for _ in 0..3 {
+            let _ = b.get(&key()).await;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        // Still down: the probe fails and the circuit opens again.
+        assert!(b.get(&key()).await.is_err());
+        assert_eq!(b.view().state(), CircuitState::Open);
+        b.inner().set(Fault::None);
+        assert!(b.get(&key()).await.is_err(), "still within open_for");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert!(b.get(&key()).await.is_ok());
+        assert_eq!(b.view().state(), CircuitState::Closed);
+        assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_success_resets_the_failure_count() {
+        let b = breaker();
+        for _ in 0..5 {
+            b.inner().set(Fault::Down);
+            let _ = b.get(&key()).await;
+            let _ = b.get(&key()).await;
+            b.inner().set(Fault::None);
+            assert!(b.get(&key()).await.is_ok());
+        }
+        assert_eq!(b.view().state(), CircuitState::Closed);
+    }
+}

@@ -1,0 +1,535 @@
+//! The local fast path in front of a shared store: a rotating Bloom filter and a bounded cache
+//! of the records this replica completed, so a hot retry is answered without a round trip.
+//!
+//! Completed records never change, which is what makes this safe: a cached completion is the
+//! same bytes the shared store holds until the record's TTL (the cache entry's own deadline) or a
+//! purge. Correctness never depends on the Bloom filter:
+//!
+//! - **negative** (`false`): this replica completed no record with this id in the current or
+//!   previous window, so the cache cannot hold it; go to the store without touching the cache.
+//! - **positive** (`true`): this replica *probably* completed it (false positives at the
+//!   configured rate); look in the cache, and go to the store when the cache has nothing.
+//!
+//! The filter rotates: two generations, each covering one window of `ttl`-bounded length, so it
+//! tracks the records that can still be live instead of filling up forever.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bloomfilter::Bloom;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::{
+    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
+    RecordStore, StoreError, StoreUsage, WriteOutcome,
+};
+
+/// Sizing of the local fast path.
+#[derive(Clone, Debug)]
+pub struct LocalCacheOptions {
+    /// Byte budget of cached completed records.
+    pub capacity_bytes: usize,
+    /// Records expected per filter window (sizes the Bloom filter).
+    pub expected_items: usize,
+    /// Target false-positive rate of one filter generation.
+    pub false_positive_rate: f64,
+    /// How long one filter generation covers; set it to the longest route `ttl`.
+    pub window: Duration,
+}
+
+impl Default for LocalCacheOptions {
+    fn default() -> Self {
+        LocalCacheOptions {
+            capacity_bytes: 64 << 20,
+            expected_items: 1_000_000,
+            false_positive_rate: 0.01,
+            window: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+/// Counters of the fast path, exported as metrics.
+#[derive(Debug, Default)]
+pub struct LocalCacheStats {
+    /// Claims answered from the local cache.
+    pub hits: AtomicU64,
+    /// Bloom positives the cache could not answer (false positives or evicted entries).
+    pub bloom_false_positives: AtomicU64,
+    /// Claims where the Bloom filter said "never completed here".
+    pub bloom_negatives: AtomicU64,
+}
+
+struct Filters {
+    current: Bloom<Digest>,
+    previous: Bloom<Digest>,
+    rotated_at: Instant,
+}
+
+struct CacheEntry {
+    tenant: String,
+    record: Record,
+    expires_at: Instant,
+    size: usize,
+}
+
+#[derive(Default)]
+struct Cache {
+    map: HashMap<Digest, CacheEntry>,
+    order: VecDeque<Digest>,
+    bytes: usize,
+}
+
+/// What a claim this replica acquired will need at completion to build the cached record.
+struct Pending {
+    fingerprint: Digest,
+    execution_id: u64,
+    deadline: Instant,
+}
+
+/// A [`RecordStore`] that answers repeated completed records from memory.
+pub struct CachedStore<S> {
+    inner: S,
+    options: LocalCacheOptions,
+    filters: Mutex<Filters>,
+    cache: Mutex<Cache>,
+    pending: Mutex<HashMap<(Digest, u128), Pending>>,
+    stats: Arc<LocalCacheStats>,
+}
+
+/// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
+const MAX_PENDING: usize = 65_536;
+
+// === impl CachedStore ===
+
+impl<S: RecordStore> CachedStore<S> {
+    /// Wraps `inner` with a fast path sized by `options`.
+    pub fn new(inner: S, options: LocalCacheOptions) -> Result<Self, String> {
+        let make = || {
+            Bloom::new_for_fp_rate(options.expected_items.max(1), options.false_positive_rate)
+                .map_err(|e| format!("bloom filter: {e}"))
+        };
+        let filters = Filters {
+            current: make()?,
+            previous: make()?,
+            rotated_at: Instant::now(),
+        };
+        Ok(CachedStore {
+            inner,
+            options,
+            filters: Mutex::new(filters),
+            cache: Mutex::new(Cache::default()),
+            pending: Mutex::new(HashMap::new()),
+            stats: Arc::default(),
+        })
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Fast-path counters.
+    pub fn stats(&self) -> Arc<LocalCacheStats> {
+        self.stats.clone()
+    }
+
+    /// Fraction of bits set in the current filter generation (0.0 to 1.0).
+    pub fn bloom_fill_ratio(&self) -> f64 {
+        let filters = self.filters.lock();
+        let bits = filters.current.as_slice();
+        if bits.is_empty() {
+            return 0.0;
+        }
+        let set: u64 = bits.iter().map(|b| u64::from(b.count_ones())).sum();
+        set as f64 / (bits.len() as f64 * 8.0)
+    }
+
+    /// Drops a record from the local cache (purge). The filter keeps its bit; a stale positive
+    /// only costs a cache lookup.
+    pub fn forget(&self, key: &RecordKey) {
+        let mut cache = self.cache.lock();
+        if let Some(e) = cache.map.remove(&key.hash) {
+            cache.bytes -= e.size;
+        }
+    }
+
+    fn bloom_says_maybe(&self, hash: &Digest) -> bool {
+        let mut filters = self.filters.lock();
+        let now = Instant::now();
+        if now.duration_since(filters.rotated_at) >= self.options.window {
+            let fresh = Bloom::new_for_fp_rate(
+                self.options.expected_items.max(1),
+                self.options.false_positive_rate,
+            );
+            if let Ok(fresh) = fresh {
+                filters.previous = std::mem::replace(&mut filters.current, fresh);
+                filters.rotated_at = now;
+            }
+        }
+        filters.current.check(hash) || filters.previous.check(hash)
+    }
+
+    fn cached(&self, key: &RecordKey) -> Option<Record> {
+        let mut cache = self.cache.lock();
+        let now = Instant::now();
+        let hit = cache
+            .map
+            .get(&key.hash)
+            .map(|e| (e.tenant == key.tenant, e.expires_at <= now));
+        match hit {
+            Some((true, false)) => cache.map.get(&key.hash).map(|e| e.record.clone()),
+            Some((_, true)) => {
+                if let Some(e) = cache.map.remove(&key.hash) {
+                    cache.bytes -= e.size;
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// Remembers a completion this replica wrote (or read) for `ttl`.
+    fn remember(&self, key: &RecordKey, record: Record, ttl: Duration) {
+        let size = match &record.state {
+            RecordState::Completed(Completion::Response(r)) => r.size_bytes() + 128,
+            _ => 128,
+        };
+        if size > self.options.capacity_bytes {
+            return;
+        }
+        self.filters.lock().current.set(&key.hash);
+        let mut cache = self.cache.lock();
+        let entry = CacheEntry {
+            tenant: key.tenant.clone(),
+            record,
+            expires_at: Instant::now() + ttl,
+            size,
+        };
+        if let Some(old) = cache.map.insert(key.hash, entry) {
+            cache.bytes -= old.size;
+        } else {
+            cache.order.push_back(key.hash);
+        }
+        cache.bytes += size;
+        // Oldest first: entries are evicted in completion order, which approximates expiry order.
+        while cache.bytes > self.options.capacity_bytes {
+            let Some(oldest) = cache.order.pop_front() else {
+                break;
+            };
+            if let Some(e) = cache.map.remove(&oldest) {
+                cache.bytes -= e.size;
+            }
+        }
+        // Keep the order queue from growing without bound after removals.
+        if cache.order.len() > cache.map.len() * 2 + 1024 {
+            let Cache { map, order, .. } = &mut *cache;
+            order.retain(|h| map.contains_key(h));
+        }
+    }
+
+    /// Records held and bytes used by the local cache.
+    pub fn cache_usage(&self) -> (usize, usize) {
+        let cache = self.cache.lock();
+        (cache.map.len(), cache.bytes)
+    }
+}
+
+#[async_trait]
+impl<S: RecordStore> RecordStore for CachedStore<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if self.bloom_says_maybe(&req.key.hash) {
+            if let Some(record) = self.cached(&req.key) {
+                self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(ClaimOutcome::Existing(record));
+            }
+            self.stats
+                .bloom_false_positives
+                .fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.bloom_negatives.fetch_add(1, Ordering::Relaxed);
+        }
+        let outcome = self.inner.claim(req).await?;
+        if let ClaimOutcome::Acquired { execution_id } = outcome {
+            let now = Instant::now();
+            let mut pending = self.pending.lock();
+            if pending.len() >= MAX_PENDING {
+                pending.retain(|_, p| p.deadline > now);
+            }
+            if pending.len() < MAX_PENDING {
+                let entry = Pending {
+                    fingerprint: req.fingerprint,
+                    execution_id,
+                    deadline: now + req.lock_ttl,
+                };
+                pending.insert((req.key.hash, req.owner.0), entry);
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let pending = self.pending.lock().remove(&(key.hash, owner.0));
+        let written = self
+            .inner
+            .complete(key, owner, completion.clone(), ttl)
+            .await;
+        // Remember the outcome when it was stored, and also when the store failed: it is the
+        // backend's real answer, so replaying it here is right while the write is retried.
+        let keep = matches!(
+            written,
+            Ok(WriteOutcome::Applied) | Err(StoreError::Unavailable(_))
+        );
+        if let (true, Some(p)) = (keep, pending) {
+            let record = Record {
+                fingerprint: p.fingerprint,
+                execution_id: p.execution_id,
+                state: RecordState::Completed(completion),
+            };
+            self.remember(key, record, ttl);
+        }
+        written
+    }
+
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.pending.lock().remove(&(key.hash, owner.0));
+        self.inner.release(key, owner).await
+    }
+
+    async fn wait_for_change(
+        &self,
+        key: &RecordKey,
+        timeout: Duration,
+    ) -> Result<Option<Record>, StoreError> {
+        self.inner.wait_for_change(key, timeout).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        match self.cached(key) {
+            Some(r) => Ok(Some(r)),
+            None => self.inner.get(key).await,
+        }
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.forget(key);
+        self.inner.delete(key).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+
+    fn usage(&self) -> Option<StoreUsage> {
+        self.inner.usage()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::conformance;
+    use crate::store::faulty::{Fault, FaultyStore};
+    use crate::store::{MemoryStore, StoredResponse};
+    use bytes::Bytes;
+
+    fn options() -> LocalCacheOptions {
+        LocalCacheOptions {
+            capacity_bytes: 1 << 20,
+            expected_items: 10_000,
+            false_positive_rate: 0.01,
+            window: Duration::from_secs(60),
+        }
+    }
+
+    fn cached() -> Arc<CachedStore<FaultyStore<MemoryStore>>> {
+        let inner = FaultyStore::new(MemoryStore::new(1 << 24, 4));
+        Arc::new(CachedStore::new(inner, options()).unwrap())
+    }
+
+    fn claim(tenant: &str, n: u8) -> ClaimRequest {
+        ClaimRequest {
+            key: RecordKey {
+                tenant: tenant.into(),
+                hash: [n; 32],
+            },
+            fingerprint: [7; 32],
+            owner: OwnerToken::random(),
+            execution_id: u64::from(n),
+            lock_ttl: Duration::from_secs(5),
+            ttl: Duration::from_secs(60),
+        }
+    }
+
+    fn response(body: &'static [u8]) -> Completion {
+        Completion::Response(Arc::new(StoredResponse {
+            status: 201,
+            headers: vec![(
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            )],
+            body: Bytes::from_static(body),
+        }))
+    }
+
+    #[tokio::test]
+    async fn conformance_holds_with_the_cache_in_front() {
+        conformance::run_all(|| async {
+            Arc::new(CachedStore::new(MemoryStore::new(1 << 24, 4), options()).unwrap())
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_completion_of_this_replica_is_answered_without_the_store() {
+        let store = cached();
+        let req = claim("t", 1);
+        assert!(matches!(
+            store.claim(&req).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+        store
+            .complete(&req.key, req.owner, response(b"{}"), req.ttl)
+            .await
+            .unwrap();
+        let calls = store.inner().calls.load(Ordering::Relaxed);
+        // Even with the shared store down, the retry is answered locally.
+        store.inner().set(Fault::Down);
+        let again = ClaimRequest {
+            owner: OwnerToken::random(),
+            ..req.clone()
+        };
+        match store.claim(&again).await.unwrap() {
+            ClaimOutcome::Existing(r) => {
+                assert_eq!(r.fingerprint, [7; 32]);
+                assert_eq!(r.execution_id, 1);
+                assert_eq!(r.state, RecordState::Completed(response(b"{}")));
+            }
+            other => panic!("expected a local hit, got {other:?}"),
+        }
+        assert_eq!(
+            store.inner().calls.load(Ordering::Relaxed),
+            calls,
+            "no store round trip"
+        );
+        assert_eq!(store.stats().hits.load(Ordering::Relaxed), 1);
+        assert!(store.bloom_fill_ratio() > 0.0);
+    }
+
+    #[tokio::test]
+    async fn unknown_keys_and_other_tenants_go_to_the_store() {
+        let store = cached();
+        let req = claim("acme", 2);
+        store.claim(&req).await.unwrap();
+        store
+            .complete(&req.key, req.owner, response(b"a"), req.ttl)
+            .await
+            .unwrap();
+        let other_tenant = claim("globex", 2);
+        let outcome = store.claim(&other_tenant).await.unwrap();
+        assert!(
+            matches!(outcome, ClaimOutcome::Acquired { .. }),
+            "{outcome:?}"
+        );
+        let unknown = claim("acme", 3);
+        assert!(matches!(
+            store.claim(&unknown).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+        assert!(store.stats().bloom_negatives.load(Ordering::Relaxed) >= 1);
+    }
+
+    #[tokio::test]
+    async fn a_completion_the_store_refused_is_still_replayed_here() {
+        let store = cached();
+        let req = claim("t", 4);
+        store.claim(&req).await.unwrap();
+        store.inner().set(Fault::CompleteFails);
+        let written = store
+            .complete(&req.key, req.owner, response(b"x"), req.ttl)
+            .await;
+        assert!(written.is_err());
+        let again = ClaimRequest {
+            owner: OwnerToken::random(),
+            ..req.clone()
+        };
+        assert!(matches!(
+            store.claim(&again).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+    }
+
+    #[tokio::test]
+    async fn released_and_fenced_completions_are_not_cached() {
+        let store = cached();
+        let req = claim("t", 5);
+        store.claim(&req).await.unwrap();
+        store.release(&req.key, req.owner).await.unwrap();
+        let stranger = OwnerToken::random();
+        let outcome = store
+            .complete(&req.key, stranger, response(b"x"), req.ttl)
+            .await
+            .unwrap();
+        assert_eq!(outcome, WriteOutcome::NotOwner);
+        assert_eq!(store.cache_usage().0, 0);
+    }
+
+    #[tokio::test]
+    async fn the_cache_stays_within_its_byte_budget_and_expires_entries() {
+        tokio::time::pause();
+        let mut o = options();
+        o.capacity_bytes = 4096;
+        let store = CachedStore::new(MemoryStore::new(1 << 24, 4), o).unwrap();
+        for n in 0..50u8 {
+            let req = claim("t", n);
+            store.claim(&req).await.unwrap();
+            store
+                .complete(&req.key, req.owner, response(&[0u8; 200]), req.ttl)
+                .await
+                .unwrap();
+        }
+        let (records, bytes) = store.cache_usage();
+        assert!(
+            bytes <= 4096 && records < 50 && records > 0,
+            "{records} records, {bytes} bytes"
+        );
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert!(
+            store.cached(&claim("t", 49).key).is_none(),
+            "expired with the record"
+        );
+    }
+
+    #[tokio::test]
+    async fn delete_forgets_the_local_copy() {
+        let store = cached();
+        let req = claim("t", 6);
+        store.claim(&req).await.unwrap();
+        store
+            .complete(&req.key, req.owner, response(b"x"), req.ttl)
+            .await
+            .unwrap();
+        assert!(store.delete(&req.key).await.unwrap());
+        let again = ClaimRequest {
+            owner: OwnerToken::random(),
+            ..req
+        };
+        assert!(matches!(
+            store.claim(&again).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+    }
+}

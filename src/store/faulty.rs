@@ -1,0 +1,105 @@
+//! A fault-injecting store for tests: wraps a real store and fails or stalls on command.
+
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::{
+    ClaimOutcome, ClaimRequest, Completion, OwnerToken, Record, RecordKey, RecordStore, StoreError,
+    StoreUsage, WriteOutcome,
+};
+
+/// What the fake does to calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Fault {
+    /// Calls go through.
+    None = 0,
+    /// Every call fails with `Unavailable`.
+    Down = 1,
+    /// Only `complete` fails.
+    CompleteFails = 2,
+}
+
+/// A [`RecordStore`] that injects faults into an inner store.
+pub struct FaultyStore<S> {
+    inner: S,
+    fault: AtomicU8,
+    /// Calls that reached this store (failed or not).
+    pub calls: AtomicU64,
+}
+
+impl<S: RecordStore> FaultyStore<S> {
+    /// Wraps `inner`, healthy.
+    pub fn new(inner: S) -> Self {
+        FaultyStore {
+            inner,
+            fault: AtomicU8::new(0),
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    /// Switches the fault.
+    pub fn set(&self, fault: Fault) {
+        self.fault.store(fault as u8, Ordering::Release);
+    }
+
+    fn check(&self, op: &str) -> Result<(), StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        match self.fault.load(Ordering::Acquire) {
+            1 => Err(StoreError::Unavailable(format!("injected: {op}"))),
+            2 if op == "complete" => Err(StoreError::Unavailable("injected: complete".into())),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[async_trait]
+impl<S: RecordStore> RecordStore for FaultyStore<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.check("claim")?;
+        self.inner.claim(req).await
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.check("complete")?;
+        self.inner.complete(key, owner, completion, ttl).await
+    }
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.check("release")?;
+        self.inner.release(key, owner).await
+    }
+    async fn wait_for_change(
+        &self,
+        key: &RecordKey,
+        timeout: Duration,
+    ) -> Result<Option<Record>, StoreError> {
+        self.check("wait")?;
+        self.inner.wait_for_change(key, timeout).await
+    }
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.check("get")?;
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.check("delete")?;
+        self.inner.delete(key).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.check("ping")?;
+        self.inner.ping().await
+    }
+    fn usage(&self) -> Option<StoreUsage> {
+        self.inner.usage()
+    }
+}

@@ -1,0 +1,386 @@
+//! Completions the store failed to take are retried in the background (exponential backoff with
+//! full jitter, bounded queue), and after the last attempt written to a dead-letter file: nothing
+//! the backend returned is silently dropped.
+//!
+//! The dead-letter file is JSON lines, one record per line, body in base64, so an operator can
+//! reconcile (or re-inject) what the store never received. A `NotOwner` answer during a retry
+//! means the lock lapsed and another request took the key over: that response is dead-lettered
+//! too, since the store now belongs to the newer execution.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+use parking_lot::Mutex;
+use rand::Rng;
+use tokio::sync::mpsc;
+
+use super::{Completion, OwnerToken, RecordKey, RecordStore, StoreError, WriteOutcome};
+
+/// Retry settings.
+#[derive(Clone, Debug)]
+pub struct RetryOptions {
+    /// Attempts after the failed original write.
+    pub attempts: u32,
+    /// First backoff; doubles every attempt.
+    pub base_delay: Duration,
+    /// Backoff ceiling.
+    pub max_delay: Duration,
+    /// Completions waiting at most; beyond it they go straight to the dead-letter file.
+    pub queue_capacity: usize,
+    /// Where dead letters are appended.
+    pub dead_letter_path: PathBuf,
+}
+
+impl Default for RetryOptions {
+    fn default() -> Self {
+        RetryOptions {
+            attempts: 8,
+            base_delay: Duration::from_millis(50),
+            max_delay: Duration::from_secs(5),
+            queue_capacity: 10_000,
+            dead_letter_path: PathBuf::from("idemgate-dead-letter.jsonl"),
+        }
+    }
+}
+
+/// One completion to write.
+#[derive(Clone, Debug)]
+pub struct PendingCompletion {
+    /// The record.
+    pub key: RecordKey,
+    /// The claim's owner token.
+    pub owner: OwnerToken,
+    /// What to store.
+    pub completion: Completion,
+    /// Record TTL.
+    pub ttl: Duration,
+    /// Execution id, for the dead-letter line.
+    pub execution_id: u64,
+}
+
+/// Counters exported as metrics.
+#[derive(Debug, Default)]
+pub struct RetryStats {
+    /// Completions queued for retry.
+    pub queued: AtomicU64,
+    /// Completions stored by a retry.
+    pub recovered: AtomicU64,
+    /// Completions written to the dead-letter file.
+    pub dead_lettered: AtomicU64,
+    /// Completions waiting right now.
+    pub pending: AtomicUsize,
+}
+
+/// Handle to the background retrier.
+#[derive(Clone)]
+pub struct CompletionRetrier {
+    tx: mpsc::Sender<(PendingCompletion, u32)>,
+    dead: Arc<DeadLetters>,
+    stats: Arc<RetryStats>,
+}
+
+struct DeadLetters {
+    path: PathBuf,
+    file: Mutex<()>,
+    stats: Arc<RetryStats>,
+}
+
+// === impl CompletionRetrier ===
+
+impl CompletionRetrier {
+    /// Creates the retrier; the returned worker future must be spawned (it ends when every handle
+    /// is dropped and the queue is empty).
+    pub fn new(
+        store: Arc<dyn RecordStore>,
+        options: RetryOptions,
+    ) -> (Self, impl std::future::Future<Output = ()> + Send) {
+        let (tx, rx) = mpsc::channel(options.queue_capacity.max(1));
+        let stats = Arc::new(RetryStats::default());
+        let dead = Arc::new(DeadLetters {
+            path: options.dead_letter_path.clone(),
+            file: Mutex::new(()),
+            stats: stats.clone(),
+        });
+        let handle = CompletionRetrier {
+            tx: tx.clone(),
+            dead: dead.clone(),
+            stats: stats.clone(),
+        };
+        let worker = run(store, options, rx, tx, dead, stats);
+        (handle, worker)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Arc<RetryStats> {
+        self.stats.clone()
+    }
+
+    /// Completions not yet stored or dead-lettered.
+    pub fn pending(&self) -> usize {
+        self.stats.pending.load(Ordering::Acquire)
+    }
+
+    /// Queues a completion whose first write failed.
+    pub fn submit(&self, job: PendingCompletion) {
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+        self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        if let Err(e) = self.tx.try_send((job, 0)) {
+            let (job, _) = match e {
+                mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j) => j,
+            };
+            self.dead.write(&job, 0, "retry queue full");
+        }
+    }
+}
+
+fn backoff(options: &RetryOptions, attempt: u32) -> Duration {
+    let exp = options.base_delay.saturating_mul(1u32 << attempt.min(20));
+    let cap = exp.min(options.max_delay);
+    // Full jitter: spreads retries of many replicas after a shared outage.
+    let ms = cap.as_millis().max(1) as u64;
+    Duration::from_millis(rand::thread_rng().gen_range(ms / 2..=ms))
+}
+
+async fn run(
+    store: Arc<dyn RecordStore>,
+    options: RetryOptions,
+    mut rx: mpsc::Receiver<(PendingCompletion, u32)>,
+    tx: mpsc::Sender<(PendingCompletion, u32)>,
+    dead: Arc<DeadLetters>,
+    stats: Arc<RetryStats>,
+) {
+    // The worker holds a sender to requeue; it stops when it is the last one and nothing waits.
+    let tx = tx.downgrade();
+    let options = Arc::new(options);
+    while let Some((job, attempt)) = rx.recv().await {
+        let store = store.clone();
+        let options = options.clone();
+        let dead = dead.clone();
+        let stats = stats.clone();
+        let requeue = tx.upgrade();
+        tokio::spawn(async move {
+            tokio::time::sleep(backoff(&options, attempt)).await;
+            let result = store
+                .complete(&job.key, job.owner, job.completion.clone(), job.ttl)
+                .await;
+            match result {
+                Ok(WriteOutcome::Applied) => {
+                    stats.recovered.fetch_add(1, Ordering::Relaxed);
+                    stats.pending.fetch_sub(1, Ordering::AcqRel);
+                    tracing::info!(attempt = attempt + 1, "stored a completion on retry");
+                }
+                Ok(WriteOutcome::NotOwner) => dead.write(&job, attempt + 1, "lock taken over"),
+                Err(e) if attempt + 1 >= options.attempts => {
+                    dead.write(&job, attempt + 1, &format!("store failed: {e}"))
+                }
+                Err(_) => {
+                    let sent = match requeue {
+                        Some(tx) => tx.try_send((job.clone(), attempt + 1)).is_ok(),
+                        None => false,
+                    };
+                    if !sent {
+                        dead.write(&job, attempt + 1, "retry queue full");
+                    }
+                }
+            }
+        });
+    }
+}
+
+impl DeadLetters {
+    fn write(&self, job: &PendingCompletion, attempts: u32, reason: &str) {
+        self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        let line = dead_letter_line(job, attempts, reason);
+        let _guard = self.file.lock();
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .and_then(|mut f| f.write_all(line.as_bytes()).and_then(|_| f.sync_data()));
+        match written {
+            Ok(()) => tracing::error!(
+                path = %self.path.display(),
+                record = %crate::key::hash_label(&job.key.hash),
+                reason,
+                "completion written to the dead-letter file"
+            ),
+            // Last resort: the log line carries the whole record.
+            Err(e) => tracing::error!(
+                path = %self.path.display(),
+                error = %e,
+                dead_letter = %line.trim_end(),
+                "cannot write the dead-letter file"
+            ),
+        }
+        // Only now is the completion accounted for: shutdown waits on this counter.
+        self.stats.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One dead-letter JSON line (with trailing newline).
+pub fn dead_letter_line(job: &PendingCompletion, attempts: u32, reason: &str) -> String {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let at_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let response = match &job.completion {
+        Completion::Response(r) => serde_json::json!({
+            "status": r.status,
+            "headers": r.headers.iter().map(|(n, v)| serde_json::json!([n, b64.encode(v)])).collect::<Vec<_>>(),
+            "body_base64": b64.encode(&r.body),
+        }),
+        Completion::Unreplayable { status } => {
+            serde_json::json!({ "status": status, "unreplayable": true })
+        }
+    };
+    let v = serde_json::json!({
+        "at_unix_ms": at_ms as u64,
+        "tenant": job.key.tenant,
+        "record": hex::encode(job.key.hash),
+        "execution_id": job.execution_id.to_string(),
+        "ttl_ms": job.ttl.as_millis() as u64,
+        "attempts": attempts,
+        "reason": reason,
+        "response": response,
+    });
+    format!("{v}\n")
+}
+
+/// Whether a store error is worth retrying (outages), as opposed to a permanent refusal.
+pub fn is_retryable(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable(_))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::faulty::{Fault, FaultyStore};
+    use crate::store::{ClaimOutcome, ClaimRequest, MemoryStore, RecordState, StoredResponse};
+    use bytes::Bytes;
+
+    fn options(dir: &std::path::Path) -> RetryOptions {
+        RetryOptions {
+            attempts: 3,
+            base_delay: Duration::from_millis(10),
+            max_delay: Duration::from_millis(40),
+            queue_capacity: 8,
+            dead_letter_path: dir.join("dead.jsonl"),
+        }
+    }
+
+    async fn claimed(store: &dyn RecordStore, n: u8) -> PendingCompletion {
+        let req = ClaimRequest {
+            key: RecordKey {
+                tenant: "acme".into(),
+                hash: [n; 32],
+            },
+            fingerprint: [0; 32],
+            owner: OwnerToken::random(),
+            execution_id: 42,
+            lock_ttl: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        };
+        assert!(matches!(
+            store.claim(&req).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+        PendingCompletion {
+            key: req.key,
+            owner: req.owner,
+            completion: Completion::Response(Arc::new(StoredResponse {
+                status: 201,
+                headers: vec![("x".into(), Bytes::from_static(b"1"))],
+                body: Bytes::from_static(b"\x00\xffbody"),
+            })),
+            ttl: req.ttl,
+            execution_id: 42,
+        }
+    }
+
+    async fn settle(r: &CompletionRetrier) {
+        for _ in 0..200 {
+            if r.pending() == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("retries did not settle");
+    }
+
+    #[tokio::test]
+    async fn a_failed_completion_is_stored_once_the_store_is_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let job = claimed(store.as_ref(), 1).await;
+        store.set(Fault::CompleteFails);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job.clone());
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        store.set(Fault::None);
+        settle(&retrier).await;
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
+        let record = store.get(&job.key).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed(job.completion));
+        assert!(!dir.path().join("dead.jsonl").exists());
+    }
+
+    #[tokio::test]
+    async fn after_the_last_attempt_the_completion_is_dead_lettered() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let job = claimed(store.as_ref(), 2).await;
+        store.set(Fault::Down);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        settle(&retrier).await;
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(line["attempts"], 3);
+        assert_eq!(line["tenant"], "acme");
+        assert_eq!(line["execution_id"], "42");
+        assert_eq!(line["response"]["status"], 201);
+        let body = base64::engine::general_purpose::STANDARD
+            .decode(line["response"]["body_base64"].as_str().unwrap())
+            .unwrap();
+        assert_eq!(body, b"\x00\xffbody");
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_taken_over_lock_dead_letters_instead_of_overwriting() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(MemoryStore::new(1 << 20, 1));
+        let mut job = claimed(store.as_ref(), 3).await;
+        job.owner = OwnerToken::random();
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        settle(&retrier).await;
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("lock taken over"));
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_dead_letters_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        store.set(Fault::Down);
+        let mut o = options(dir.path());
+        o.queue_capacity = 1;
+        // No worker: nothing drains the queue.
+        let (retrier, _worker) = CompletionRetrier::new(store.clone(), o);
+        store.set(Fault::None);
+        let a = claimed(store.as_ref(), 4).await;
+        let b = claimed(store.as_ref(), 5).await;
+        retrier.submit(a);
+        retrier.submit(b);
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
+        assert_eq!(retrier.pending(), 1);
+    }
+}
