@@ -952,8 +952,8 @@ impl ProxyHttp for Gate {
             result,
             status,
             duration_ms = elapsed.as_secs_f64() * 1000.0,
-            record = ctx.record_label.as_deref().unwrap_or(""),
-            error = e.map(|e| e.to_string()).unwrap_or_default(),
+            record = ctx.record_label.as_deref(),
+            error = e.map(tracing::field::display),
         );
     }
 }
