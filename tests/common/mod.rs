@@ -1,5 +1,5 @@
 //! Test harness: a real counting backend, the real `idemgate` binary, and a raw HTTP/1.1 client.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub mod backend;
 pub mod client;

@@ -27,6 +27,7 @@ pub struct ProxyBuilder {
     upstream: Vec<String>,
     store: Vec<String>,
     top: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl ProxyBuilder {
@@ -37,6 +38,7 @@ impl ProxyBuilder {
             upstream: vec![],
             store: vec![],
             top: vec![],
+            env: vec![],
         }
     }
     /// A line (`key: value`) added to the `orders` route's idempotency block.
@@ -54,6 +56,12 @@ impl ProxyBuilder {
         self.store.push(line.to_string());
         self
     }
+    /// An environment variable for the proxy process.
+    pub fn env(mut self, name: &str, value: &str) -> Self {
+        self.env.push((name.to_string(), value.to_string()));
+        self
+    }
+
     /// A top-level line.
     pub fn top(mut self, line: &str) -> Self {
         self.top.push(line.to_string());
@@ -96,6 +104,7 @@ impl ProxyBuilder {
             .arg("--config")
             .arg(&config_path)
             .env("IDEMGATE_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -1,0 +1,113 @@
+//! The command line: `--check`, `--version`, bad configs, and JSON logs.
+
+mod common;
+
+use std::process::Command;
+
+use common::{Backend, ProxyBuilder, Request};
+
+fn idemgate() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_idemgate"))
+}
+
+#[test]
+fn check_accepts_the_reference_config() {
+    let out = idemgate()
+        .args([
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/config/idemgate.yaml"),
+            "--check",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("is valid"));
+}
+
+#[test]
+fn check_rejects_a_bad_config_naming_the_field_and_never_binds() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.yaml");
+    // A free port: if --check bound it, the second bind below would fail.
+    let port = common::proxy::free_port();
+    std::fs::write(
+        &path,
+        format!(
+            "listen: \"127.0.0.1:{port}\"\nupstreams:\n  a:\n    addrs: [\"127.0.0.1:1\"]\n\
+             routes:\n  - name: r\n    path_prefix: /\n    upstream: missing\n"
+        ),
+    )
+    .unwrap();
+    let out = idemgate()
+        .arg("--config")
+        .arg(&path)
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("routes[0].upstream"), "{err}");
+    assert!(std::net::TcpListener::bind(("127.0.0.1", port)).is_ok());
+}
+
+#[test]
+fn run_with_a_bad_config_exits_64() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.yaml");
+    std::fs::write(&path, "listen: [not, an, address]\n").unwrap();
+    let out = idemgate().arg("--config").arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let missing = idemgate()
+        .args(["--config", "/nonexistent/idemgate.yaml"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/idemgate.yaml"));
+}
+
+#[test]
+fn version_prints_the_crate_version() {
+    let out = idemgate().arg("--version").output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("idemgate {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[tokio::test]
+async fn json_logs_have_one_object_per_request_without_the_key() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .env("IDEMGATE_LOG_FORMAT", "json")
+        .start()
+        .await;
+    Request::post("/orders")
+        .key("my-secret-key")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let line = loop {
+        let log = proxy.log();
+        if let Some(l) = log.lines().find(|l| l.contains("idemgate::access")) {
+            break l.to_string();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no access log line:\n{log}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["route"], "orders");
+    assert_eq!(v["result"], "MISS");
+    assert_eq!(v["status"], 201);
+    assert!(v["duration_ms"].as_f64().is_some());
+    assert_eq!(v["record"].as_str().map(str::len), Some(16));
+    assert!(!proxy.log().contains("my-secret-key"));
+}
