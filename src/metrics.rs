@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, Metric, MetricFamily, MetricType};
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 
 /// Latency buckets in seconds, from 100 µs to 30 s.
@@ -33,8 +33,6 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// Completions or releases refused because the caller's lock had been taken over.
     pub fenced_writes: IntCounter,
-    /// Requests being handled right now.
-    pub in_flight: IntGauge,
     /// Records held by the embedded store.
     pub store_records: IntGauge,
     /// Bytes held by the embedded store.
@@ -95,11 +93,6 @@ impl Metrics {
             "Completions or releases refused because another request took over the lock",
         )
         .expect("static metric definition");
-        let in_flight = IntGauge::new(
-            "idemgate_in_flight_requests",
-            "Requests being handled right now",
-        )
-        .expect("static metric definition");
         let store_records = IntGauge::new("idemgate_store_records", "Records held by the store")
             .expect("static metric definition");
         let store_bytes = IntGauge::new("idemgate_store_bytes", "Bytes held by the store")
@@ -123,7 +116,6 @@ impl Metrics {
             Box::new(store_duration.clone()),
             Box::new(store_errors.clone()),
             Box::new(fenced_writes.clone()),
-            Box::new(in_flight.clone()),
             Box::new(store_records.clone()),
             Box::new(store_bytes.clone()),
             Box::new(store_capacity_bytes.clone()),
@@ -139,10 +131,33 @@ impl Metrics {
             store_duration,
             store_errors,
             fenced_writes,
-            in_flight,
             store_records,
             store_bytes,
             store_capacity_bytes,
+        }
+    }
+
+    /// Resolves the per-route children once (per config), so the request path does no label
+    /// hashing: `results` are the `result` label values, indexed as the caller indexes them.
+    pub fn route_handles(&self, route: &str, results: &[&str]) -> RouteHandles {
+        RouteHandles {
+            requests: results
+                .iter()
+                .map(|r| self.requests.with_label_values(&[route, r]))
+                .collect(),
+            durations: results
+                .iter()
+                .map(|r| self.request_duration.with_label_values(&[route, r]))
+                .collect(),
+            upstream: self.upstream_duration.with_label_values(&[route]),
+        }
+    }
+
+    /// Resolves the children of one store operation.
+    pub fn store_op(&self, op: &str) -> StoreOpHandles {
+        StoreOpHandles {
+            duration: self.store_duration.with_label_values(&[op]),
+            errors: self.store_errors.with_label_values(&[op]),
         }
     }
 
@@ -185,6 +200,24 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
     }
+}
+
+/// Metric children of one route.
+pub struct RouteHandles {
+    /// `idemgate_requests_total` by result index.
+    pub requests: Vec<IntCounter>,
+    /// `idemgate_request_duration_seconds` by result index.
+    pub durations: Vec<Histogram>,
+    /// `idemgate_upstream_duration_seconds`.
+    pub upstream: Histogram,
+}
+
+/// Metric children of one store operation.
+pub struct StoreOpHandles {
+    /// Latency.
+    pub duration: Histogram,
+    /// Failures.
+    pub errors: IntCounter,
 }
 
 type PullFn = Box<dyn Fn() -> f64 + Send + Sync>;

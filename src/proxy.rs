@@ -25,7 +25,7 @@ use crate::config::{
     Config, KeyMode, OnInFlight, OnUnavailable, Route, RouteIdempotency, RouteMatch,
 };
 use crate::key;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteHandles, StoreOpHandles};
 use crate::problem::{Outcome, Problem};
 use crate::snowflake::Snowflake;
 use crate::store::retry::{CompletionRetrier, PendingCompletion};
@@ -59,17 +59,62 @@ pub struct Generation {
     pub config: Config,
     /// One pool per `config.upstreams` entry, same order.
     pub pools: Vec<UpstreamPool>,
+    /// Metric children per route, same order, then one for requests matching no route.
+    route_metrics: Vec<RouteHandles>,
+}
+
+/// `result` label values, indexed by [`result_index`].
+const RESULT_LABELS: [&str; 9] = [
+    "FORWARD",
+    "MISS",
+    "HIT",
+    "CONFLICT",
+    "MISMATCH",
+    "INVALID",
+    "BYPASS",
+    "DEGRADED",
+    "UNAVAILABLE",
+];
+
+fn result_index(outcome: Option<Outcome>) -> usize {
+    match outcome {
+        None => 0,
+        Some(Outcome::Miss) => 1,
+        Some(Outcome::Hit) => 2,
+        Some(Outcome::Conflict) => 3,
+        Some(Outcome::Mismatch) => 4,
+        Some(Outcome::Invalid) => 5,
+        Some(Outcome::Bypass) => 6,
+        Some(Outcome::Degraded) => 7,
+        Some(Outcome::Unavailable) => 8,
+    }
 }
 
 impl Generation {
-    /// Builds the upstream pools for `config`.
-    pub fn new(config: Config) -> std::result::Result<Self, String> {
+    /// Builds the upstream pools and metric handles for `config`.
+    pub fn new(config: Config, metrics: &Metrics) -> std::result::Result<Self, String> {
         let pools = config
             .upstreams
             .iter()
             .map(UpstreamPool::new)
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        Ok(Generation { config, pools })
+        let route_metrics = config
+            .routes
+            .iter()
+            .map(|r| r.name.as_str())
+            .chain(std::iter::once("-"))
+            .map(|name| metrics.route_handles(name, &RESULT_LABELS))
+            .collect();
+        Ok(Generation {
+            config,
+            pools,
+            route_metrics,
+        })
+    }
+
+    fn route_metrics(&self, route: Option<usize>) -> &RouteHandles {
+        let i = route.unwrap_or(self.config.routes.len());
+        &self.route_metrics[i.min(self.route_metrics.len() - 1)]
     }
 }
 
@@ -130,21 +175,18 @@ impl InFlightCounter {
 
 struct InFlightGuard {
     counter: Arc<InFlightCounter>,
-    metrics: Arc<Metrics>,
 }
 
 impl InFlightGuard {
-    fn new(counter: Arc<InFlightCounter>, metrics: Arc<Metrics>) -> Self {
+    fn new(counter: Arc<InFlightCounter>) -> Self {
         counter.0.fetch_add(1, Ordering::AcqRel);
-        metrics.in_flight.inc();
-        InFlightGuard { counter, metrics }
+        InFlightGuard { counter }
     }
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         self.counter.0.fetch_sub(1, Ordering::AcqRel);
-        self.metrics.in_flight.dec();
     }
 }
 
@@ -169,6 +211,16 @@ pub struct Gate {
     connector: Connector,
     in_flight: Arc<InFlightCounter>,
     retrier: CompletionRetrier,
+    store_ops: [StoreOpHandles; 4],
+}
+
+/// Store operations timed by `idemgate_store_operation_duration_seconds`.
+#[derive(Clone, Copy)]
+enum StoreOp {
+    Claim = 0,
+    Complete = 1,
+    Release = 2,
+    Wait = 3,
 }
 
 /// How a keyed request ended, for the log line and metrics.
@@ -198,11 +250,13 @@ impl Gate {
         in_flight: Arc<InFlightCounter>,
         retrier: CompletionRetrier,
     ) -> Self {
+        let store_ops = ["claim", "complete", "release", "wait"].map(|op| metrics.store_op(op));
         Gate {
             current,
             store,
             fallback,
             ids: Snowflake::new(worker_id),
+            store_ops,
             metrics,
             connector: Connector::new(None),
             in_flight,
@@ -289,7 +343,7 @@ impl Gate {
             attempts += 1;
             let started = Instant::now();
             let answer = store.claim(&claim_req).await;
-            self.observe_store("claim", started, answer.is_err());
+            self.observe_store(StoreOp::Claim, started, answer.is_err());
             let existing = match answer {
                 Ok(ClaimOutcome::Acquired { execution_id }) => {
                     let claim = Claim {
@@ -358,7 +412,7 @@ impl Gate {
                     }
                     let started = Instant::now();
                     let waited = store.wait_for_change(&claim_req.key, deadline - now).await;
-                    self.observe_store("wait", started, waited.is_err());
+                    self.observe_store(StoreOp::Wait, started, waited.is_err());
                     if let Err(e) = waited {
                         tracing::warn!(error = %e, "record store failed while waiting");
                         return self.refuse(session, Problem::StoreUnavailable).await;
@@ -543,9 +597,9 @@ impl Gate {
             Ok(())
         }
         .await;
-        self.metrics
-            .upstream_duration
-            .with_label_values(&[route.name.as_str()])
+        ctx.gen
+            .route_metrics(ctx.route)
+            .upstream
             .observe(started.elapsed().as_secs_f64());
 
         if let Err(e) = body_result {
@@ -629,7 +683,7 @@ impl Gate {
             .store
             .complete(&claim.key, claim.owner, completion.clone(), ttl)
             .await;
-        self.observe_store("complete", started, written.is_err());
+        self.observe_store(StoreOp::Complete, started, written.is_err());
         let record = key::hash_label(&claim.key.hash);
         match written {
             Ok(WriteOutcome::Applied) => {}
@@ -653,7 +707,7 @@ impl Gate {
     async fn release(&self, claim: &Claim<'_>) {
         let started = Instant::now();
         let written = claim.store.release(&claim.key, claim.owner).await;
-        self.observe_store("release", started, written.is_err());
+        self.observe_store(StoreOp::Release, started, written.is_err());
         match written {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::NotOwner) => self.metrics.fenced_writes.inc(),
@@ -663,13 +717,11 @@ impl Gate {
         }
     }
 
-    fn observe_store(&self, op: &str, started: Instant, failed: bool) {
-        self.metrics
-            .store_duration
-            .with_label_values(&[op])
-            .observe(started.elapsed().as_secs_f64());
+    fn observe_store(&self, op: StoreOp, started: Instant, failed: bool) {
+        let h = &self.store_ops[op as usize];
+        h.duration.observe(started.elapsed().as_secs_f64());
         if failed {
-            self.metrics.store_errors.with_label_values(&[op]).inc();
+            h.errors.inc();
         }
     }
 
@@ -840,7 +892,7 @@ impl ProxyHttp for Gate {
             upstream: None,
             outcome: None,
             record_label: None,
-            _guard: InFlightGuard::new(self.in_flight.clone(), self.metrics.clone()),
+            _guard: InFlightGuard::new(self.in_flight.clone()),
         }
     }
 
@@ -932,17 +984,13 @@ impl ProxyHttp for Gate {
     /// One structured line and the metrics for every request.
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        let result = ctx.outcome.map_or("FORWARD", Outcome::as_str);
+        let index = result_index(ctx.outcome);
+        let result = RESULT_LABELS[index];
         let route = label(ctx);
         let elapsed = ctx.started.elapsed();
-        self.metrics
-            .requests
-            .with_label_values(&[route, result])
-            .inc();
-        self.metrics
-            .request_duration
-            .with_label_values(&[route, result])
-            .observe(elapsed.as_secs_f64());
+        let handles = ctx.gen.route_metrics(ctx.route);
+        handles.requests[index].inc();
+        handles.durations[index].observe(elapsed.as_secs_f64());
         let req = session.req_header();
         tracing::info!(
             target: "idemgate::access",

@@ -74,14 +74,20 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
     let listen = config.listen.to_string();
     let admin_listen = config.admin.listen.to_string();
 
-    let generation = Generation::new(config).map_err(StartError::Config)?;
-    let current = Arc::new(ArcSwap::from_pointee(generation));
     let metrics = Arc::new(Metrics::new());
+    let generation = Generation::new(config, &metrics).map_err(StartError::Config)?;
+    let current = Arc::new(ArcSwap::from_pointee(generation));
     let in_flight = Arc::new(InFlightCounter::default());
     let readiness = Arc::new(Readiness::default());
 
     let (retrier, retry_worker) = CompletionRetrier::new(store.clone(), RetryOptions::default());
     register_store_metrics(&metrics, &retrier);
+    let counter = in_flight.clone();
+    metrics.pull_gauge(
+        "idemgate_in_flight_requests",
+        "Requests being handled right now",
+        move || counter.get() as f64,
+    );
 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
