@@ -22,6 +22,7 @@ pub mod key;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod snowflake;
 pub mod store;

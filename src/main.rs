@@ -42,7 +42,10 @@ fn init_logging() {
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     // Colour codes only for a person at a terminal, never into files or log collectors.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = fmt().with_env_filter(filter).with_writer(writer).with_ansi(ansi);
+    let builder = fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .with_ansi(ansi);
     if json {
         builder.json().flatten_event(true).init();
     } else {
