@@ -14,8 +14,10 @@
 //! execution of one key carries the same `X-Idempotency-Id`. Completion and release are
 //! compare-and-set on the owner token: a claimer whose lock lapsed cannot overwrite a newer owner.
 
+pub mod codec;
 pub mod conformance;
 pub mod memory;
+pub mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +25,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use memory::MemoryStore;
+pub use self::memory::MemoryStore;
+pub use self::redis::{RedisStore, Scripts};
 
 /// SHA-256 digest used for record ids and fingerprints.
 pub type Digest = [u8; 32];
