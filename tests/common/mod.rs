@@ -1,9 +1,10 @@
 //! Test harness: a real counting backend, the real `idemgate` binary, and a raw HTTP/1.1 client.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub mod backend;
 pub mod client;
 pub mod proxy;
+pub mod redis;
 
 pub use backend::Backend;
 pub use client::{Request, Response};
