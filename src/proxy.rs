@@ -426,6 +426,11 @@ impl Gate {
 
     /// Forwards a keyed request and stores (or releases) its outcome. The client going away
     /// does not stop it: the backend's answer is read to the end and stored regardless.
+    ///
+    /// The response streams through, except its last piece (the last body chunk, or the header
+    /// of a response with no body chunk), which is held until the record is written: a client
+    /// that retries the moment it has the whole response must find it stored (`HIT`), not
+    /// still in flight (`409`).
     #[allow(clippy::too_many_arguments)]
     async fn execute(
         &self,
@@ -510,10 +515,11 @@ impl Gate {
             downstream.remove_header(name);
         }
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
-        let mut client_gone = session
-            .write_response_header(Box::new(downstream), false)
-            .await
-            .is_err();
+        let mut held = Held {
+            header: Some(Box::new(downstream)),
+            chunk: None,
+        };
+        let mut client_gone = false;
 
         let mut captured = storable.then(BytesMut::new);
         let mut too_large = false;
@@ -530,12 +536,9 @@ impl Gate {
                         buf.extend_from_slice(&chunk);
                     }
                 }
-                if !client_gone {
-                    client_gone = session
-                        .write_response_body(Some(chunk), false)
-                        .await
-                        .is_err();
-                }
+                // Send what was held; keep this chunk back, it may be the last.
+                held.flush(session, &mut client_gone).await;
+                held.chunk = Some(chunk);
             }
             Ok(())
         }
@@ -546,6 +549,8 @@ impl Gate {
             .observe(started.elapsed().as_secs_f64());
 
         if let Err(e) = body_result {
+            // The client gets what arrived, as it would have without holding anything back.
+            held.flush(session, &mut client_gone).await;
             tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
             upstream.shutdown().await;
             // The client saw a partial response; closing is the only honest signal left.
@@ -555,13 +560,11 @@ impl Gate {
                 "upstream response cut off",
             ));
         }
-        if !client_gone {
-            client_gone = session.write_response_body(None, true).await.is_err();
-        }
         self.connector
             .release_http_session(upstream, peer, Some(pool.idle_timeout))
             .await;
 
+        // Bookkeeping first, then the held last piece: see the doc comment above.
         if let Some(claim) = &claim {
             if storable {
                 let completion = match captured {
@@ -576,6 +579,10 @@ impl Gate {
             } else {
                 self.release(claim).await;
             }
+        }
+        held.flush(session, &mut client_gone).await;
+        if !client_gone {
+            client_gone = session.write_response_body(None, true).await.is_err();
         }
         if client_gone {
             tracing::info!(route = %route.name, status, "client left before the response; outcome stored");
@@ -767,6 +774,32 @@ fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String,
             )
         })
         .collect()
+}
+
+/// The part of a response `execute` has not yet sent to the client.
+struct Held {
+    header: Option<Box<ResponseHeader>>,
+    chunk: Option<Bytes>,
+}
+
+impl Held {
+    /// Writes whatever is held (header first); a failed write marks the client gone, and a
+    /// gone client is written nothing more.
+    async fn flush(&mut self, session: &mut Session, client_gone: &mut bool) {
+        if let Some(header) = self.header.take() {
+            if !*client_gone {
+                *client_gone = session.write_response_header(header, false).await.is_err();
+            }
+        }
+        if let Some(chunk) = self.chunk.take() {
+            if !*client_gone {
+                *client_gone = session
+                    .write_response_body(Some(chunk), false)
+                    .await
+                    .is_err();
+            }
+        }
+    }
 }
 
 fn label(ctx: &RequestCtx) -> &str {

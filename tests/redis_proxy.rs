@@ -23,23 +23,6 @@ async fn proxies(backend: &Backend, urls: &[String], count: usize, idem: &[&str]
     started
 }
 
-/// Sends `req` until it is no longer answered 409 CONFLICT, for up to a second.
-///
-/// The proxy streams the backend's answer to the client and only then stores it (SPEC §1.7
-/// order in `proxy.rs`), so a client that retries the instant it has the response can still
-/// find the record in flight for one Redis round trip and get a 409. A retry a moment later
-/// replays. Everything else is asserted on the first answer that is not that 409.
-async fn send_settled(req: &Request, addr: std::net::SocketAddr) -> common::Response {
-    let deadline = Instant::now() + Duration::from_secs(1);
-    loop {
-        let response = req.send(addr).await;
-        if response.result() != Some("CONFLICT") || Instant::now() > deadline {
-            return response;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 #[tokio::test]
 async fn replays_across_two_and_three_instances() {
     let redis = RedisServer::start();
@@ -52,7 +35,7 @@ async fn replays_across_two_and_three_instances() {
         .json(r#"{"sku":"A"}"#);
     let first = req.send(instances[0].addr).await;
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
-    let second = send_settled(&req, instances[1].addr).await;
+    let second = req.send(instances[1].addr).await;
     assert_eq!((second.status, second.result()), (201, Some("HIT")));
     assert_eq!(second.body, first.body);
     assert_eq!(backend.count(), 1);
@@ -62,7 +45,7 @@ async fn replays_across_two_and_three_instances() {
     let first = req.send(instances[0].addr).await;
     assert_eq!((first.status, first.result()), (200, Some("MISS")));
     for proxy in &instances[1..] {
-        let replay = send_settled(&req, proxy.addr).await;
+        let replay = req.send(proxy.addr).await;
         assert_eq!(replay.result(), Some("HIT"));
         assert_eq!(replay.header("idempotent-replayed"), Some("true"));
         assert_eq!(replay.body, first.body);
@@ -152,10 +135,7 @@ async fn cluster_replays_across_instances_and_executes_duplicates_once() {
             .key(&format!("spread-{n}"))
             .body("z");
         assert_eq!(req.send(instances[0].addr).await.result(), Some("MISS"));
-        assert_eq!(
-            send_settled(&req, instances[1].addr).await.result(),
-            Some("HIT")
-        );
+        assert_eq!(req.send(instances[1].addr).await.result(), Some("HIT"));
     }
     let holders: std::collections::BTreeSet<u16> =
         cluster.keys().into_iter().map(|(port, _)| port).collect();
@@ -174,7 +154,7 @@ async fn script_flush_and_redis_restart_never_reach_a_client() {
     let req = Request::post("/orders").key("flush").body("a");
     assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
     let _: () = redis.cmd(&["SCRIPT", "FLUSH"]);
-    let replay = send_settled(&req, proxy.addr).await;
+    let replay = req.send(proxy.addr).await;
     assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
 
     // A restart empties Redis (no persistence here) and kills every connection.
@@ -187,7 +167,7 @@ async fn script_flush_and_redis_restart_never_reach_a_client() {
         "{}",
         first.text()
     );
-    assert_eq!(send_settled(&after, proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(after.send(proxy.addr).await.result(), Some("HIT"));
     assert_eq!(backend.count(), 2);
 }
 
@@ -219,7 +199,7 @@ async fn proxy_starts_while_redis_is_down_and_serves_once_it_is_up() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
-    assert_eq!(send_settled(&req, proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
     assert!(
         proxy.log().contains("redis store not reachable yet"),
         "{}",
