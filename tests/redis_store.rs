@@ -380,6 +380,41 @@ async fn ping_runs_the_script_path_not_just_ping() {
     let store = RedisStore::new(&config).expect("store");
     store.ping().await.expect("user with scripts");
     claim_and_complete(&store, &fresh_key(), b"acl").await;
+
+    // The least a single-server user needs, as documented in config/idemgate.yaml: the key
+    // pattern, EVALSHA + SCRIPT LOAD, DEL, and what the scripts call.
+    let _: () = server.cmd(&[
+        "ACL",
+        "SETUSER",
+        "least",
+        "on",
+        ">pw",
+        &format!("~{PREFIX}:*"),
+        "resetchannels",
+        "-@all",
+        "+evalsha",
+        "+script|load",
+        "+del",
+        "+hmget",
+        "+hset",
+        "+hdel",
+        "+pexpire",
+        "+pttl",
+        "+time",
+    ]);
+    let config = settings(
+        vec![format!("redis://least:pw@127.0.0.1:{}", server.port)],
+        RedisTopology::Single,
+    );
+    let store = Arc::new(RedisStore::new(&config).expect("store"));
+    store
+        .connect()
+        .await
+        .expect("connect with least privileges");
+    conformance::case_completed_response_replays_byte_exact(&store).await;
+    conformance::case_release_then_claim_keeps_execution_id(&store).await;
+    conformance::case_wait_returns_at_once_when_not_in_flight(&store).await;
+    conformance::case_delete_removes(&store).await;
 }
 
 #[tokio::test]
