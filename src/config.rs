@@ -125,13 +125,51 @@ pub struct MemoryStoreConfig {
 }
 
 /// Settings of the Redis store.
-// Debug is hand-written so a password in the URL never reaches a log line.
+// Debug is hand-written so a password in a URL never reaches a log line.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisConfig {
-    /// `redis://`, `rediss://` or `redis+sentinel://` URL, possibly with `user:pass@`.
-    pub url: String,
+    /// `redis://`, `rediss://` or `redis+sentinel://` URLs, possibly with `user:pass@`; one for a
+    /// single server, one or more seeds for a cluster, one or more for Sentinel. Never empty.
+    pub urls: Vec<String>,
+    /// How the URLs are used.
+    pub topology: RedisTopology,
+    /// Budget for opening one connection.
+    pub connect_timeout: Duration,
+    /// Budget for one command's answer.
+    pub response_timeout: Duration,
     /// Prefix of every key the proxy writes.
     pub key_prefix: String,
+}
+
+/// How the Redis store reaches its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedisTopology {
+    /// One server (or a proxy in front of many), `redis://` or `rediss://`.
+    Single,
+    /// Redis Cluster: `store.redis.cluster: true` or several URLs; the URLs are seed nodes.
+    Cluster,
+    /// A primary found through Sentinel: `redis+sentinel://` URLs (see [`SentinelUrl`]).
+    Sentinel,
+}
+
+/// A parsed `redis+sentinel://[user[:pass]@]host[:port][,host[:port]...]/<master>[/<db>]` URL.
+///
+/// The hosts are Sentinels (default port 26379); `master` is the name they monitor; user,
+/// password and database apply to the primary they name. The Sentinels themselves are
+/// reached without authentication or TLS.
+// Debug is hand-written: the password stays out of logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SentinelUrl {
+    /// Sentinel addresses as (host, port); never empty.
+    pub sentinels: Vec<(String, u16)>,
+    /// The monitored master's name.
+    pub master: String,
+    /// Database index on the primary.
+    pub db: i64,
+    /// ACL user for the primary, percent-decoded.
+    pub username: Option<String>,
+    /// Password for the primary, percent-decoded.
+    pub password: Option<String>,
 }
 
 /// What to do with an idempotent request when the store cannot be reached.
@@ -275,6 +313,9 @@ const BYTES_HINT: &str = "use e.g. 1048576, 512KiB, 256MiB, 1GiB";
 const STATUS_HINT: &str =
     "use a class (2xx, 3xx, 4xx, 5xx), an exact code (201) or a quoted exclusion (\"!429\")";
 const REDIS_SCHEMES: [&str; 3] = ["redis://", "rediss://", "redis+sentinel://"];
+const SENTINEL_SCHEME: &str = "redis+sentinel://";
+const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+const DEFAULT_SENTINEL_PORT: u16 = 26379;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 
 #[derive(Debug, Deserialize)]
@@ -356,7 +397,11 @@ struct FileMemoryStore {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct FileRedis {
-    url: String,
+    url: Option<String>,
+    urls: Option<Vec<String>>,
+    cluster: bool,
+    connect_timeout: Scalar,
+    response_timeout: Scalar,
     key_prefix: String,
 }
 
@@ -488,7 +533,11 @@ impl Default for FileMemoryStore {
 impl Default for FileRedis {
     fn default() -> Self {
         FileRedis {
-            url: "redis://127.0.0.1:6379".to_owned(),
+            url: None,
+            urls: None,
+            cluster: false,
+            connect_timeout: Scalar::text("1s"),
+            response_timeout: Scalar::text("200ms"),
             key_prefix: "idemgate".to_owned(),
         }
     }
@@ -831,13 +880,12 @@ impl FileStore {
             capacity_bytes: bytes_in_range("store.memory.capacity".into(), capacity, 1, u64::MAX)?,
             shards: int_in_range("store.memory.shards", self.memory.shards, 1, 4096)?,
         };
-        let redis = self.redis.map(FileRedis::into_config).transpose()?;
-        if self.backend == StoreBackend::Redis {
-            return Err(invalid(
-                "store.backend",
-                "redis is not available in this version yet; use memory",
-            ));
-        }
+        // `backend: redis` with no block means a local server with every default.
+        let redis = match (self.redis, self.backend) {
+            (Some(block), _) => Some(block.into_config()?),
+            (None, StoreBackend::Redis) => Some(FileRedis::default().into_config()?),
+            (None, StoreBackend::Memory) => None,
+        };
         Ok(StoreConfig {
             backend: self.backend,
             memory,
@@ -849,23 +897,61 @@ impl FileStore {
 
 impl FileRedis {
     fn into_config(self) -> Result<RedisConfig, ConfigError> {
-        let rest = REDIS_SCHEMES
-            .iter()
-            .find_map(|scheme| self.url.strip_prefix(scheme));
-        match rest {
-            Some(rest) if !rest.is_empty() => {}
-            Some(_) => return Err(invalid("store.redis.url", "the URL has no host")),
-            None => {
-                // Only the scheme is echoed: the rest may carry a password.
-                let scheme = self.url.split_once("://").map_or("", |(s, _)| s);
+        let (field, urls) = match (self.url, self.urls) {
+            (Some(_), Some(_)) => {
                 return Err(invalid(
-                    "store.redis.url",
-                    format!(
-                        "unsupported scheme {scheme:?} (use redis://, rediss:// or redis+sentinel://)"
-                    ),
-                ));
+                    "store.redis.urls",
+                    "set either url or urls, not both",
+                ))
+            }
+            (Some(url), None) => ("store.redis.url", vec![url]),
+            (None, Some(urls)) if urls.is_empty() => {
+                return Err(invalid("store.redis.urls", "must list at least one URL"))
+            }
+            (None, Some(urls)) => ("store.redis.urls", urls),
+            (None, None) => ("store.redis.url", vec![DEFAULT_REDIS_URL.to_owned()]),
+        };
+        let several = urls.len() > 1;
+        let mut sentinels = 0;
+        for (i, url) in urls.iter().enumerate() {
+            let field = if several {
+                format!("{field}[{i}]")
+            } else {
+                field.to_owned()
+            };
+            if check_redis_url(url).map_err(|message| invalid(field, message))? {
+                sentinels += 1;
             }
         }
+        let topology = if sentinels > 0 {
+            if sentinels != urls.len() {
+                return Err(invalid(
+                    "store.redis.urls",
+                    "redis+sentinel:// URLs cannot be mixed with redis:// or rediss:// ones",
+                ));
+            }
+            if self.cluster {
+                return Err(invalid(
+                    "store.redis.cluster",
+                    "Redis Cluster cannot be reached through redis+sentinel:// URLs",
+                ));
+            }
+            let masters: Vec<String> = urls
+                .iter()
+                .filter_map(|url| parse_sentinel_url(url).ok().map(|s| s.master))
+                .collect();
+            if masters.windows(2).any(|pair| pair[0] != pair[1]) {
+                return Err(invalid(
+                    "store.redis.urls",
+                    "every redis+sentinel:// URL must name the same master",
+                ));
+            }
+            RedisTopology::Sentinel
+        } else if self.cluster || several {
+            RedisTopology::Cluster
+        } else {
+            RedisTopology::Single
+        };
         // Braces would break the `{tenant:hash}` Redis Cluster hash tag that follows the prefix.
         if self.key_prefix.is_empty()
             || self
@@ -882,10 +968,149 @@ impl FileRedis {
             ));
         }
         Ok(RedisConfig {
-            url: self.url,
+            urls,
+            topology,
+            connect_timeout: positive_duration(
+                "store.redis.connect_timeout".into(),
+                &self.connect_timeout,
+            )?,
+            response_timeout: positive_duration(
+                "store.redis.response_timeout".into(),
+                &self.response_timeout,
+            )?,
             key_prefix: self.key_prefix,
         })
     }
+}
+
+/// Checks one store URL; `Ok(true)` for a Sentinel URL. Messages never echo the URL, which may
+/// carry a password.
+fn check_redis_url(url: &str) -> Result<bool, String> {
+    let rest = REDIS_SCHEMES
+        .iter()
+        .find_map(|scheme| url.strip_prefix(scheme));
+    match rest {
+        Some(rest) if !rest.is_empty() && !rest.starts_with('/') => {}
+        Some(_) => return Err("the URL has no host".into()),
+        None => {
+            // Only the scheme is echoed: the rest may carry a password.
+            let scheme = url.split_once("://").map_or("", |(s, _)| s);
+            return Err(format!(
+                "unsupported scheme {scheme:?} (use redis://, rediss:// or redis+sentinel://)"
+            ));
+        }
+    }
+    if url.starts_with(SENTINEL_SCHEME) {
+        parse_sentinel_url(url)?;
+        return Ok(true);
+    }
+    redis::IntoConnectionInfo::into_connection_info(url).map_err(|_| {
+        "not a valid Redis URL (use redis[s]://[user[:password]@]host[:port][/db])".to_owned()
+    })?;
+    Ok(false)
+}
+
+/// Parses a `redis+sentinel://` URL (see [`SentinelUrl`]). Errors never echo the URL.
+pub fn parse_sentinel_url(url: &str) -> Result<SentinelUrl, String> {
+    const SHAPE: &str =
+        "use redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master>[/<db>]";
+    let rest = url
+        .strip_prefix(SENTINEL_SCHEME)
+        .ok_or_else(|| format!("not a Sentinel URL ({SHAPE})"))?;
+    if rest.contains(['?', '#']) {
+        return Err(format!("query and fragment are not supported ({SHAPE})"));
+    }
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let (userinfo, hosts) = match authority.rfind('@') {
+        Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
+        None => (None, authority),
+    };
+    let (username, password) = match userinfo {
+        None => (None, None),
+        Some(info) => {
+            let (user, pass) = match info.split_once(':') {
+                Some((user, pass)) => (user, Some(pass)),
+                None => (info, None),
+            };
+            let decode = |part: &str| {
+                percent_decode(part)
+                    .ok_or_else(|| format!("bad percent-encoding in the credentials ({SHAPE})"))
+            };
+            let user = (!user.is_empty()).then(|| decode(user)).transpose()?;
+            let pass = pass.filter(|p| !p.is_empty()).map(decode).transpose()?;
+            (user, pass)
+        }
+    };
+    let mut sentinels = Vec::new();
+    for host in hosts.split(',') {
+        sentinels
+            .push(sentinel_host(host).ok_or_else(|| format!("bad Sentinel address ({SHAPE})"))?);
+    }
+    let mut segments = path.split('/').filter(|s| !s.is_empty());
+    let master = segments
+        .next()
+        .ok_or_else(|| format!("the master name is missing ({SHAPE})"))?
+        .to_owned();
+    let db = match segments.next() {
+        None => 0,
+        Some(db) => db
+            .parse::<i64>()
+            .ok()
+            .filter(|db| *db >= 0)
+            .ok_or_else(|| format!("the database must be a number ({SHAPE})"))?,
+    };
+    if segments.next().is_some() {
+        return Err(format!("too many path segments ({SHAPE})"));
+    }
+    Ok(SentinelUrl {
+        sentinels,
+        master,
+        db,
+        username,
+        password,
+    })
+}
+
+/// `host`, `host:port`, `[v6]` or `[v6]:port`.
+fn sentinel_host(raw: &str) -> Option<(String, u16)> {
+    let (host, port) = if let Some(bracketed) = raw.strip_prefix('[') {
+        let (host, after) = bracketed.split_once(']')?;
+        match after {
+            "" => (host, None),
+            _ => (host, Some(after.strip_prefix(':')?)),
+        }
+    } else {
+        match raw.split_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (raw, None),
+        }
+    };
+    if host.is_empty() || host.contains(['/', '@', ' ']) {
+        return None;
+    }
+    let port = match port {
+        None => DEFAULT_SENTINEL_PORT,
+        Some(port) => port.parse::<u16>().ok().filter(|p| *p != 0)?,
+    };
+    Some((host.to_owned(), port))
+}
+
+/// Decodes `%XX` escapes; `None` for a malformed escape or a result that is not UTF-8.
+fn percent_decode(raw: &str) -> Option<String> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = raw.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 impl FileRoute {
@@ -1388,15 +1613,31 @@ impl fmt::Debug for StatusSet {
 
 impl fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let urls: Vec<String> = self.urls.iter().map(|url| redact_url(url)).collect();
         f.debug_struct("RedisConfig")
-            .field("url", &redact_url(&self.url))
+            .field("urls", &urls)
+            .field("topology", &self.topology)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
             .field("key_prefix", &self.key_prefix)
             .finish()
     }
 }
 
-/// Replaces the `user:pass@` part of a URL with `***@`.
-fn redact_url(url: &str) -> String {
+impl fmt::Debug for SentinelUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SentinelUrl")
+            .field("sentinels", &self.sentinels)
+            .field("master", &self.master)
+            .field("db", &self.db)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .finish()
+    }
+}
+
+/// Replaces the `user:pass@` part of a URL with `***@`, for logs.
+pub fn redact_url(url: &str) -> String {
     match url.split_once("://") {
         Some((scheme, rest)) => {
             let authority_end = rest.find('/').unwrap_or(rest.len());
@@ -1514,6 +1755,8 @@ routes:
         assert_eq!(config.shutdown, minimal.shutdown);
         assert_eq!(config.admin, minimal.admin);
         assert_eq!(config.store.memory, minimal.store.memory);
+        let redis_defaults = load(&format!("store: {{backend: redis}}\n{MINIMAL}"));
+        assert_eq!(config.store.redis, redis_defaults.store.redis);
         assert_eq!(config.upstreams[0], minimal.upstreams[0]);
         assert_eq!(
             (config.threads, config.request_body_timeout),
@@ -1894,13 +2137,22 @@ routes:
     }
 
     #[test]
-    fn redis_backend_is_not_available_yet() {
-        let err = load_err(&format!("store: {{backend: redis}}\n{MINIMAL}"));
-        assert_eq!(err.field(), Some("store.backend"));
-        assert_eq!(
-            err.to_string(),
-            "store.backend: redis is not available in this version yet; use memory"
-        );
+    fn redis_backend_without_a_block_uses_the_defaults() {
+        let config = load(&format!("store: {{backend: redis}}\n{MINIMAL}"));
+        assert_eq!(config.store.backend, StoreBackend::Redis);
+        let redis = config.store.redis.expect("default redis block");
+        assert_eq!(redis.urls, vec!["redis://127.0.0.1:6379".to_owned()]);
+        assert_eq!(redis.topology, RedisTopology::Single);
+        assert_eq!(redis.connect_timeout, Duration::from_secs(1));
+        assert_eq!(redis.response_timeout, Duration::from_millis(200));
+        assert_eq!(redis.key_prefix, "idemgate");
+        // The same defaults as an empty block.
+        let empty = load(&format!(
+            "store: {{backend: redis, redis: {{}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(empty.store.redis, Some(redis));
+        // A memory backend without a block has no Redis settings at all.
+        assert_eq!(load(MINIMAL).store.redis, None);
     }
 
     #[test]
@@ -1910,32 +2162,157 @@ routes:
             "store.redis.url",
         );
         assert!(!message.contains("secret"), "{message}");
-        assert_field(
-            &format!("store: {{redis: {{url: \"redis://\"}}}}\n{MINIMAL}"),
-            "store.redis.url",
-        );
+        for bad in [
+            "redis://",
+            "redis:///0",
+            "redis://user:secret@host:notaport",
+        ] {
+            let message = assert_field(
+                &format!("store: {{redis: {{url: \"{bad}\"}}}}\n{MINIMAL}"),
+                "store.redis.url",
+            );
+            assert!(!message.contains("secret"), "{message}");
+        }
         assert_field(
             &format!("store: {{redis: {{key_prefix: \"a{{b}}\"}}}}\n{MINIMAL}"),
             "store.redis.key_prefix",
         );
-        for url in [
-            "redis://127.0.0.1:6379",
-            "rediss://user:pass@cache:6380/0",
-            "redis+sentinel://sentinel:26379/mymaster",
+        for (url, topology) in [
+            ("redis://127.0.0.1:6379", RedisTopology::Single),
+            ("rediss://user:pass@cache:6380/0", RedisTopology::Single),
+            ("redis://:pass@cache/3", RedisTopology::Single),
+            (
+                "redis+sentinel://sentinel:26379/mymaster",
+                RedisTopology::Sentinel,
+            ),
         ] {
             let config = load(&format!("store: {{redis: {{url: \"{url}\"}}}}\n{MINIMAL}"));
             let redis = config.store.redis.unwrap();
-            assert_eq!(redis.url, url);
+            assert_eq!(redis.urls, vec![url.to_owned()]);
+            assert_eq!(redis.topology, topology, "{url}");
             assert_eq!(redis.key_prefix, "idemgate");
         }
-        let config = load(&format!("store: {{redis: {{}}}}\n{MINIMAL}"));
-        assert_eq!(config.store.redis.unwrap().url, "redis://127.0.0.1:6379");
+    }
+
+    #[test]
+    fn redis_urls_and_cluster() {
+        let seeds = "[\"redis://10.0.0.1:7000\", \"redis://10.0.0.2:7000\"]";
+        let config = load(&format!("store: {{redis: {{urls: {seeds}}}}}\n{MINIMAL}"));
+        let redis = config.store.redis.unwrap();
+        assert_eq!(redis.urls.len(), 2);
+        assert_eq!(
+            redis.topology,
+            RedisTopology::Cluster,
+            "several seeds mean a cluster"
+        );
+
+        let config = load(&format!(
+            "store: {{redis: {{url: \"redis://10.0.0.1:7000\", cluster: true}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(config.store.redis.unwrap().topology, RedisTopology::Cluster);
+
+        let message = assert_field(
+            &format!(
+                "store: {{redis: {{url: \"redis://a:1\", urls: [\"redis://b:1\"]}}}}\n{MINIMAL}"
+            ),
+            "store.redis.urls",
+        );
+        assert!(message.contains("not both"), "{message}");
+        assert_field(
+            &format!("store: {{redis: {{urls: []}}}}\n{MINIMAL}"),
+            "store.redis.urls",
+        );
+        assert_field(
+            &format!("store: {{redis: {{urls: [\"redis://a:1\", \"http://b:1\"]}}}}\n{MINIMAL}"),
+            "store.redis.urls[1]",
+        );
+        assert_field(
+            &format!(
+                "store: {{redis: {{url: \"redis+sentinel://s:26379/m\", cluster: true}}}}\n{MINIMAL}"
+            ),
+            "store.redis.cluster",
+        );
+        assert_field(
+            &format!(
+                "store: {{redis: {{urls: [\"redis+sentinel://s/m\", \"redis://b:1\"]}}}}\n{MINIMAL}"
+            ),
+            "store.redis.urls",
+        );
+        assert_field(
+            &format!(
+                "store: {{redis: {{urls: [\"redis+sentinel://s/m\", \"redis+sentinel://t/n\"]}}}}\n{MINIMAL}"
+            ),
+            "store.redis.urls",
+        );
+    }
+
+    #[test]
+    fn redis_timeouts() {
+        let config = load(&format!(
+            "store: {{redis: {{connect_timeout: 250ms, response_timeout: 1s}}}}\n{MINIMAL}"
+        ));
+        let redis = config.store.redis.unwrap();
+        assert_eq!(redis.connect_timeout, Duration::from_millis(250));
+        assert_eq!(redis.response_timeout, Duration::from_secs(1));
+        assert_field(
+            &format!("store: {{redis: {{connect_timeout: 0s}}}}\n{MINIMAL}"),
+            "store.redis.connect_timeout",
+        );
+        assert_field(
+            &format!("store: {{redis: {{response_timeout: soon}}}}\n{MINIMAL}"),
+            "store.redis.response_timeout",
+        );
+        let err = load_err(&format!("store: {{redis: {{database: 3}}}}\n{MINIMAL}"));
+        assert!(err.to_string().contains("database"), "{err}");
+    }
+
+    #[test]
+    fn sentinel_urls_parse() {
+        let parsed =
+            parse_sentinel_url("redis+sentinel://app:p%40ss@s1:26380,s2,[::1]:26381/orders/2")
+                .unwrap();
+        assert_eq!(
+            parsed.sentinels,
+            vec![
+                ("s1".to_owned(), 26380),
+                ("s2".to_owned(), 26379),
+                ("::1".to_owned(), 26381)
+            ]
+        );
+        assert_eq!(parsed.master, "orders");
+        assert_eq!(parsed.db, 2);
+        assert_eq!(parsed.username.as_deref(), Some("app"));
+        assert_eq!(parsed.password.as_deref(), Some("p@ss"));
+        assert!(!format!("{parsed:?}").contains("p@ss"));
+
+        let plain = parse_sentinel_url("redis+sentinel://sentinel/mymaster").unwrap();
+        assert_eq!(plain.db, 0);
+        assert_eq!((plain.username, plain.password), (None, None));
+
+        for bad in [
+            "redis+sentinel://s1:26379",
+            "redis+sentinel://s1:26379/",
+            "redis+sentinel://s1:0/m",
+            "redis+sentinel://s1:port/m",
+            "redis+sentinel://s1,,s2/m",
+            "redis+sentinel://s1/m/x",
+            "redis+sentinel://s1/m/1/2",
+            "redis+sentinel://s1/m?x=1",
+            "redis+sentinel://u:%zz@s1/m",
+            "redis://s1/m",
+        ] {
+            let err = parse_sentinel_url(bad).expect_err(bad);
+            assert!(!err.contains("%zz"), "{err}");
+        }
     }
 
     #[test]
     fn redis_debug_hides_the_password() {
         let redis = RedisConfig {
-            url: "rediss://user:secret@cache:6380/0".into(),
+            urls: vec!["rediss://user:secret@cache:6380/0".into()],
+            topology: RedisTopology::Single,
+            connect_timeout: Duration::from_secs(1),
+            response_timeout: Duration::from_millis(200),
             key_prefix: "p".into(),
         };
         let debug = format!("{redis:?}");

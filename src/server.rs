@@ -22,7 +22,7 @@ use crate::metrics::Metrics;
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::snowflake;
 use crate::store::retry::{CompletionRetrier, RetryOptions};
-use crate::store::{MemoryStore, RecordStore};
+use crate::store::{MemoryStore, RecordStore, RedisStore};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -40,11 +40,22 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
         config.store.memory.capacity_bytes,
         config.store.memory.shards,
     ));
-    let store: Arc<dyn RecordStore> = match config.store.backend {
-        StoreBackend::Memory => memory.clone(),
-        StoreBackend::Redis => {
+    // Redis is not contacted here: a proxy must start while Redis is down. The warm-up
+    // service connects in the background; until then operations connect on demand and fail
+    // as unavailable (the outage policy decides what the client gets).
+    let mut redis = None;
+    let store: Arc<dyn RecordStore> = match (config.store.backend, &config.store.redis) {
+        (StoreBackend::Memory, _) => memory.clone(),
+        (StoreBackend::Redis, Some(settings)) => {
+            let store =
+                Arc::new(RedisStore::new(settings).map_err(|e| StartError::Config(e.to_string()))?);
+            tracing::info!(redis = ?settings, scripts = %store.scripts_version(), "record store: redis");
+            redis = Some(store.clone());
+            store
+        }
+        (StoreBackend::Redis, None) => {
             return Err(StartError::Config(
-                "store.backend: redis is not available in this version".into(),
+                "store.backend: redis needs a store.redis block".into(),
             ))
         }
     };
@@ -122,6 +133,9 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
     server.add_service(admin);
     server.add_service(sweeper);
     server.add_service(retry);
+    if let Some(store) = redis {
+        server.add_service(background_service("redis warm-up", RedisWarmup { store }));
+    }
 
     tracing::info!(%listen, admin = %admin_listen, worker_id, version = env!("CARGO_PKG_VERSION"), "idemgate starting");
     server.run(RunArgs {
@@ -164,6 +178,40 @@ impl BackgroundService for RetryWorker {
         let worker = self.0.lock().ok().and_then(|mut w| w.take());
         if let Some(worker) = worker {
             worker.await;
+        }
+    }
+}
+
+/// Connects the Redis store and loads its scripts soon after start, retrying with backoff
+/// until it succeeds once; after that the store keeps itself connected.
+struct RedisWarmup {
+    store: Arc<RedisStore>,
+}
+
+#[async_trait]
+impl BackgroundService for RedisWarmup {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut pause = Duration::from_millis(100);
+        let mut failures = 0u32;
+        loop {
+            match self.store.connect().await {
+                Ok(()) => {
+                    tracing::info!("redis store connected; scripts loaded");
+                    return;
+                }
+                Err(e) => {
+                    failures += 1;
+                    // The first failure says what is wrong; repeating it every second is noise.
+                    if failures == 1 {
+                        tracing::warn!(error = %e, "redis store not reachable yet; retrying in the background");
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = shutdown.changed() => return,
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
         }
     }
 }

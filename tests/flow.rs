@@ -46,6 +46,27 @@ async fn first_request_executes_and_retry_replays_byte_exact() {
 }
 
 #[tokio::test]
+async fn a_retry_sent_the_moment_the_response_arrives_is_never_in_flight() {
+    let (backend, proxy) = setup().await;
+    for n in 0..100 {
+        let path = [
+            "/orders",
+            "/orders/empty",
+            "/orders/chunked",
+            "/orders/status/500",
+        ][n % 4];
+        let req = Request::post(path).key(&format!("instant-{n}")).body("x");
+        let first = req.send(proxy.addr).await;
+        assert_eq!(first.result(), Some("MISS"), "{path}");
+        // The record is written before the response's last byte leaves the proxy.
+        let again = req.send(proxy.addr).await;
+        let expected = if first.status == 500 { "MISS" } else { "HIT" };
+        assert_eq!(again.result(), Some(expected), "{path}: {}", again.text());
+    }
+    assert_eq!(backend.count(), 100 + 25);
+}
+
+#[tokio::test]
 async fn replays_binary_chunked_and_empty_bodies() {
     let (backend, proxy) = setup().await;
     for (path, key) in [

@@ -16,9 +16,11 @@
 
 pub mod breaker;
 pub mod cached;
+pub mod codec;
 pub mod conformance;
 pub mod faulty;
 pub mod memory;
+pub mod redis;
 pub mod retry;
 
 use std::sync::Arc;
@@ -27,7 +29,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use memory::MemoryStore;
+pub use self::memory::MemoryStore;
+pub use self::redis::{RedisStore, Scripts};
 
 /// SHA-256 digest used for record ids and fingerprints.
 pub type Digest = [u8; 32];

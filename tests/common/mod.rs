@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod client;
 pub mod proxy;
+pub mod redis;
 
 pub use backend::Backend;
 pub use client::{Request, Response};

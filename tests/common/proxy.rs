@@ -25,6 +25,7 @@ pub struct ProxyBuilder {
     backend: SocketAddr,
     idempotency: Vec<String>,
     upstream: Vec<String>,
+    store_backend: &'static str,
     store: Vec<String>,
     top: Vec<String>,
     env: Vec<(String, String)>,
@@ -36,6 +37,7 @@ impl ProxyBuilder {
             backend: backend.addr,
             idempotency: vec![],
             upstream: vec![],
+            store_backend: "memory",
             store: vec![],
             top: vec![],
             env: vec![],
@@ -62,6 +64,15 @@ impl ProxyBuilder {
         self
     }
 
+    /// Switches the store to Redis at `urls` (a cluster when there are several); further
+    /// `store.redis` keys can follow as `.store("  key: value")` lines.
+    pub fn redis(mut self, urls: &[String]) -> Self {
+        self.store_backend = "redis";
+        let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+        self.store.push("redis:".to_string());
+        self.store.push(format!("  urls: [{}]", list.join(", ")));
+        self
+    }
     /// A top-level line.
     pub fn top(mut self, line: &str) -> Self {
         self.top.push(line.to_string());
@@ -78,13 +89,14 @@ impl ProxyBuilder {
         format!(
             "listen: \"127.0.0.1:{port}\"\nthreads: 2\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
              upstreams:\n  orders:\n    addrs: [\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
-             idempotency:\n  worker_id: 1\nstore:\n  backend: memory\n{store}\
+             idempotency:\n  worker_id: 1\nstore:\n  backend: {store_backend}\n{store}\
              routes:\n  - name: orders\n    methods: [POST, PUT, PATCH, DELETE]\n    path_prefix: /orders\n    upstream: orders\n    idempotency:\n      key: required\n{idem}\
              \x20 - name: optional\n    methods: [POST]\n    path_prefix: /optional\n    upstream: orders\n    idempotency:\n      key: optional\n\
              \x20 - name: plain\n    path_prefix: /plain\n    upstream: orders\n",
             top = ind(&self.top, 0),
             backend = self.backend,
             up = ind(&self.upstream, 4),
+            store_backend = self.store_backend,
             store = ind(&self.store, 2),
             idem = ind(&self.idempotency, 6),
         )

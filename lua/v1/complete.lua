@@ -1,0 +1,31 @@
+-- complete.lua (v1): store how an execution ended, if the caller still owns the claim.
+--
+-- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
+-- ARGV[1]  owner token of the caller (32 hex digits)
+-- ARGV[2]  the encoded completion (see src/store/codec.rs)
+-- ARGV[3]  record ttl from now, milliseconds (>= 1)
+-- ARGV[4]  write id: random per call, the same when the proxy re-sends this very call after a
+--          dropped connection
+--
+-- Reply:
+--   1  applied (now, or by an earlier send of the same write id)
+--   0  the caller is not the owner; nothing changed
+--
+-- Transition:
+--   in flight, owned by ARGV[1] (lock lapsed or not) -> completed (payload), lives ARGV[3] ms
+--   anything else                                    -> unchanged
+--   A lapsed owner may still complete until someone re-claims; after that the owner token no
+--   longer matches (fencing). Completed records are immutable.
+
+local key = KEYS[1]
+local rec = redis.call('HMGET', key, 's', 'o', 'w')
+if rec[3] == ARGV[4] then
+  return 1
+end
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', key, 's', 'c', 'p', ARGV[2], 'w', ARGV[4])
+redis.call('HDEL', key, 'o', 'l')
+redis.call('PEXPIRE', key, ARGV[3])
+return 1

@@ -1,0 +1,26 @@
+-- release.lua (v1): drop a claim so the next claim executes again, if the caller owns it.
+--
+-- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
+-- ARGV[1]  owner token of the caller (32 hex digits)
+-- ARGV[2]  write id: random per call, the same when the proxy re-sends this very call after a
+--          dropped connection
+--
+-- Reply:
+--   1  applied (now, or by an earlier send of the same write id)
+--   0  the caller is not the owner; nothing changed
+--
+-- Transition:
+--   in flight, owned by ARGV[1] -> released (fingerprint, execution id and expiry kept)
+--   anything else               -> unchanged
+
+local key = KEYS[1]
+local rec = redis.call('HMGET', key, 's', 'o', 'w')
+if rec[3] == ARGV[2] then
+  return 1
+end
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', key, 's', 'r', 'w', ARGV[2])
+redis.call('HDEL', key, 'o', 'l')
+return 1

@@ -1,0 +1,392 @@
+//! Real Redis for tests: single servers, a 3-primary Redis Cluster and a Sentinel setup, each
+//! process started on free ports in its own temporary directory and killed by pid, so tests can
+//! break Redis on purpose. Everything is killed on drop, panics included.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use redis::{FromRedisValue, Value};
+
+/// Redis Cluster puts its bus on port + 10000, so data ports stay below this.
+const HIGHEST_PORT: u16 = 55_000;
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A loopback port that is free now (and, for cluster use, whose bus port is too).
+pub fn free_redis_port() -> u16 {
+    for _ in 0..1000 {
+        let port = 20_000 + (rand::random::<u16>() % (HIGHEST_PORT - 20_000));
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+    panic!("no free port pair for redis");
+}
+
+/// One `redis-server` process.
+pub struct RedisServer {
+    pub port: u16,
+    extra: Vec<String>,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// A plain server on a free port, no persistence.
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(&[])
+    }
+
+    /// A server with extra `--name value` arguments.
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        let mut server = RedisServer {
+            port: free_redis_port(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            child: None,
+            dir: tempfile::tempdir().expect("redis tempdir"),
+        };
+        server.launch();
+        server
+    }
+
+    /// A port no server listens on (for "Redis is down" tests); start one there later with
+    /// [`RedisServer::start_on`].
+    pub fn unused_port() -> u16 {
+        free_redis_port()
+    }
+
+    /// A plain server on a given port.
+    pub fn start_on(port: u16) -> RedisServer {
+        let mut server = RedisServer {
+            port,
+            extra: vec![],
+            child: None,
+            dir: tempfile::tempdir().expect("redis tempdir"),
+        };
+        server.launch();
+        server
+    }
+
+    fn launch(&mut self) {
+        let log = std::fs::File::create(self.dir.path().join("redis.log")).expect("redis log");
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--daemonize", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.extra)
+            .stdout(log)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server (is it installed?)");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(reply) = self.try_cmd(&["PING"]) {
+                if matches!(reply, Value::SimpleString(ref s) if s == "PONG") {
+                    return;
+                }
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "redis-server on {} did not start; log:\n{}",
+                    self.port,
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILLs the process (by pid) and waits for it; the port is free afterwards.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port (empty: no persistence).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    /// Runs one command on this server and converts the reply.
+    pub fn cmd<T: FromRedisValue>(&self, args: &[&str]) -> T {
+        let reply = self
+            .try_cmd(args)
+            .unwrap_or_else(|e| panic!("redis {args:?} on {}: {e}", self.port));
+        redis::from_redis_value(reply).unwrap_or_else(|e| panic!("redis {args:?} reply: {e}"))
+    }
+
+    /// Runs one command on this server on a fresh connection.
+    pub fn try_cmd(&self, args: &[&str]) -> redis::RedisResult<Value> {
+        let client = redis::Client::open(self.url())?;
+        let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        let mut cmd = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            cmd.arg(*arg);
+        }
+        cmd.query(&mut conn)
+    }
+
+    /// Every key on this server (`KEYS *`, fine for a test server).
+    pub fn keys(&self) -> Vec<String> {
+        self.cmd(&["KEYS", "*"])
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A Redis Cluster of primaries only (no replicas), created with `redis-cli --cluster create`.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts `primaries` cluster-enabled servers and joins them; returns once every node
+    /// reports `cluster_state:ok`.
+    pub fn start(primaries: usize) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..primaries)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for node in &nodes {
+            create.arg(format!("127.0.0.1:{}", node.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ok();
+        cluster
+    }
+
+    fn wait_ok(&self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        for node in &self.nodes {
+            loop {
+                let info: String = node.cmd(&["CLUSTER", "INFO"]);
+                let slots: Vec<Value> = node.cmd(&["CLUSTER", "SLOTS"]);
+                if info.contains("cluster_state:ok") && slots.len() == self.nodes.len() {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster node {} not ok:\n{info}",
+                    node.port
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// Seed URLs, one per node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// Every key on every node, with the node's port.
+    pub fn keys(&self) -> Vec<(u16, String)> {
+        self.nodes
+            .iter()
+            .flat_map(|node| node.keys().into_iter().map(|k| (node.port, k)))
+            .collect()
+    }
+}
+
+/// A primary, one replica and one Sentinel monitoring them as `mymaster` (quorum 1).
+pub struct RedisSentinel {
+    pub primary: RedisServer,
+    pub replica: RedisServer,
+    pub sentinel_port: u16,
+    sentinel: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisSentinel {
+    pub const MASTER: &'static str = "mymaster";
+
+    pub fn start() -> RedisSentinel {
+        let primary = RedisServer::start();
+        let replica_of = primary.port.to_string();
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &replica_of]);
+        let dir = tempfile::tempdir().expect("sentinel tempdir");
+        let sentinel_port = free_redis_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {sentinel_port}\nbind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor {m} 127.0.0.1 {p} 1\n\
+                 sentinel down-after-milliseconds {m} 1000\n\
+                 sentinel failover-timeout {m} 5000\n",
+                dir = dir.path().display(),
+                m = Self::MASTER,
+                p = primary.port,
+            ),
+        )
+        .expect("write sentinel.conf");
+        let log = std::fs::File::create(dir.path().join("sentinel.log")).expect("sentinel log");
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(log)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server --sentinel");
+        let setup = RedisSentinel {
+            primary,
+            replica,
+            sentinel_port,
+            sentinel: Some(child),
+            dir,
+        };
+        setup.wait_for_master(setup.primary.port);
+        setup
+    }
+
+    /// `redis+sentinel://127.0.0.1:<sentinel port>/mymaster`.
+    pub fn url(&self) -> String {
+        format!(
+            "redis+sentinel://127.0.0.1:{}/{}",
+            self.sentinel_port,
+            Self::MASTER
+        )
+    }
+
+    pub fn sentinel_cmd<T: FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.sentinel_port))?;
+        let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        let mut cmd = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            cmd.arg(*arg);
+        }
+        cmd.query(&mut conn)
+    }
+
+    /// Waits until the Sentinel's master entry (what clients look up, the failover finished)
+    /// names `port` as the primary.
+    pub fn wait_for_master(&self, port: u16) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let addr: redis::RedisResult<std::collections::HashMap<String, String>> =
+                self.sentinel_cmd(&["SENTINEL", "MASTER", Self::MASTER]);
+            let named = addr.as_ref().ok().and_then(|m| m.get("port"));
+            if named.is_some_and(|p| *p == port.to_string()) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sentinel never named port {port} as primary ({addr:?}); log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Forces a failover to the replica and waits until the Sentinel names it, it has taken
+    /// the primary role, and the old primary has been turned into a replica. (Until then the
+    /// old primary still takes writes: the split-brain window every Sentinel setup has.)
+    /// Clients of the old primary stay connected, so they meet READONLY.
+    pub fn fail_over(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // The Sentinel must have discovered a healthy replica first (NOGOODSLAVE until then).
+        loop {
+            match self.sentinel_cmd::<String>(&["SENTINEL", "FAILOVER", Self::MASTER]) {
+                Ok(_) => break,
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "SENTINEL FAILOVER kept failing: {e}; log:\n{}",
+                        self.log()
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        self.wait_for_master(self.replica.port);
+        // The Sentinel turns the old primary into a replica when it next reads its INFO (up to
+        // 10 s); do now what it will do then.
+        let _: () = self
+            .primary
+            .cmd(&["REPLICAOF", "127.0.0.1", &self.replica.port.to_string()]);
+        for (server, wanted) in [(&self.replica, "master"), (&self.primary, "slave")] {
+            loop {
+                let role: Vec<Value> = server.cmd(&["ROLE"]);
+                if matches!(role.first(), Some(Value::BulkString(r)) if r == wanted.as_bytes()) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "port {} never became {wanted}; log:\n{}",
+                    server.port,
+                    self.log()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("sentinel.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.sentinel.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

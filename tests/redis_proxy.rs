@@ -1,0 +1,208 @@
+//! Several real `idemgate` processes sharing one Redis (single server or Cluster): replay
+//! across instances, exactly-once execution under concurrent duplicates, and the proxy riding
+//! out script cache loss, Redis restarts and a Redis that is down at start.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::redis::{RedisCluster, RedisServer};
+use common::{Backend, Proxy, ProxyBuilder, Request};
+
+/// `count` proxies in front of `backend`, all on the Redis at `urls`.
+async fn proxies(backend: &Backend, urls: &[String], count: usize, idem: &[&str]) -> Vec<Proxy> {
+    let mut started = Vec::new();
+    for _ in 0..count {
+        let mut builder = ProxyBuilder::new(backend).redis(urls);
+        for line in idem {
+            builder = builder.idem(line);
+        }
+        started.push(builder.start().await);
+    }
+    started
+}
+
+#[tokio::test]
+async fn replays_across_two_and_three_instances() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let instances = proxies(&backend, &[redis.url()], 3, &[]).await;
+
+    // Two instances: miss on A, hit on B.
+    let req = Request::post("/orders")
+        .key("pair-1")
+        .json(r#"{"sku":"A"}"#);
+    let first = req.send(instances[0].addr).await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    let second = req.send(instances[1].addr).await;
+    assert_eq!((second.status, second.result()), (201, Some("HIT")));
+    assert_eq!(second.body, first.body);
+    assert_eq!(backend.count(), 1);
+
+    // Three instances: miss on A, hit on B and C, byte for byte.
+    let req = Request::post("/orders/binary").key("trio-1").body("x");
+    let first = req.send(instances[0].addr).await;
+    assert_eq!((first.status, first.result()), (200, Some("MISS")));
+    for proxy in &instances[1..] {
+        let replay = req.send(proxy.addr).await;
+        assert_eq!(replay.result(), Some("HIT"));
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(replay.body, first.body);
+        assert_eq!(replay.end_to_end_headers(), first.end_to_end_headers());
+    }
+    // A different body under the same key is a mismatch on every instance.
+    let other = Request::post("/orders/binary").key("trio-1").body("y");
+    for proxy in &instances {
+        assert_eq!(other.send(proxy.addr).await.status, 422);
+    }
+    assert_eq!(backend.count(), 2);
+
+    // Records hold the prefix, tenant and hex hash only: never the raw key or scope value.
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    for key in &keys {
+        assert!(key.starts_with("idemgate:{default:"), "{key}");
+        assert!(!key.contains("trio") && !key.contains("pair"), "{key}");
+        let fields: BTreeMap<String, Vec<u8>> = redis.cmd(&["HGETALL", key]);
+        for value in fields.values() {
+            let text = String::from_utf8_lossy(value);
+            assert!(
+                !text.contains("trio-1") && !text.contains("pair-1"),
+                "{text}"
+            );
+        }
+    }
+}
+
+/// Sends `count` copies of one request at once, spread round-robin over `instances`.
+async fn stampede(instances: &[Proxy], req: &Request, count: usize) -> Vec<common::Response> {
+    let tasks: Vec<_> = (0..count)
+        .map(|i| {
+            let (req, addr) = (req.clone(), instances[i % instances.len()].addr);
+            tokio::spawn(async move { req.send(addr).await })
+        })
+        .collect();
+    let mut responses = Vec::new();
+    for task in tasks {
+        responses.push(task.await.expect("request task"));
+    }
+    responses
+}
+
+fn assert_executed_once(backend: &Backend, responses: &[common::Response]) {
+    assert_eq!(backend.count(), 1, "the backend executed more than once");
+    let results: Vec<_> = responses.iter().map(|r| (r.status, r.result())).collect();
+    let misses = results
+        .iter()
+        .filter(|r| **r == (201, Some("MISS")))
+        .count();
+    let hits = results.iter().filter(|r| **r == (201, Some("HIT"))).count();
+    assert_eq!(misses, 1, "{results:?}");
+    assert_eq!(hits, responses.len() - 1, "{results:?}");
+    assert!(responses.iter().all(|r| r.body == responses[0].body));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_duplicates_over_three_instances_execute_once() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
+    let instances = proxies(&backend, &[redis.url()], 3, &wait).await;
+    let req = Request::post("/orders/slow/400")
+        .key("stampede")
+        .json(r#"{"sku":"B"}"#);
+    let responses = stampede(&instances, &req, 50).await;
+    assert_executed_once(&backend, &responses);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_replays_across_instances_and_executes_duplicates_once() {
+    let cluster = RedisCluster::start(3);
+    let backend = Backend::start().await;
+    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
+    let instances = proxies(&backend, &cluster.urls(), 2, &wait).await;
+
+    let req = Request::post("/orders/slow/400")
+        .key("cluster-stampede")
+        .json(r#"{"sku":"C"}"#);
+    let responses = stampede(&instances, &req, 50).await;
+    assert_executed_once(&backend, &responses);
+
+    // Many keys: they spread over the primaries, and each replays on the other instance.
+    for n in 0..12 {
+        let req = Request::post("/orders")
+            .key(&format!("spread-{n}"))
+            .body("z");
+        assert_eq!(req.send(instances[0].addr).await.result(), Some("MISS"));
+        assert_eq!(req.send(instances[1].addr).await.result(), Some("HIT"));
+    }
+    let holders: std::collections::BTreeSet<u16> =
+        cluster.keys().into_iter().map(|(port, _)| port).collect();
+    assert!(holders.len() >= 2, "records all on {holders:?}");
+}
+
+#[tokio::test]
+async fn script_flush_and_redis_restart_never_reach_a_client() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .start()
+        .await;
+
+    let req = Request::post("/orders").key("flush").body("a");
+    assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
+    let _: () = redis.cmd(&["SCRIPT", "FLUSH"]);
+    let replay = req.send(proxy.addr).await;
+    assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
+
+    // A restart empties Redis (no persistence here) and kills every connection.
+    redis.restart();
+    let after = Request::post("/orders").key("after-restart").body("b");
+    let first = after.send(proxy.addr).await;
+    assert_eq!(
+        (first.status, first.result()),
+        (201, Some("MISS")),
+        "{}",
+        first.text()
+    );
+    assert_eq!(after.send(proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 2);
+}
+
+#[tokio::test]
+async fn proxy_starts_while_redis_is_down_and_serves_once_it_is_up() {
+    let port = RedisServer::unused_port();
+    let backend = Backend::start().await;
+    // `start` waits for /healthz: the process must come up without Redis.
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[format!("redis://127.0.0.1:{port}")])
+        .start()
+        .await;
+    let ready = Request::get("/readyz").send(proxy.admin).await;
+    assert_eq!(ready.status, 503, "{}", ready.text());
+    let req = Request::post("/orders").key("down").body("a");
+    let refused = req.send(proxy.addr).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.result(), Some("UNAVAILABLE"));
+    assert_eq!(backend.count(), 0, "reject must not forward unprotected");
+
+    let _redis = RedisServer::start_on(port);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let ready = Request::get("/readyz").send(proxy.admin).await;
+        if ready.status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {}", ready.text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
+    assert!(
+        proxy.log().contains("redis store not reachable yet"),
+        "{}",
+        proxy.log()
+    );
+}

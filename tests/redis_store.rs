@@ -1,0 +1,638 @@
+//! The Redis record store against real `redis-server` processes started by the tests: the
+//! conformance suite on a single server, a 3-primary Redis Cluster and Sentinel; the stored
+//! encoding; script cache loss, restarts and outages; what the keys look like.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::redis::{RedisCluster, RedisSentinel, RedisServer};
+use idemgate::config::{RedisConfig, RedisTopology};
+use idemgate::store::{
+    codec, conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
+    RecordStore, RedisStore, Scripts, StoreError, StoredResponse, WriteOutcome,
+};
+use redis::Value;
+
+const PREFIX: &str = "idemtest";
+const SECOND: Duration = Duration::from_secs(1);
+
+fn settings(urls: Vec<String>, topology: RedisTopology) -> RedisConfig {
+    RedisConfig {
+        urls,
+        topology,
+        connect_timeout: Duration::from_millis(500),
+        // Generous: the machine is shared with parallel builds and tests.
+        response_timeout: SECOND,
+        key_prefix: PREFIX.into(),
+    }
+}
+
+fn single(server: &RedisServer) -> Arc<RedisStore> {
+    let config = settings(vec![server.url()], RedisTopology::Single);
+    Arc::new(RedisStore::new(&config).expect("store"))
+}
+
+fn fresh_key() -> RecordKey {
+    RecordKey {
+        tenant: "acme".into(),
+        hash: rand::random(),
+    }
+}
+
+fn claim_request(key: &RecordKey) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint: [3; 32],
+        owner: OwnerToken::random(),
+        execution_id: rand::random(),
+        lock_ttl: 10 * SECOND,
+        ttl: 60 * SECOND,
+    }
+}
+
+fn response(body: &[u8]) -> Completion {
+    Completion::Response(Arc::new(StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+        body: Bytes::copy_from_slice(body),
+    }))
+}
+
+/// Claims `key` and completes it with `body`; returns the claim.
+async fn claim_and_complete(store: &RedisStore, key: &RecordKey, body: &[u8]) -> ClaimRequest {
+    let req = claim_request(key);
+    let outcome = store.claim(&req).await.expect("claim");
+    assert!(
+        matches!(outcome, ClaimOutcome::Acquired { .. }),
+        "{outcome:?}"
+    );
+    let written = store
+        .complete(key, req.owner, response(body), 60 * SECOND)
+        .await
+        .expect("complete");
+    assert_eq!(written, WriteOutcome::Applied);
+    req
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_on_a_single_server() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    store.connect().await.expect("connect");
+    conformance::run_all(|| {
+        let store = store.clone();
+        async move { store }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_on_a_three_primary_cluster() {
+    let cluster = RedisCluster::start(3);
+    let config = settings(cluster.urls(), RedisTopology::Cluster);
+    let store = Arc::new(RedisStore::new(&config).expect("store"));
+    store.connect().await.expect("connect");
+    conformance::run_all(|| {
+        let store = store.clone();
+        async move { store }
+    })
+    .await;
+
+    // Records spread over the primaries, every call touched one slot (no CROSSSLOT), and each
+    // record is one key whose hash tag is the whole `{tenant:hash}`.
+    let keys: Vec<RecordKey> = (0..30).map(|_| fresh_key()).collect();
+    for key in &keys {
+        claim_and_complete(&store, key, b"spread").await;
+        assert!(store.get(key).await.expect("get").is_some());
+    }
+    let stored = cluster.keys();
+    let ports: std::collections::BTreeSet<u16> = stored
+        .iter()
+        .filter(|(_, k)| keys.iter().any(|key| *k == store.record_key(key)))
+        .map(|(port, _)| *port)
+        .collect();
+    assert!(ports.len() >= 2, "records all landed on {ports:?}");
+    for key in &keys {
+        assert!(store.delete(key).await.expect("delete"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_through_sentinel_and_a_failover() {
+    let setup = RedisSentinel::start();
+    let config = settings(vec![setup.url()], RedisTopology::Sentinel);
+    let store = Arc::new(RedisStore::new(&config).expect("store"));
+    store.connect().await.expect("connect through sentinel");
+    conformance::run_all(|| {
+        let store = store.clone();
+        async move { store }
+    })
+    .await;
+
+    let key = fresh_key();
+    claim_and_complete(&store, &key, b"before failover").await;
+    let replicated: i64 = setup.primary.cmd(&["WAIT", "1", "2000"]);
+    assert_eq!(replicated, 1, "replica did not acknowledge the write");
+
+    setup.fail_over();
+    // The Sentinel demotes the old primary (and drops its clients); the store follows.
+    let deadline = Instant::now() + 10 * SECOND;
+    let record = loop {
+        match store.get(&key).await {
+            Ok(record) => break record,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "store never followed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(
+        record.map(|r| r.state),
+        Some(RecordState::Completed(response(b"before failover")))
+    );
+    // Writes land on the new primary.
+    let after = fresh_key();
+    claim_and_complete(&store, &after, b"after failover").await;
+    let on_new_primary: i64 = setup.replica.cmd(&["EXISTS", &store.record_key(&after)]);
+    assert_eq!(on_new_primary, 1);
+}
+
+#[tokio::test]
+async fn stored_encoding_round_trips_binary_bodies_and_header_order() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    let key = fresh_key();
+    let req = claim_request(&key);
+    store.claim(&req).await.expect("claim");
+    let body: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
+    let stored = StoredResponse {
+        status: 207,
+        headers: vec![
+            ("x-z".into(), Bytes::from_static(b"1")),
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/octet-stream"),
+            ),
+            ("x-a".into(), Bytes::from_static(b"\x00\xFF\r\n")),
+            ("x-z".into(), Bytes::from_static(b"2")),
+        ],
+        body: Bytes::from(body),
+    };
+    let completion = Completion::Response(Arc::new(stored));
+    assert_eq!(
+        store
+            .complete(&key, req.owner, completion.clone(), 60 * SECOND)
+            .await
+            .expect("complete"),
+        WriteOutcome::Applied
+    );
+    // What Redis holds is exactly the codec's bytes...
+    let raw: Vec<u8> = server.cmd(&["HGET", &store.record_key(&key), "p"]);
+    assert_eq!(raw, codec::encode(&completion));
+    // ...and it reads back byte for byte.
+    let record = store.get(&key).await.expect("get").expect("record");
+    assert_eq!(record.state, RecordState::Completed(completion));
+    assert_eq!(record.execution_id, req.execution_id);
+    // The record lives for the completion's ttl, by Redis' own expiry.
+    let pttl: i64 = server.cmd(&["PTTL", &store.record_key(&key)]);
+    assert!(pttl > 55_000 && pttl <= 60_000, "pttl {pttl}");
+}
+
+#[tokio::test]
+async fn script_flush_between_claim_and_complete_is_recovered() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    store.connect().await.expect("connect");
+    let key = fresh_key();
+    let req = claim_request(&key);
+    store.claim(&req).await.expect("claim");
+
+    let _: () = server.cmd(&["SCRIPT", "FLUSH"]);
+    let exists: Vec<i64> = server.cmd(&["SCRIPT", "EXISTS", &complete_sha()]);
+    assert_eq!(exists, vec![0], "the flush did not empty the script cache");
+
+    let written = store
+        .complete(&key, req.owner, response(b"after flush"), 60 * SECOND)
+        .await
+        .expect("complete after SCRIPT FLUSH");
+    assert_eq!(written, WriteOutcome::Applied);
+    let exists: Vec<i64> = server.cmd(&["SCRIPT", "EXISTS", &complete_sha()]);
+    assert_eq!(exists, vec![1], "the script was not loaded again");
+    let _: () = server.cmd(&["SCRIPT", "FLUSH"]);
+    store.ping().await.expect("ping after SCRIPT FLUSH");
+    let record = store.get(&key).await.expect("get").expect("record");
+    assert_eq!(
+        record.state,
+        RecordState::Completed(response(b"after flush"))
+    );
+}
+
+/// The SHA1 Redis names the built-in complete script by.
+fn complete_sha() -> String {
+    Scripts::builtin().complete.get_hash().to_owned()
+}
+
+#[tokio::test]
+async fn restart_between_operations_reconnects() {
+    let mut server = RedisServer::start();
+    let store = single(&server);
+    let key = fresh_key();
+    claim_and_complete(&store, &key, b"before restart").await;
+
+    server.restart();
+    // The connection died with the old process: the very next operation reconnects (and
+    // reloads its script into the empty cache) instead of failing.
+    let next = fresh_key();
+    let req = claim_request(&next);
+    let outcome = store.claim(&req).await.expect("first claim after restart");
+    assert_eq!(
+        outcome,
+        ClaimOutcome::Acquired {
+            execution_id: req.execution_id
+        }
+    );
+    // Twice, to be sure it was no accident of timing.
+    server.restart();
+    assert_eq!(store.get(&next).await.expect("get after restart"), None);
+    store.ping().await.expect("ping after restart");
+}
+
+#[tokio::test]
+async fn outage_fails_fast_and_a_store_made_while_down_connects_later() {
+    let port = RedisServer::unused_port();
+    let config = RedisConfig {
+        response_timeout: Duration::from_millis(200),
+        ..settings(
+            vec![format!("redis://127.0.0.1:{port}")],
+            RedisTopology::Single,
+        )
+    };
+    // Built while nothing listens: no error, nothing connected.
+    let store = RedisStore::new(&config).expect("store without redis");
+    let key = fresh_key();
+    let started = Instant::now();
+    let err = store
+        .claim(&claim_request(&key))
+        .await
+        .expect_err("no redis");
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    assert!(matches!(
+        store.ping().await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(
+        started.elapsed() < config.connect_timeout + 2 * config.response_timeout,
+        "failing took {:?}",
+        started.elapsed()
+    );
+
+    let mut server = RedisServer::start_on(port);
+    store.ping().await.expect("ping once redis is up");
+    claim_and_complete(&store, &key, b"late").await;
+
+    // Down again, mid-life: every call answers Unavailable within the operation deadline.
+    server.kill();
+    let started = Instant::now();
+    for _ in 0..3 {
+        let err = store.get(&key).await.expect_err("redis is down");
+        assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    }
+    assert!(
+        started.elapsed() < 3 * (config.connect_timeout + 2 * config.response_timeout),
+        "failing took {:?}",
+        started.elapsed()
+    );
+    server.restart();
+    let fresh = fresh_key();
+    claim_and_complete(&store, &fresh, b"back").await;
+}
+
+#[tokio::test]
+async fn record_keys_hold_only_prefix_tenant_and_hex_hash() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    let tenants = ["acme", "globex.eu-1", "t:1"];
+    for tenant in tenants {
+        let key = RecordKey {
+            tenant: tenant.into(),
+            hash: rand::random(),
+        };
+        claim_and_complete(&store, &key, b"x").await;
+        let other = RecordKey {
+            tenant: tenant.into(),
+            hash: rand::random(),
+        };
+        let req = claim_request(&other);
+        store.claim(&req).await.expect("claim");
+        store.release(&other, req.owner).await.expect("release");
+    }
+    store.ping().await.expect("ping");
+    let keys = server.keys();
+    assert_eq!(keys.len(), 6, "one key per record, nothing else: {keys:?}");
+    for key in keys {
+        let inner = key
+            .strip_prefix(&format!("{PREFIX}:{{"))
+            .and_then(|rest| rest.strip_suffix('}'))
+            .unwrap_or_else(|| panic!("unexpected key {key}"));
+        let (tenant, hash) = inner.rsplit_once(':').expect("tenant:hash");
+        assert!(tenants.contains(&tenant), "{key}");
+        assert_eq!(hash.len(), 64, "{key}");
+        assert!(
+            hash.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+            "{key}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn ping_runs_the_script_path_not_just_ping() {
+    let server = RedisServer::start();
+    // A user that may PING and read/write keys but not run scripts.
+    let _: () = server.cmd(&[
+        "ACL",
+        "SETUSER",
+        "noscripts",
+        "on",
+        ">pw",
+        "~*",
+        "+@all",
+        "-@scripting",
+    ]);
+    let config = settings(
+        vec![format!("redis://noscripts:pw@127.0.0.1:{}", server.port)],
+        RedisTopology::Single,
+    );
+    let store = RedisStore::new(&config).expect("store");
+    let err = store.ping().await.expect_err("scripts are denied");
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    assert!(err.to_string().contains("evalsha"), "{err}");
+    assert!(!err.to_string().contains(":pw@"), "{err}");
+
+    let _: () = server.cmd(&["ACL", "SETUSER", "scripts", "on", ">pw", "~*", "+@all"]);
+    let config = settings(
+        vec![format!("redis://scripts:pw@127.0.0.1:{}", server.port)],
+        RedisTopology::Single,
+    );
+    let store = RedisStore::new(&config).expect("store");
+    store.ping().await.expect("user with scripts");
+    claim_and_complete(&store, &fresh_key(), b"acl").await;
+
+    // The least a single-server user needs, as documented in config/idemgate.yaml: the key
+    // pattern, EVALSHA + SCRIPT LOAD, DEL, and what the scripts call.
+    let _: () = server.cmd(&[
+        "ACL",
+        "SETUSER",
+        "least",
+        "on",
+        ">pw",
+        &format!("~{PREFIX}:*"),
+        "resetchannels",
+        "-@all",
+        "+evalsha",
+        "+script|load",
+        "+del",
+        "+hmget",
+        "+hset",
+        "+hdel",
+        "+pexpire",
+        "+pttl",
+        "+time",
+    ]);
+    let config = settings(
+        vec![format!("redis://least:pw@127.0.0.1:{}", server.port)],
+        RedisTopology::Single,
+    );
+    let store = Arc::new(RedisStore::new(&config).expect("store"));
+    store
+        .connect()
+        .await
+        .expect("connect with least privileges");
+    conformance::case_completed_response_replays_byte_exact(&store).await;
+    conformance::case_release_then_claim_keeps_execution_id(&store).await;
+    conformance::case_wait_returns_at_once_when_not_in_flight(&store).await;
+    conformance::case_delete_removes(&store).await;
+}
+
+#[tokio::test]
+async fn malformed_records_are_corrupt_not_panics() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    let key = fresh_key();
+    let name = store.record_key(&key);
+
+    // A payload the codec cannot read.
+    let _: () = server.cmd(&[
+        "HSET",
+        &name,
+        "f",
+        &"a".repeat(32),
+        "x",
+        "12",
+        "s",
+        "c",
+        "p",
+        "\x07nonsense",
+    ]);
+    let err = store.get(&key).await.expect_err("bad payload");
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    let err = store
+        .claim(&ClaimRequest {
+            fingerprint: [b'a'; 32],
+            ..claim_request(&key)
+        })
+        .await
+        .expect_err("bad payload on claim");
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+
+    // A fingerprint of the wrong size.
+    let _: () = server.cmd(&["HSET", &name, "f", "short", "s", "r"]);
+    assert!(matches!(store.get(&key).await, Err(StoreError::Corrupt(_))));
+
+    // A key of another type under the record's name.
+    let _: () = server.cmd(&["DEL", &name]);
+    let _: () = server.cmd(&["SET", &name, "a string"]);
+    let err = store.get(&key).await.expect_err("wrong type");
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    assert!(store.delete(&key).await.expect("delete"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_store_instances_race_for_one_key() {
+    let server = RedisServer::start();
+    let stores = [single(&server), single(&server)];
+    let key = fresh_key();
+    let racers: Vec<_> = (0..40)
+        .map(|i| {
+            let store = stores[i % 2].clone();
+            let req = claim_request(&key);
+            tokio::spawn(async move { store.claim(&req).await })
+        })
+        .collect();
+    let mut winners = 0;
+    for racer in racers {
+        if let ClaimOutcome::Acquired { .. } = racer.await.expect("join").expect("claim") {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+}
+
+#[tokio::test]
+async fn waiting_polls_with_backoff_not_hot() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    let key = fresh_key();
+    store.claim(&claim_request(&key)).await.expect("claim");
+    store.ping().await.expect("ping");
+    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+
+    let started = Instant::now();
+    let record = store
+        .wait_for_change(&key, SECOND)
+        .await
+        .expect("wait")
+        .expect("record");
+    assert!(started.elapsed() >= SECOND - Duration::from_millis(20));
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+
+    let stats: String = server.cmd(&["INFO", "commandstats"]);
+    let calls: u64 = stats
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .expect("evalsha stats");
+    // 5, 10, 20, 40, 80 ms, then every 100 ms: about 14 reads in a second.
+    assert!(
+        (5..=20).contains(&calls),
+        "{calls} reads in one second of waiting"
+    );
+}
+
+#[tokio::test]
+async fn a_repeated_write_is_recognised_and_a_lapsed_owner_fenced() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    let key = fresh_key();
+    let first = ClaimRequest {
+        lock_ttl: Duration::from_millis(200),
+        ..claim_request(&key)
+    };
+    store.claim(&first).await.expect("claim");
+    // A claim re-sent by the same owner (its reply was lost) still holds the claim.
+    assert_eq!(
+        store.claim(&first).await.expect("claim again"),
+        ClaimOutcome::Acquired {
+            execution_id: first.execution_id
+        }
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = claim_request(&key);
+    assert_eq!(
+        store.claim(&second).await.expect("take over"),
+        ClaimOutcome::Acquired {
+            execution_id: first.execution_id
+        }
+    );
+    // The lapsed first owner finishes late: fenced off, the second owner's record stands.
+    assert_eq!(
+        store
+            .complete(&key, first.owner, response(b"late"), 60 * SECOND)
+            .await
+            .expect("late complete"),
+        WriteOutcome::NotOwner
+    );
+    let holder: Vec<u8> = server.cmd(&["HGET", &store.record_key(&key), "o"]);
+    assert_eq!(holder, format!("{:032x}", second.owner.0).into_bytes());
+    let value: Value = server.cmd(&["HGET", &store.record_key(&key), "p"]);
+    assert_eq!(value, Value::Nil, "the lapsed owner wrote a payload");
+
+    // A complete re-sent after a dropped connection carries the same write id: the script
+    // answers "applied" again instead of "not owner". Another write id is a second write.
+    let name = store.record_key(&key);
+    let owner = format!("{:032x}", second.owner.0);
+    let complete = include_str!("../lua/v1/complete.lua");
+    let send = |write_id: &str| -> i64 {
+        server.cmd(&[
+            "EVAL",
+            complete,
+            "1",
+            &name,
+            &owner,
+            "\x01\x01\x01\x2C",
+            "60000",
+            write_id,
+        ])
+    };
+    assert_eq!(send("w-1"), 1);
+    assert_eq!(send("w-1"), 1, "the re-send was not recognised");
+    assert_eq!(send("w-2"), 0, "a completed record was written twice");
+    let release = include_str!("../lua/v1/release.lua");
+    let released: i64 = server.cmd(&["EVAL", release, "1", &name, &owner, "w-3"]);
+    assert_eq!(released, 0);
+    let record = store.get(&key).await.expect("get").expect("record");
+    assert_eq!(
+        record.state,
+        RecordState::Completed(Completion::Unreplayable { status: 300 })
+    );
+}
+
+#[tokio::test]
+async fn resp3_connections_read_the_same_replies() {
+    let server = RedisServer::start();
+    let config = settings(
+        vec![format!("{}?protocol=resp3", server.url())],
+        RedisTopology::Single,
+    );
+    let store = Arc::new(RedisStore::new(&config).expect("store"));
+    store.ping().await.expect("ping over RESP3");
+    conformance::case_completed_response_replays_byte_exact(&store).await;
+    conformance::case_release_then_claim_keeps_execution_id(&store).await;
+    conformance::case_wait_returns_at_once_when_not_in_flight(&store).await;
+    conformance::case_delete_removes(&store).await;
+    let clients: String = server.cmd(&["CLIENT", "LIST"]);
+    assert!(
+        clients.contains("resp=3"),
+        "no client spoke RESP3:\n{clients}"
+    );
+}
+
+#[tokio::test]
+async fn rediss_urls_speak_tls_and_verify_the_server() {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/redis-tls");
+    let tls_port = common::redis::free_redis_port();
+    let server = RedisServer::start_with(&[
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        &format!("{fixtures}/cert.pem"),
+        "--tls-key-file",
+        &format!("{fixtures}/key.pem"),
+        "--tls-ca-cert-file",
+        &format!("{fixtures}/cert.pem"),
+        "--tls-auth-clients",
+        "no",
+    ]);
+    let config = settings(
+        vec![format!("rediss://localhost:{tls_port}")],
+        RedisTopology::Single,
+    );
+    // The handshake runs (a crypto provider is installed, nothing panics) and the self-signed
+    // certificate is refused: only the built-in public roots are trusted.
+    let store = RedisStore::new(&config).expect("store");
+    let err = store
+        .ping()
+        .await
+        .expect_err("self-signed certificate accepted");
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    assert!(
+        err.to_string().to_lowercase().contains("certificate"),
+        "{err}"
+    );
+    // The same server in plain text works, so the refusal was the certificate's.
+    single(&server).ping().await.expect("plain-text ping");
+}
