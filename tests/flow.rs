@@ -834,32 +834,3 @@ async fn admin_endpoints_and_metrics() {
     );
     assert_eq!(Request::get("/nope").send(proxy.admin).await.status, 404);
 }
-
-#[tokio::test]
-async fn an_immediate_retry_after_the_response_always_finds_the_outcome() {
-    let (backend, proxy) = setup().await;
-    for i in 0..40 {
-        let path = if i % 2 == 0 {
-            "/orders/empty"
-        } else {
-            "/orders/status/503"
-        };
-        let req = Request::post(path).key(&format!("imm-{i}")).body("{}");
-        let first = req.send(proxy.addr).await;
-        let second = req.send(proxy.addr).await;
-        if i % 2 == 0 {
-            assert_eq!(
-                second.result(),
-                Some("HIT"),
-                "stored before the client saw the end"
-            );
-        } else {
-            assert_eq!(first.status, 503);
-            assert_eq!(
-                second.status, 503,
-                "released before the client saw the end, not 409"
-            );
-        }
-    }
-    assert_eq!(backend.count(), 60);
-}
