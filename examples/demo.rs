@@ -121,7 +121,7 @@ fn main() {
         )
         .init();
     println!("idemgate: proxying http://127.0.0.1:6180 -> http://{BACKEND} (admin http://127.0.0.1:6181)");
-    if let Err(e) = idemgate::server::run(config, || {}) {
+    if let Err(e) = idemgate::server::run(path.into(), config, || {}) {
         eprintln!("demo: {e}");
         std::process::exit(64);
     }

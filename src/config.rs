@@ -55,10 +55,22 @@ pub struct ShutdownConfig {
 }
 
 /// The admin listener.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct AdminConfig {
     /// Address of the admin HTTP server.
     pub listen: SocketAddr,
+    /// Bearer token required by mutating admin endpoints (`admin.token`, or the
+    /// `IDEMGATE_ADMIN_TOKEN` environment variable, which wins). None: mutations are refused.
+    pub token: Option<String>,
+}
+
+impl fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdminConfig")
+            .field("listen", &self.listen)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 /// One named group of backend addresses.
@@ -102,6 +114,51 @@ pub struct StoreConfig {
     pub redis: Option<RedisConfig>,
     /// Policy when the store is down or its circuit is open.
     pub on_unavailable: OnUnavailable,
+    /// The local fast path in front of a shared store.
+    pub local_cache: LocalCacheConfig,
+    /// The circuit breaker around a shared store.
+    pub circuit_breaker: BreakerConfig,
+    /// Background retries of completions the store refused.
+    pub completion_retry: RetryConfig,
+}
+
+/// The Bloom filter and cache of completed records in front of a shared store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalCacheConfig {
+    /// Whether the fast path is used (it only applies to `backend: redis`).
+    pub enabled: bool,
+    /// Byte budget of cached completed records.
+    pub capacity_bytes: usize,
+    /// Records expected per Bloom filter window.
+    pub expected_items: usize,
+    /// Target false-positive rate of the Bloom filter.
+    pub false_positive_rate: f64,
+}
+
+impl Eq for LocalCacheConfig {}
+
+/// When the store's circuit opens and how long it stays open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive failures or timeouts that open the circuit.
+    pub failure_threshold: u32,
+    /// How long the circuit stays open before probing.
+    pub open_for: Duration,
+}
+
+/// Background retries of refused completions, and where dead letters go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryConfig {
+    /// Attempts after the failed write.
+    pub attempts: u32,
+    /// First backoff, doubled every attempt (with jitter).
+    pub base_delay: Duration,
+    /// Backoff ceiling.
+    pub max_delay: Duration,
+    /// Completions waiting at most.
+    pub queue_capacity: usize,
+    /// JSON-lines file for completions that could not be stored.
+    pub dead_letter_path: std::path::PathBuf,
 }
 
 /// Which record store backend is in use.
@@ -353,6 +410,7 @@ struct FileShutdown {
 #[serde(deny_unknown_fields, default)]
 struct FileAdmin {
     listen: String,
+    token: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -385,6 +443,67 @@ struct FileStore {
     memory: FileMemoryStore,
     redis: Option<FileRedis>,
     on_unavailable: OnUnavailable,
+    local_cache: FileLocalCache,
+    circuit_breaker: FileBreaker,
+    completion_retry: FileRetry,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileLocalCache {
+    enabled: bool,
+    capacity: Scalar,
+    expected_items: i64,
+    false_positive_rate: f64,
+}
+
+impl Default for FileLocalCache {
+    fn default() -> Self {
+        FileLocalCache {
+            enabled: true,
+            capacity: Scalar::Text("64MiB".into()),
+            expected_items: 1_000_000,
+            false_positive_rate: 0.01,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileBreaker {
+    failure_threshold: i64,
+    open_for: Scalar,
+}
+
+impl Default for FileBreaker {
+    fn default() -> Self {
+        FileBreaker {
+            failure_threshold: 3,
+            open_for: Scalar::Text("1s".into()),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileRetry {
+    attempts: i64,
+    base_delay: Scalar,
+    max_delay: Scalar,
+    queue_capacity: i64,
+    dead_letter_path: String,
+}
+
+impl Default for FileRetry {
+    fn default() -> Self {
+        FileRetry {
+            attempts: 8,
+            base_delay: Scalar::Text("50ms".into()),
+            max_delay: Scalar::Text("5s".into()),
+            queue_capacity: 10_000,
+            dead_letter_path: "idemgate-dead-letter.jsonl".into(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -495,6 +614,7 @@ impl Default for FileAdmin {
     fn default() -> Self {
         FileAdmin {
             listen: "127.0.0.1:6181".to_owned(),
+            token: None,
         }
     }
 }
@@ -517,6 +637,9 @@ impl Default for FileStore {
             memory: FileMemoryStore::default(),
             redis: None,
             on_unavailable: OnUnavailable::Reject,
+            local_cache: FileLocalCache::default(),
+            circuit_breaker: FileBreaker::default(),
+            completion_retry: FileRetry::default(),
         }
     }
 }
@@ -751,8 +874,16 @@ impl FileConfig {
             )?,
         };
 
+        let token = std::env::var("IDEMGATE_ADMIN_TOKEN")
+            .ok()
+            .or(self.admin.token)
+            .filter(|t| !t.is_empty());
+        if token.as_ref().is_some_and(|t| t.len() < 16) {
+            return Err(invalid("admin.token", "must be at least 16 characters"));
+        }
         let admin = AdminConfig {
             listen: socket_addr("admin.listen", &self.admin.listen)?,
+            token,
         };
         if listeners_overlap(listen, admin.listen) {
             return Err(invalid(
@@ -886,11 +1017,79 @@ impl FileStore {
             (None, StoreBackend::Redis) => Some(FileRedis::default().into_config()?),
             (None, StoreBackend::Memory) => None,
         };
+        let c = &self.local_cache;
+        let cache_bytes = byte_size("store.local_cache.capacity".into(), &c.capacity)?;
+        if !(c.false_positive_rate > 0.0 && c.false_positive_rate < 0.5) {
+            return Err(invalid(
+                "store.local_cache.false_positive_rate",
+                format!(
+                    "{} is out of range (between 0 and 0.5, exclusive)",
+                    c.false_positive_rate
+                ),
+            ));
+        }
+        let local_cache = LocalCacheConfig {
+            enabled: c.enabled,
+            capacity_bytes: bytes_in_range(
+                "store.local_cache.capacity".into(),
+                cache_bytes,
+                1024,
+                u64::MAX,
+            )?,
+            expected_items: int_in_range(
+                "store.local_cache.expected_items",
+                c.expected_items,
+                1,
+                1_000_000_000,
+            )?,
+            false_positive_rate: c.false_positive_rate,
+        };
+        let b = &self.circuit_breaker;
+        let circuit_breaker = BreakerConfig {
+            failure_threshold: int_in_range(
+                "store.circuit_breaker.failure_threshold",
+                b.failure_threshold,
+                1,
+                1000,
+            )?,
+            open_for: positive_duration("store.circuit_breaker.open_for".into(), &b.open_for)?,
+        };
+        let r = &self.completion_retry;
+        let base_delay =
+            positive_duration("store.completion_retry.base_delay".into(), &r.base_delay)?;
+        let max_delay = positive_duration("store.completion_retry.max_delay".into(), &r.max_delay)?;
+        if max_delay < base_delay {
+            return Err(invalid(
+                "store.completion_retry.max_delay",
+                "must not be shorter than base_delay",
+            ));
+        }
+        if r.dead_letter_path.trim().is_empty() {
+            return Err(invalid(
+                "store.completion_retry.dead_letter_path",
+                "must not be empty",
+            ));
+        }
+        let completion_retry = RetryConfig {
+            attempts: int_in_range("store.completion_retry.attempts", r.attempts, 1, 100)?,
+            base_delay,
+            max_delay,
+            queue_capacity: int_in_range(
+                "store.completion_retry.queue_capacity",
+                r.queue_capacity,
+                1,
+                10_000_000,
+            )?,
+            dead_letter_path: std::path::PathBuf::from(&r.dead_letter_path),
+        };
         Ok(StoreConfig {
             backend: self.backend,
             memory,
             redis,
             on_unavailable: self.on_unavailable,
+            local_cache,
+            circuit_breaker,
+            completion_retry,
         })
     }
 }
@@ -1836,6 +2035,23 @@ routes:
                 },
                 redis: None,
                 on_unavailable: OnUnavailable::Reject,
+                local_cache: LocalCacheConfig {
+                    enabled: true,
+                    capacity_bytes: 64 << 20,
+                    expected_items: 1_000_000,
+                    false_positive_rate: 0.01,
+                },
+                circuit_breaker: BreakerConfig {
+                    failure_threshold: 3,
+                    open_for: Duration::from_secs(1),
+                },
+                completion_retry: RetryConfig {
+                    attempts: 8,
+                    base_delay: Duration::from_millis(50),
+                    max_delay: Duration::from_secs(5),
+                    queue_capacity: 10_000,
+                    dead_letter_path: "idemgate-dead-letter.jsonl".into(),
+                },
             }
         );
         assert_eq!(
@@ -2867,5 +3083,54 @@ routes:
         assert_eq!(redact_url("redis://u:p@h:1/0"), "redis://***@h:1/0");
         assert_eq!(redact_url("no scheme"), "no scheme");
         assert_eq!(redact_url("redis://h/p@x"), "redis://h/p@x");
+    }
+
+    #[test]
+    fn store_layers_validate_and_name_the_field() {
+        for (yaml, field) in [
+            (
+                "store: {local_cache: {false_positive_rate: 0.9}}",
+                "store.local_cache.false_positive_rate",
+            ),
+            (
+                "store: {local_cache: {capacity: 1B}}",
+                "store.local_cache.capacity",
+            ),
+            (
+                "store: {circuit_breaker: {failure_threshold: 0}}",
+                "store.circuit_breaker.failure_threshold",
+            ),
+            (
+                "store: {circuit_breaker: {open_for: 0s}}",
+                "store.circuit_breaker.open_for",
+            ),
+            (
+                "store: {completion_retry: {attempts: 0}}",
+                "store.completion_retry.attempts",
+            ),
+            (
+                "store: {completion_retry: {base_delay: 2s, max_delay: 1s}}",
+                "store.completion_retry.max_delay",
+            ),
+            (
+                "store: {completion_retry: {dead_letter_path: \"\"}}",
+                "store.completion_retry.dead_letter_path",
+            ),
+        ] {
+            let err = load_err(&format!("{yaml}\n{MINIMAL}"));
+            assert_eq!(err.field(), Some(field), "{yaml}: {err}");
+        }
+        let config = load(&format!(
+            "store: {{circuit_breaker: {{failure_threshold: 5, open_for: 250ms}}, completion_retry: {{dead_letter_path: /var/lib/idemgate/dead.jsonl}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(config.store.circuit_breaker.failure_threshold, 5);
+        assert_eq!(
+            config.store.circuit_breaker.open_for,
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            config.store.completion_retry.dead_letter_path,
+            std::path::PathBuf::from("/var/lib/idemgate/dead.jsonl")
+        );
     }
 }

@@ -72,7 +72,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging();
-    match idemgate::server::run(config, flush_logs) {
+    match idemgate::server::run(cli.config.clone(), config, flush_logs) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "cannot start");

@@ -17,10 +17,13 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::{Admin, Readiness};
-use crate::config::{Config, StoreBackend};
+use crate::config::{Config, OnUnavailable, StoreBackend};
 use crate::metrics::Metrics;
 use crate::proxy::{Gate, Generation, InFlightCounter};
+use crate::reload::Reloader;
 use crate::snowflake;
+use crate::store::breaker::{Breaker, BreakerOptions};
+use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::retry::{CompletionRetrier, RetryOptions};
 use crate::store::{MemoryStore, RecordStore, RedisStore};
 
@@ -32,33 +35,132 @@ pub enum StartError {
     Config(String),
 }
 
-/// Runs the proxy until shutdown. Returns once pingora has stopped (SIGINT, SIGQUIT, or a
-/// SIGTERM whose drain ran to the grace period); a SIGTERM drain that finishes early exits the
-/// process with status 0 directly.
-pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
+/// The record store as the proxy uses it, with the handles metrics and background work need.
+struct StoreStack {
+    store: Arc<dyn RecordStore>,
+    memory: Arc<MemoryStore>,
+    fallback: Option<Arc<dyn RecordStore>>,
+    redis: Option<Arc<RedisStore>>,
+}
+
+/// Builds the store: the embedded one, or Redis behind a circuit breaker and the local fast path.
+fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartError> {
     let memory = Arc::new(MemoryStore::new(
         config.store.memory.capacity_bytes,
         config.store.memory.shards,
     ));
-    // Redis is not contacted here: a proxy must start while Redis is down. The warm-up
-    // service connects in the background; until then operations connect on demand and fail
-    // as unavailable (the outage policy decides what the client gets).
-    let mut redis = None;
-    let store: Arc<dyn RecordStore> = match (config.store.backend, &config.store.redis) {
-        (StoreBackend::Memory, _) => memory.clone(),
-        (StoreBackend::Redis, Some(settings)) => {
-            let store =
-                Arc::new(RedisStore::new(settings).map_err(|e| StartError::Config(e.to_string()))?);
-            tracing::info!(redis = ?settings, scripts = %store.scripts_version(), "record store: redis");
-            redis = Some(store.clone());
-            store
+    let settings = match (config.store.backend, &config.store.redis) {
+        (StoreBackend::Memory, _) => {
+            return Ok(StoreStack {
+                store: memory.clone(),
+                memory,
+                fallback: None,
+                redis: None,
+            })
         }
+        (StoreBackend::Redis, Some(settings)) => settings,
         (StoreBackend::Redis, None) => {
             return Err(StartError::Config(
                 "store.backend: redis needs a store.redis block".into(),
             ))
         }
     };
+    // Redis is not contacted here: a proxy must start while Redis is down. The warm-up
+    // service connects in the background; until then operations connect on demand and fail
+    // as unavailable (the outage policy decides what the client gets).
+    let redis = Arc::new(RedisStore::new(settings).map_err(|e| StartError::Config(e.to_string()))?);
+    tracing::info!(redis = ?settings, scripts = %redis.scripts_version(), "record store: redis");
+
+    let b = &config.store.circuit_breaker;
+    let breaker = Breaker::new(
+        redis.clone(),
+        BreakerOptions {
+            failure_threshold: b.failure_threshold,
+            open_for: b.open_for,
+        },
+    );
+    let view = breaker.view();
+    let v = view.clone();
+    metrics.pull_gauge(
+        "idemgate_store_circuit_state",
+        "Store circuit: 0 closed, 1 open, 2 half-open",
+        move || v.state() as u8 as f64,
+    );
+    metrics.pull_counter(
+        "idemgate_store_circuit_opened_total",
+        "Times the store circuit opened",
+        move || view.opened.load(Ordering::Relaxed) as f64,
+    );
+
+    let c = &config.store.local_cache;
+    let store: Arc<dyn RecordStore> = if c.enabled {
+        let window = config
+            .routes
+            .iter()
+            .filter_map(|r| r.idempotency.as_ref().map(|i| i.ttl))
+            .max()
+            .unwrap_or(Duration::from_secs(24 * 3600));
+        let options = LocalCacheOptions {
+            capacity_bytes: c.capacity_bytes,
+            expected_items: c.expected_items,
+            false_positive_rate: c.false_positive_rate,
+            window,
+        };
+        let cached = Arc::new(CachedStore::new(breaker, options).map_err(StartError::Config)?);
+        register_cache_metrics(metrics, &cached);
+        cached
+    } else {
+        Arc::new(breaker)
+    };
+    let fallback = (config.store.on_unavailable == OnUnavailable::Local)
+        .then(|| memory.clone() as Arc<dyn RecordStore>);
+    Ok(StoreStack {
+        store,
+        memory,
+        fallback,
+        redis: Some(redis),
+    })
+}
+
+fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<CachedStore<S>>) {
+    let stats = cached.stats();
+    let s = stats.clone();
+    metrics.pull_counter(
+        "idemgate_local_cache_hits_total",
+        "Retries answered from the local cache without a store round trip",
+        move || s.hits.load(Ordering::Relaxed) as f64,
+    );
+    let s = stats.clone();
+    metrics.pull_counter(
+        "idemgate_bloom_negatives_total",
+        "Claims the Bloom filter sent straight to the store",
+        move || s.bloom_negatives.load(Ordering::Relaxed) as f64,
+    );
+    metrics.pull_counter(
+        "idemgate_bloom_false_positives_total",
+        "Bloom positives the local cache could not answer",
+        move || stats.bloom_false_positives.load(Ordering::Relaxed) as f64,
+    );
+    let weak = Arc::downgrade(cached);
+    metrics.pull_gauge(
+        "idemgate_bloom_fill_ratio",
+        "Fraction of bits set in the current Bloom filter generation",
+        move || weak.upgrade().map_or(0.0, |c| c.bloom_fill_ratio()),
+    );
+    let weak = Arc::downgrade(cached);
+    metrics.pull_gauge(
+        "idemgate_local_cache_bytes",
+        "Bytes held by the local cache of completed records",
+        move || weak.upgrade().map_or(0.0, |c| c.cache_usage().1 as f64),
+    );
+}
+
+/// Runs the proxy until shutdown. Returns once pingora has stopped (SIGINT, SIGQUIT, or a
+/// SIGTERM whose drain ran to the grace period); a SIGTERM drain that finishes early exits the
+/// process with status 0 directly. `config_path` is watched for live edits.
+pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), StartError> {
+    let metrics = Arc::new(Metrics::new());
+    let stack = build_store(&config, &metrics)?;
     let worker_id = config
         .idempotency
         .worker_id
@@ -84,14 +186,22 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
         .to_string();
     let listen = config.listen.to_string();
     let admin_listen = config.admin.listen.to_string();
+    let r = &config.store.completion_retry;
+    let retry_options = RetryOptions {
+        attempts: r.attempts,
+        base_delay: r.base_delay,
+        max_delay: r.max_delay,
+        queue_capacity: r.queue_capacity,
+        dead_letter_path: r.dead_letter_path.clone(),
+    };
 
-    let metrics = Arc::new(Metrics::new());
     let generation = Generation::new(config, &metrics).map_err(StartError::Config)?;
     let current = Arc::new(ArcSwap::from_pointee(generation));
     let in_flight = Arc::new(InFlightCounter::default());
     let readiness = Arc::new(Readiness::default());
+    let reloader = Reloader::new(config_path, current.clone(), metrics.clone());
 
-    let (retrier, retry_worker) = CompletionRetrier::new(store.clone(), RetryOptions::default());
+    let (retrier, retry_worker) = CompletionRetrier::new(stack.store.clone(), retry_options);
     register_store_metrics(&metrics, &retrier);
     let counter = in_flight.clone();
     metrics.pull_gauge(
@@ -105,8 +215,8 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
 
     let gate = Gate::new(
         current.clone(),
-        store.clone(),
-        None,
+        stack.store.clone(),
+        stack.fallback.clone(),
         worker_id,
         metrics.clone(),
         in_flight.clone(),
@@ -118,22 +228,34 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
 
     let mut admin = Service::new(
         "idemgate admin".to_string(),
-        Admin::new(current, store, metrics, readiness.clone()),
+        Admin::new(
+            current,
+            stack.store.clone(),
+            metrics,
+            readiness.clone(),
+            reloader.clone(),
+        ),
     );
     admin.add_tcp(&admin_listen);
     admin.threads = Some(1);
 
-    let sweeper = background_service("store sweeper", Sweeper { store: memory });
-    let retry = background_service(
-        "completion retries",
-        RetryWorker(Mutex::new(Some(Box::pin(retry_worker)))),
-    );
-
     server.add_service(proxy);
     server.add_service(admin);
-    server.add_service(sweeper);
-    server.add_service(retry);
-    if let Some(store) = redis {
+    server.add_service(background_service(
+        "store sweeper",
+        Sweeper {
+            store: stack.memory,
+        },
+    ));
+    server.add_service(background_service(
+        "completion retries",
+        RetryWorker(Mutex::new(Some(Box::pin(retry_worker)))),
+    ));
+    server.add_service(background_service(
+        "config watcher",
+        ConfigWatcher { reloader },
+    ));
+    if let Some(store) = stack.redis {
         server.add_service(background_service("redis warm-up", RedisWarmup { store }));
     }
 
@@ -148,6 +270,39 @@ pub fn run(config: Config, on_exit: fn()) -> Result<(), StartError> {
     });
     on_exit();
     Ok(())
+}
+
+/// Watches the config file (and SIGHUP) and reloads on change.
+struct ConfigWatcher {
+    reloader: Arc<Reloader>,
+}
+
+#[async_trait]
+impl BackgroundService for ConfigWatcher {
+    async fn start(&self, shutdown: ShutdownWatch) {
+        let reloader = self.reloader.clone();
+        let hup_shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let Ok(mut hup) = signal(SignalKind::hangup()) else {
+                tracing::warn!("cannot listen for SIGHUP");
+                return;
+            };
+            let mut shutdown = hup_shutdown;
+            loop {
+                tokio::select! {
+                    _ = hup.recv() => {
+                        let r = reloader.clone();
+                        let _ = tokio::task::spawn_blocking(move || r.reload("SIGHUP")).await;
+                    }
+                    _ = shutdown.changed() => return,
+                }
+            }
+        });
+        self.reloader
+            .clone()
+            .watch(Duration::from_secs(2), shutdown)
+            .await;
+    }
 }
 
 /// Drops expired records of the embedded store once a second.

@@ -230,3 +230,47 @@ pub struct StoreUsage {
     /// Configured capacity in bytes.
     pub capacity: usize,
 }
+
+/// A shared handle is a store too, so layers can wrap a store that is also used elsewhere (e.g.
+/// the Redis store the warm-up task connects).
+#[async_trait]
+impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        (**self).claim(req).await
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        (**self).complete(key, owner, completion, ttl).await
+    }
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        (**self).release(key, owner).await
+    }
+    async fn wait_for_change(
+        &self,
+        key: &RecordKey,
+        timeout: Duration,
+    ) -> Result<Option<Record>, StoreError> {
+        (**self).wait_for_change(key, timeout).await
+    }
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        (**self).get(key).await
+    }
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        (**self).delete(key).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        (**self).ping().await
+    }
+    fn usage(&self) -> Option<StoreUsage> {
+        (**self).usage()
+    }
+}
