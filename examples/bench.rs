@@ -434,7 +434,7 @@ fn run(opts: &Options) -> BoxResult<bool> {
                 opts.rounds,
                 sc.name
             );
-            let row = run_scenario(&lab, opts, &format!("{round}r{i}"), sc, &mut failures)?;
+            let row = run_scenario(&mut lab, opts, &format!("{round}r{i}"), sc, &mut failures)?;
             println!(
                 "bench:   {:.0} req/s, p50 {}, p99 {}",
                 row.wrk.rps,
@@ -444,14 +444,35 @@ fn run(opts: &Options) -> BoxResult<bool> {
             rounds[i].push(row);
         }
     }
-    let results: Vec<RowResult> = rounds.into_iter().filter_map(median_round).collect();
+    let per_round = (0..opts.rounds as usize)
+        .map(|round| {
+            rounds
+                .iter()
+                .filter_map(|row| row.get(round))
+                .map(|r| (r.name, r.wrk.rps))
+                .collect()
+        })
+        .collect();
+    let outcome = Outcome {
+        rows: rounds.into_iter().filter_map(median_round).collect(),
+        per_round,
+        failures,
+        notes,
+    };
 
     println!();
-    print!(
-        "{}",
-        report(&machine, background, opts, &results, &failures, &notes, &lab)
-    );
-    Ok(failures.is_empty())
+    print!("{}", report(&machine, background, opts, &outcome, &lab));
+    Ok(outcome.failures.is_empty())
+}
+
+/// Everything measured and checked, for the report.
+struct Outcome {
+    /// Each row's median round.
+    rows: Vec<RowResult>,
+    /// req/s of every row, round by round.
+    per_round: Vec<BTreeMap<&'static str, f64>>,
+    failures: Vec<String>,
+    notes: Vec<String>,
 }
 
 /// The round with the median req/s (the lower middle one for an even count).
@@ -471,7 +492,7 @@ fn background_load() -> f64 {
 
 /// Warms up, measures, and checks one row (`id` makes its generated keys unique).
 fn run_scenario(
-    lab: &Lab,
+    lab: &mut Lab,
     opts: &Options,
     id: &str,
     sc: &Scenario,
@@ -492,6 +513,7 @@ fn run_scenario(
     }
     let tag = |phase: &str| format!("{id}{phase}");
     run_wrk(&url, &sc.script, &tag("w"), opts.connections, opts.warmup)?;
+    lab.check_alive()?;
 
     probe(sc, &tag("b"), "before", failures)?;
     let metrics_before = read_metrics(&sc.expect)?;
@@ -499,6 +521,8 @@ fn run_scenario(
     let cpu = CpuSampler::new(lab, sc);
     let wrk = run_wrk(&url, &sc.script, &tag("m"), opts.connections, opts.duration)?;
     let cpu = cpu.finish();
+    // A server that died during the run explains every error that would follow.
+    lab.check_alive()?;
     // Lets idemgate finish counting the last responses wrk saw before its metrics are read.
     sleep(Duration::from_millis(100));
     let redis_after = sc.redis_port.map(redis_calls).transpose()?;
@@ -977,12 +1001,17 @@ fn get(addr: SocketAddr, path: &str) -> BoxResult<Reply> {
 }
 
 fn http_exchange(addr: SocketAddr, request: &str) -> BoxResult<Reply> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.write_all(request.as_bytes())?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    parse_reply(&raw).ok_or_else(|| format!("malformed HTTP response from {addr}").into())
+    let line = request.lines().next().unwrap_or_default();
+    let exchange = || -> std::io::Result<Vec<u8>> {
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        stream.write_all(request.as_bytes())?;
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw)?;
+        Ok(raw)
+    };
+    let raw = exchange().map_err(|e| format!("{line} to {addr}: {e}"))?;
+    parse_reply(&raw).ok_or_else(|| format!("{line} to {addr}: malformed HTTP response").into())
 }
 
 fn parse_reply(raw: &[u8]) -> Option<Reply> {
@@ -1302,11 +1331,10 @@ fn report(
     machine: &Machine,
     background: f64,
     opts: &Options,
-    rows: &[RowResult],
-    failures: &[String],
-    notes: &[String],
+    outcome: &Outcome,
     lab: &Lab,
 ) -> String {
+    let rows = &outcome.rows;
     let rps = |name: &str| rows.iter().find(|r| r.name == name).map(|r| r.wrk.rps);
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
@@ -1363,34 +1391,58 @@ fn report(
     }
     let _ = writeln!(out);
 
-    let mut target = |label: &str, a: Option<f64>, b: Option<f64>, min: f64| {
-        if let (Some(a), Some(b)) = (a, b) {
-            let x = if b > 0.0 { a / b } else { 0.0 };
-            let verdict = if x >= min { "met" } else { "NOT met" };
-            let _ = writeln!(out, "{label} = {x:.2} (target >= {min:.2}): {verdict}");
+    // Targets as (label, numerator row, denominator row, minimum ratio).
+    let targets = [
+        (
+            "pass-through / nginx",
+            "idemgate pass-through",
+            "nginx proxy",
+            0.80,
+        ),
+        (
+            "keyed miss / pass-through",
+            "keyed miss",
+            "idemgate pass-through",
+            0.80,
+        ),
+        ("keyed hit / nginx", "keyed hit", "nginx proxy", 1.00),
+        (
+            "keyed miss (redis) / pass-through",
+            "keyed miss (redis)",
+            "idemgate pass-through",
+            0.60,
+        ),
+        (
+            "keyed hit (redis) / nginx",
+            "keyed hit (redis)",
+            "nginx proxy",
+            1.00,
+        ),
+    ];
+    for (label, num, den, min) in targets {
+        let (Some(a), Some(b)) = (rps(num), rps(den)) else {
+            continue;
+        };
+        let x = if b > 0.0 { a / b } else { 0.0 };
+        let verdict = if x >= min { "met" } else { "NOT met" };
+        let _ = write!(out, "{label} = {x:.2} (target >= {min:.2}): {verdict}");
+        if outcome.per_round.len() > 1 {
+            // The same ratio within each round, whose rows ran minutes apart at most.
+            let each: Vec<String> = outcome
+                .per_round
+                .iter()
+                .map(|round| ratio(round.get(num).copied(), round.get(den).copied()))
+                .collect();
+            let _ = write!(out, " [per round: {}]", each.join(", "));
         }
-    };
-    target("pass-through / nginx", plain, nginx, 0.80);
-    target("keyed miss / pass-through", rps("keyed miss"), plain, 0.80);
-    target("keyed hit / nginx", rps("keyed hit"), nginx, 1.00);
-    target(
-        "keyed miss (redis) / pass-through",
-        rps("keyed miss (redis)"),
-        plain,
-        0.60,
-    );
-    target(
-        "keyed hit (redis) / nginx",
-        rps("keyed hit (redis)"),
-        nginx,
-        1.00,
-    );
+        let _ = writeln!(out);
+    }
     for r in rows {
         if let Some(rt) = r.redis_per_request {
             let _ = writeln!(out, "{}: {rt:.2} Redis round trips per request", r.name);
         }
     }
-    for n in notes {
+    for n in &outcome.notes {
         let _ = writeln!(out, "note: {n}");
     }
 
@@ -1449,8 +1501,13 @@ fn report(
         let _ = writeln!(
             out,
             "warning: more than 25% of a core went elsewhere during: {} (a busy machine: \
-             compare ratios of quiet rows, or rerun with --rounds 3)",
-            noisy.join(", ")
+             compare ratios of quiet rows{})",
+            noisy.join(", "),
+            if opts.rounds > 1 {
+                ", and the per-round ratios"
+            } else {
+                ", or rerun with --rounds 3"
+            }
         );
     }
     for r in rows.iter().filter(|r| !r.cpu.idemgate_threads.is_empty()) {
@@ -1464,14 +1521,14 @@ fn report(
     }
 
     let _ = writeln!(out);
-    if failures.is_empty() {
+    if outcome.failures.is_empty() {
         let _ = writeln!(
             out,
             "checks: all passed (no non-2xx, no socket errors, idemgate counted only the expected result per row, probes saw MISS/HIT)"
         );
     } else {
         let _ = writeln!(out, "checks FAILED:");
-        for f in failures {
+        for f in &outcome.failures {
             let _ = writeln!(out, "  - {f}");
         }
     }
@@ -1609,7 +1666,7 @@ impl Lab {
         for p in &mut self.procs {
             if let Ok(Some(status)) = p.child.try_wait() {
                 return Err(format!(
-                    "{} exited ({status}); end of {}:\n{}",
+                    "{} exited ({status}); end of {} (--keep keeps it):\n{}",
                     p.name,
                     p.log.display(),
                     tail(&p.log)
