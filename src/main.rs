@@ -7,6 +7,11 @@ use std::sync::Mutex;
 use clap::Parser;
 use idemgate::config::Config;
 
+// glibc malloc showed up at ~7% of a proxy worker's samples; mimalloc's thread-local free lists
+// suit the many short-lived per-request allocations better.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Exit status for a config that cannot be run (EX_USAGE), as sidecar supervisors expect.
 const EXIT_BAD_CONFIG: u8 = 64;
 
@@ -35,7 +40,10 @@ fn flush_logs() {
 fn init_logging() {
     use tracing_subscriber::{fmt, EnvFilter};
     let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let (writer, guard) = tracing_appender::non_blocking(std::io::stderr());
+    // The writer thread drains every queued line and then flushes: buffering turns a burst of
+    // access-log lines into one write(2) instead of one each.
+    let buffered = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
+    let (writer, guard) = tracing_appender::non_blocking(buffered);
     if let Ok(mut slot) = LOG_GUARD.lock() {
         *slot = Some(guard);
     }

@@ -56,6 +56,8 @@ pub struct Reloader {
     lock: Mutex<()>,
     /// Unix seconds at which the running config was loaded.
     loaded_at: AtomicU64,
+    /// Hash of the last file content that failed to load, so the poll does not repeat the error.
+    failed_hash: Mutex<Option<String>>,
 }
 
 fn now_unix() -> u64 {
@@ -83,6 +85,7 @@ impl Reloader {
             stats: stats.clone(),
             lock: Mutex::new(()),
             loaded_at: AtomicU64::new(now_unix()),
+            failed_hash: Mutex::new(None),
         });
         let s = stats.clone();
         metrics.pull_gauge(
@@ -129,6 +132,9 @@ impl Reloader {
     /// On error the running config stays, and the error says why (naming the field).
     pub fn reload(&self, trigger: &str) -> Result<ReloadOutcome, String> {
         let _serial = self.lock.lock();
+        let text_hash = std::fs::read(&self.path)
+            .ok()
+            .map(|t| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&t)));
         let result = Config::load(&self.path)
             .map_err(|e| e.to_string())
             .and_then(|config| {
@@ -142,6 +148,7 @@ impl Reloader {
         match result {
             Ok(None) => {
                 self.stats.last_successful.store(1, Ordering::Relaxed);
+                *self.failed_hash.lock() = None;
                 Ok(ReloadOutcome::Unchanged)
             }
             Ok(Some(generation)) => {
@@ -153,10 +160,20 @@ impl Reloader {
                     .store(now_unix(), Ordering::Relaxed);
                 self.stats.reloads.fetch_add(1, Ordering::Relaxed);
                 self.loaded_at.store(now_unix(), Ordering::Relaxed);
+                *self.failed_hash.lock() = None;
                 tracing::info!(trigger, hash = %&hash[..12.min(hash.len())], "config reloaded");
                 Ok(ReloadOutcome::Applied { hash })
             }
             Err(e) => {
+                // A watcher event for content already refused is not a new error.
+                let mut failed = self.failed_hash.lock();
+                let repeat =
+                    trigger == "file change" && text_hash.is_some() && *failed == text_hash;
+                *failed = text_hash;
+                drop(failed);
+                if repeat {
+                    return Err(e);
+                }
                 self.stats.last_successful.store(0, Ordering::Relaxed);
                 self.stats.failures.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(trigger, path = %self.path.display(), error = %e, "config reload refused; the running config stays");
@@ -206,7 +223,8 @@ impl Reloader {
         };
         // Same formula as `Config::source_hash`: hex SHA-256 of the file's bytes.
         let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&text));
-        if hash != self.current.load().config.source_hash {
+        let known_bad = self.failed_hash.lock().as_deref() == Some(hash.as_str());
+        if hash != self.current.load().config.source_hash && !known_bad {
             let _ = self.reload("poll");
         }
     }

@@ -29,9 +29,16 @@ pub struct ProxyBuilder {
     store: Vec<String>,
     top: Vec<String>,
     env: Vec<(String, String)>,
+    configmap: bool,
 }
 
 impl ProxyBuilder {
+    /// Lays the config out as a Kubernetes ConfigMap volume does (symlinks through `..data`).
+    pub fn configmap(mut self) -> Self {
+        self.configmap = true;
+        self
+    }
+
     pub fn new(backend: &Backend) -> Self {
         ProxyBuilder {
             backend: backend.addr,
@@ -41,6 +48,7 @@ impl ProxyBuilder {
             store: vec![],
             top: vec![],
             env: vec![],
+            configmap: false,
         }
     }
     /// A line (`key: value`) added to the `orders` route's idempotency block.
@@ -107,9 +115,21 @@ impl ProxyBuilder {
         let port = free_port();
         let admin_port = free_port();
         let dir = tempfile::tempdir().expect("tempdir");
-        let config_path = dir.path().join("idemgate.yaml");
+        let config_dir = dir.path().join("config");
+        std::fs::create_dir(&config_dir).expect("config dir");
+        let config_path = config_dir.join("idemgate.yaml");
         let yaml = self.yaml(port, admin_port);
-        std::fs::write(&config_path, &yaml).expect("write config");
+        if self.configmap {
+            // The layout of a Kubernetes ConfigMap volume: the file is a symlink through `..data`.
+            let version = config_dir.join("..2026_01_01_00_00_00.000000001");
+            std::fs::create_dir(&version).expect("version dir");
+            std::fs::write(version.join("idemgate.yaml"), &yaml).expect("write config");
+            std::os::unix::fs::symlink(version.file_name().unwrap(), config_dir.join("..data"))
+                .expect("..data link");
+            std::os::unix::fs::symlink("..data/idemgate.yaml", &config_path).expect("file link");
+        } else {
+            std::fs::write(&config_path, &yaml).expect("write config");
+        }
         let log_path = dir.path().join("idemgate.log");
         let log = std::fs::File::create(&log_path).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
@@ -126,6 +146,9 @@ impl ProxyBuilder {
             admin: SocketAddr::from(([127, 0, 0, 1], admin_port)),
             child: Some(child),
             log_path,
+            config_path,
+            yaml,
+            updates: 0,
             _dir: dir,
         };
         proxy.wait_ready().await;
@@ -139,7 +162,22 @@ pub struct Proxy {
     pub admin: SocketAddr,
     child: Option<Child>,
     pub log_path: PathBuf,
+    pub config_path: PathBuf,
+    /// The config text as last written.
+    pub yaml: String,
+    updates: u32,
     _dir: tempfile::TempDir,
+}
+
+/// How a config edit reaches the file.
+#[derive(Clone, Copy, Debug)]
+pub enum Edit {
+    /// Truncate and write the same file (an editor saving in place).
+    InPlace,
+    /// Write a temporary file and rename it over the config (atomic replace).
+    Rename,
+    /// Publish a new `..data` directory and swap the symlink (a ConfigMap update).
+    ConfigMap,
 }
 
 impl Proxy {
@@ -159,6 +197,34 @@ impl Proxy {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Rewrites the config with `edit` applied to its text, delivered the way `how` says.
+    pub fn edit_config(&mut self, how: Edit, edit: impl FnOnce(&str) -> String) {
+        let yaml = edit(&self.yaml);
+        self.updates += 1;
+        let dir = self.config_path.parent().unwrap().to_path_buf();
+        match how {
+            Edit::InPlace => std::fs::write(&self.config_path, &yaml).unwrap(),
+            Edit::Rename => {
+                let tmp = dir.join(format!(".idemgate.yaml.tmp{}", self.updates));
+                std::fs::write(&tmp, &yaml).unwrap();
+                std::fs::rename(&tmp, &self.config_path).unwrap();
+            }
+            Edit::ConfigMap => {
+                let version = format!(
+                    "..2026_01_01_00_00_{:02}.{:09}",
+                    self.updates % 60,
+                    self.updates
+                );
+                std::fs::create_dir(dir.join(&version)).unwrap();
+                std::fs::write(dir.join(&version).join("idemgate.yaml"), &yaml).unwrap();
+                let tmp_link = dir.join("..data_tmp");
+                std::os::unix::fs::symlink(&version, &tmp_link).unwrap();
+                std::fs::rename(&tmp_link, dir.join("..data")).unwrap();
+            }
+        }
+        self.yaml = yaml;
     }
 
     /// What the proxy logged so far.

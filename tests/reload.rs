@@ -1,0 +1,237 @@
+//! Live config: file edits of every kind, invalid edits, SIGHUP, the admin endpoint, and
+//! reloads under load.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::proxy::Edit;
+use common::{Backend, Proxy, ProxyBuilder, Request};
+
+const TOKEN: &str = "test-admin-token-0123456789";
+
+async fn no_key_result(proxy: &Proxy) -> Option<String> {
+    Request::post("/orders")
+        .body("{}")
+        .send(proxy.addr)
+        .await
+        .result()
+        .map(str::to_string)
+}
+
+/// Waits up to `limit` for requests without a key to get `want`; returns how long it took.
+async fn wait_for_result(proxy: &Proxy, want: &str, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        if no_key_result(proxy).await.as_deref() == Some(want) {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "config edit not applied within {limit:?}; log:\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+fn optional(yaml: &str) -> String {
+    yaml.replacen("      key: required\n", "      key: optional\n", 1)
+}
+
+fn required(yaml: &str) -> String {
+    yaml.replacen("      key: optional\n", "      key: required\n", 1)
+}
+
+#[tokio::test]
+async fn in_place_rename_and_configmap_edits_take_effect_within_two_seconds() {
+    let backend = Backend::start().await;
+    for (how, configmap) in [
+        (Edit::InPlace, false),
+        (Edit::Rename, false),
+        (Edit::ConfigMap, true),
+    ] {
+        let mut builder = ProxyBuilder::new(&backend);
+        if configmap {
+            builder = builder.configmap();
+        }
+        let mut proxy = builder.start().await;
+        assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));
+        proxy.edit_config(how, optional);
+        wait_for_result(&proxy, "BYPASS", Duration::from_secs(2)).await;
+        // And back: the watcher keeps working after the first event (re-armed).
+        proxy.edit_config(how, required);
+        wait_for_result(&proxy, "INVALID", Duration::from_secs(2)).await;
+        let m = proxy.metrics().await;
+        assert!(
+            m.contains("idemgate_config_last_reload_successful 1"),
+            "{how:?}\n{m}"
+        );
+        assert!(
+            m.contains("idemgate_config_reloads_total 2"),
+            "{how:?}\n{m}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn invalid_edits_keep_the_running_config_and_say_why() {
+    let backend = Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend).start().await;
+    let cases: [(&str, fn(&str) -> String); 3] = [
+        // Not YAML at all: an unterminated quoted scalar.
+        ("at line", |y| {
+            y.replacen("listen: \"", "listen: \"\n  - [", 1) + "\"oops"
+        }),
+        ("routes[0].upstream", |y| {
+            y.replacen("upstream: orders", "upstream: nowhere", 1)
+        }),
+        ("routes[0].idempotency.ttl", |y| {
+            optional(y).replacen("key: optional", "key: optional\n      ttl: 3 parsecs", 1)
+        }),
+    ];
+    for (i, (why, edit)) in cases.into_iter().enumerate() {
+        let before = proxy.yaml.clone();
+        proxy.edit_config(Edit::Rename, edit);
+        let m = proxy
+            .metrics_containing("idemgate_config_last_reload_successful 0")
+            .await;
+        assert!(m.contains("idemgate_config_reload_failures_total"));
+        // One clear error per bad edit, not one per poll.
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while !proxy.log().contains(why) {
+            assert!(
+                Instant::now() < deadline,
+                "log does not say {why:?}:\n{}",
+                proxy.log()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        // The running config stays: no key is still refused, keyed requests still work.
+        assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));
+        let r = Request::post("/orders")
+            .key(&format!("k{i}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        assert_eq!(r.status, 201);
+        proxy.edit_config(Edit::Rename, |_| before.clone());
+        proxy
+            .metrics_containing("idemgate_config_last_reload_successful 1")
+            .await;
+    }
+    let errors = proxy.log().matches("config reload refused").count();
+    assert_eq!(errors, 3, "one error per invalid edit:\n{}", proxy.log());
+}
+
+#[tokio::test]
+async fn sighup_and_the_admin_endpoint_force_a_reload() {
+    let backend = Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend)
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    // Mutations need the token.
+    let refused = Request::post("/admin/reload").send(proxy.admin).await;
+    assert_eq!(refused.status, 401);
+    let wrong = Request::post("/admin/reload")
+        .header("Authorization", "Bearer nope")
+        .send(proxy.admin)
+        .await;
+    assert_eq!(wrong.status, 401);
+    let ok = Request::post("/admin/reload")
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    assert!(ok.text().contains("unchanged"));
+
+    // An invalid file: the admin endpoint answers 422 naming the field, SIGHUP logs it.
+    proxy.edit_config(Edit::InPlace, |y| {
+        y.replacen("upstream: orders", "upstream: nowhere", 1)
+    });
+    let bad = Request::post("/admin/reload")
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(bad.status, 422);
+    assert!(bad.text().contains("routes[0].upstream"), "{}", bad.text());
+    proxy.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !proxy.log().contains("trigger=\"SIGHUP\"") && !proxy.log().contains("trigger=SIGHUP") {
+        assert!(
+            Instant::now() < deadline,
+            "SIGHUP not handled:\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    // The admin config view shows the running (old) config, secrets redacted.
+    let view = Request::get("/admin/config").send(proxy.admin).await;
+    assert_eq!(view.status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&view.body).unwrap();
+    assert_eq!(v["routes"][0]["upstream"], "orders");
+    assert_eq!(v["admin"]["token"], "<redacted>");
+    assert!(!view.text().contains(TOKEN));
+    assert_eq!(v["hash"].as_str().map(str::len), Some(64));
+}
+
+#[tokio::test]
+async fn a_hundred_reloads_under_load_fail_no_request() {
+    let backend = Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend)
+        .idem("ttl: 1h")
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    let addr = proxy.addr;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            let mut n = 0u32;
+            while (n < 300 || !stop.load(std::sync::atomic::Ordering::Relaxed)) && n < 20_000 {
+                let key = format!("load-{}", n / 2);
+                let r = Request::post("/orders")
+                    .key(&key)
+                    .body("{}")
+                    .send(addr)
+                    .await;
+                statuses.push((r.status, r.result().map(str::to_string)));
+                n += 1;
+            }
+            statuses
+        })
+    };
+    for i in 0..100 {
+        let ttl = if i % 2 == 0 { "ttl: 2h" } else { "ttl: 1h" };
+        proxy.edit_config(Edit::Rename, |y| {
+            y.replace("ttl: 1h", ttl).replace("ttl: 2h", ttl)
+        });
+        let r = Request::post("/admin/reload")
+            .header("Authorization", format!("Bearer {TOKEN}"))
+            .send(proxy.admin)
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses = load.await.unwrap();
+    assert!(
+        statuses.len() >= 100,
+        "the load ran: {} requests",
+        statuses.len()
+    );
+    for (status, result) in &statuses {
+        assert_eq!(*status, 201, "{result:?}");
+        assert!(matches!(result.as_deref(), Some("MISS") | Some("HIT")));
+    }
+    let m = proxy.metrics().await;
+    let reloads: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_config_reloads_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(reloads >= 100.0, "{reloads} reloads");
+}
