@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 use common::proxy::Edit;
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
+/// A config edit.
+type Rewrite = fn(&str) -> String;
+
 const TOKEN: &str = "test-admin-token-0123456789";
 
 async fn no_key_result(proxy: &Proxy) -> Option<String> {
@@ -78,7 +81,7 @@ async fn in_place_rename_and_configmap_edits_take_effect_within_two_seconds() {
 async fn invalid_edits_keep_the_running_config_and_say_why() {
     let backend = Backend::start().await;
     let mut proxy = ProxyBuilder::new(&backend).start().await;
-    let cases: [(&str, fn(&str) -> String); 3] = [
+    let cases: [(&str, Rewrite); 3] = [
         // Not YAML at all: an unterminated quoted scalar.
         ("at line", |y| {
             y.replacen("listen: \"", "listen: \"\n  - [", 1) + "\"oops"
