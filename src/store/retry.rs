@@ -18,7 +18,9 @@ use parking_lot::Mutex;
 use rand::Rng;
 use tokio::sync::mpsc;
 
-use super::{Completion, OwnerToken, RecordKey, RecordStore, StoreError, WriteOutcome};
+use super::{
+    Completion, OwnerToken, Record, RecordKey, RecordState, RecordStore, StoreError, WriteOutcome,
+};
 
 /// Retry settings.
 #[derive(Clone, Debug)]
@@ -173,7 +175,21 @@ async fn run(
                     stats.pending.fetch_sub(1, Ordering::AcqRel);
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
                 }
-                Ok(WriteOutcome::NotOwner) => dead.write(&job, attempt + 1, "lock taken over"),
+                Ok(WriteOutcome::NotOwner) => {
+                    // An earlier write that timed out may have landed after all: then the record
+                    // already holds exactly this completion and nothing is lost.
+                    let landed = matches!(
+                        store.get(&job.key).await,
+                        Ok(Some(Record { state: RecordState::Completed(ref c), .. })) if *c == job.completion
+                    );
+                    if landed {
+                        stats.recovered.fetch_add(1, Ordering::Relaxed);
+                        stats.pending.fetch_sub(1, Ordering::AcqRel);
+                        tracing::info!("a timed-out completion had been stored after all");
+                    } else {
+                        dead.write(&job, attempt + 1, "lock taken over")
+                    }
+                }
                 Err(e) if attempt + 1 >= options.attempts => {
                     dead.write(&job, attempt + 1, &format!("store failed: {e}"))
                 }
@@ -364,6 +380,22 @@ mod tests {
         settle(&retrier).await;
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"));
+    }
+
+    #[tokio::test]
+    async fn a_write_that_landed_late_counts_as_recovered() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(MemoryStore::new(1 << 20, 1));
+        let job = claimed(store.as_ref(), 6).await;
+        // The "timed out" write did reach the store.
+        let first = store.complete(&job.key, job.owner, job.completion.clone(), job.ttl);
+        assert_eq!(first.await.unwrap(), WriteOutcome::Applied);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        settle(&retrier).await;
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
+        assert!(!dir.path().join("dead.jsonl").exists());
     }
 
     #[tokio::test]

@@ -1,0 +1,325 @@
+//! Redis failing under a running proxy: the outage policies, the circuit breaker, completions
+//! that reach Redis late (retry queue) or never (dead-letter file), lock fencing, and the local
+//! fast path.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::{Backend, Proxy, ProxyBuilder, Request};
+
+fn builder(backend: &Backend, redis: &RedisServer) -> ProxyBuilder {
+    ProxyBuilder::new(backend)
+        .redis(&[redis.url()])
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 200ms")
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Sends SIGSTOP or SIGCONT to a process.
+fn signal(pid: u32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill -{sig} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = builder(&backend, &redis).start().await;
+    let addr = proxy.addr;
+    let started = Instant::now();
+    let load = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        let mut n = 0u32;
+        while started.elapsed() < Duration::from_millis(4500) {
+            let req = Request::post("/orders")
+                .key(&format!("load-{n}"))
+                .body("{}");
+            let sent = Instant::now();
+            let r = req.send(addr).await;
+            seen.push((
+                sent - started,
+                sent.elapsed(),
+                r.status,
+                r.result().map(str::to_string),
+            ));
+            n += 1;
+        }
+        seen
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    redis.kill();
+    let killed_at = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    redis.restart();
+    let back_at = started.elapsed();
+    let seen = load.await.unwrap();
+
+    let mut misses = 0;
+    for (_, latency, status, result) in &seen {
+        match (status, result.as_deref()) {
+            (201, Some("MISS")) => misses += 1,
+            (503, Some("UNAVAILABLE")) => {}
+            other => panic!("unexpected answer {other:?}"),
+        }
+        assert!(
+            *latency < Duration::from_secs(2),
+            "a request hung for {latency:?}"
+        );
+    }
+    assert_eq!(
+        backend.count(),
+        misses,
+        "every execution was protected by a claim"
+    );
+    let refused = seen.iter().filter(|s| s.2 == 503).count();
+    assert!(refused > 0, "the outage was seen");
+    assert!(seen.iter().any(|s| s.0 < killed_at && s.2 == 201));
+    let resumed = seen
+        .iter()
+        .find(|s| s.0 > back_at && s.2 == 201)
+        .map(|s| s.0 - back_at)
+        .expect("service resumed");
+    assert!(
+        resumed < Duration::from_secs(2),
+        "resumed after {resumed:?}"
+    );
+    let m = proxy.metrics().await;
+    assert!(
+        metric(&m, "idemgate_store_circuit_opened_total") >= 1.0,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "idemgate_store_circuit_state"), 0.0);
+}
+
+#[tokio::test]
+async fn pass_and_local_policies_forward_marked_degraded() {
+    let port = RedisServer::unused_port();
+    let backend = Backend::start().await;
+    let down = RedisServer::start_on(port);
+    drop(down);
+    let url = format!("redis://127.0.0.1:{port}");
+    let pass = ProxyBuilder::new(&backend)
+        .redis(&[url.clone()])
+        .store("  connect_timeout: 100ms")
+        .store("on_unavailable: pass")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("p").body("{}");
+    let r = req.send(pass.addr).await;
+    assert_eq!((r.status, r.result()), (201, Some("DEGRADED")));
+    assert_eq!(req.send(pass.addr).await.result(), Some("DEGRADED"));
+    assert_eq!(backend.count(), 2, "pass forwards without protection");
+    assert_eq!(Request::get("/readyz").send(pass.admin).await.status, 200);
+
+    let local = ProxyBuilder::new(&backend)
+        .redis(&[url])
+        .store("  connect_timeout: 100ms")
+        .store("on_unavailable: local")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("l").body("{}");
+    let r = req.send(local.addr).await;
+    assert_eq!((r.status, r.result()), (201, Some("DEGRADED")));
+    // The in-process fallback still deduplicates on this replica.
+    let again = req.send(local.addr).await;
+    assert_eq!(again.result(), Some("HIT"));
+    assert_eq!(again.body, r.body);
+    assert_eq!(backend.count(), 3);
+}
+
+#[tokio::test]
+async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let a = builder(&backend, &redis).start().await;
+    let b = builder(&backend, &redis).start().await;
+    let req = Request::post("/orders/slow/700")
+        .key("late")
+        .body("{\"n\":1}");
+    let addr = a.addr;
+    let first = tokio::spawn({
+        let req = req.clone();
+        async move { req.send(addr).await }
+    });
+    // Redis stalls after the claim, before the backend answers: the completion write fails.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = redis.pid().unwrap();
+    signal(pid, "STOP");
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    signal(pid, "CONT");
+    // Another instance (no local copy) sees the record once a retry has stored it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = req.send(b.addr).await;
+        if r.result() == Some("HIT") {
+            assert_eq!(r.body, first.body);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never stored: {} {:?}\n{}",
+            r.status,
+            r.result(),
+            a.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(backend.count(), 1);
+    // The stalled write may itself land when Redis resumes; the retry then finds it applied
+    // (complete is idempotent per write). Either way the queue drains without a dead letter.
+    let m = a
+        .metrics_containing("idemgate_completion_retry_pending 0")
+        .await;
+    assert_eq!(
+        metric(&m, "idemgate_completion_retry_recovered_total"),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "idemgate_dead_letters_total"), 0.0);
+}
+
+#[tokio::test]
+async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    let proxy = builder(&backend, &redis)
+        .store(&format!(
+            "completion_retry: {{ attempts: 2, base_delay: 20ms, max_delay: 40ms, dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .start()
+        .await;
+    let addr = proxy.addr;
+    let first = tokio::spawn(async move {
+        Request::post("/orders/slow/500")
+            .key("lost")
+            .body("{}")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let pid = redis.pid().unwrap();
+    signal(pid, "STOP");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !dead.exists() || std::fs::read_to_string(&dead).unwrap().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no dead letter:\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal(pid, "CONT");
+    let line: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&dead)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(line["tenant"], "default");
+    assert_eq!(line["response"]["status"], 201);
+    assert_eq!(line["record"].as_str().map(str::len), Some(64));
+    let id = &backend.executions()[0].execution_id;
+    assert_eq!(line["execution_id"].as_str(), id.as_deref());
+    assert!(
+        !std::fs::read_to_string(&dead).unwrap().contains("lost\""),
+        "no raw key"
+    );
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_dead_letters_total"), 1.0);
+}
+
+#[tokio::test]
+async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let a = builder(&backend, &redis).start().await;
+    let b = builder(&backend, &redis).start().await;
+    let addr = a.addr;
+    let slow = tokio::spawn(async move {
+        Request::post("/orders/slow/1200")
+            .key("fence")
+            .body("{}")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first holder's lock lapses (as after a failover that lost it): expire it in Redis.
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: i64 = redis.cmd(&["HSET", &keys[0], "l", "0"]);
+    let second = Request::post("/orders/slow/1200")
+        .key("fence")
+        .body("{}")
+        .send(b.addr)
+        .await;
+    assert_eq!((second.status, second.result()), (201, Some("MISS")));
+    let first = slow.await.unwrap();
+    assert_eq!(first.status, 201);
+    // Both executions carried the same id; the record holds the second one's response.
+    let ex = backend.executions();
+    assert_eq!(ex.len(), 2);
+    assert_eq!(ex[0].execution_id, ex[1].execution_id);
+    let replay = Request::post("/orders/slow/1200").key("fence").body("{}");
+    let c = builder(&backend, &redis).start().await;
+    let r = replay.send(c.addr).await;
+    assert_eq!(r.result(), Some("HIT"));
+    assert_eq!(
+        r.body, second.body,
+        "the lapsed owner did not overwrite the newer record"
+    );
+    let m = a.metrics().await;
+    assert_eq!(metric(&m, "idemgate_store_fenced_writes_total"), 1.0, "{m}");
+}
+
+#[tokio::test]
+async fn a_retry_this_replica_completed_needs_no_redis_round_trip() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy: Proxy = builder(&backend, &redis).start().await;
+    let req = Request::post("/orders").key("hot").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.result(), Some("MISS"));
+    let calls = |redis: &RedisServer| -> u64 {
+        let info: String = redis.cmd(&["INFO", "commandstats"]);
+        info.lines()
+            .filter_map(|l| l.split("calls=").nth(1))
+            .filter_map(|v| v.split(',').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let before = calls(&redis);
+    for _ in 0..20 {
+        assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
+    }
+    // Only the INFO command itself was added.
+    assert_eq!(calls(&redis), before + 1, "hits were answered locally");
+    // Even with Redis gone, this replica replays what it completed.
+    redis.kill();
+    let r = req.send(proxy.addr).await;
+    assert_eq!(r.result(), Some("HIT"));
+    assert_eq!(r.body, first.body);
+    let m = proxy.metrics().await;
+    assert!(metric(&m, "idemgate_local_cache_hits_total") >= 21.0, "{m}");
+    assert!(metric(&m, "idemgate_bloom_fill_ratio") > 0.0);
+}
