@@ -112,7 +112,7 @@ async fn pass_and_local_policies_forward_marked_degraded() {
     drop(down);
     let url = format!("redis://127.0.0.1:{port}");
     let pass = ProxyBuilder::new(&backend)
-        .redis(&[url.clone()])
+        .redis(std::slice::from_ref(&url))
         .store("  connect_timeout: 100ms")
         .store("on_unavailable: pass")
         .start()
