@@ -10,10 +10,13 @@ use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 
 use crate::config::{Config, OnUnavailable};
+use crate::key;
 use crate::metrics::Metrics;
 use crate::proxy::Generation;
 use crate::reload::{ReloadOutcome, Reloader};
+use crate::store::purge::PurgeBus;
 use crate::store::RecordStore;
+use crate::store::{Completion, Record, RecordKey, RecordState};
 
 /// Readiness latches shared with the server: flipped once, read on every probe.
 #[derive(Default)]
@@ -40,6 +43,7 @@ pub struct Admin {
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
     reloader: Arc<Reloader>,
+    purge: Option<PurgeBus>,
 }
 
 impl Admin {
@@ -50,6 +54,7 @@ impl Admin {
         metrics: Arc<Metrics>,
         readiness: Arc<Readiness>,
         reloader: Arc<Reloader>,
+        purge: Option<PurgeBus>,
     ) -> Self {
         Admin {
             current,
@@ -57,6 +62,97 @@ impl Admin {
             metrics,
             readiness,
             reloader,
+            purge,
+        }
+    }
+
+    /// `GET|DELETE /admin/records/{tenant}/{key}`: the record of a key as a client of `route`
+    /// (default: the first idempotent route) would reach it. The principal's scope values are
+    /// given as `X-Idemgate-Scope-<Header>` request headers, since `Authorization` carries the
+    /// admin token here.
+    async fn record(&self, session: &ServerSession, delete: bool) -> Response<Vec<u8>> {
+        let req = session.req_header();
+        let generation = self.current.load();
+        let config = &generation.config;
+        let path = req.uri.path();
+        let Some((tenant, raw_key)) = path
+            .strip_prefix("/admin/records/")
+            .and_then(|rest| rest.split_once('/'))
+        else {
+            return error(StatusCode::NOT_FOUND, "use /admin/records/{tenant}/{key}");
+        };
+        let (Some(tenant), Some(raw_key)) = (percent_decode(tenant), percent_decode(raw_key))
+        else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "malformed percent-encoding in the path",
+            );
+        };
+        let tenant = match key::validate_tenant(tenant.as_bytes()) {
+            Ok(t) => t.to_owned(),
+            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
+        };
+        let key = match http::HeaderValue::from_str(&raw_key)
+            .ok()
+            .map(|v| key::parse_key(std::iter::once(&v)))
+        {
+            Some(Ok(Some(k))) => k,
+            Some(Err(e)) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "the key is not a valid header value",
+                )
+            }
+        };
+        let query = Query(req.uri.query().unwrap_or(""));
+        let route = match query.get("route") {
+            Some(name) => config.routes.iter().find(|r| r.name == name),
+            None => config.routes.iter().find(|r| r.idempotency.is_some()),
+        };
+        let Some(idem) = route.and_then(|r| r.idempotency.as_ref()) else {
+            return error(StatusCode::NOT_FOUND, "no such idempotent route");
+        };
+        // The scope values as the client sent them, under their real names.
+        let mut scope = http::HeaderMap::new();
+        for name in &idem.scope_headers {
+            let given = format!("x-idemgate-scope-{}", name.as_str());
+            for v in req.headers.get_all(given.as_str()) {
+                scope.append(name.clone(), v.clone());
+            }
+        }
+        let hash = key::record_hash(&tenant, &scope, &idem.scope_headers, &key);
+        let record_key = RecordKey { tenant, hash };
+        if delete {
+            return match self.store.delete(&record_key).await {
+                Ok(existed) => {
+                    let announced = match &self.purge {
+                        Some(bus) => match bus.publish(&record_key).await {
+                            Ok(()) => "all replicas".to_string(),
+                            Err(e) => format!("this replica only ({e})"),
+                        },
+                        None => "this replica".to_string(),
+                    };
+                    json(
+                        StatusCode::OK,
+                        serde_json::json!({ "deleted": existed, "local_copies_dropped_on": announced }),
+                    )
+                }
+                Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+            };
+        }
+        match self.store.get(&record_key).await {
+            Ok(Some(record)) => json(
+                StatusCode::OK,
+                record_json(
+                    &record_key,
+                    &record,
+                    query.get("body") == Some("true"),
+                    query.get("fingerprint"),
+                ),
+            ),
+            Ok(None) => error(StatusCode::NOT_FOUND, "no record for this key"),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
         }
     }
 
@@ -128,6 +224,94 @@ impl Admin {
             self.metrics.store_capacity_bytes.set(u.capacity as i64);
         }
     }
+}
+
+fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
+    json(status, serde_json::json!({ "error": message }))
+}
+
+/// The query string of an admin request, read without allocation.
+struct Query<'a>(&'a str);
+
+impl<'a> Query<'a> {
+    fn get(&self, name: &str) -> Option<&'a str> {
+        self.0
+            .split('&')
+            .filter_map(|pair| pair.split_once('='))
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v)
+    }
+}
+
+/// Decodes `%XX` escapes of a path segment; None when malformed or not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// A record as the admin API shows it: state, timestamps, fingerprint; the body only on request.
+fn record_json(
+    key: &RecordKey,
+    record: &Record,
+    with_body: bool,
+    fingerprint: Option<&str>,
+) -> serde_json::Value {
+    use base64::Engine;
+    let created = crate::snowflake::decode(record.execution_id).unix_ms;
+    let mut v = serde_json::json!({
+        "tenant": key.tenant,
+        "record": hex::encode(key.hash),
+        "execution_id": record.execution_id.to_string(),
+        "created_at_unix_ms": created,
+        "fingerprint": hex::encode(record.fingerprint),
+    });
+    if let Some(given) = fingerprint {
+        v["fingerprint_matches"] = given
+            .eq_ignore_ascii_case(&hex::encode(record.fingerprint))
+            .into();
+    }
+    match &record.state {
+        RecordState::InFlight { lock_remaining } => {
+            v["state"] = "in_flight".into();
+            v["lock_remaining_ms"] = (lock_remaining.as_millis() as u64).into();
+        }
+        RecordState::Released => v["state"] = "released".into(),
+        RecordState::Completed(Completion::Unreplayable { status }) => {
+            v["state"] = "completed".into();
+            v["replayable"] = false.into();
+            v["status"] = (*status).into();
+        }
+        RecordState::Completed(Completion::Response(r)) => {
+            v["state"] = "completed".into();
+            v["replayable"] = true.into();
+            v["status"] = r.status.into();
+            v["body_bytes"] = r.body.len().into();
+            if with_body {
+                let b64 = base64::engine::general_purpose::STANDARD;
+                v["headers"] = r
+                    .headers
+                    .iter()
+                    .map(|(n, val)| serde_json::json!([n, String::from_utf8_lossy(val)]))
+                    .collect::<Vec<_>>()
+                    .into();
+                v["body_base64"] = b64.encode(&r.body).into();
+            }
+        }
+    }
+    v
 }
 
 /// Compares two byte strings in time that depends only on their lengths.
@@ -252,6 +436,15 @@ impl ServeHttp for Admin {
         let path = req.uri.path().to_owned();
         match (is_get, path.as_str()) {
             (true, "/admin/config") => self.config(),
+            (true, p) if p.starts_with("/admin/records/") => self.record(session, false).await,
+            (false, p)
+                if p.starts_with("/admin/records/") && req.method == http::Method::DELETE =>
+            {
+                if !self.authorized(session) {
+                    return unauthorized();
+                }
+                self.record(session, true).await
+            }
             (false, "/admin/reload") if is_post => {
                 if !self.authorized(session) {
                     return unauthorized();

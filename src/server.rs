@@ -17,15 +17,16 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::{Admin, Readiness};
-use crate::config::{Config, OnUnavailable, StoreBackend};
+use crate::config::{Config, OnUnavailable, RedisTopology, StoreBackend};
 use crate::metrics::Metrics;
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::reload::Reloader;
 use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
+use crate::store::purge::{OnPurge, PurgeBus};
 use crate::store::retry::{CompletionRetrier, RetryOptions};
-use crate::store::{MemoryStore, RecordStore, RedisStore};
+use crate::store::{MemoryStore, RecordKey, RecordStore, RedisStore};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +42,8 @@ struct StoreStack {
     memory: Arc<MemoryStore>,
     fallback: Option<Arc<dyn RecordStore>>,
     redis: Option<Arc<RedisStore>>,
+    /// Announces admin purges to every replica, and what a replica does on one.
+    purge: Option<(PurgeBus, OnPurge)>,
 }
 
 /// Builds the store: the embedded one, or Redis behind a circuit breaker and the local fast path.
@@ -56,6 +59,7 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
                 memory,
                 fallback: None,
                 redis: None,
+                purge: None,
             })
         }
         (StoreBackend::Redis, Some(settings)) => settings,
@@ -93,6 +97,7 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     );
 
     let c = &config.store.local_cache;
+    let mut forget: OnPurge = Arc::new(|_: &RecordKey| {});
     let store: Arc<dyn RecordStore> = if c.enabled {
         let window = config
             .routes
@@ -108,17 +113,38 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         };
         let cached = Arc::new(CachedStore::new(breaker, options).map_err(StartError::Config)?);
         register_cache_metrics(metrics, &cached);
+        let weak = Arc::downgrade(&cached);
+        forget = Arc::new(move |key: &RecordKey| {
+            if let Some(c) = weak.upgrade() {
+                c.forget(key);
+            }
+        });
         cached
     } else {
         Arc::new(breaker)
     };
     let fallback = (config.store.on_unavailable == OnUnavailable::Local)
         .then(|| memory.clone() as Arc<dyn RecordStore>);
+    // Sentinel URLs name the Sentinels, not a server to publish on: purges stay local there.
+    let purge = match settings.topology {
+        RedisTopology::Sentinel => None,
+        _ => settings
+            .urls
+            .first()
+            .and_then(|url| match PurgeBus::new(url, &settings.key_prefix) {
+                Ok(bus) => Some((bus, forget)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "purges will not reach other replicas");
+                    None
+                }
+            }),
+    };
     Ok(StoreStack {
         store,
         memory,
         fallback,
         redis: Some(redis),
+        purge,
     })
 }
 
@@ -234,6 +260,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             metrics,
             readiness.clone(),
             reloader.clone(),
+            stack.purge.as_ref().map(|(bus, _)| bus.clone()),
         ),
     );
     admin.add_tcp(&admin_listen);
@@ -255,6 +282,12 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         "config watcher",
         ConfigWatcher { reloader },
     ));
+    if let Some((bus, on_purge)) = stack.purge {
+        server.add_service(background_service(
+            "purge listener",
+            PurgeListener { bus, on_purge },
+        ));
+    }
     if let Some(store) = stack.redis {
         server.add_service(background_service("redis warm-up", RedisWarmup { store }));
     }
@@ -270,6 +303,19 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     });
     on_exit();
     Ok(())
+}
+
+/// Drops this replica's cached copy of every record purged anywhere.
+struct PurgeListener {
+    bus: PurgeBus,
+    on_purge: OnPurge,
+}
+
+#[async_trait]
+impl BackgroundService for PurgeListener {
+    async fn start(&self, shutdown: ShutdownWatch) {
+        self.bus.listen(self.on_purge.clone(), shutdown).await;
+    }
 }
 
 /// Watches the config file (and SIGHUP) and reloads on change.

@@ -20,6 +20,7 @@ pub mod codec;
 pub mod conformance;
 pub mod faulty;
 pub mod memory;
+pub mod purge;
 pub mod redis;
 pub mod retry;
 

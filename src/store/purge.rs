@@ -1,0 +1,125 @@
+//! Purges across replicas: an admin `DELETE` of a record removes it from Redis and publishes its
+//! name, and every replica drops its local cached copy on the message.
+//!
+//! The message is `<tenant>:<hex hash>`, the same name the record has in Redis: the raw key never
+//! travels. Pub/sub is best effort (a replica that is disconnected at that moment misses it), so
+//! the local cache is also bounded by the record's TTL; a purge is an operator tool, not part of
+//! the exactly-once guarantee.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+
+use super::RecordKey;
+
+/// Publishes and receives purge messages on one channel.
+#[derive(Clone)]
+pub struct PurgeBus {
+    client: redis::Client,
+    channel: String,
+}
+
+/// Called with every purged record announced by any replica (including this one).
+pub type OnPurge = Arc<dyn Fn(&RecordKey) + Send + Sync>;
+
+impl PurgeBus {
+    /// A bus on the Redis at `url`, channel `<prefix>:purge`.
+    pub fn new(url: &str, key_prefix: &str) -> Result<Self, String> {
+        let client = redis::Client::open(url).map_err(|e| format!("purge channel: {e}"))?;
+        Ok(PurgeBus {
+            client,
+            channel: format!("{key_prefix}:purge"),
+        })
+    }
+
+    /// Announces that `key` was purged.
+    pub async fn publish(&self, key: &RecordKey) -> Result<(), String> {
+        let message = format!("{}:{}", key.tenant, hex::encode(key.hash));
+        let mut conn = tokio::time::timeout(
+            Duration::from_secs(2),
+            self.client.get_multiplexed_async_connection(),
+        )
+        .await
+        .map_err(|_| "purge channel: connect timed out".to_string())?
+        .map_err(|e| format!("purge channel: {e}"))?;
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(&self.channel)
+            .arg(message)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| format!("purge channel: {e}"))?;
+        Ok(())
+    }
+
+    /// Listens until `shutdown` fires, reconnecting after errors, calling `on_purge` per message.
+    pub async fn listen(
+        &self,
+        on_purge: OnPurge,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let session = async {
+                let mut pubsub = self.client.get_async_pubsub().await?;
+                pubsub.subscribe(&self.channel).await?;
+                tracing::debug!(channel = %self.channel, "listening for purges");
+                let mut messages = pubsub.into_on_message();
+                while let Some(msg) = messages.next().await {
+                    let Ok(payload) = msg.get_payload::<String>() else {
+                        continue;
+                    };
+                    if let Some(key) = parse_message(&payload) {
+                        on_purge(&key);
+                    }
+                }
+                Ok::<(), redis::RedisError>(())
+            };
+            tokio::select! {
+                result = session => {
+                    if let Err(e) = result {
+                        tracing::debug!(error = %e, "purge channel lost; reconnecting");
+                    }
+                }
+                _ = shutdown.changed() => return,
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = shutdown.changed() => return,
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+/// Reads `<tenant>:<64 hex digits>`; the tenant may itself contain `:`.
+pub fn parse_message(payload: &str) -> Option<RecordKey> {
+    let (tenant, hex_hash) = payload.rsplit_once(':')?;
+    let bytes = hex::decode(hex_hash).ok()?;
+    let hash: [u8; 32] = bytes.try_into().ok()?;
+    if tenant.is_empty() {
+        return None;
+    }
+    Some(RecordKey {
+        tenant: tenant.to_owned(),
+        hash,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_junk_is_ignored() {
+        let key = RecordKey {
+            tenant: "acme:eu".into(),
+            hash: [0xab; 32],
+        };
+        let msg = format!("{}:{}", key.tenant, hex::encode(key.hash));
+        assert_eq!(parse_message(&msg), Some(key));
+        for junk in ["", "acme", "acme:zz", ":abab", "acme:abab"] {
+            assert_eq!(parse_message(junk), None, "{junk}");
+        }
+    }
+}

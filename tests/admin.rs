@@ -1,0 +1,125 @@
+//! The admin record API: inspect and purge a key, token required for purges, and a purge that
+//! reaches every replica's local cache.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::{Backend, ProxyBuilder, Request};
+
+const TOKEN: &str = "admin-token-for-tests-0123456789";
+
+#[tokio::test]
+async fn inspect_and_purge_a_record() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    let req = Request::post("/orders")
+        .key("order/42")
+        .header("Authorization", "Bearer alice")
+        .body("{\"a\":1}");
+    assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
+
+    let path = "/admin/records/default/order%2F42";
+    let as_alice = |r: Request| r.header("X-Idemgate-Scope-Authorization", "Bearer alice");
+    let view = as_alice(Request::get(path)).send(proxy.admin).await;
+    assert_eq!(view.status, 200, "{}", view.text());
+    let v: serde_json::Value = serde_json::from_slice(&view.body).unwrap();
+    assert_eq!(v["state"], "completed");
+    assert_eq!(v["status"], 201);
+    assert_eq!(v["replayable"], true);
+    assert!(v.get("body_base64").is_none(), "no body unless asked");
+    assert!(v["created_at_unix_ms"].as_u64().unwrap() > 1_700_000_000_000);
+    let exec = backend.executions()[0].execution_id.clone().unwrap();
+    assert_eq!(v["execution_id"], exec);
+    let fp = v["fingerprint"].as_str().unwrap().to_string();
+    let with_body = as_alice(Request::get(&format!("{path}?body=true&fingerprint={fp}")))
+        .send(proxy.admin)
+        .await;
+    let v: serde_json::Value = serde_json::from_slice(&with_body.body).unwrap();
+    assert!(v["body_base64"].as_str().is_some());
+    assert_eq!(v["fingerprint_matches"], true);
+
+    // Another principal's view of the same key is another record.
+    let bob = Request::get(path).header("X-Idemgate-Scope-Authorization", "Bearer bob");
+    assert_eq!(bob.send(proxy.admin).await.status, 404);
+
+    // Purging needs the token.
+    let del = as_alice(Request::new("DELETE", path));
+    assert_eq!(del.clone().send(proxy.admin).await.status, 401);
+    let ok = del
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    assert!(ok.text().contains("\"deleted\": true"));
+    assert_eq!(
+        req.send(proxy.addr).await.result(),
+        Some("MISS"),
+        "executes again"
+    );
+    assert_eq!(backend.count(), 2);
+    // Malformed input is a clear 400.
+    let bad = Request::get("/admin/records/bad%7Btenant/k")
+        .send(proxy.admin)
+        .await;
+    assert_eq!(bad.status, 400);
+}
+
+#[tokio::test]
+async fn a_purge_drops_the_local_copy_on_every_replica() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let a = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .start()
+        .await;
+    let b = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    // Give both replicas' purge listeners a moment to subscribe.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let subs: Vec<redis::Value> = redis.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
+        if matches!(subs.get(1), Some(redis::Value::Int(2))) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "listeners never subscribed: {subs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let req = Request::post("/orders").key("purge-me").body("{}");
+    assert_eq!(req.send(a.addr).await.result(), Some("MISS"));
+    assert_eq!(
+        req.send(a.addr).await.result(),
+        Some("HIT"),
+        "served from A's local cache"
+    );
+    let del = Request::new("DELETE", "/admin/records/default/purge-me")
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(b.admin)
+        .await;
+    assert_eq!(del.status, 200, "{}", del.text());
+    assert!(del.text().contains("all replicas"), "{}", del.text());
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let r = req.send(a.addr).await;
+        if r.result() == Some("MISS") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "A still replays the purged record"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(req.send(b.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 2);
+}
