@@ -32,7 +32,7 @@
 //!   request is replayed from the store and never reaches the backend.
 //! - **keyed miss (redis)** / **keyed hit (redis)** (only with `--redis`): the same against a
 //!   second idemgate whose store is a `redis-server` started for the run. The Redis round trips
-//!   per request are the Redis commands executed during the run (`INFO commandstats`, our own
+//!   per request are the Redis commands clients sent during the run (`INFO commandstats`, our own
 //!   `INFO` excluded) divided by the requests idemgate counted.
 //!
 //! # Setup details
@@ -688,11 +688,24 @@ fn redis_calls(port: u16) -> BoxResult<u64> {
     Ok(sum_commandstats(&String::from_utf8_lossy(&out.stdout)))
 }
 
-/// Sums `calls=` over `cmdstat_*` lines, skipping `cmdstat_info`.
+/// Commands a client sends itself. `INFO commandstats` also counts the commands a Lua script
+/// runs inside Redis (HMGET, HSET, TIME...), which are not round trips.
+const CLIENT_COMMANDS: &[&str] = &[
+    "evalsha:",
+    "eval:",
+    "evalsha_ro:",
+    "eval_ro:",
+    "script|load:",
+    "ping:",
+    "publish:",
+    "del:",
+];
+
+/// Sums `calls=` over the `cmdstat_*` lines of commands clients send (one round trip each).
 fn sum_commandstats(text: &str) -> u64 {
     text.lines()
         .filter_map(|l| l.trim().strip_prefix("cmdstat_"))
-        .filter(|l| !l.starts_with("info:"))
+        .filter(|l| CLIENT_COMMANDS.iter().any(|c| l.starts_with(c)))
         .filter_map(|l| {
             let calls = l.split_once("calls=")?.1;
             calls.split(',').next()?.parse::<u64>().ok()
@@ -1853,7 +1866,7 @@ Transfer/sec:      8.00MB
 
     #[test]
     fn sums_commandstats_without_info() {
-        let text = "# Commandstats\r\ncmdstat_evalsha:calls=10,usec=5,usec_per_call=0.5,rejected_calls=0,failed_calls=0\r\ncmdstat_info:calls=4,usec=1\r\ncmdstat_ping:calls=2,usec=1\r\n";
+        let text = "# Commandstats\r\ncmdstat_evalsha:calls=10,usec=5,usec_per_call=0.5,rejected_calls=0,failed_calls=0\r\ncmdstat_info:calls=4,usec=1\r\ncmdstat_ping:calls=2,usec=1\r\ncmdstat_hset:calls=9,usec=1\r\n";
         assert_eq!(sum_commandstats(text), 12);
     }
 
