@@ -19,6 +19,7 @@
 pub mod admin;
 pub mod config;
 pub mod key;
+pub mod logwriter;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;

@@ -2,10 +2,10 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Mutex;
 
 use clap::Parser;
 use idemgate::config::Config;
+use idemgate::logwriter::BatchWriter;
 
 // glibc malloc showed up at ~7% of a proxy worker's samples; mimalloc's thread-local free lists
 // suit the many short-lived per-request allocations better.
@@ -28,28 +28,24 @@ struct Cli {
     check: bool,
 }
 
-/// Keeps the non-blocking log writer alive; taken and dropped (flushed) on exit.
-static LOG_GUARD: Mutex<Option<tracing_appender::non_blocking::WorkerGuard>> = Mutex::new(None);
+/// The log writer, flushed on exit.
+static LOG_WRITER: std::sync::OnceLock<BatchWriter> = std::sync::OnceLock::new();
 
 fn flush_logs() {
-    if let Ok(mut guard) = LOG_GUARD.lock() {
-        guard.take();
+    if let Some(w) = LOG_WRITER.get() {
+        w.flush_now();
     }
 }
 
 fn init_logging() {
     use tracing_subscriber::{fmt, EnvFilter};
     let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    // The writer thread drains every queued line and then flushes: buffering turns a burst of
-    // access-log lines into one write(2) instead of one each.
-    let buffered = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
-    let (writer, guard) = tracing_appender::non_blocking(buffered);
-    if let Ok(mut slot) = LOG_GUARD.lock() {
-        *slot = Some(guard);
-    }
-    let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let writer = LOG_WRITER
+        .get_or_init(|| BatchWriter::new(Box::new(std::io::stderr())))
+        .clone();
     // Colour codes only for a person at a terminal, never into files or log collectors.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     let builder = fmt()
         .with_env_filter(filter)
         .with_writer(writer)
@@ -59,8 +55,6 @@ fn init_logging() {
     } else {
         builder.init();
     }
-    // pingora logs through the `log` crate.
-    let _ = tracing_log::LogTracer::init();
 }
 
 fn main() -> ExitCode {
