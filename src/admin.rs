@@ -9,7 +9,7 @@ use http::{Response, StatusCode};
 use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 
-use crate::config::{Config, OnUnavailable};
+use crate::config::{percent_decode, Config, OnUnavailable};
 use crate::key;
 use crate::metrics::Metrics;
 use crate::proxy::Generation;
@@ -241,25 +241,6 @@ impl<'a> Query<'a> {
             .find(|(k, _)| *k == name)
             .map(|(_, v)| v)
     }
-}
-
-/// Decodes `%XX` escapes of a path segment; None when malformed or not UTF-8.
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3)?;
-            let hex = std::str::from_utf8(hex).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 /// A record as the admin API shows it: state, timestamps, fingerprint; the body only on request.

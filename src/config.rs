@@ -25,6 +25,10 @@ pub struct Config {
     pub listen: SocketAddr,
     /// Proxy worker threads, 1..=256.
     pub threads: usize,
+    /// Whether idle worker threads steal tasks from busy ones (one shared scheduler) or each
+    /// thread runs its own connections (less cross-thread waking, better for many short
+    /// requests).
+    pub work_stealing: bool,
     /// Longest pause allowed between two reads of a request body.
     pub request_body_timeout: Duration,
     /// Graceful shutdown budget.
@@ -382,6 +386,8 @@ struct FileConfig {
     listen: String,
     #[serde(default = "default_threads")]
     threads: i64,
+    #[serde(default = "default_work_stealing")]
+    work_stealing: bool,
     #[serde(default = "default_request_body_timeout")]
     request_body_timeout: Scalar,
     #[serde(default)]
@@ -574,6 +580,10 @@ enum Scalar {
 
 fn default_listen() -> String {
     "0.0.0.0:6180".to_owned()
+}
+
+fn default_work_stealing() -> bool {
+    false
 }
 
 fn default_threads() -> i64 {
@@ -929,6 +939,7 @@ impl FileConfig {
         Ok(Config {
             listen,
             threads,
+            work_stealing: self.work_stealing,
             request_body_timeout,
             shutdown,
             admin,
@@ -1295,7 +1306,7 @@ fn sentinel_host(raw: &str) -> Option<(String, u16)> {
 }
 
 /// Decodes `%XX` escapes; `None` for a malformed escape or a result that is not UTF-8.
-fn percent_decode(raw: &str) -> Option<String> {
+pub fn percent_decode(raw: &str) -> Option<String> {
     let bytes = raw.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

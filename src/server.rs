@@ -194,6 +194,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
 
     let mut conf = ServerConf {
         threads: config.threads,
+        work_stealing: config.work_stealing,
         grace_period_seconds: Some(config.shutdown.grace_period.as_secs()),
         graceful_shutdown_timeout_seconds: Some(
             config.shutdown.graceful_shutdown_timeout.as_secs(),
