@@ -698,7 +698,6 @@ const CLIENT_COMMANDS: &[&str] = &[
     "script|load:",
     "ping:",
     "publish:",
-    "del:",
 ];
 
 /// Sums `calls=` over the `cmdstat_*` lines of commands clients send (one round trip each).
