@@ -13,7 +13,7 @@ use crate::config::{Config, OnUnavailable};
 use crate::metrics::Metrics;
 use crate::proxy::Generation;
 use crate::reload::{ReloadOutcome, Reloader};
-use crate::store::RecordStore;
+use crate::store::{RecordStore, RedisStore};
 
 /// Readiness latches shared with the server: flipped once, read on every probe.
 #[derive(Default)]
@@ -40,6 +40,8 @@ pub struct Admin {
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
     reloader: Arc<Reloader>,
+    /// The Redis store, for `GET /admin/scripts`; `None` with the memory store.
+    scripts: Option<Arc<RedisStore>>,
 }
 
 impl Admin {
@@ -57,6 +59,27 @@ impl Admin {
             metrics,
             readiness,
             reloader,
+            scripts: None,
+        }
+    }
+
+    /// Serves `GET /admin/scripts` from this Redis store.
+    pub fn with_scripts(mut self, store: Arc<RedisStore>) -> Self {
+        self.scripts = Some(store);
+        self
+    }
+
+    /// Script versions, SHAs, the canary and per-version counters.
+    fn scripts(&self) -> Response<Vec<u8>> {
+        match &self.scripts {
+            Some(store) => json(
+                StatusCode::OK,
+                serde_json::to_value(store.scripts_status()).unwrap_or_default(),
+            ),
+            None => json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({ "error": "no scripts: store.backend is not redis" }),
+            ),
         }
     }
 
@@ -252,6 +275,12 @@ impl ServeHttp for Admin {
         let path = req.uri.path().to_owned();
         match (is_get, path.as_str()) {
             (true, "/admin/config") => self.config(),
+            (true, "/admin/scripts") => self.scripts(),
+            (false, "/admin/scripts") => text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                b"method not allowed\n".to_vec(),
+            ),
             (false, "/admin/reload") if is_post => {
                 if !self.authorized(session) {
                     return unauthorized();

@@ -22,6 +22,7 @@ pub mod faulty;
 pub mod memory;
 pub mod redis;
 pub mod retry;
+pub mod script_set;
 
 use std::sync::Arc;
 use std::time::Duration;
