@@ -15,8 +15,8 @@ use crate::metrics::Metrics;
 use crate::proxy::Generation;
 use crate::reload::{ReloadOutcome, Reloader};
 use crate::store::purge::PurgeBus;
-use crate::store::RecordStore;
 use crate::store::{Completion, Record, RecordKey, RecordState};
+use crate::store::{RecordStore, RedisStore};
 
 /// Readiness latches shared with the server: flipped once, read on every probe.
 #[derive(Default)]
@@ -44,6 +44,8 @@ pub struct Admin {
     readiness: Arc<Readiness>,
     reloader: Arc<Reloader>,
     purge: Option<PurgeBus>,
+    /// The Redis store, for `GET /admin/scripts`; `None` with the memory store.
+    scripts: Option<Arc<RedisStore>>,
 }
 
 impl Admin {
@@ -63,6 +65,7 @@ impl Admin {
             readiness,
             reloader,
             purge,
+            scripts: None,
         }
     }
 
@@ -153,6 +156,26 @@ impl Admin {
             ),
             Ok(None) => error(StatusCode::NOT_FOUND, "no record for this key"),
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        }
+    }
+
+    /// Serves `GET /admin/scripts` from this Redis store.
+    pub fn with_scripts(mut self, store: Arc<RedisStore>) -> Self {
+        self.scripts = Some(store);
+        self
+    }
+
+    /// Script versions, SHAs, the canary and per-version counters.
+    fn scripts(&self) -> Response<Vec<u8>> {
+        match &self.scripts {
+            Some(store) => json(
+                StatusCode::OK,
+                serde_json::to_value(store.scripts_status()).unwrap_or_default(),
+            ),
+            None => json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({ "error": "no scripts: store.backend is not redis" }),
+            ),
         }
     }
 
@@ -426,6 +449,12 @@ impl ServeHttp for Admin {
                 }
                 self.record(session, true).await
             }
+            (true, "/admin/scripts") => self.scripts(),
+            (false, "/admin/scripts") => text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                b"method not allowed\n".to_vec(),
+            ),
             (false, "/admin/reload") if is_post => {
                 if !self.authorized(session) {
                     return unauthorized();

@@ -200,6 +200,50 @@ pub struct RedisConfig {
     pub response_timeout: Duration,
     /// Prefix of every key the proxy writes.
     pub key_prefix: String,
+    /// Which Lua script versions run (`store.redis.scripts`); applied live on reload.
+    pub scripts: ScriptsConfig,
+}
+
+/// Which Lua script versions the Redis store runs, and the canary (`store.redis.scripts`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScriptsConfig {
+    /// Directory of versions, `<dir>/<version>/{claim,complete,release,get}.lua`, watched for
+    /// edits; relative to the working directory. `None`: the built-in versions only.
+    pub dir: Option<PathBuf>,
+    /// The version every record uses unless the canary takes it. Known to exist at load time.
+    pub version: String,
+    /// A second version tried on a share of the records.
+    pub canary: Option<CanaryConfig>,
+}
+
+/// A canary script version: which records take it, and when it is rolled back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CanaryConfig {
+    /// The canary version; exists, and differs from the active one.
+    pub version: String,
+    /// Share of record ids, 0..=100, that use the canary (chosen by the record hash, so one key
+    /// always uses one version).
+    pub percent: u8,
+    /// Only records of these tenants take part; empty means every tenant. Sorted, no repeats.
+    pub tenants: Vec<String>,
+    /// The canary is rolled back when its error rate over `window` exceeds this (0..=1)...
+    pub max_error_rate: f64,
+    /// ...once it made at least this many calls in the window.
+    pub min_calls: u64,
+    /// How far back calls and errors count.
+    pub window: Duration,
+}
+
+impl Eq for CanaryConfig {}
+
+impl Default for ScriptsConfig {
+    fn default() -> Self {
+        ScriptsConfig {
+            dir: None,
+            version: DEFAULT_SCRIPTS_VERSION.to_owned(),
+            canary: None,
+        }
+    }
 }
 
 /// How the Redis store reaches its data.
@@ -376,6 +420,7 @@ const STATUS_HINT: &str =
 const REDIS_SCHEMES: [&str; 3] = ["redis://", "rediss://", "redis+sentinel://"];
 const SENTINEL_SCHEME: &str = "redis+sentinel://";
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+const DEFAULT_SCRIPTS_VERSION: &str = "v1";
 const DEFAULT_SENTINEL_PORT: u16 = 26379;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 
@@ -528,6 +573,31 @@ struct FileRedis {
     connect_timeout: Scalar,
     response_timeout: Scalar,
     key_prefix: String,
+    scripts: FileScripts,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileScripts {
+    dir: Option<String>,
+    version: String,
+    canary: Option<FileCanary>,
+}
+
+// `version` and `percent` have no default: a canary block says what it tries and on how much.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileCanary {
+    version: String,
+    percent: i64,
+    #[serde(default)]
+    tenants: Vec<String>,
+    #[serde(default = "default_max_error_rate")]
+    max_error_rate: f64,
+    #[serde(default = "default_min_calls")]
+    min_calls: i64,
+    #[serde(default = "default_canary_window")]
+    window: Scalar,
 }
 
 #[derive(Debug, Deserialize)]
@@ -577,6 +647,18 @@ enum Scalar {
 // === File defaults ===
 //
 // The single source of every default; the reference config documents the same values.
+
+fn default_max_error_rate() -> f64 {
+    0.05
+}
+
+fn default_min_calls() -> i64 {
+    20
+}
+
+fn default_canary_window() -> Scalar {
+    Scalar::text("60s")
+}
 
 fn default_listen() -> String {
     "0.0.0.0:6180".to_owned()
@@ -672,6 +754,17 @@ impl Default for FileRedis {
             connect_timeout: Scalar::text("1s"),
             response_timeout: Scalar::text("200ms"),
             key_prefix: "idemgate".to_owned(),
+            scripts: FileScripts::default(),
+        }
+    }
+}
+
+impl Default for FileScripts {
+    fn default() -> Self {
+        FileScripts {
+            dir: None,
+            version: DEFAULT_SCRIPTS_VERSION.to_owned(),
+            canary: None,
         }
     }
 }
@@ -812,7 +905,9 @@ impl Config {
         Config::from_yaml_str(&text)
     }
 
-    /// Parses and validates a config from YAML text. Pure: the same text gives the same result.
+    /// Parses and validates a config from YAML text. Pure but for two look-ups that make an edit
+    /// fail early rather than at run time: upstream addresses must resolve, and script versions
+    /// named in `store.redis.scripts` must exist.
     pub fn from_yaml_str(text: &str) -> Result<Config, ConfigError> {
         let file: FileConfig =
             serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
@@ -1189,6 +1284,90 @@ impl FileRedis {
                 &self.response_timeout,
             )?,
             key_prefix: self.key_prefix,
+            scripts: self.scripts.into_config()?,
+        })
+    }
+}
+
+impl FileScripts {
+    /// Checks that every named version exists (on disk or built in) and can be read, so an edit
+    /// naming a missing version is refused like any other invalid edit. Whether the text
+    /// compiles only Redis can say; the store checks that when it loads the scripts.
+    fn into_config(self) -> Result<ScriptsConfig, ConfigError> {
+        let dir = match self.dir {
+            None => None,
+            Some(raw) if raw.trim().is_empty() => {
+                return Err(invalid("store.redis.scripts.dir", "must not be empty"))
+            }
+            Some(raw) => {
+                let dir = PathBuf::from(raw);
+                if !dir.is_dir() {
+                    return Err(invalid(
+                        "store.redis.scripts.dir",
+                        format!("{} is not a directory", dir.display()),
+                    ));
+                }
+                Some(dir)
+            }
+        };
+        let exists = |field: &str, version: &str| {
+            crate::scripts::Sources::find(dir.as_deref(), version)
+                .map(|_| ())
+                .map_err(|e| invalid(field, e.to_string()))
+        };
+        exists("store.redis.scripts.version", &self.version)?;
+        let canary = match self.canary {
+            None => None,
+            Some(c) => {
+                exists("store.redis.scripts.canary.version", &c.version)?;
+                if c.version == self.version {
+                    return Err(invalid(
+                        "store.redis.scripts.canary.version",
+                        format!(
+                            "{:?} is already the active version (store.redis.scripts.version)",
+                            c.version
+                        ),
+                    ));
+                }
+                for (i, tenant) in c.tenants.iter().enumerate() {
+                    if !is_valid_tenant(tenant) {
+                        return Err(invalid(
+                            format!("store.redis.scripts.canary.tenants[{i}]"),
+                            format!("invalid tenant {tenant:?} (1-128 of [A-Za-z0-9._:-])"),
+                        ));
+                    }
+                }
+                if !(0.0..=1.0).contains(&c.max_error_rate) {
+                    return Err(invalid(
+                        "store.redis.scripts.canary.max_error_rate",
+                        format!("{} is out of range (0..=1)", c.max_error_rate),
+                    ));
+                }
+                let mut tenants = c.tenants;
+                tenants.sort();
+                tenants.dedup();
+                Some(CanaryConfig {
+                    version: c.version,
+                    percent: int_in_range("store.redis.scripts.canary.percent", c.percent, 0, 100)?,
+                    tenants,
+                    max_error_rate: c.max_error_rate,
+                    min_calls: int_in_range(
+                        "store.redis.scripts.canary.min_calls",
+                        c.min_calls,
+                        1,
+                        1_000_000,
+                    )?,
+                    window: positive_duration(
+                        "store.redis.scripts.canary.window".into(),
+                        &c.window,
+                    )?,
+                })
+            }
+        };
+        Ok(ScriptsConfig {
+            dir,
+            version: self.version,
+            canary,
         })
     }
 }
@@ -1830,6 +2009,7 @@ impl fmt::Debug for RedisConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
             .field("key_prefix", &self.key_prefix)
+            .field("scripts", &self.scripts)
             .finish()
     }
 }
@@ -1972,6 +2152,22 @@ routes:
             (config.threads, config.request_body_timeout),
             (minimal.threads, minimal.request_body_timeout)
         );
+    }
+
+    #[test]
+    fn reference_config_canary_example_loads_with_the_documented_defaults() {
+        let start = REFERENCE.find("      # canary:").expect("canary example");
+        let end = start + REFERENCE[start..].find("window: 60s\n").unwrap() + 12;
+        let uncommented: String = REFERENCE[start..end]
+            .lines()
+            .map(|line| format!("      {}\n", line.strip_prefix("      # ").unwrap()))
+            .collect();
+        let config = load(&REFERENCE.replace(&REFERENCE[start..end], &uncommented));
+        let canary = config.store.redis.unwrap().scripts.canary.expect("canary");
+        let minimal = load(&format!(
+            "store: {{redis: {{scripts: {{canary: {{version: v2, percent: 10}}}}}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(Some(canary), minimal.store.redis.unwrap().scripts.canary);
     }
 
     #[test]
@@ -2541,6 +2737,7 @@ routes:
             connect_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_millis(200),
             key_prefix: "p".into(),
+            scripts: ScriptsConfig::default(),
         };
         let debug = format!("{redis:?}");
         assert!(!debug.contains("secret"), "{debug}");
@@ -3143,5 +3340,130 @@ routes:
             config.store.completion_retry.dead_letter_path,
             std::path::PathBuf::from("/var/lib/idemgate/dead.jsonl")
         );
+    }
+
+    #[test]
+    fn redis_scripts_default_to_the_builtin_v1_without_canary() {
+        let config = load(&format!("store: {{backend: redis}}\n{MINIMAL}"));
+        let scripts = config.store.redis.unwrap().scripts;
+        assert_eq!(scripts, ScriptsConfig::default());
+        assert_eq!(scripts.version, "v1");
+        assert_eq!(scripts.dir, None);
+        assert_eq!(scripts.canary, None);
+    }
+
+    #[test]
+    fn redis_scripts_canary_with_defaults_and_from_a_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let v3 = root.path().join("v3");
+        std::fs::create_dir(&v3).unwrap();
+        for name in crate::scripts::SCRIPT_NAMES {
+            std::fs::write(v3.join(format!("{name}.lua")), "return 1").unwrap();
+        }
+        let dir = root.path().display();
+        let config = load(&format!(
+            "store:\n  redis:\n    scripts:\n      dir: \"{dir}\"\n      version: v2\n      \
+             canary: {{version: v3, percent: 10, tenants: [b, a, b]}}\n{MINIMAL}"
+        ));
+        let scripts = config.store.redis.unwrap().scripts;
+        assert_eq!(scripts.dir.as_deref(), Some(root.path()));
+        assert_eq!(scripts.version, "v2", "built in, not on disk: still found");
+        assert_eq!(
+            scripts.canary,
+            Some(CanaryConfig {
+                version: "v3".into(),
+                percent: 10,
+                tenants: vec!["a".into(), "b".into()],
+                max_error_rate: 0.05,
+                min_calls: 20,
+                window: Duration::from_secs(60),
+            })
+        );
+        let full = load(&format!(
+            "store:\n  redis:\n    scripts:\n      canary: {{version: v2, percent: 100, \
+             max_error_rate: 0.5, min_calls: 3, window: 5s}}\n{MINIMAL}"
+        ));
+        let canary = full.store.redis.unwrap().scripts.canary.unwrap();
+        assert_eq!(
+            (
+                canary.percent,
+                canary.max_error_rate,
+                canary.min_calls,
+                canary.window
+            ),
+            (100, 0.5, 3, Duration::from_secs(5))
+        );
+    }
+
+    #[test]
+    fn redis_scripts_errors_name_the_field() {
+        let scripts = |block: &str| format!("store:\n  redis:\n    scripts: {block}\n{MINIMAL}");
+        let message = assert_field(
+            &scripts("{canary: {version: v9, percent: 10}}"),
+            "store.redis.scripts.canary.version",
+        );
+        assert!(
+            message.contains("v9") && message.contains("known: v1, v2"),
+            "{message}"
+        );
+        assert_field(&scripts("{version: v7}"), "store.redis.scripts.version");
+        assert_field(&scripts("{version: ../etc}"), "store.redis.scripts.version");
+        assert_field(
+            &scripts("{canary: {version: v1, percent: 10}}"),
+            "store.redis.scripts.canary.version",
+        );
+        assert_field(
+            &scripts("{canary: {version: v2, percent: 101}}"),
+            "store.redis.scripts.canary.percent",
+        );
+        assert_field(
+            &scripts("{canary: {version: v2, percent: -1}}"),
+            "store.redis.scripts.canary.percent",
+        );
+        assert_field(
+            &scripts("{canary: {version: v2, percent: 5, tenants: [\"a b\"]}}"),
+            "store.redis.scripts.canary.tenants[0]",
+        );
+        assert_field(
+            &scripts("{canary: {version: v2, percent: 5, max_error_rate: 1.5}}"),
+            "store.redis.scripts.canary.max_error_rate",
+        );
+        assert_field(
+            &scripts("{canary: {version: v2, percent: 5, min_calls: 0}}"),
+            "store.redis.scripts.canary.min_calls",
+        );
+        assert_field(
+            &scripts("{canary: {version: v2, percent: 5, window: 0s}}"),
+            "store.redis.scripts.canary.window",
+        );
+        assert_field(&scripts("{dir: \"\"}"), "store.redis.scripts.dir");
+        assert_field(
+            &scripts("{dir: /nonexistent/idemgate/lua}"),
+            "store.redis.scripts.dir",
+        );
+        // A version directory missing a script is refused, not half built in.
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir(root.path().join("v2")).unwrap();
+        let message = assert_field(
+            &scripts(&format!(
+                "{{dir: \"{}\", version: v2}}",
+                root.path().display()
+            )),
+            "store.redis.scripts.version",
+        );
+        assert!(message.contains("claim.lua"), "{message}");
+        // Missing required canary keys and unknown keys are parse errors naming the key.
+        for (block, needle) in [
+            ("{canary: {percent: 5}}", "version"),
+            ("{canary: {version: v2}}", "percent"),
+            (
+                "{canary: {version: v2, percent: 5, percentage: 5}}",
+                "percentage",
+            ),
+            ("{versions: v1}", "versions"),
+        ] {
+            let message = load_err(&scripts(block)).to_string();
+            assert!(message.contains(needle), "{block}: {message}");
+        }
     }
 }

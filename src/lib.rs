@@ -3,17 +3,19 @@
 //! Architecture map (dependencies point one way, left to right):
 //!
 //! ```text
-//!   config  ──►  key / snowflake / store  ──►  proxy / admin  ──►  server (main)
+//!   config / scripts  ──►  key / snowflake / store  ──►  proxy / admin  ──►  server (main)
 //! ```
 //!
 //! - [`config`]: YAML file structs and the validated, immutable [`config::Config`].
 //! - [`key`]: idempotency-key and tenant parsing, record ids and request fingerprints.
 //! - [`snowflake`]: time-ordered 64-bit execution ids.
+//! - [`scripts`]: Lua script sources of the Redis store: built-in versions and a directory.
 //! - [`store`]: the [`store::RecordStore`] seam and its backends.
 //! - [`problem`]: every error the proxy itself answers, as RFC 9457 problem+json.
 //! - [`metrics`]: the Prometheus registry shared by proxy and admin.
 //! - [`proxy`]: the pingora `ProxyHttp` implementation: the request flow.
-//! - [`admin`]: `/healthz`, `/readyz`, `/metrics`.
+//! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/...`.
+//! - [`reload`]: live config reload; [`script_reload`]: live Lua script versions.
 //! - [`server`]: wires pingora services, logging and graceful shutdown.
 
 pub mod admin;
@@ -24,6 +26,8 @@ pub mod metrics;
 pub mod problem;
 pub mod proxy;
 pub mod reload;
+pub mod script_reload;
+pub mod scripts;
 pub mod server;
 pub mod snowflake;
 pub mod store;

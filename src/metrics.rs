@@ -169,7 +169,8 @@ impl Metrics {
         help: &str,
         value: impl Fn() -> f64 + Send + Sync + 'static,
     ) {
-        self.register_pulled(name, help, MetricType::GAUGE, Box::new(value));
+        let value = Box::new(move || vec![(String::new(), value())]);
+        self.register_pulled(name, help, MetricType::GAUGE, None, value);
     }
 
     /// Registers a counter read from `value` (monotonic) at every scrape.
@@ -179,11 +180,37 @@ impl Metrics {
         help: &str,
         value: impl Fn() -> f64 + Send + Sync + 'static,
     ) {
-        self.register_pulled(name, help, MetricType::COUNTER, Box::new(value));
+        let value = Box::new(move || vec![(String::new(), value())]);
+        self.register_pulled(name, help, MetricType::COUNTER, None, value);
     }
 
-    fn register_pulled(&self, name: &str, help: &str, kind: MetricType, value: PullFn) {
-        match Pulled::new(name, help, kind, value) {
+    /// Registers a family of counters with one label, read at every scrape: `values` gives each
+    /// label value and its count (e.g. calls by script version, a set the config bounds).
+    pub fn pull_counters(
+        &self,
+        name: &str,
+        help: &str,
+        label: &str,
+        values: impl Fn() -> Vec<(String, f64)> + Send + Sync + 'static,
+    ) {
+        self.register_pulled(
+            name,
+            help,
+            MetricType::COUNTER,
+            Some(label),
+            Box::new(values),
+        );
+    }
+
+    fn register_pulled(
+        &self,
+        name: &str,
+        help: &str,
+        kind: MetricType,
+        label: Option<&str>,
+        value: PullFn,
+    ) {
+        match Pulled::new(name, help, kind, label, value) {
             Ok(p) => {
                 if let Err(e) = self.registry.register(Box::new(p)) {
                     tracing::warn!(metric = name, error = %e, "metric not registered");
@@ -220,24 +247,37 @@ pub struct StoreOpHandles {
     pub errors: IntCounter,
 }
 
-type PullFn = Box<dyn Fn() -> f64 + Send + Sync>;
+/// Label values and their readings; the label value is ignored for an unlabelled metric.
+type PullFn = Box<dyn Fn() -> Vec<(String, f64)> + Send + Sync>;
 
-/// A single-value metric whose value is read at scrape time.
+/// A metric (or a family with one label) whose values are read at scrape time.
 struct Pulled {
     desc: Desc,
     kind: MetricType,
+    label: Option<String>,
     value: PullFn,
 }
 
 impl Pulled {
-    fn new(name: &str, help: &str, kind: MetricType, value: PullFn) -> prometheus::Result<Self> {
+    fn new(
+        name: &str,
+        help: &str,
+        kind: MetricType,
+        label: Option<&str>,
+        value: PullFn,
+    ) -> prometheus::Result<Self> {
         let desc = Desc::new(
             name.to_string(),
             help.to_string(),
-            Vec::new(),
+            label.iter().map(|l| l.to_string()).collect(),
             HashMap::new(),
         )?;
-        Ok(Pulled { desc, kind, value })
+        Ok(Pulled {
+            desc,
+            kind,
+            label: label.map(str::to_owned),
+            value,
+        })
     }
 }
 
@@ -247,23 +287,37 @@ impl Collector for Pulled {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let v = (self.value)();
-        let metric = if self.kind == MetricType::COUNTER {
-            let mut c = proto::Counter::default();
-            c.set_value(v);
-            let mut m = Metric::default();
-            m.set_counter(c);
-            m
-        } else {
-            let mut g = proto::Gauge::default();
-            g.set_value(v);
-            Metric::from_gauge(g)
-        };
+        let metrics: Vec<Metric> = (self.value)()
+            .into_iter()
+            .map(|(label_value, v)| {
+                let mut m = if self.kind == MetricType::COUNTER {
+                    let mut c = proto::Counter::default();
+                    c.set_value(v);
+                    let mut m = Metric::default();
+                    m.set_counter(c);
+                    m
+                } else {
+                    let mut g = proto::Gauge::default();
+                    g.set_value(v);
+                    Metric::from_gauge(g)
+                };
+                if let Some(name) = &self.label {
+                    let mut pair = proto::LabelPair::default();
+                    pair.set_name(name.clone());
+                    pair.set_value(label_value);
+                    m.set_label(vec![pair]);
+                }
+                m
+            })
+            .collect();
+        if metrics.is_empty() {
+            return Vec::new();
+        }
         let mut family = MetricFamily::default();
         family.set_name(self.desc.fq_name.clone());
         family.set_help(self.desc.help.clone());
         family.set_field_type(self.kind);
-        family.set_metric(vec![metric]);
+        family.set_metric(metrics);
         vec![family]
     }
 }
@@ -310,5 +364,21 @@ mod tests {
         );
         assert!(text.contains("idemgate_test_hits_total 7"));
         assert!(text.contains("idemgate_test_fill_ratio 0.25"));
+    }
+
+    #[test]
+    fn pulled_counter_families_carry_their_label() {
+        let m = Metrics::new();
+        m.pull_counters("idemgate_test_calls_total", "calls", "version", || {
+            vec![("v1".into(), 3.0), ("v2".into(), 1.0)]
+        });
+        m.pull_counters("idemgate_test_empty_total", "none yet", "version", Vec::new);
+        let text = String::from_utf8(m.render()).unwrap();
+        assert!(
+            text.contains("idemgate_test_calls_total{version=\"v1\"} 3"),
+            "{text}"
+        );
+        assert!(text.contains("idemgate_test_calls_total{version=\"v2\"} 1"));
+        assert!(!text.contains("idemgate_test_empty_total"));
     }
 }

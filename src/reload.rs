@@ -17,7 +17,7 @@ use notify::{EventKind, RecursiveMode, Watcher};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
-use crate::config::Config;
+use crate::config::{Config, ScriptsConfig};
 use crate::metrics::Metrics;
 use crate::proxy::Generation;
 
@@ -46,6 +46,10 @@ pub struct ReloadStats {
     pub failures: AtomicU64,
 }
 
+/// Called with every config swapped in, after the swap (e.g. to hand script settings to the
+/// Redis store). Runs on the reloading thread: it must not block.
+type SwapHook = Box<dyn Fn(&Config) + Send + Sync>;
+
 /// Loads, validates and swaps configs.
 pub struct Reloader {
     path: PathBuf,
@@ -58,6 +62,8 @@ pub struct Reloader {
     loaded_at: AtomicU64,
     /// Hash of the last file content that failed to load, so the poll does not repeat the error.
     failed_hash: Mutex<Option<String>>,
+    /// Told about every swapped-in config.
+    on_swap: Mutex<Vec<SwapHook>>,
 }
 
 fn now_unix() -> u64 {
@@ -86,6 +92,7 @@ impl Reloader {
             lock: Mutex::new(()),
             loaded_at: AtomicU64::new(now_unix()),
             failed_hash: Mutex::new(None),
+            on_swap: Mutex::new(Vec::new()),
         });
         let s = stats.clone();
         metrics.pull_gauge(
@@ -111,6 +118,11 @@ impl Reloader {
             move || stats.failures.load(Ordering::Relaxed) as f64,
         );
         reloader
+    }
+
+    /// Registers `hook` to be called with every config swapped in from now on.
+    pub fn on_swap(&self, hook: impl Fn(&Config) + Send + Sync + 'static) {
+        self.on_swap.lock().push(Box::new(hook));
     }
 
     /// Reload statistics.
@@ -153,7 +165,11 @@ impl Reloader {
             }
             Ok(Some(generation)) => {
                 let hash = generation.config.source_hash.clone();
-                self.current.store(Arc::new(generation));
+                let generation = Arc::new(generation);
+                self.current.store(generation.clone());
+                for hook in self.on_swap.lock().iter() {
+                    hook(&generation.config);
+                }
                 self.stats.last_successful.store(1, Ordering::Relaxed);
                 self.stats
                     .last_success_unix
@@ -276,7 +292,15 @@ fn warn_restart_only(old: &Config, new: &Config) {
     if old.shutdown != new.shutdown {
         changed.push("shutdown");
     }
-    if old.store != new.store {
+    // Script versions and the canary are applied live (see `script_reload`).
+    let without_scripts = |config: &Config| {
+        let mut store = config.store.clone();
+        if let Some(redis) = &mut store.redis {
+            redis.scripts = ScriptsConfig::default();
+        }
+        store
+    };
+    if without_scripts(old) != without_scripts(new) {
         changed.push("store");
     }
     if old.idempotency.worker_id != new.idempotency.worker_id {

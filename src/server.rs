@@ -21,6 +21,7 @@ use crate::config::{Config, OnUnavailable, RedisTopology, StoreBackend};
 use crate::metrics::Metrics;
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::reload::Reloader;
+use crate::script_reload::ScriptReloader;
 use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
@@ -74,6 +75,7 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     // as unavailable (the outage policy decides what the client gets).
     let redis = Arc::new(RedisStore::new(settings).map_err(|e| StartError::Config(e.to_string()))?);
     tracing::info!(redis = ?settings, scripts = %redis.scripts_version(), "record store: redis");
+    register_script_metrics(metrics, &redis);
 
     let b = &config.store.circuit_breaker;
     let breaker = Breaker::new(
@@ -146,6 +148,65 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         redis: Some(redis),
         purge,
     })
+}
+
+/// Per-version script calls and errors, the canary's share in force, rollbacks and script
+/// reloads, read from the Redis store at scrape time.
+fn register_script_metrics(metrics: &Metrics, redis: &Arc<RedisStore>) {
+    let per_version = |pick: fn(&(String, u64, u64)) -> u64| {
+        let weak = Arc::downgrade(redis);
+        move || {
+            weak.upgrade().map_or_else(Vec::new, |store| {
+                store
+                    .version_counts()
+                    .iter()
+                    .map(|entry| (entry.0.clone(), pick(entry) as f64))
+                    .collect()
+            })
+        }
+    };
+    metrics.pull_counters(
+        "idemgate_script_calls_total",
+        "Redis script calls by script version",
+        "version",
+        per_version(|entry| entry.1),
+    );
+    metrics.pull_counters(
+        "idemgate_script_errors_total",
+        "Redis script calls the script itself failed (Lua error, unexpected reply), by version",
+        "version",
+        per_version(|entry| entry.2),
+    );
+    let weak = Arc::downgrade(redis);
+    metrics.pull_gauge(
+        "idemgate_script_canary_percent",
+        "Share of record ids the canary script version takes now (0: none or rolled back)",
+        move || {
+            weak.upgrade()
+                .map_or(0.0, |s| f64::from(s.canary_percent()))
+        },
+    );
+    let weak = Arc::downgrade(redis);
+    metrics.pull_counter(
+        "idemgate_script_canary_rollbacks_total",
+        "Canary script versions rolled back for their error rate",
+        move || weak.upgrade().map_or(0.0, |s| s.canary_rollbacks() as f64),
+    );
+    let weak = Arc::downgrade(redis);
+    metrics.pull_counter(
+        "idemgate_script_reloads_total",
+        "Script changes (files or config) applied after start-up",
+        move || weak.upgrade().map_or(0.0, |s| s.script_reloads() as f64),
+    );
+    let weak = Arc::downgrade(redis);
+    metrics.pull_counter(
+        "idemgate_script_reload_failures_total",
+        "Script changes refused (unreadable, or Redis would not load them); the old scripts stay",
+        move || {
+            weak.upgrade()
+                .map_or(0.0, |s| s.script_reload_failures() as f64)
+        },
+    );
 }
 
 fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<CachedStore<S>>) {
@@ -227,6 +288,15 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     let in_flight = Arc::new(InFlightCounter::default());
     let readiness = Arc::new(Readiness::default());
     let reloader = Reloader::new(config_path, current.clone(), metrics.clone());
+    let script_reloader = stack.redis.clone().map(ScriptReloader::new);
+    if let Some(scripts) = &script_reloader {
+        let scripts = scripts.clone();
+        reloader.on_swap(move |config| {
+            if let Some(redis) = &config.store.redis {
+                scripts.config_changed(&redis.scripts);
+            }
+        });
+    }
 
     let (retrier, retry_worker) = CompletionRetrier::new(stack.store.clone(), retry_options);
     register_store_metrics(&metrics, &retrier);
@@ -253,17 +323,18 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         pingora::proxy::http_proxy_service_with_name(&server.configuration, gate, "idemgate");
     proxy.add_tcp(&listen);
 
-    let mut admin = Service::new(
-        "idemgate admin".to_string(),
-        Admin::new(
-            current,
-            stack.store.clone(),
-            metrics,
-            readiness.clone(),
-            reloader.clone(),
-            stack.purge.as_ref().map(|(bus, _)| bus.clone()),
-        ),
+    let mut admin_app = Admin::new(
+        current,
+        stack.store.clone(),
+        metrics,
+        readiness.clone(),
+        reloader.clone(),
+        stack.purge.as_ref().map(|(bus, _)| bus.clone()),
     );
+    if let Some(redis) = &stack.redis {
+        admin_app = admin_app.with_scripts(redis.clone());
+    }
+    let mut admin = Service::new("idemgate admin".to_string(), admin_app);
     admin.add_tcp(&admin_listen);
     admin.threads = Some(1);
 
@@ -291,6 +362,12 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     }
     if let Some(store) = stack.redis {
         server.add_service(background_service("redis warm-up", RedisWarmup { store }));
+    }
+    if let Some(reloader) = script_reloader {
+        server.add_service(background_service(
+            "script watcher",
+            ScriptWatcher { reloader },
+        ));
     }
 
     tracing::info!(%listen, admin = %admin_listen, worker_id, version = env!("CARGO_PKG_VERSION"), "idemgate starting");
@@ -345,6 +422,21 @@ impl BackgroundService for ConfigWatcher {
                 }
             }
         });
+        self.reloader
+            .clone()
+            .watch(Duration::from_secs(2), shutdown)
+            .await;
+    }
+}
+
+/// Applies edits of the Lua script files and script settings from config reloads.
+struct ScriptWatcher {
+    reloader: Arc<ScriptReloader>,
+}
+
+#[async_trait]
+impl BackgroundService for ScriptWatcher {
+    async fn start(&self, shutdown: ShutdownWatch) {
         self.reloader
             .clone()
             .watch(Duration::from_secs(2), shutdown)

@@ -200,9 +200,5 @@ async fn proxy_starts_while_redis_is_down_and_serves_once_it_is_up() {
     }
     assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
     assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
-    assert!(
-        proxy.log().contains("redis store not reachable yet"),
-        "{}",
-        proxy.log()
-    );
+    proxy.log_containing("redis store not reachable yet").await;
 }

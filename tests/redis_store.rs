@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::redis::{RedisCluster, RedisSentinel, RedisServer};
-use idemgate::config::{RedisConfig, RedisTopology};
+use idemgate::config::{RedisConfig, RedisTopology, ScriptsConfig};
 use idemgate::store::{
     codec, conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
     RecordStore, RedisStore, Scripts, StoreError, StoredResponse, WriteOutcome,
@@ -27,6 +27,7 @@ fn settings(urls: Vec<String>, topology: RedisTopology) -> RedisConfig {
         // Generous: the machine is shared with parallel builds and tests.
         response_timeout: SECOND,
         key_prefix: PREFIX.into(),
+        scripts: ScriptsConfig::default(),
     }
 }
 

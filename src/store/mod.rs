@@ -23,6 +23,7 @@ pub mod memory;
 pub mod purge;
 pub mod redis;
 pub mod retry;
+pub mod script_set;
 
 use std::sync::Arc;
 use std::time::Duration;

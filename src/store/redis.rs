@@ -1,5 +1,6 @@
-//! The Redis record store: each record is one hash driven by the Lua scripts in `lua/v1/`,
-//! one round trip per phase, on a single server, a Redis Cluster or a Sentinel-managed primary.
+//! The Redis record store: each record is one hash driven by versioned Lua scripts (`lua/v1/`,
+//! `lua/v2/`, or a directory; see [`crate::scripts`]), one round trip per phase, on a single
+//! server, a Redis Cluster or a Sentinel-managed primary.
 //!
 //! Keys are `<prefix>:{<tenant>:<hex hash>}`: the braces are the Cluster hash tag, and as every
 //! script touches exactly one key (passed in `KEYS`) no call can ever be CROSSSLOT. The raw
@@ -17,10 +18,30 @@
 //! complete/release carry a random write id the scripts remember, so a repeated write answers
 //! "applied" instead of "not owner".
 //!
+//! Script versions and the canary ([`script_set`](super::script_set)): each record runs the
+//! active version or, chosen by its hash, the canary. A canary call that fails by the script's
+//! own fault (see [`is_script_fault`]: a Lua error, an unknown command, a compile error, an
+//! unexpected reply) is counted against the canary and sent once more, with the same
+//! arguments, on the active version, so no client sees a broken canary. That is safe for the
+//! same reason as the re-send above, and more: Redis does not undo what a script wrote before
+//! it failed, but both versions read and write one record layout, a claim repeated by the same
+//! owner re-acquires with the record's execution id, and a complete/release repeated with the
+//! same write id answers "applied". Failures that are not the script's (connection, timeout,
+//! READONLY, OOM, ...) hit every version alike: they are neither retried on the active version
+//! nor counted against the canary. When the canary's error rate over its window passes
+//! `max_error_rate` (with at least `min_calls` calls), it is rolled back: every record uses the
+//! active version until the canary's settings or text change.
+//!
+//! [`RedisStore::apply_scripts`] swaps in other versions live: new text is sent with SCRIPT
+//! LOAD (to every primary of a cluster) and its SHA checked before the swap; text Redis refuses
+//! (a syntax error) keeps the running scripts.
+//!
 //! Connections are made on first use, not at construction, so the proxy starts while Redis is
 //! down; [`RedisStore::connect`] warms them up (and loads the scripts) when called.
 
+use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,18 +54,23 @@ use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{
     Cmd, ConnectionAddr, ErrorKind, RedisConnectionInfo, RedisError, RedisFuture, RedisResult,
-    Script, ScriptInvocation, ServerErrorKind, Value,
+    ScriptInvocation, ServerErrorKind, Value,
 };
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
+pub use super::script_set::{
+    AvailableVersion, CanaryStatus, Scripts, ScriptsStatus, VersionStats, VersionStatus,
+};
+use super::script_set::{Canary, ScriptOp, ScriptSet, StatsRegistry, Version};
 use super::{
     codec, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
     RecordState, RecordStore, StoreError, WriteOutcome,
 };
-use crate::config::{parse_sentinel_url, redact_url, RedisConfig, RedisTopology};
+use crate::config::{parse_sentinel_url, redact_url, RedisConfig, RedisTopology, ScriptsConfig};
+use crate::scripts::{self, SourceError, Sources};
 
-/// Version name of the scripts compiled into this binary.
+/// Version name of [`Scripts::builtin`], the default active version.
 pub const BUILTIN_SCRIPTS_VERSION: &str = "v1";
 
 /// First pause of `wait_for_change`'s polling; it doubles up to [`POLL_MAX`].
@@ -57,6 +83,22 @@ const MAX_TTL_MS: u128 = 100 * 365 * 24 * 3600 * 1000;
 /// Reconnect attempts the connection manager makes per connection; the operation deadline
 /// bounds the waiting anyway, and the next operation starts a new round.
 const RECONNECT_RETRIES: usize = 1;
+/// Error codes and words that describe the server or the data, not the script, even when
+/// they come back wrapped in a script error (`ERR Error running script ... -READONLY ...` on
+/// older servers). Such failures hit every version alike.
+const NOT_THE_SCRIPTS_FAULT: [&str; 11] = [
+    "READONLY",
+    "OOM",
+    "WRONGTYPE",
+    "LOADING",
+    "BUSY",
+    "NOPERM",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "NOREPLICAS",
+    "MISCONF",
+];
 
 /// Why the Redis store could not be set up from its configuration.
 #[derive(Debug, thiserror::Error)]
@@ -64,28 +106,60 @@ pub enum SetupError {
     /// A URL the config validation let through was refused by the client library.
     #[error("store.redis.urls: {0}")]
     Invalid(String),
+    /// A script version the config named could not be read (it vanished since validation).
+    #[error("store.redis.scripts: {0}")]
+    Scripts(#[from] SourceError),
 }
 
-/// One version of the store's Lua scripts. Swapped as a whole (see
-/// [`RedisStore::set_scripts`]), so a call never mixes two versions.
-pub struct Scripts {
-    /// Version name, for logs and metrics (e.g. `v1`).
-    pub version: String,
-    /// `claim.lua`: claim or read, one atomic step.
-    pub claim: Script,
-    /// `complete.lua`: compare-and-set of the completion on the owner token.
-    pub complete: Script,
-    /// `release.lua`: compare-and-set of the release on the owner token.
-    pub release: Script,
-    /// `get.lua`: read with the lock's remaining time by the server clock; also the readiness
-    /// probe's script path.
-    pub get: Script,
+/// Why [`RedisStore::apply_scripts`] kept the running scripts.
+#[derive(Debug, thiserror::Error)]
+pub enum ScriptsError {
+    /// A version's text cannot be read.
+    #[error("{0}")]
+    Sources(#[from] SourceError),
+    /// Redis refused a script (a syntax error), or loaded it under another SHA.
+    #[error("{file}: Redis refused the script: {message}")]
+    Refused {
+        /// The file (or built-in name) of the script.
+        file: String,
+        /// Redis' answer.
+        message: String,
+    },
+    /// Redis could not be asked; the change is tried again on the next attempt.
+    #[error("redis unavailable while loading scripts: {0}")]
+    Unavailable(String),
+}
+
+/// What [`RedisStore::apply_scripts`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScriptsApplied {
+    /// The running scripts already match the settings and the text.
+    Unchanged,
+    /// The same settings and text were refused before (and reported then); nothing was tried.
+    StillRefused,
+    /// New scripts are in force.
+    Applied {
+        /// Files (or built-in names) newly loaded into Redis.
+        loaded: Vec<String>,
+    },
 }
 
 /// The [`RecordStore`] on Redis.
 pub struct RedisStore {
     backend: Backend,
-    scripts: ArcSwap<Scripts>,
+    /// The versions in force; swapped whole.
+    scripts: ArcSwap<ScriptSet>,
+    /// Counters of every version that ran, by name; kept across swaps.
+    version_stats: StatsRegistry,
+    /// Serialises script changes (file watcher, config reload, warm-up).
+    apply_lock: tokio::sync::Mutex<()>,
+    /// What the last refused change was (settings and text, or the read error), so the same
+    /// refusal is not tried, logged and counted again on every poll.
+    refused: parking_lot::Mutex<Option<String>>,
+    last_reload_error: parking_lot::Mutex<Option<String>>,
+    reloads: AtomicU64,
+    reload_failures: AtomicU64,
+    rollbacks: AtomicU64,
     prefix: String,
     /// Deadline of one whole operation, re-send and reconnect included.
     op_timeout: Duration,
@@ -128,59 +202,18 @@ enum Call<'a> {
     Command(&'a Cmd),
 }
 
-// === impl Scripts ===
-
-impl Scripts {
-    /// The scripts compiled into this binary from `lua/v1/`.
-    pub fn builtin() -> Self {
-        Scripts::from_sources(
-            BUILTIN_SCRIPTS_VERSION,
-            include_str!("../../lua/v1/claim.lua"),
-            include_str!("../../lua/v1/complete.lua"),
-            include_str!("../../lua/v1/release.lua"),
-            include_str!("../../lua/v1/get.lua"),
-        )
-    }
-
-    /// Scripts from their source text (for versions loaded at run time).
-    pub fn from_sources(
-        version: &str,
-        claim: &str,
-        complete: &str,
-        release: &str,
-        get: &str,
-    ) -> Self {
-        Scripts {
-            version: version.to_owned(),
-            claim: Script::new(claim),
-            complete: Script::new(complete),
-            release: Script::new(release),
-            get: Script::new(get),
-        }
-    }
-
-    fn all(&self) -> [&Script; 4] {
-        [&self.claim, &self.complete, &self.release, &self.get]
-    }
-}
-
-impl fmt::Debug for Scripts {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Scripts")
-            .field("version", &self.version)
-            .field("claim", &self.claim.get_hash())
-            .field("complete", &self.complete.get_hash())
-            .field("release", &self.release.get_hash())
-            .field("get", &self.get.get_hash())
-            .finish()
-    }
+/// A failed call: the error for the caller, and whether the script itself is to blame.
+struct Failure {
+    error: StoreError,
+    script_fault: bool,
 }
 
 // === impl RedisStore ===
 
 impl RedisStore {
-    /// A store for validated settings, with the built-in scripts. Connects nothing: the first
-    /// operation (or [`RedisStore::connect`]) does, so this succeeds while Redis is down.
+    /// A store for validated settings, running the script versions `config.scripts` names.
+    /// Connects nothing: the first operation (or [`RedisStore::connect`]) does, so this
+    /// succeeds while Redis is down.
     pub fn new(config: &RedisConfig) -> Result<Self, SetupError> {
         // redis-rs builds rustls without choosing a crypto provider; `rediss://` needs one.
         // An error only means another part of the process installed one first.
@@ -222,44 +255,235 @@ impl RedisStore {
                 Backend::Sentinel(SentinelBackend::new(&config.urls, manager_config)?)
             }
         };
+        let (active, canary) = find_sources(&config.scripts)?;
+        let version_stats = StatsRegistry::default();
+        let set = ScriptSet::new(&config.scripts, active, canary, None, &version_stats);
         Ok(RedisStore {
             backend,
-            scripts: ArcSwap::from_pointee(Scripts::builtin()),
+            scripts: ArcSwap::from_pointee(set),
+            version_stats,
+            apply_lock: tokio::sync::Mutex::new(()),
+            refused: parking_lot::Mutex::new(None),
+            last_reload_error: parking_lot::Mutex::new(None),
+            reloads: AtomicU64::new(0),
+            reload_failures: AtomicU64::new(0),
+            rollbacks: AtomicU64::new(0),
             ping_key: format!("{}:{{__idemgate_ping__}}", config.key_prefix),
             prefix: config.key_prefix.clone(),
             op_timeout,
         })
     }
 
-    /// Connects (if not yet connected) and loads every script, so the first requests pay no
-    /// NOSCRIPT round trip. On a cluster the scripts go to every primary.
+    /// Connects (if not yet connected) and loads the scripts in force, so the first requests
+    /// pay no NOSCRIPT round trip. On a cluster the scripts go to every primary.
+    ///
+    /// Redis refusing a script is not a connection failure: it is logged and counted, a
+    /// refused canary is disabled (every record uses the active version), and `Ok` is
+    /// returned; a refused active version has nothing to fall back to, so its calls fail
+    /// until the text is fixed (the script watcher applies the fix).
     pub async fn connect(&self) -> Result<(), StoreError> {
-        let scripts = self.scripts.load_full();
-        let attempt = async {
-            let mut conn = self.backend.conn().await?;
-            for script in scripts.all() {
-                script.prepare_invoke().load_async(&mut conn).await?;
-            }
-            Ok::<_, RedisError>(())
-        };
-        match tokio::time::timeout(self.op_timeout, attempt).await {
-            Ok(Ok(())) => Ok(()),
+        let _serial = self.apply_lock.lock().await;
+        let set = self.scripts.load_full();
+        match tokio::time::timeout(self.op_timeout, self.backend.conn()).await {
+            Ok(Ok(_)) => {}
             Ok(Err(err)) => {
                 self.backend.on_error(&err);
-                Err(store_error("connect", err))
+                return Err(store_error("connect", err));
             }
-            Err(_) => Err(self.timed_out("connect")),
+            Err(_) => return Err(self.timed_out("connect")),
         }
+        let versions = std::iter::once((&set.active, None))
+            .chain(set.canary.as_ref().map(|c| (&c.version, Some(c))));
+        for (version, canary) in versions {
+            match self.load(version).await {
+                Ok(_) => {}
+                Err(ScriptsError::Unavailable(message)) => {
+                    return Err(StoreError::Unavailable(message))
+                }
+                Err(err) => {
+                    version.load_failed.store(true, Ordering::Relaxed);
+                    let what = match canary {
+                        Some(canary) => {
+                            canary.disable(format!("failed to load: {err}"));
+                            "canary disabled; every record uses the active version"
+                        }
+                        None => "the active version's calls fail until its text is fixed",
+                    };
+                    *self.refused.lock() = Some(refusal_key(
+                        &set.settings,
+                        &set.active.sources,
+                        set.canary.as_ref().map(|c| &c.version.sources),
+                    ));
+                    self.note_refused(&err, what);
+                }
+            }
+        }
+        Ok(())
     }
 
-    /// Swaps in another version of the scripts; calls already running finish on the old one.
-    pub fn set_scripts(&self, scripts: Scripts) {
-        self.scripts.store(Arc::new(scripts));
+    /// Brings the scripts in line with `settings` and the current text of their versions (a
+    /// directory may have been edited): reads the text, loads what is new into Redis and checks
+    /// its SHA, then swaps the new set in. Calls already running finish on the old one.
+    ///
+    /// Refused text (unreadable, or a syntax error Redis reports) keeps the running scripts and
+    /// is logged and counted once: the same settings and text are not tried again. When Redis
+    /// cannot be reached nothing is remembered, so the next attempt tries again.
+    pub async fn apply_scripts(
+        &self,
+        settings: &ScriptsConfig,
+    ) -> Result<ScriptsApplied, ScriptsError> {
+        let _serial = self.apply_lock.lock().await;
+        let current = self.scripts.load_full();
+        let (active, canary) = match find_sources(settings) {
+            Ok(found) => found,
+            Err(err) => {
+                let key = format!("{settings:?}: {err}");
+                if self.refused.lock().as_deref() == Some(key.as_str()) {
+                    return Ok(ScriptsApplied::StillRefused);
+                }
+                *self.refused.lock() = Some(key);
+                let err = ScriptsError::Sources(err);
+                self.note_refused(&err, "the running scripts stay");
+                return Err(err);
+            }
+        };
+        if current.matches(settings, &active, canary.as_ref()) {
+            *self.refused.lock() = None;
+            return Ok(ScriptsApplied::Unchanged);
+        }
+        let key = refusal_key(settings, &active, canary.as_ref());
+        if self.refused.lock().as_deref() == Some(key.as_str()) {
+            return Ok(ScriptsApplied::StillRefused);
+        }
+        let set = ScriptSet::new(
+            settings,
+            active,
+            canary,
+            Some(&current),
+            &self.version_stats,
+        );
+        let mut loaded = Vec::new();
+        let versions = std::iter::once(&set.active).chain(set.canary.as_ref().map(|c| &c.version));
+        for version in versions {
+            // Text already in force is loaded (or will be, by the warm-up or NOSCRIPT), unless
+            // Redis refused it at start-up.
+            let in_force = current.reusable(&version.sources);
+            if in_force.is_some_and(|v| !v.load_failed.load(Ordering::Relaxed)) {
+                continue;
+            }
+            match self.load(version).await {
+                Ok(files) => loaded.extend(files),
+                Err(err @ ScriptsError::Unavailable(_)) => return Err(err),
+                Err(err) => {
+                    *self.refused.lock() = Some(key);
+                    self.note_refused(&err, "the running scripts stay");
+                    return Err(err);
+                }
+            }
+        }
+        *self.refused.lock() = None;
+        self.reloads.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            active = %set.active.sources.version,
+            active_source = %set.active.sources.origin,
+            canary = set.canary.as_ref().map(|c| c.version.sources.version.as_str()),
+            canary_percent = set.canary.as_ref().map(|c| c.config.percent),
+            loaded = ?loaded,
+            "redis scripts applied"
+        );
+        self.scripts.store(Arc::new(set));
+        Ok(ScriptsApplied::Applied { loaded })
     }
 
-    /// Version name of the scripts in use.
+    /// Version name of the active scripts.
     pub fn scripts_version(&self) -> String {
-        self.scripts.load().version.clone()
+        self.scripts.load().active.sources.version.clone()
+    }
+
+    /// The settings the scripts in force were made from.
+    pub fn scripts_settings(&self) -> ScriptsConfig {
+        self.scripts.load().settings.clone()
+    }
+
+    /// Calls and script errors per version since start, by version name.
+    pub fn version_counts(&self) -> Vec<(String, u64, u64)> {
+        self.version_stats
+            .lock()
+            .iter()
+            .map(|(name, s)| {
+                let calls = s.calls.load(Ordering::Relaxed);
+                (name.clone(), calls, s.errors.load(Ordering::Relaxed))
+            })
+            .collect()
+    }
+
+    /// The canary's share of record ids in force (0 with no canary or once rolled back).
+    pub fn canary_percent(&self) -> u8 {
+        self.scripts
+            .load()
+            .canary
+            .as_ref()
+            .map_or(0, |c| c.percent_in_force())
+    }
+
+    /// Times a canary was rolled back for its error rate.
+    pub fn canary_rollbacks(&self) -> u64 {
+        self.rollbacks.load(Ordering::Relaxed)
+    }
+
+    /// Script changes applied after start-up.
+    pub fn script_reloads(&self) -> u64 {
+        self.reloads.load(Ordering::Relaxed)
+    }
+
+    /// Script changes refused (unreadable, or Redis would not load them).
+    pub fn script_reload_failures(&self) -> u64 {
+        self.reload_failures.load(Ordering::Relaxed)
+    }
+
+    /// Everything `GET /admin/scripts` shows. Reads the script directory (to list what could be
+    /// named and hash its current text), so call it off the hot path.
+    pub fn scripts_status(&self) -> ScriptsStatus {
+        let set = self.scripts.load_full();
+        let dir = set.settings.dir.as_deref();
+        let mut versions: BTreeMap<String, AvailableVersion> = scripts::available(dir)
+            .into_iter()
+            .map(|name| {
+                let entry = match Sources::find(dir, &name) {
+                    Ok(sources) => {
+                        let status = Version::new(sources, Arc::default()).status();
+                        AvailableVersion {
+                            source: Some(status.source),
+                            scripts: Some(status.scripts),
+                            ..AvailableVersion::default()
+                        }
+                    }
+                    Err(err) => AvailableVersion {
+                        error: Some(err.to_string()),
+                        ..AvailableVersion::default()
+                    },
+                };
+                (name, entry)
+            })
+            .collect();
+        for (name, calls, errors) in self.version_counts() {
+            let entry = versions.entry(name).or_default();
+            entry.calls = calls;
+            entry.errors = errors;
+        }
+        ScriptsStatus {
+            dir: dir.map(|d| d.display().to_string()),
+            active: set.active.status(),
+            canary: set
+                .canary
+                .as_ref()
+                .map(|c| c.status(Instant::now().into_std())),
+            versions,
+            canary_rollbacks: self.canary_rollbacks(),
+            reloads: self.script_reloads(),
+            reload_failures: self.script_reload_failures(),
+            last_reload_error: self.last_reload_error.lock().clone(),
+        }
     }
 
     /// The Redis key of a record: `<prefix>:{<tenant>:<hex hash>}`.
@@ -267,9 +491,152 @@ impl RedisStore {
         record_key(&self.prefix, key)
     }
 
+    /// SCRIPT LOAD of a version's four scripts (every primary of a cluster), checking that
+    /// Redis hashes each to the SHA we will call. Returns the files loaded.
+    async fn load(&self, version: &Version) -> Result<Vec<String>, ScriptsError> {
+        let attempt = async {
+            let mut conn = self
+                .backend
+                .conn()
+                .await
+                .map_err(|e| ScriptsError::Unavailable(e.to_string()))?;
+            let mut files = Vec::new();
+            for (i, (text, script)) in version
+                .sources
+                .texts
+                .iter()
+                .zip(version.scripts.all())
+                .enumerate()
+            {
+                let file = version.sources.describe(i);
+                let mut cmd = redis::cmd("SCRIPT");
+                cmd.arg("LOAD").arg(text.as_bytes());
+                match cmd.query_async::<String>(&mut conn).await {
+                    Ok(sha) if sha == script.get_hash() => files.push(file),
+                    Ok(sha) => {
+                        return Err(ScriptsError::Refused {
+                            file,
+                            message: format!("loaded as SHA {sha}, expected {}", script.get_hash()),
+                        })
+                    }
+                    Err(err) if is_script_fault(&err) => {
+                        return Err(ScriptsError::Refused {
+                            file,
+                            message: err.to_string(),
+                        })
+                    }
+                    Err(err) => {
+                        self.backend.on_error(&err);
+                        return Err(ScriptsError::Unavailable(err.to_string()));
+                    }
+                }
+            }
+            Ok(files)
+        };
+        tokio::time::timeout(self.op_timeout, attempt)
+            .await
+            .unwrap_or_else(|_| {
+                Err(ScriptsError::Unavailable(format!(
+                    "no answer within {}ms",
+                    self.op_timeout.as_millis()
+                )))
+            })
+    }
+
+    fn note_refused(&self, err: &ScriptsError, consequence: &str) {
+        self.reload_failures.fetch_add(1, Ordering::Relaxed);
+        *self.last_reload_error.lock() = Some(err.to_string());
+        tracing::error!(error = %err, "redis scripts refused; {consequence}");
+    }
+
+    /// Runs one script for `key` on the version the record takes: the canary when it takes the
+    /// record, and then, if the canary failed by its own fault, once more on the active version
+    /// with the same arguments (see the module doc for why that is safe).
+    async fn run<T>(
+        &self,
+        op: ScriptOp,
+        key: &RecordKey,
+        args: &[&[u8]],
+        parse: fn(Value) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let set = self.scripts.load_full();
+        let redis_key = self.record_key(key);
+        if let Some(canary) = set.canary_for(key) {
+            match self
+                .run_version(&canary.version, op, &redis_key, args, parse)
+                .await
+            {
+                Ok(answer) => {
+                    self.note_canary(canary, None);
+                    return Ok(answer);
+                }
+                Err(failure) if failure.script_fault => {
+                    self.note_canary(canary, Some(&failure.error));
+                }
+                Err(failure) => return Err(failure.error),
+            }
+        }
+        self.run_version(&set.active, op, &redis_key, args, parse)
+            .await
+            .map_err(|failure| failure.error)
+    }
+
+    async fn run_version<T>(
+        &self,
+        version: &Version,
+        op: ScriptOp,
+        redis_key: &str,
+        args: &[&[u8]],
+        parse: fn(Value) -> Result<T, StoreError>,
+    ) -> Result<T, Failure> {
+        version.stats.calls.fetch_add(1, Ordering::Relaxed);
+        let mut call = version.scripts.script(op).prepare_invoke();
+        call.key(redis_key);
+        for arg in args {
+            call.arg(*arg);
+        }
+        // A reply the parser cannot read is the script's fault too: both versions promise
+        // the same reply shapes.
+        let result = self
+            .send(op.name(), Call::Script(&call))
+            .await
+            .and_then(|value| {
+                parse(value).map_err(|error| Failure {
+                    error,
+                    script_fault: true,
+                })
+            });
+        if matches!(&result, Err(f) if f.script_fault) {
+            version.stats.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+
+    /// Counts a canary call whose script ran, and rolls the canary back when its error rate
+    /// crossed the threshold.
+    fn note_canary(&self, canary: &Canary, error: Option<&StoreError>) {
+        if let Some(error) = error {
+            tracing::debug!(version = %canary.version.sources.version, %error, "canary script failed; sent again on the active version");
+        }
+        let Some((calls, errors)) = canary.record(Instant::now().into_std(), error.is_some())
+        else {
+            return;
+        };
+        self.rollbacks.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            version = %canary.version.sources.version,
+            calls,
+            errors,
+            window_seconds = canary.config.window.as_secs_f64(),
+            max_error_rate = canary.config.max_error_rate,
+            last_error = error.map(|e| e.to_string()),
+            "canary script version rolled back: its error rate crossed store.redis.scripts.canary.max_error_rate; every record uses the active version now"
+        );
+    }
+
     /// Sends one call, re-sending it once on a fresh connection if the first connection was
     /// dead, all within the operation deadline.
-    async fn send(&self, op: &'static str, call: Call<'_>) -> Result<Value, StoreError> {
+    async fn send(&self, op: &'static str, call: Call<'_>) -> Result<Value, Failure> {
         let attempt = async {
             let mut conn = self.backend.conn().await?;
             match call.send(&mut conn).await {
@@ -286,9 +653,15 @@ impl RedisStore {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) => {
                 self.backend.on_error(&err);
-                Err(store_error(op, err))
+                Err(Failure {
+                    script_fault: is_script_fault(&err),
+                    error: store_error(op, err),
+                })
             }
-            Err(_) => Err(self.timed_out(op)),
+            Err(_) => Err(Failure {
+                error: self.timed_out(op),
+                script_fault: false,
+            }),
         }
     }
 
@@ -300,31 +673,26 @@ impl RedisStore {
     }
 
     async fn read(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let scripts = self.scripts.load_full();
-        let mut call = scripts.get.prepare_invoke();
-        call.key(self.record_key(key));
-        match self.send("get", Call::Script(&call)).await? {
-            // Lua `false` is nil in RESP2 and a boolean in RESP3 (`?protocol=resp3`).
-            Value::Nil | Value::Boolean(false) => Ok(None),
-            Value::Array(items) => parse_record(items).map(Some),
-            other => Err(unexpected("get", &other)),
-        }
+        self.run(ScriptOp::Get, key, &[], parse_read).await
     }
 }
 
 #[async_trait]
 impl RecordStore for RedisStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let scripts = self.scripts.load_full();
-        let mut call = scripts.claim.prepare_invoke();
-        call.key(self.record_key(&req.key))
-            .arg(&req.fingerprint[..])
-            .arg(owner_arg(req.owner))
-            .arg(req.execution_id.to_string())
-            .arg(millis(req.lock_ttl))
-            .arg(millis(req.ttl));
-        let reply = self.send("claim", Call::Script(&call)).await?;
-        parse_claim(reply)
+        let owner = owner_arg(req.owner);
+        let execution_id = req.execution_id.to_string();
+        let lock_ttl = millis(req.lock_ttl).to_string();
+        let ttl = millis(req.ttl).to_string();
+        let args: [&[u8]; 5] = [
+            &req.fingerprint[..],
+            owner.as_bytes(),
+            execution_id.as_bytes(),
+            lock_ttl.as_bytes(),
+            ttl.as_bytes(),
+        ];
+        self.run(ScriptOp::Claim, &req.key, &args, parse_claim)
+            .await
     }
 
     async fn complete(
@@ -334,15 +702,21 @@ impl RecordStore for RedisStore {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        let scripts = self.scripts.load_full();
-        let mut call = scripts.complete.prepare_invoke();
-        call.key(self.record_key(key))
-            .arg(owner_arg(owner))
-            .arg(codec::encode(&completion))
-            .arg(millis(ttl))
-            .arg(write_id());
-        let reply = self.send("complete", Call::Script(&call)).await?;
-        parse_write("complete", reply)
+        let owner = owner_arg(owner);
+        let payload = codec::encode(&completion);
+        let ttl = millis(ttl).to_string();
+        // One write id for every send of this call: re-sends and the active-version retry.
+        let write_id = write_id();
+        let args: [&[u8]; 4] = [
+            owner.as_bytes(),
+            &payload,
+            ttl.as_bytes(),
+            write_id.as_bytes(),
+        ];
+        self.run(ScriptOp::Complete, key, &args, |reply| {
+            parse_write("complete", reply)
+        })
+        .await
     }
 
     async fn release(
@@ -350,13 +724,13 @@ impl RecordStore for RedisStore {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
-        let scripts = self.scripts.load_full();
-        let mut call = scripts.release.prepare_invoke();
-        call.key(self.record_key(key))
-            .arg(owner_arg(owner))
-            .arg(write_id());
-        let reply = self.send("release", Call::Script(&call)).await?;
-        parse_write("release", reply)
+        let owner = owner_arg(owner);
+        let write_id = write_id();
+        let args: [&[u8]; 2] = [owner.as_bytes(), write_id.as_bytes()];
+        self.run(ScriptOp::Release, key, &args, |reply| {
+            parse_write("release", reply)
+        })
+        .await
     }
 
     /// Polls with bounded exponential backoff: 5 ms doubling to 100 ms, never sleeping past
@@ -402,7 +776,11 @@ impl RecordStore for RedisStore {
         // One key holds the whole record, so a plain DEL is atomic.
         let mut cmd = redis::cmd("DEL");
         cmd.arg(self.record_key(key));
-        match self.send("delete", Call::Command(&cmd)).await? {
+        let reply = self
+            .send("delete", Call::Command(&cmd))
+            .await
+            .map_err(|f| f.error)?;
+        match reply {
             Value::Int(removed) => Ok(removed > 0),
             other => Err(unexpected("delete", &other)),
         }
@@ -411,10 +789,15 @@ impl RecordStore for RedisStore {
     /// Runs the get script (EVALSHA) on a key no record uses: a server that answers PING but
     /// cannot run scripts (ACL, broken script cache that cannot be reloaded) is not ready.
     async fn ping(&self) -> Result<(), StoreError> {
-        let scripts = self.scripts.load_full();
-        let mut call = scripts.get.prepare_invoke();
+        // The active version, uncounted: probes are no record traffic.
+        let set = self.scripts.load_full();
+        let mut call = set.active.scripts.get.prepare_invoke();
         call.key(&self.ping_key);
-        match self.send("ping", Call::Script(&call)).await? {
+        let reply = self
+            .send("ping", Call::Script(&call))
+            .await
+            .map_err(|f| f.error)?;
+        match reply {
             Value::Nil | Value::Boolean(false) => Ok(()),
             other => Err(unexpected("ping", &other)),
         }
@@ -431,7 +814,7 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("topology", &topology)
             .field("prefix", &self.prefix)
-            .field("scripts", &self.scripts.load().version)
+            .field("scripts", &self.scripts_version())
             .field("op_timeout", &self.op_timeout)
             .finish()
     }
@@ -615,6 +998,43 @@ fn is_read_only(err: &RedisError) -> bool {
         || err.to_string().contains("READONLY")
 }
 
+/// Whether a failed call is the script's own fault: Redis ran (or compiled) it and answered
+/// `ERR` — a Lua runtime error, an unknown command or wrong arguments called from the script,
+/// a compile error when NOSCRIPT made the client load it. Not the script's fault: connection
+/// loss, timeouts, and the codes in [`NOT_THE_SCRIPTS_FAULT`] (state of the server or of the
+/// data), which any version would have met.
+fn is_script_fault(err: &RedisError) -> bool {
+    if err.kind() != ErrorKind::Server(ServerErrorKind::ResponseError) {
+        return false;
+    }
+    let text = err.to_string();
+    !text
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .any(|word| NOT_THE_SCRIPTS_FAULT.contains(&word))
+}
+
+/// The sources of the active version and the canary `settings` name.
+fn find_sources(settings: &ScriptsConfig) -> Result<(Sources, Option<Sources>), SourceError> {
+    let dir = settings.dir.as_deref();
+    let active = Sources::find(dir, &settings.version)?;
+    let canary = settings
+        .canary
+        .as_ref()
+        .map(|c| Sources::find(dir, &c.version))
+        .transpose()?;
+    Ok((active, canary))
+}
+
+/// Identifies a refused change: the settings and the SHAs of the text.
+fn refusal_key(settings: &ScriptsConfig, active: &Sources, canary: Option<&Sources>) -> String {
+    let shas = |sources: &Sources| format!("{:?}", Scripts::from(sources));
+    format!(
+        "{settings:?} {} {}",
+        shas(active),
+        canary.map(shas).unwrap_or_default()
+    )
+}
+
 fn store_error(op: &str, err: RedisError) -> StoreError {
     // Only a key of the wrong type under our prefix is the data's fault; everything else
     // (I/O, timeouts, READONLY, CLUSTERDOWN, LOADING, NOPERM, ...) means Redis cannot serve.
@@ -637,6 +1057,15 @@ fn unexpected(op: &str, value: &Value) -> StoreError {
         _ => "an unexpected value",
     };
     StoreError::Corrupt(format!("redis {op}: the script answered {kind}"))
+}
+
+fn parse_read(reply: Value) -> Result<Option<Record>, StoreError> {
+    match reply {
+        // Lua `false` is nil in RESP2 and a boolean in RESP3 (`?protocol=resp3`).
+        Value::Nil | Value::Boolean(false) => Ok(None),
+        Value::Array(items) => parse_record(items).map(Some),
+        other => Err(unexpected("get", &other)),
+    }
 }
 
 fn parse_claim(reply: Value) -> Result<ClaimOutcome, StoreError> {
@@ -843,22 +1272,72 @@ mod tests {
     }
 
     #[test]
-    fn builtin_scripts_open_with_their_contract() {
-        for source in [
-            include_str!("../../lua/v1/claim.lua"),
-            include_str!("../../lua/v1/complete.lua"),
-            include_str!("../../lua/v1/release.lua"),
-            include_str!("../../lua/v1/get.lua"),
-        ] {
-            let header: String = source
-                .lines()
-                .take_while(|line| line.starts_with("--") || line.is_empty())
-                .collect::<Vec<_>>()
-                .join("\n");
-            for part in ["KEYS[1]", "Reply:", "Transition"] {
-                assert!(header.contains(part), "header lacks {part}:\n{header}");
+    fn builtin_scripts_are_v1() {
+        // Headers and contracts of every built-in version are checked in `crate::scripts`.
+        let builtin = Scripts::builtin();
+        assert_eq!(builtin.version, BUILTIN_SCRIPTS_VERSION);
+        let v1 = Sources::builtin(BUILTIN_SCRIPTS_VERSION).unwrap();
+        assert_eq!(
+            builtin.claim.get_hash(),
+            Scripts::from(&v1).claim.get_hash()
+        );
+    }
+
+    #[test]
+    fn only_errors_of_the_script_itself_count_against_it() {
+        let server = |code: &str, detail: &str| {
+            let text = format!("-{code} {detail}\r\n");
+            match redis::parse_redis_value(text.as_bytes()) {
+                Ok(Value::ServerError(e)) => RedisError::from(e),
+                other => panic!("{other:?}"),
             }
+        };
+        for (code, detail) in [
+            (
+                "ERR",
+                "user_script:1: attempt to perform arithmetic on a nil value script: abc",
+            ),
+            (
+                "ERR",
+                "Unknown Redis command called from script script: abc",
+            ),
+            (
+                "ERR",
+                "Error compiling script (new function): user_script:1: unexpected symbol",
+            ),
+            (
+                "ERR",
+                "Wrong number of args calling Redis command from script",
+            ),
+        ] {
+            assert!(is_script_fault(&server(code, detail)), "{code} {detail}");
         }
-        assert_eq!(Scripts::builtin().version, BUILTIN_SCRIPTS_VERSION);
+        for (code, detail) in [
+            ("READONLY", "You can't write against a read only replica."),
+            (
+                "WRONGTYPE",
+                "Operation against a key holding the wrong kind of value",
+            ),
+            ("OOM", "command not allowed when used memory > 'maxmemory'."),
+            ("NOSCRIPT", "No matching script."),
+            ("BUSY", "Redis is busy running a script."),
+            ("LOADING", "Redis is loading the dataset in memory"),
+            (
+                "NOPERM",
+                "this user has no permissions to run the 'evalsha' command",
+            ),
+            (
+                "ERR",
+                "Error running script (call to f_1): @user_script:12: -READONLY You can't write",
+            ),
+            (
+                "ERR",
+                "Error running script: @user_script:3: -OOM command not allowed",
+            ),
+        ] {
+            assert!(!is_script_fault(&server(code, detail)), "{code} {detail}");
+        }
+        let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(!is_script_fault(&io));
     }
 }

@@ -227,6 +227,22 @@ impl Proxy {
         self.yaml = yaml;
     }
 
+    /// Waits (up to 5 s) until the log contains `needle`; the proxy writes its log in batches
+    /// every 50 ms, so a line is not there the instant its event happened.
+    pub async fn log_containing(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let log = self.log();
+            if log.contains(needle) {
+                return log;
+            }
+            if Instant::now() > deadline {
+                panic!("the log never contained {needle:?}:\n{log}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// What the proxy logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()

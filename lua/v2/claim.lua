@@ -1,0 +1,72 @@
+-- claim.lua (v2): claim a record for execution, or read it, in one atomic step.
+--
+-- Same contract and record layout as v1, so records written by either version are read by
+-- both and a key may move between versions (canary, rollback) at any time. v2 differs only in
+-- stamping the record with the version that last wrote it (field v), which no script reads.
+--
+-- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
+-- ARGV[1]  fingerprint of the request (32 raw bytes)
+-- ARGV[2]  owner token of the claimer (32 hex digits)
+-- ARGV[3]  execution id to keep if the record is created (decimal u64)
+-- ARGV[4]  lock ttl, milliseconds (>= 1)
+-- ARGV[5]  record ttl, milliseconds (>= 1)
+--
+-- Reply:
+--   {1, execution_id}
+--       the caller now holds the claim; execution_id is the record's (old or new)
+--   {0, fingerprint, execution_id, state, lock_ms, payload}
+--       the record as it is, unchanged. state is "i" (in flight), "r" (released) or
+--       "c" (completed); lock_ms is what is left of the lock (0 unless in flight);
+--       payload is the encoded completion ("" unless completed)
+--
+-- Transition:
+--   absent                                  -> in flight (fingerprint, ARGV[3] as execution id)
+--   released, or in flight whose lock lapsed
+--     (or held by this same owner: a retry)  -> in flight under ARGV[2], execution id kept,
+--                                              only when the fingerprint matches
+--   anything else                           -> unchanged
+--   A created or re-claimed record lives at least max(record ttl, lock ttl) from now; a
+--   re-claim never shortens it. Lock lapse is judged by this server's clock (TIME).
+--
+-- Fields: f fingerprint, x execution id, s state, o owner, l lock deadline (ms, server clock),
+-- p payload, w id of the last applied complete/release, v version of the script that last
+-- wrote the record (v2 and later stamp it; v1 leaves it as it is).
+
+local VERSION = 'v2'
+
+local function now_ms()
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+end
+
+local key = KEYS[1]
+local fingerprint, owner, execution_id = ARGV[1], ARGV[2], ARGV[3]
+local lock_ms, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local life = math.max(ttl_ms, lock_ms)
+local now = now_ms()
+
+-- HMGET answers false for a missing field, so the list has no holes to trip unpack.
+local f, x, s, o, l, p = unpack(redis.call('HMGET', key, 'f', 'x', 's', 'o', 'l', 'p'))
+
+if not f then
+  -- Absent. A hash without a fingerprint is no record any script writes: start afresh.
+  redis.call('DEL', key)
+  redis.call('HSET', key, 'f', fingerprint, 'x', execution_id, 's', 'i', 'o', owner,
+    'l', now + lock_ms, 'v', VERSION)
+  redis.call('PEXPIRE', key, life)
+  return {1, execution_id}
+end
+
+local lock_left = 0
+if s == 'i' then
+  lock_left = math.max(0, (tonumber(l) or 0) - now)
+end
+local free = s == 'r' or (s == 'i' and (lock_left == 0 or o == owner))
+if not (free and f == fingerprint) then
+  return {0, f, x, s, lock_left, p or ''}
+end
+redis.call('HSET', key, 's', 'i', 'o', owner, 'l', now + lock_ms, 'v', VERSION)
+if redis.call('PTTL', key) < life then
+  redis.call('PEXPIRE', key, life)
+end
+return {1, x}

@@ -1,0 +1,37 @@
+-- complete.lua (v2): store how an execution ended, if the caller still owns the claim.
+--
+-- Same contract and record layout as v1; v2 also stamps the record with its version (field v,
+-- see claim.lua), which no script reads.
+--
+-- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
+-- ARGV[1]  owner token of the caller (32 hex digits)
+-- ARGV[2]  the encoded completion (see src/store/codec.rs)
+-- ARGV[3]  record ttl from now, milliseconds (>= 1)
+-- ARGV[4]  write id: random per call, the same when the proxy sends this very call again
+--          (after a dropped connection, or on the active version after a canary failed)
+--
+-- Reply:
+--   1  applied (now, or by an earlier send of the same write id)
+--   0  the caller is not the owner; nothing changed
+--
+-- Transition:
+--   in flight, owned by ARGV[1] (lock lapsed or not) -> completed (payload), lives ARGV[3] ms
+--   anything else                                    -> unchanged
+--   A lapsed owner may still complete until someone re-claims; after that the owner token no
+--   longer matches (fencing). Completed records are immutable.
+
+local VERSION = 'v2'
+
+local key = KEYS[1]
+local owner, payload, ttl_ms, write_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local s, o, w = unpack(redis.call('HMGET', key, 's', 'o', 'w'))
+if w == write_id then
+  return 1
+end
+if s ~= 'i' or o ~= owner then
+  return 0
+end
+redis.call('HSET', key, 's', 'c', 'p', payload, 'w', write_id, 'v', VERSION)
+redis.call('HDEL', key, 'o', 'l')
+redis.call('PEXPIRE', key, ttl_ms)
+return 1

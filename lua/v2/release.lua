@@ -1,0 +1,32 @@
+-- release.lua (v2): drop a claim so the next claim executes again, if the caller owns it.
+--
+-- Same contract and record layout as v1; v2 also stamps the record with its version (field v,
+-- see claim.lua), which no script reads.
+--
+-- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
+-- ARGV[1]  owner token of the caller (32 hex digits)
+-- ARGV[2]  write id: random per call, the same when the proxy sends this very call again
+--          (after a dropped connection, or on the active version after a canary failed)
+--
+-- Reply:
+--   1  applied (now, or by an earlier send of the same write id)
+--   0  the caller is not the owner; nothing changed
+--
+-- Transition:
+--   in flight, owned by ARGV[1] -> released (fingerprint, execution id and expiry kept)
+--   anything else               -> unchanged
+
+local VERSION = 'v2'
+
+local key = KEYS[1]
+local owner, write_id = ARGV[1], ARGV[2]
+local s, o, w = unpack(redis.call('HMGET', key, 's', 'o', 'w'))
+if w == write_id then
+  return 1
+end
+if s ~= 'i' or o ~= owner then
+  return 0
+end
+redis.call('HSET', key, 's', 'r', 'w', write_id, 'v', VERSION)
+redis.call('HDEL', key, 'o', 'l')
+return 1

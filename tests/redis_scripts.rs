@@ -1,0 +1,681 @@
+//! Lua script versions on real Redis: the conformance suite on v2 and on a half-and-half
+//! canary; a broken canary retried on the active version and rolled back; live script edits
+//! (new SHA in force, a syntax error keeps the old one); and through the real binary: both
+//! versions serving with one version per key, a broken canary no client notices, file edits
+//! and config edits taking effect without a restart.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::proxy::Edit;
+use common::redis::RedisServer;
+use common::{Backend, Proxy, ProxyBuilder, Request};
+use idemgate::config::{CanaryConfig, RedisConfig, RedisTopology, ScriptsConfig};
+use idemgate::scripts::SCRIPT_NAMES;
+use idemgate::store::redis::{ScriptsApplied, ScriptsError};
+use idemgate::store::{
+    conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
+    RecordStore, RedisStore, StoredResponse, WriteOutcome,
+};
+
+const SECOND: Duration = Duration::from_secs(1);
+/// The line of the built-in v2 scripts that names the version they stamp on records.
+const V2_STAMP: &str = "local VERSION = 'v2'";
+
+fn repo_lua(version: &str, name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("lua")
+        .join(version)
+        .join(format!("{name}.lua"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A script directory holding `version` as a copy of the repository's `from` version, with
+/// `edit` applied to each script's text (by script name).
+fn script_dir(
+    root: &Path,
+    version: &str,
+    from: &str,
+    edit: impl Fn(&str, String) -> String,
+) -> PathBuf {
+    let dir = root.join(version);
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in SCRIPT_NAMES {
+        let text = edit(name, repo_lua(from, name));
+        std::fs::write(dir.join(format!("{name}.lua")), text).unwrap();
+    }
+    dir
+}
+
+/// v2's claim that fails after it has written the claim (Redis keeps those writes): the
+/// active version's retry must cope with a half-done canary call.
+fn claim_failing_after_its_writes(name: &str, text: String) -> String {
+    if name == "claim" {
+        let broken = text.replace(
+            "  return {1, execution_id}",
+            "  redis.call('NOPE')\n  return {1, execution_id}",
+        );
+        assert_ne!(broken, text, "the claim script changed shape");
+        broken
+    } else {
+        text
+    }
+}
+
+fn settings(server: &RedisServer, scripts: ScriptsConfig) -> RedisConfig {
+    RedisConfig {
+        urls: vec![server.url()],
+        topology: RedisTopology::Single,
+        connect_timeout: Duration::from_millis(500),
+        response_timeout: SECOND,
+        key_prefix: "scripttest".into(),
+        scripts,
+    }
+}
+
+fn canary(version: &str, percent: u8, min_calls: u64, max_error_rate: f64) -> CanaryConfig {
+    CanaryConfig {
+        version: version.into(),
+        percent,
+        tenants: vec![],
+        max_error_rate,
+        min_calls,
+        window: Duration::from_secs(60),
+    }
+}
+
+fn scripts(dir: Option<&Path>, version: &str, canary: Option<CanaryConfig>) -> ScriptsConfig {
+    ScriptsConfig {
+        dir: dir.map(Path::to_path_buf),
+        version: version.into(),
+        canary,
+    }
+}
+
+async fn store(server: &RedisServer, scripts: ScriptsConfig) -> Arc<RedisStore> {
+    let store = Arc::new(RedisStore::new(&settings(server, scripts)).expect("store"));
+    store.connect().await.expect("connect");
+    store
+}
+
+fn counts(store: &RedisStore, version: &str) -> (u64, u64) {
+    store
+        .version_counts()
+        .into_iter()
+        .find(|(name, _, _)| name == version)
+        .map_or((0, 0), |(_, calls, errors)| (calls, errors))
+}
+
+fn claim_request(key: &RecordKey) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint: [5; 32],
+        owner: OwnerToken::random(),
+        execution_id: rand::random::<u64>() >> 1,
+        lock_ttl: 10 * SECOND,
+        ttl: 60 * SECOND,
+    }
+}
+
+fn response() -> Completion {
+    Completion::Response(Arc::new(StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"done"),
+    }))
+}
+
+fn hget(server: &RedisServer, key: &str, field: &str) -> Option<String> {
+    server.cmd(&["HGET", key, field])
+}
+
+// === store level ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_on_v2_and_on_a_half_canary() {
+    let server = RedisServer::start();
+    let v2 = store(&server, scripts(None, "v2", None)).await;
+    conformance::run_all(|| {
+        let store = v2.clone();
+        async move { store }
+    })
+    .await;
+    assert_eq!(v2.scripts_version(), "v2");
+    let (calls, errors) = counts(&v2, "v2");
+    assert!(
+        calls > 0 && errors == 0,
+        "v2: {calls} calls, {errors} errors"
+    );
+
+    // Half the records on v1, half on v2, records of both read by both: still conformant.
+    let mixed = store(
+        &server,
+        scripts(None, "v1", Some(canary("v2", 50, 20, 0.05))),
+    )
+    .await;
+    conformance::run_all(|| {
+        let store = mixed.clone();
+        async move { store }
+    })
+    .await;
+    let (v1_calls, v1_errors) = counts(&mixed, "v1");
+    let (v2_calls, v2_errors) = counts(&mixed, "v2");
+    assert!(v1_calls > 20 && v2_calls > 20, "{v1_calls} / {v2_calls}");
+    assert_eq!((v1_errors, v2_errors), (0, 0));
+    assert_eq!(mixed.canary_percent(), 50);
+    assert_eq!(mixed.canary_rollbacks(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_canary_call_is_answered_by_the_active_version_then_rolled_back() {
+    let server = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    // A claim that fails after writing, and a completion that fails before writing.
+    script_dir(root.path(), "vbad", "v2", |name, text| {
+        let text = claim_failing_after_its_writes(name, text);
+        if name == "complete" {
+            text.replace(
+                "local key = KEYS[1]",
+                "redis.call('NOPE')\nlocal key = KEYS[1]",
+            )
+        } else {
+            text
+        }
+    });
+    // Every record on the canary, and no rollback yet.
+    let first = scripts(
+        Some(root.path()),
+        "v1",
+        Some(canary("vbad", 100, 1000, 0.05)),
+    );
+    let store = store(&server, first).await;
+    for _ in 0..10 {
+        let key = RecordKey {
+            tenant: "acme".into(),
+            hash: rand::random(),
+        };
+        let req = claim_request(&key);
+        assert_eq!(
+            store.claim(&req).await.expect("claim"),
+            ClaimOutcome::Acquired {
+                execution_id: req.execution_id
+            },
+            "the retried claim keeps what the canary wrote"
+        );
+        assert_eq!(
+            store
+                .complete(&key, req.owner, response(), 60 * SECOND)
+                .await
+                .expect("complete"),
+            WriteOutcome::Applied
+        );
+        let record = store.get(&key).await.expect("get").expect("record");
+        assert_eq!(record.execution_id, req.execution_id);
+        assert!(matches!(record.state, RecordState::Completed(_)));
+        // The canary stamped the claim before failing; the active version completed it.
+        let redis_key = store.record_key(&key);
+        assert_eq!(hget(&server, &redis_key, "v").as_deref(), Some("v2"));
+        assert_eq!(hget(&server, &redis_key, "s").as_deref(), Some("c"));
+    }
+    // Claims and completions failed on the canary and ran again on v1; reads did not fail.
+    assert_eq!(counts(&store, "vbad"), (30, 20));
+    assert_eq!(counts(&store, "v1"), (20, 0));
+    assert_eq!(store.canary_rollbacks(), 0, "min_calls not reached");
+
+    // The same canary with a threshold it crosses: rolled back after min_calls.
+    let strict = scripts(Some(root.path()), "v1", Some(canary("vbad", 100, 4, 0.25)));
+    assert!(matches!(
+        store.apply_scripts(&strict).await,
+        Ok(ScriptsApplied::Applied { .. })
+    ));
+    for _ in 0..10 {
+        let key = RecordKey {
+            tenant: "acme".into(),
+            hash: rand::random(),
+        };
+        let outcome = store.claim(&claim_request(&key)).await.expect("claim");
+        assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
+    }
+    assert_eq!(store.canary_rollbacks(), 1);
+    assert_eq!(store.canary_percent(), 0);
+    let (bad_calls, _) = counts(&store, "vbad");
+    assert_eq!(bad_calls, 34, "four canary calls, then none");
+    let status = store.scripts_status();
+    let canary = status.canary.expect("canary status");
+    assert!(canary.rolled_back, "{canary:?}");
+    assert_eq!((canary.window_calls, canary.window_errors), (4, 4));
+    // An unrelated re-apply of the same settings does not re-arm it.
+    assert_eq!(
+        store.apply_scripts(&strict).await.unwrap(),
+        ScriptsApplied::Unchanged
+    );
+    assert_eq!(store.canary_percent(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn applied_text_runs_under_its_new_sha_and_refused_text_keeps_the_old() {
+    let server = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    let dir = script_dir(root.path(), "v2", "v2", |_, text| text);
+    let settings = scripts(Some(root.path()), "v2", None);
+    let store = store(&server, settings.clone()).await;
+    let original = store.scripts_status().active.scripts["claim"].clone();
+    assert_eq!(
+        store.apply_scripts(&settings).await.unwrap(),
+        ScriptsApplied::Unchanged
+    );
+
+    // An edit: loaded, its SHA is the one in force, and it is what runs.
+    let edited = repo_lua("v2", "claim").replace(V2_STAMP, "local VERSION = 'v2-edited'");
+    std::fs::write(dir.join("claim.lua"), &edited).unwrap();
+    let applied = store.apply_scripts(&settings).await.expect("apply");
+    assert!(
+        matches!(&applied, ScriptsApplied::Applied { loaded } if loaded.len() == 4),
+        "{applied:?}"
+    );
+    let sha: String = server.cmd(&["SCRIPT", "LOAD", &edited]);
+    assert_ne!(sha, original);
+    assert_eq!(store.scripts_status().active.scripts["claim"], sha);
+    let key = RecordKey {
+        tenant: "t".into(),
+        hash: rand::random(),
+    };
+    store.claim(&claim_request(&key)).await.expect("claim");
+    assert_eq!(
+        hget(&server, &store.record_key(&key), "v").as_deref(),
+        Some("v2-edited")
+    );
+
+    // A syntax error: refused once, counted once, the edited SHA stays and still runs.
+    std::fs::write(dir.join("claim.lua"), "return {").unwrap();
+    let err = store.apply_scripts(&settings).await.expect_err("refused");
+    assert!(
+        matches!(&err, ScriptsError::Refused { file, .. } if file.ends_with("v2/claim.lua")),
+        "{err}"
+    );
+    assert!(err.to_string().contains("Error compiling script"), "{err}");
+    assert_eq!(
+        store.apply_scripts(&settings).await.unwrap(),
+        ScriptsApplied::StillRefused
+    );
+    let status = store.scripts_status();
+    assert_eq!(status.active.scripts["claim"], sha);
+    assert_eq!(status.reload_failures, 1);
+    assert!(status.last_reload_error.unwrap().contains("claim.lua"));
+    // The directory listing shows the text on disk, which differs from what runs.
+    assert_ne!(
+        status.versions["v2"].scripts.as_ref().unwrap()["claim"],
+        sha
+    );
+    let other = RecordKey {
+        tenant: "t".into(),
+        hash: rand::random(),
+    };
+    store.claim(&claim_request(&other)).await.expect("claim");
+    assert_eq!(
+        hget(&server, &store.record_key(&other), "v").as_deref(),
+        Some("v2-edited")
+    );
+
+    // A missing file is refused the same way.
+    std::fs::remove_file(dir.join("get.lua")).unwrap();
+    let err = store
+        .apply_scripts(&settings)
+        .await
+        .expect_err("unreadable");
+    assert!(matches!(err, ScriptsError::Sources(_)), "{err}");
+    assert_eq!(store.script_reload_failures(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_redis_refuses_at_start_up_is_disabled_until_its_text_is_fixed() {
+    let server = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    let dir = script_dir(root.path(), "v3", "v2", |name, text| {
+        if name == "get" {
+            "return {".to_owned()
+        } else {
+            text
+        }
+    });
+    let settings = scripts(Some(root.path()), "v1", Some(canary("v3", 100, 20, 0.05)));
+    let store = store(&server, settings.clone()).await;
+    let status = store.scripts_status();
+    let canary_status = status.canary.expect("canary");
+    assert!(canary_status.rolled_back);
+    assert!(
+        canary_status.reason.unwrap().contains("failed to load"),
+        "{:?}",
+        status.last_reload_error
+    );
+    assert_eq!((status.reload_failures, store.canary_percent()), (1, 0));
+    // Records use the active version meanwhile.
+    let key = RecordKey {
+        tenant: "t".into(),
+        hash: rand::random(),
+    };
+    store.claim(&claim_request(&key)).await.expect("claim");
+    assert_eq!(counts(&store, "v3").0, 0);
+    assert_eq!(
+        store.apply_scripts(&settings).await.unwrap(),
+        ScriptsApplied::Unchanged
+    );
+
+    // Other settings do not smuggle the refused text in without loading it.
+    let half = scripts(Some(root.path()), "v1", Some(canary("v3", 50, 20, 0.05)));
+    assert!(matches!(
+        store.apply_scripts(&half).await,
+        Err(ScriptsError::Refused { .. })
+    ));
+    assert_eq!(store.canary_percent(), 0);
+
+    // Fixed text is loaded and the canary is in force.
+    std::fs::write(dir.join("get.lua"), repo_lua("v2", "get")).unwrap();
+    assert!(matches!(
+        store.apply_scripts(&half).await,
+        Ok(ScriptsApplied::Applied { .. })
+    ));
+    assert_eq!(store.canary_percent(), 50);
+    assert!(!store.scripts_status().canary.unwrap().rolled_back);
+}
+
+// === through the proxy ===
+
+/// A proxy on `redis` with `scripts` as its `store.redis.scripts` block (flow style) and no
+/// local cache, so every request reaches a script.
+async fn proxy(backend: &Backend, redis: &RedisServer, scripts_block: &str) -> Proxy {
+    ProxyBuilder::new(backend)
+        .redis(&[redis.url()])
+        .store(&format!("  scripts: {scripts_block}"))
+        .store("local_cache: {enabled: false}")
+        .start()
+        .await
+}
+
+async fn admin_scripts(proxy: &Proxy) -> serde_json::Value {
+    let response = Request::get("/admin/scripts").send(proxy.admin).await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    serde_json::from_slice(&response.body).expect("json")
+}
+
+/// Waits until `check` holds for `/admin/scripts`; panics after 6 s.
+async fn admin_scripts_until(
+    proxy: &Proxy,
+    what: &str,
+    check: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(6);
+    loop {
+        let status = admin_scripts(proxy).await;
+        if check(&status) {
+            return status;
+        }
+        if Instant::now() > deadline {
+            panic!("/admin/scripts never showed {what}:\n{status:#}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether the canary takes a record, from the hex hash in its Redis key (the same rule as
+/// the store: first four hash bytes, big-endian, mod 100, below the percentage).
+fn takes_canary(redis_key: &str, percent: u32) -> bool {
+    let hex = redis_key.rsplit(':').next().unwrap().trim_end_matches('}');
+    u32::from_str_radix(&hex[..8], 16).unwrap() % 100 < percent
+}
+
+fn version_calls(status: &serde_json::Value, version: &str) -> u64 {
+    status["versions"][version]["calls"].as_u64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_canary_serves_both_versions_and_each_key_keeps_its_version() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = proxy(&backend, &redis, "{canary: {version: v2, percent: 50}}").await;
+    const KEYS: usize = 40;
+    for round in 0..2 {
+        for i in 0..KEYS {
+            let response = Request::post("/orders")
+                .key(&format!("half-{i}"))
+                .json(r#"{"n":1}"#)
+                .send(proxy.addr)
+                .await;
+            let expected = if round == 0 { "MISS" } else { "HIT" };
+            assert_eq!((response.status, response.result()), (201, Some(expected)));
+        }
+    }
+    assert_eq!(backend.count(), KEYS);
+
+    // Every record carries the version its hash picks: v2 stamps the records it writes.
+    let keys = redis.keys();
+    assert_eq!(keys.len(), KEYS);
+    let on_canary = keys.iter().filter(|k| takes_canary(k, 50)).count();
+    assert!(on_canary > 0 && on_canary < KEYS, "{on_canary} of {KEYS}");
+    for key in &keys {
+        let stamp = hget(&redis, key, "v");
+        assert_eq!(stamp.is_some(), takes_canary(key, 50), "{key}: {stamp:?}");
+    }
+    // And every call for a key ran its version: claim, complete, and the replay's claim.
+    let status = admin_scripts(&proxy).await;
+    assert_eq!(
+        version_calls(&status, "v2"),
+        3 * on_canary as u64,
+        "{status:#}"
+    );
+    assert_eq!(version_calls(&status, "v1"), 3 * (KEYS - on_canary) as u64);
+    assert_eq!(status["canary"]["percent_in_force"], 50);
+    assert_eq!(status["active"]["version"], "v1");
+    assert_eq!(status["active"]["source"], "builtin");
+    let metrics = proxy.metrics().await;
+    for needle in [
+        format!(
+            "idemgate_script_calls_total{{version=\"v2\"}} {}",
+            3 * on_canary
+        ),
+        format!(
+            "idemgate_script_calls_total{{version=\"v1\"}} {}",
+            3 * (KEYS - on_canary)
+        ),
+        "idemgate_script_errors_total{version=\"v2\"} 0".to_owned(),
+        "idemgate_script_canary_percent 50".to_owned(),
+        "idemgate_script_canary_rollbacks_total 0".to_owned(),
+    ] {
+        assert!(metrics.contains(&needle), "{needle}\n{metrics}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_canary_is_rolled_back_and_no_client_sees_an_error() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let root = tempfile::tempdir().unwrap();
+    script_dir(root.path(), "v2", "v2", claim_failing_after_its_writes);
+    let block = format!(
+        "{{dir: \"{}\", canary: {{version: v2, percent: 50, min_calls: 5, max_error_rate: 0.2}}}}",
+        root.path().display()
+    );
+    let proxy = proxy(&backend, &redis, &block).await;
+    let status = admin_scripts(&proxy).await;
+    assert_eq!(
+        status["canary"]["source"],
+        root.path().join("v2").display().to_string()
+    );
+
+    // 40 keys, 8 at a time: every one answered 2xx and executed once.
+    const KEYS: usize = 40;
+    for batch in 0..KEYS / 8 {
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let req = Request::post("/orders")
+                    .key(&format!("broken-{}", batch * 8 + i))
+                    .json(r#"{"n":2}"#);
+                let addr = proxy.addr;
+                tokio::spawn(async move { req.send(addr).await })
+            })
+            .collect();
+        for task in tasks {
+            let response = task.await.unwrap();
+            assert_eq!(
+                (response.status, response.result()),
+                (201, Some("MISS")),
+                "{}",
+                response.text()
+            );
+        }
+    }
+    let mut ids: Vec<_> = backend
+        .executions()
+        .into_iter()
+        .map(|e| e.execution_id.expect("execution id"))
+        .collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(
+        (backend.count(), ids.len()),
+        (KEYS, KEYS),
+        "each key executed once"
+    );
+    for i in 0..KEYS {
+        let replay = Request::post("/orders")
+            .key(&format!("broken-{i}"))
+            .json(r#"{"n":2}"#)
+            .send(proxy.addr)
+            .await;
+        assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
+    }
+    assert_eq!(backend.count(), KEYS);
+
+    let status = admin_scripts(&proxy).await;
+    assert_eq!(status["canary"]["rolled_back"], true, "{status:#}");
+    assert_eq!(status["canary"]["percent_in_force"], 0);
+    assert_eq!(status["canary_rollbacks"], 1);
+    assert!(status["versions"]["v2"]["errors"].as_u64().unwrap() >= 5);
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains("idemgate_script_canary_rollbacks_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("idemgate_script_canary_percent 0"),
+        "{metrics}"
+    );
+    let log = proxy.log();
+    assert_eq!(
+        log.matches("canary script version rolled back").count(),
+        1,
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_file_edits_apply_without_restart_and_a_syntax_error_keeps_the_old_sha() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = script_dir(root.path(), "v2", "v2", |_, text| text);
+    let block = format!("{{dir: \"{}\", version: v2}}", root.path().display());
+    let proxy = proxy(&backend, &redis, &block).await;
+    let original: String = redis.cmd(&["SCRIPT", "LOAD", &repo_lua("v2", "claim")]);
+    let status = admin_scripts(&proxy).await;
+    assert_eq!(status["active"]["scripts"]["claim"], original.as_str());
+
+    let stamp_of = |key: &str| {
+        let key = key.to_owned();
+        let (proxy, redis) = (&proxy, &redis);
+        async move {
+            let before = redis.keys();
+            let response = Request::post("/orders").key(&key).send(proxy.addr).await;
+            assert_eq!(response.status, 201, "{}", response.text());
+            let new: Vec<String> = redis
+                .keys()
+                .into_iter()
+                .filter(|k| !before.contains(k))
+                .collect();
+            assert_eq!(new.len(), 1);
+            hget(redis, &new[0], "v")
+        }
+    };
+    assert_eq!(stamp_of("edit-1").await.as_deref(), Some("v2"));
+
+    // Edit in place (complete.lua too, as it stamps the record last): the new SHA is in
+    // force within seconds, and it is what runs.
+    let live = |name| repo_lua("v2", name).replace(V2_STAMP, "local VERSION = 'v2-live'");
+    std::fs::write(dir.join("complete.lua"), live("complete")).unwrap();
+    let edited = live("claim");
+    std::fs::write(dir.join("claim.lua"), &edited).unwrap();
+    let sha: String = redis.cmd(&["SCRIPT", "LOAD", &edited]);
+    admin_scripts_until(&proxy, "the edited SHA", |s| {
+        s["active"]["scripts"]["claim"] == sha.as_str()
+    })
+    .await;
+    assert_eq!(stamp_of("edit-2").await.as_deref(), Some("v2-live"));
+
+    // A syntax error: refused and counted; the edited SHA stays in force and keeps serving.
+    std::fs::write(dir.join("claim.lua"), "return {").unwrap();
+    proxy
+        .metrics_containing("idemgate_script_reload_failures_total 1")
+        .await;
+    let status = admin_scripts(&proxy).await;
+    assert_eq!(status["active"]["scripts"]["claim"], sha.as_str());
+    assert!(
+        status["last_reload_error"]
+            .as_str()
+            .unwrap()
+            .contains("Error compiling script"),
+        "{status:#}"
+    );
+    assert_eq!(stamp_of("edit-3").await.as_deref(), Some("v2-live"));
+    proxy.log_containing("redis scripts refused").await;
+    // Polls do not repeat the refusal.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("idemgate_script_reload_failures_total 1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_edits_switch_versions_live_and_an_unknown_version_is_refused() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let mut proxy = proxy(&backend, &redis, "{version: v1}").await;
+    assert!(admin_scripts(&proxy).await["canary"].is_null());
+
+    // Every record to a v2 canary, by a config edit.
+    proxy.edit_config(Edit::Rename, |yaml| {
+        yaml.replace(
+            "scripts: {version: v1}",
+            "scripts: {version: v1, canary: {version: v2, percent: 100}}",
+        )
+    });
+    admin_scripts_until(&proxy, "the v2 canary", |s| {
+        s["canary"]["percent_in_force"] == 100
+    })
+    .await;
+    let response = Request::post("/orders").key("cfg-1").send(proxy.addr).await;
+    assert_eq!(response.status, 201);
+    let keys = redis.keys();
+    assert_eq!(hget(&redis, &keys[0], "v").as_deref(), Some("v2"));
+    assert!(
+        !proxy.log().contains("only take effect after a restart"),
+        "scripts are applied live"
+    );
+
+    // A version that exists nowhere: the config edit is refused, the canary stays.
+    proxy.edit_config(Edit::Rename, |yaml| {
+        yaml.replace("version: v2", "version: v9")
+    });
+    proxy
+        .metrics_containing("idemgate_config_reload_failures_total 1")
+        .await;
+    proxy
+        .log_containing("store.redis.scripts.canary.version")
+        .await;
+    let status = admin_scripts(&proxy).await;
+    assert_eq!(status["canary"]["version"], "v2");
+    assert_eq!(status["canary"]["percent_in_force"], 100);
+}
