@@ -1,9 +1,9 @@
-# syntax=docker/dockerfile:1
-#
 # idemgate container image: the proxy binary, the reference config and the Lua scripts.
 #
 #   docker build -t example.com/idemgate:0.1.0 .
-#   docker run --rm -p 6180:6180 example.com/idemgate:0.1.0      # reference config, see below
+#   docker run --rm -p 6180:6180 -v "$PWD/conf:/etc/idemgate:ro" example.com/idemgate:0.1.0
+#
+# (conf/ holding your idemgate.yaml; without it the reference config below is used.)
 #
 # The Kubernetes examples in examples/kubernetes/ run this image with their own config mounted
 # over /etc/idemgate (a ConfigMap volume).
@@ -12,9 +12,12 @@ ARG RUST_VERSION=1.95
 
 # --- build ------------------------------------------------------------------------------------
 FROM rust:${RUST_VERSION}-bookworm AS builder
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # pingora-core always builds zlib-ng, whose build script needs cmake. TLS is rustls (ring), so
-# neither OpenSSL headers nor pkg-config are needed.
+# neither OpenSSL headers nor pkg-config are needed. (Versions are not pinned: Debian replaces
+# them in point releases, and a pinned version that left the archive breaks the build.)
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends cmake \
  && rm -rf /var/lib/apt/lists/*
@@ -48,6 +51,7 @@ FROM debian:bookworm-slim
 # The binary links only glibc (same Debian release as the builder). ca-certificates: rediss://
 # uses the Mozilla roots compiled into the binary, but a system bundle costs little and helps
 # anything else in the image that speaks TLS.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*
