@@ -205,7 +205,7 @@ def check_pod(where, pod, configmaps, secrets):
         if not is_init and policy is not None:
             error(cwhere, "restartPolicy on a regular container is not accepted by Kubernetes "
                           "1.29-1.33 (it makes init containers sidecars)")
-        if is_init and policy != "Always":
+        if is_init and policy is None:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in container:
                     error(cwhere, f"{probe} is only allowed on sidecar init containers")
