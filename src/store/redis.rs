@@ -187,8 +187,11 @@ enum Backend {
 /// without work stealing, each proxy thread has its own) made every call wake another thread:
 /// measured at a fifth of a core on the keyed-miss benchmark. The runtimes are few and fixed.
 struct PerRuntime<C> {
-    cells: parking_lot::Mutex<Vec<(Option<tokio::runtime::Id>, Arc<OnceCell<C>>)>>,
+    cells: parking_lot::Mutex<Vec<RuntimeCell<C>>>,
 }
+
+/// A runtime (None: called outside any) and its connection, once made.
+type RuntimeCell<C> = (Option<tokio::runtime::Id>, Arc<OnceCell<C>>);
 
 impl<C> Default for PerRuntime<C> {
     fn default() -> Self {
