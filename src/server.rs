@@ -248,9 +248,16 @@ fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<Cached
 pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new());
     let stack = build_store(&config, &metrics)?;
+    // IDEMGATE_WORKER_ID lets each pod of one Deployment get its own id (e.g. from a
+    // StatefulSet ordinal) without rendering a config per pod.
+    let from_env = std::env::var("IDEMGATE_WORKER_ID")
+        .ok()
+        .and_then(|v| v.trim().parse::<u16>().ok())
+        .filter(|id| *id <= snowflake::MAX_WORKER_ID);
     let worker_id = config
         .idempotency
         .worker_id
+        .or(from_env)
         .unwrap_or_else(snowflake::default_worker_id);
 
     let mut conf = ServerConf {
