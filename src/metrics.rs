@@ -4,6 +4,7 @@
 //! or body, so cardinality is bounded by the config.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, Metric, MetricFamily, MetricType};
@@ -139,17 +140,15 @@ impl Metrics {
 
     /// Resolves the per-route children once (per config), so the request path does no label
     /// hashing: `results` are the `result` label values, indexed as the caller indexes them.
-    pub fn route_handles(&self, route: &str, results: &[&str]) -> RouteHandles {
+    pub fn route_handles(&self, route: &str, results: &'static [&'static str]) -> RouteHandles {
         RouteHandles {
-            requests: results
-                .iter()
-                .map(|r| self.requests.with_label_values(&[route, r]))
-                .collect(),
-            durations: results
-                .iter()
-                .map(|r| self.request_duration.with_label_values(&[route, r]))
-                .collect(),
-            upstream: self.upstream_duration.with_label_values(&[route]),
+            route: route.to_owned(),
+            results,
+            requests: self.requests.clone(),
+            request_duration: self.request_duration.clone(),
+            children: results.iter().map(|_| OnceLock::new()).collect(),
+            upstream_vec: self.upstream_duration.clone(),
+            upstream: OnceLock::new(),
         }
     }
 
@@ -230,13 +229,41 @@ impl Metrics {
 }
 
 /// Metric children of one route.
+/// Children are created on first use, so only (route, result) pairs that happened are exported,
+/// and resolved once, so the request path does no label hashing after that.
 pub struct RouteHandles {
-    /// `idemgate_requests_total` by result index.
-    pub requests: Vec<IntCounter>,
-    /// `idemgate_request_duration_seconds` by result index.
-    pub durations: Vec<Histogram>,
-    /// `idemgate_upstream_duration_seconds`.
-    pub upstream: Histogram,
+    route: String,
+    results: &'static [&'static str],
+    requests: IntCounterVec,
+    request_duration: HistogramVec,
+    children: Vec<OnceLock<(IntCounter, Histogram)>>,
+    upstream_vec: HistogramVec,
+    upstream: OnceLock<Histogram>,
+}
+
+impl RouteHandles {
+    /// Counts one request with result index `result` that took `seconds`.
+    pub fn observe(&self, result: usize, seconds: f64) {
+        let Some(cell) = self.children.get(result) else {
+            return;
+        };
+        let (count, duration) = cell.get_or_init(|| {
+            let labels = [self.route.as_str(), self.results[result]];
+            (
+                self.requests.with_label_values(&labels),
+                self.request_duration.with_label_values(&labels),
+            )
+        });
+        count.inc();
+        duration.observe(seconds);
+    }
+
+    /// Records one backend round of this route.
+    pub fn observe_upstream(&self, seconds: f64) {
+        self.upstream
+            .get_or_init(|| self.upstream_vec.with_label_values(&[self.route.as_str()]))
+            .observe(seconds);
+    }
 }
 
 /// Metric children of one store operation.

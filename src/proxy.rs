@@ -599,8 +599,7 @@ impl Gate {
         .await;
         ctx.gen
             .route_metrics(ctx.route)
-            .upstream
-            .observe(started.elapsed().as_secs_f64());
+            .observe_upstream(started.elapsed().as_secs_f64());
 
         if let Err(e) = body_result {
             tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
@@ -988,9 +987,9 @@ impl ProxyHttp for Gate {
         let result = RESULT_LABELS[index];
         let route = label(ctx);
         let elapsed = ctx.started.elapsed();
-        let handles = ctx.gen.route_metrics(ctx.route);
-        handles.requests[index].inc();
-        handles.durations[index].observe(elapsed.as_secs_f64());
+        ctx.gen
+            .route_metrics(ctx.route)
+            .observe(index, elapsed.as_secs_f64());
         let req = session.req_header();
         tracing::info!(
             target: "idemgate::access",
