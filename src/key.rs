@@ -66,6 +66,18 @@ pub enum TenantError {
 /// (`abc`); both give the key `abc`. Repeating the header is fine when every occurrence decodes
 /// to the same key. A bad value is always an error, never "no key": a client that meant to send a
 /// key must not silently lose its protection.
+///
+/// ```
+/// use http::HeaderValue;
+/// use idemgate::key::{parse_key, KeyError};
+///
+/// let quoted = HeaderValue::from_static("\"order-7f3a\"");
+/// let bare = HeaderValue::from_static("order-7f3a");
+/// assert_eq!(parse_key([&quoted, &bare]), Ok(Some("order-7f3a".to_string())));
+/// assert_eq!(parse_key(std::iter::empty()), Ok(None));
+/// let list = HeaderValue::from_static("a, b");
+/// assert_eq!(parse_key([&list]), Err(KeyError::ConflictingValues));
+/// ```
 pub fn parse_key<'a>(
     values: impl IntoIterator<Item = &'a http::HeaderValue>,
 ) -> Result<Option<String>, KeyError> {
