@@ -239,14 +239,6 @@ impl Admin {
             ),
         }
     }
-
-    fn refresh_store_gauges(&self) {
-        if let Some(u) = self.store.usage() {
-            self.metrics.store_records.set(u.records as i64);
-            self.metrics.store_bytes.set(u.bytes as i64);
-            self.metrics.store_capacity_bytes.set(u.capacity as i64);
-        }
-    }
 }
 
 fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
@@ -466,14 +458,11 @@ impl ServeHttp for Admin {
                 let (status, body) = self.ready().await;
                 text(status, "text/plain", body.into_bytes())
             }
-            (true, "/metrics") => {
-                self.refresh_store_gauges();
-                text(
-                    StatusCode::OK,
-                    "text/plain; version=0.0.4",
-                    self.metrics.render(),
-                )
-            }
+            (true, "/metrics") => text(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                self.metrics.render(),
+            ),
             (_, "/healthz" | "/readyz" | "/metrics" | "/admin/config" | "/admin/reload") => text(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "text/plain",

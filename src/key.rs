@@ -169,9 +169,22 @@ pub fn fingerprint(
     h.finalize().into()
 }
 
-/// Short, non-reversible label of a record hash for logs (first 8 bytes, hex).
-pub fn hash_label(hash: &Digest) -> String {
-    hex::encode(&hash[..8])
+/// Short, non-reversible label of a record hash for logs (first 8 bytes, hex). Formats only when
+/// a log line is written, so the request path does not allocate for it.
+pub fn hash_label(hash: &Digest) -> HashLabel {
+    let mut head = [0u8; 8];
+    head.copy_from_slice(&hash[..8]);
+    HashLabel(head)
+}
+
+/// The log label of a record hash; see [`hash_label`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HashLabel([u8; 8]);
+
+impl std::fmt::Display for HashLabel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
 }
 
 // === parsing ===
@@ -616,6 +629,6 @@ mod tests {
         hash[0] = 0xab;
         hash[7] = 0x01;
         hash[8] = 0xff;
-        assert_eq!(hash_label(&hash), "ab00000000000001");
+        assert_eq!(hash_label(&hash).to_string(), "ab00000000000001");
     }
 }

@@ -4,7 +4,7 @@
 //! or body, so cardinality is bounded by the config.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, Metric, MetricFamily, MetricType};
@@ -34,12 +34,6 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// Completions or releases refused because the caller's lock had been taken over.
     pub fenced_writes: IntCounter,
-    /// Records held by the embedded store.
-    pub store_records: IntGauge,
-    /// Bytes held by the embedded store.
-    pub store_bytes: IntGauge,
-    /// Byte capacity of the embedded store.
-    pub store_capacity_bytes: IntGauge,
 }
 
 impl Metrics {
@@ -94,15 +88,6 @@ impl Metrics {
             "Completions or releases refused because another request took over the lock",
         )
         .expect("static metric definition");
-        let store_records = IntGauge::new("idemgate_store_records", "Records held by the store")
-            .expect("static metric definition");
-        let store_bytes = IntGauge::new("idemgate_store_bytes", "Bytes held by the store")
-            .expect("static metric definition");
-        let store_capacity_bytes = IntGauge::new(
-            "idemgate_store_capacity_bytes",
-            "Byte capacity of the store",
-        )
-        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -117,9 +102,6 @@ impl Metrics {
             Box::new(store_duration.clone()),
             Box::new(store_errors.clone()),
             Box::new(fenced_writes.clone()),
-            Box::new(store_records.clone()),
-            Box::new(store_bytes.clone()),
-            Box::new(store_capacity_bytes.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -132,9 +114,6 @@ impl Metrics {
             store_duration,
             store_errors,
             fenced_writes,
-            store_records,
-            store_bytes,
-            store_capacity_bytes,
         }
     }
 
@@ -157,6 +136,23 @@ impl Metrics {
         StoreOpHandles {
             duration: self.store_duration.with_label_values(&[op]),
             errors: self.store_errors.with_label_values(&[op]),
+        }
+    }
+
+    /// Registers several metrics read from one shared `owner` at every scrape: one
+    /// `(name, help, kind, read)` per metric. The usual shape for a component's stats struct.
+    pub fn pull_from<T: ?Sized + Send + Sync + 'static>(
+        &self,
+        owner: &Arc<T>,
+        metrics: &[PulledMetric<T>],
+    ) {
+        for &(name, help, kind, read) in metrics {
+            let owner = owner.clone();
+            let value = move || read(&owner);
+            match kind {
+                Pull::Counter => self.pull_counter(name, help, value),
+                Pull::Gauge => self.pull_gauge(name, help, value),
+            }
         }
     }
 
@@ -227,6 +223,18 @@ impl Metrics {
         out
     }
 }
+
+/// The Prometheus type of a pulled metric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pull {
+    /// Monotonic.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+}
+
+/// One metric of [`Metrics::pull_from`]: name, help, type, and how to read it from the owner.
+pub type PulledMetric<T> = (&'static str, &'static str, Pull, fn(&T) -> f64);
 
 /// Metric children of one route.
 /// Children are created on first use, so only (route, result) pairs that happened are exported,

@@ -197,7 +197,7 @@ pub struct RequestCtx {
     route: Option<usize>,
     upstream: Option<usize>,
     outcome: Option<Outcome>,
-    record_label: Option<String>,
+    record_label: Option<key::HashLabel>,
     _guard: InFlightGuard,
 }
 
@@ -999,7 +999,7 @@ impl ProxyHttp for Gate {
             result,
             status,
             duration_ms = elapsed.as_secs_f64() * 1000.0,
-            record = ctx.record_label.as_deref(),
+            record = ctx.record_label.map(tracing::field::display),
             error = e.map(tracing::field::display),
         );
     }

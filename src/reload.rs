@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use crate::config::{Config, ScriptsConfig};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Pull};
 use crate::proxy::Generation;
 
 /// How a reload attempt ended.
@@ -94,28 +94,34 @@ impl Reloader {
             failed_hash: Mutex::new(None),
             on_swap: Mutex::new(Vec::new()),
         });
-        let s = stats.clone();
-        metrics.pull_gauge(
-            "idemgate_config_last_reload_successful",
-            "1 when the last config reload succeeded, 0 when it failed",
-            move || s.last_successful.load(Ordering::Relaxed) as f64,
-        );
-        let s = stats.clone();
-        metrics.pull_gauge(
-            "idemgate_config_last_reload_success_timestamp_seconds",
-            "Unix time of the last successful config load",
-            move || s.last_success_unix.load(Ordering::Relaxed) as f64,
-        );
-        let s = stats.clone();
-        metrics.pull_counter(
-            "idemgate_config_reloads_total",
-            "Config reloads applied",
-            move || s.reloads.load(Ordering::Relaxed) as f64,
-        );
-        metrics.pull_counter(
-            "idemgate_config_reload_failures_total",
-            "Config reloads refused (invalid edits)",
-            move || stats.failures.load(Ordering::Relaxed) as f64,
+        metrics.pull_from(
+            &stats,
+            &[
+                (
+                    "idemgate_config_last_reload_successful",
+                    "1 when the last config reload succeeded, 0 when it failed",
+                    Pull::Gauge,
+                    |s| s.last_successful.load(Ordering::Relaxed) as f64,
+                ),
+                (
+                    "idemgate_config_last_reload_success_timestamp_seconds",
+                    "Unix time of the last successful config load",
+                    Pull::Gauge,
+                    |s| s.last_success_unix.load(Ordering::Relaxed) as f64,
+                ),
+                (
+                    "idemgate_config_reloads_total",
+                    "Config reloads applied",
+                    Pull::Counter,
+                    |s| s.reloads.load(Ordering::Relaxed) as f64,
+                ),
+                (
+                    "idemgate_config_reload_failures_total",
+                    "Config reloads refused (invalid edits)",
+                    Pull::Counter,
+                    |s| s.failures.load(Ordering::Relaxed) as f64,
+                ),
+            ],
         );
         reloader
     }

@@ -18,7 +18,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::{Admin, Readiness};
 use crate::config::{Config, OnUnavailable, RedisTopology, StoreBackend};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Pull};
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::reload::Reloader;
 use crate::script_reload::ScriptReloader;
@@ -27,7 +27,7 @@ use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::purge::{OnPurge, PurgeBus};
 use crate::store::retry::{CompletionRetrier, RetryOptions};
-use crate::store::{MemoryStore, RecordKey, RecordStore, RedisStore};
+use crate::store::{MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -85,17 +85,22 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
             open_for: b.open_for,
         },
     );
-    let view = breaker.view();
-    let v = view.clone();
-    metrics.pull_gauge(
-        "idemgate_store_circuit_state",
-        "Store circuit: 0 closed, 1 open, 2 half-open",
-        move || v.state() as u8 as f64,
-    );
-    metrics.pull_counter(
-        "idemgate_store_circuit_opened_total",
-        "Times the store circuit opened",
-        move || view.opened.load(Ordering::Relaxed) as f64,
+    metrics.pull_from(
+        &breaker.view(),
+        &[
+            (
+                "idemgate_store_circuit_state",
+                "Store circuit: 0 closed, 1 open, 2 half-open",
+                Pull::Gauge,
+                |v| v.state() as u8 as f64,
+            ),
+            (
+                "idemgate_store_circuit_opened_total",
+                "Times the store circuit opened",
+                Pull::Counter,
+                |v| v.opened.load(Ordering::Relaxed) as f64,
+            ),
+        ],
     );
 
     let c = &config.store.local_cache;
@@ -177,68 +182,57 @@ fn register_script_metrics(metrics: &Metrics, redis: &Arc<RedisStore>) {
         "version",
         per_version(|entry| entry.2),
     );
-    let weak = Arc::downgrade(redis);
-    metrics.pull_gauge(
-        "idemgate_script_canary_percent",
-        "Share of record ids the canary script version takes now (0: none or rolled back)",
-        move || {
-            weak.upgrade()
-                .map_or(0.0, |s| f64::from(s.canary_percent()))
-        },
-    );
-    let weak = Arc::downgrade(redis);
-    metrics.pull_counter(
-        "idemgate_script_canary_rollbacks_total",
-        "Canary script versions rolled back for their error rate",
-        move || weak.upgrade().map_or(0.0, |s| s.canary_rollbacks() as f64),
-    );
-    let weak = Arc::downgrade(redis);
-    metrics.pull_counter(
-        "idemgate_script_reloads_total",
-        "Script changes (files or config) applied after start-up",
-        move || weak.upgrade().map_or(0.0, |s| s.script_reloads() as f64),
-    );
-    let weak = Arc::downgrade(redis);
-    metrics.pull_counter(
-        "idemgate_script_reload_failures_total",
-        "Script changes refused (unreadable, or Redis would not load them); the old scripts stay",
-        move || {
-            weak.upgrade()
-                .map_or(0.0, |s| s.script_reload_failures() as f64)
-        },
+    metrics.pull_from(
+        redis,
+        &[
+            ("idemgate_script_canary_percent", "Share of record ids the canary script version takes now (0: none or rolled back)", Pull::Gauge, |s| f64::from(s.canary_percent())),
+            ("idemgate_script_canary_rollbacks_total", "Canary script versions rolled back for their error rate", Pull::Counter, |s| s.canary_rollbacks() as f64),
+            ("idemgate_script_reloads_total", "Script changes (files or config) applied after start-up", Pull::Counter, |s| s.script_reloads() as f64),
+            ("idemgate_script_reload_failures_total", "Script changes refused (unreadable, or Redis would not load them); the old scripts stay", Pull::Counter, |s| s.script_reload_failures() as f64),
+        ],
     );
 }
 
 fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<CachedStore<S>>) {
-    let stats = cached.stats();
-    let s = stats.clone();
-    metrics.pull_counter(
-        "idemgate_local_cache_hits_total",
-        "Retries answered from the local cache without a store round trip",
-        move || s.hits.load(Ordering::Relaxed) as f64,
+    metrics.pull_from(
+        &cached.stats(),
+        &[
+            (
+                "idemgate_local_cache_hits_total",
+                "Retries answered from the local cache without a store round trip",
+                Pull::Counter,
+                |s| s.hits.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_bloom_negatives_total",
+                "Claims the Bloom filter sent straight to the store",
+                Pull::Counter,
+                |s| s.bloom_negatives.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_bloom_false_positives_total",
+                "Bloom positives the local cache could not answer",
+                Pull::Counter,
+                |s| s.bloom_false_positives.load(Ordering::Relaxed) as f64,
+            ),
+        ],
     );
-    let s = stats.clone();
-    metrics.pull_counter(
-        "idemgate_bloom_negatives_total",
-        "Claims the Bloom filter sent straight to the store",
-        move || s.bloom_negatives.load(Ordering::Relaxed) as f64,
-    );
-    metrics.pull_counter(
-        "idemgate_bloom_false_positives_total",
-        "Bloom positives the local cache could not answer",
-        move || stats.bloom_false_positives.load(Ordering::Relaxed) as f64,
-    );
-    let weak = Arc::downgrade(cached);
-    metrics.pull_gauge(
-        "idemgate_bloom_fill_ratio",
-        "Fraction of bits set in the current Bloom filter generation",
-        move || weak.upgrade().map_or(0.0, |c| c.bloom_fill_ratio()),
-    );
-    let weak = Arc::downgrade(cached);
-    metrics.pull_gauge(
-        "idemgate_local_cache_bytes",
-        "Bytes held by the local cache of completed records",
-        move || weak.upgrade().map_or(0.0, |c| c.cache_usage().1 as f64),
+    metrics.pull_from(
+        cached,
+        &[
+            (
+                "idemgate_bloom_fill_ratio",
+                "Fraction of bits set in the current Bloom filter generation",
+                Pull::Gauge,
+                |c| c.bloom_fill_ratio(),
+            ),
+            (
+                "idemgate_local_cache_bytes",
+                "Bytes held by the local cache of completed records",
+                Pull::Gauge,
+                |c| c.cache_usage().1 as f64,
+            ),
+        ],
     );
 }
 
@@ -305,13 +299,45 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         });
     }
 
+    // Only a store that knows its size (the embedded one) exports it.
+    if stack.store.usage().is_some() {
+        fn usage(s: &dyn RecordStore) -> StoreUsage {
+            s.usage().unwrap_or_default()
+        }
+        metrics.pull_from(
+            &stack.store,
+            &[
+                (
+                    "idemgate_store_records",
+                    "Records held by the store",
+                    Pull::Gauge,
+                    |s| usage(s).records as f64,
+                ),
+                (
+                    "idemgate_store_bytes",
+                    "Bytes held by the store",
+                    Pull::Gauge,
+                    |s| usage(s).bytes as f64,
+                ),
+                (
+                    "idemgate_store_capacity_bytes",
+                    "Byte capacity of the store",
+                    Pull::Gauge,
+                    |s| usage(s).capacity as f64,
+                ),
+            ],
+        );
+    }
     let (retrier, retry_worker) = CompletionRetrier::new(stack.store.clone(), retry_options);
     register_store_metrics(&metrics, &retrier);
-    let counter = in_flight.clone();
-    metrics.pull_gauge(
-        "idemgate_in_flight_requests",
-        "Requests being handled right now",
-        move || counter.get() as f64,
+    metrics.pull_from(
+        &in_flight,
+        &[(
+            "idemgate_in_flight_requests",
+            "Requests being handled right now",
+            Pull::Gauge,
+            |c| c.get() as f64,
+        )],
     );
 
     let mut server = Server::new_with_opt_and_conf(None, conf);
@@ -518,29 +544,34 @@ impl BackgroundService for RedisWarmup {
 }
 
 fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {
-    let stats = retrier.stats();
-    let s = stats.clone();
-    metrics.pull_counter(
-        "idemgate_completion_retries_total",
-        "Completions queued for a background retry after the store refused them",
-        move || s.queued.load(Ordering::Relaxed) as f64,
-    );
-    let s = stats.clone();
-    metrics.pull_counter(
-        "idemgate_completion_retry_recovered_total",
-        "Completions stored by a background retry",
-        move || s.recovered.load(Ordering::Relaxed) as f64,
-    );
-    let s = stats.clone();
-    metrics.pull_counter(
-        "idemgate_dead_letters_total",
-        "Completions written to the dead-letter file",
-        move || s.dead_lettered.load(Ordering::Relaxed) as f64,
-    );
-    metrics.pull_gauge(
-        "idemgate_completion_retry_pending",
-        "Completions waiting to be stored",
-        move || stats.pending.load(Ordering::Relaxed) as f64,
+    metrics.pull_from(
+        &retrier.stats(),
+        &[
+            (
+                "idemgate_completion_retries_total",
+                "Completions queued for a background retry after the store refused them",
+                Pull::Counter,
+                |s| s.queued.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_completion_retry_recovered_total",
+                "Completions stored by a background retry",
+                Pull::Counter,
+                |s| s.recovered.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_dead_letters_total",
+                "Completions written to the dead-letter file",
+                Pull::Counter,
+                |s| s.dead_lettered.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_completion_retry_pending",
+                "Completions waiting to be stored",
+                Pull::Gauge,
+                |s| s.pending.load(Ordering::Relaxed) as f64,
+            ),
+        ],
     );
 }
 

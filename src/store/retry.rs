@@ -18,9 +18,7 @@ use parking_lot::Mutex;
 use rand::Rng;
 use tokio::sync::mpsc;
 
-use super::{
-    Completion, OwnerToken, Record, RecordKey, RecordState, RecordStore, StoreError, WriteOutcome,
-};
+use super::{Completion, OwnerToken, Record, RecordKey, RecordState, RecordStore, WriteOutcome};
 
 /// Retry settings.
 #[derive(Clone, Debug)]
@@ -264,11 +262,6 @@ pub fn dead_letter_line(job: &PendingCompletion, attempts: u32, reason: &str) ->
         "response": response,
     });
     format!("{v}\n")
-}
-
-/// Whether a store error is worth retrying (outages), as opposed to a permanent refusal.
-pub fn is_retryable(e: &StoreError) -> bool {
-    matches!(e, StoreError::Unavailable(_))
 }
 
 #[cfg(test)]
