@@ -78,6 +78,9 @@ pub enum Problem {
     StoreFull,
     /// No route and no default upstream.
     NoRoute,
+    /// A standard method sent in another case (`post`): methods are case-sensitive, and a
+    /// backend that folds case would execute it unprotected.
+    MethodCase,
     /// The backend could not be reached; nothing was sent, the key was released.
     UpstreamConnect,
     /// The request was sent but no complete answer came back; the key stays locked.
@@ -99,6 +102,7 @@ impl Problem {
             Problem::FingerprintMismatch => 422,
             Problem::StoreUnavailable | Problem::StoreFull => 503,
             Problem::NoRoute => 404,
+            Problem::MethodCase => 400,
             Problem::UpstreamConnect => 502,
             Problem::UpstreamOutcomeUnknown => 504,
         }
@@ -119,6 +123,7 @@ impl Problem {
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
             Problem::NoRoute => "no-route",
+            Problem::MethodCase => "method-case",
             Problem::UpstreamConnect => "upstream-unreachable",
             Problem::UpstreamOutcomeUnknown => "upstream-outcome-unknown",
         }
@@ -139,6 +144,7 @@ impl Problem {
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
             Problem::NoRoute => "No route for this request",
+            Problem::MethodCase => "Request method in the wrong case",
             Problem::UpstreamConnect => "Backend unreachable",
             Problem::UpstreamOutcomeUnknown => "Backend outcome unknown",
         }
@@ -170,6 +176,9 @@ impl Problem {
                 live records."
                 .into(),
             Problem::NoRoute => "No configured route matches this request.".into(),
+            Problem::MethodCase => "HTTP methods are case-sensitive; send the standard method \
+                in upper case."
+                .into(),
             Problem::UpstreamConnect => "The backend could not be reached; the request was not \
                 sent and may be retried with the same key."
                 .into(),
@@ -191,7 +200,7 @@ impl Problem {
             Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
             Problem::FingerprintMismatch => Outcome::Mismatch,
             Problem::StoreUnavailable | Problem::StoreFull => Outcome::Unavailable,
-            Problem::NoRoute => Outcome::Invalid,
+            Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect | Problem::UpstreamOutcomeUnknown => Outcome::Miss,
         }
     }

@@ -832,10 +832,27 @@ async fn read_final_header(up: &mut UpstreamSession) -> Result<ResponseHeader> {
             ));
         };
         let code = resp.status.as_u16();
-        if code >= 200 || code == 101 {
+        if code == 101 {
+            // `Upgrade` is never forwarded on a keyed request: a switch nobody asked for.
+            return Err(Error::explain(
+                pingora::ErrorType::InvalidHTTPHeader,
+                "101 Switching Protocols to a request without Upgrade",
+            ));
+        }
+        if code >= 200 {
             return Ok(resp.clone());
         }
     }
+}
+
+/// `post`, `Get`, …: an extension method as far as HTTP goes (methods are case-sensitive), but one
+/// a case-folding backend would run as the standard method, past every route that lists it.
+fn is_standard_method_in_other_case(method: &http::Method) -> bool {
+    const STANDARD: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    let m = method.as_str();
+    m.bytes().any(|b| b.is_ascii_lowercase()) && STANDARD.iter().any(|s| s.eq_ignore_ascii_case(m))
 }
 
 /// The headers a `Connection` header names: hop-by-hop too (RFC 9110 §7.6.1).
@@ -901,6 +918,11 @@ impl ProxyHttp for Gate {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
         let gen = ctx.gen.clone();
         let req = session.req_header();
+        if is_standard_method_in_other_case(&req.method) {
+            let problem = Problem::MethodCase;
+            write_problem(session, &problem, Some(problem.outcome())).await?;
+            return Ok(true);
+        }
         match gen.config.match_route(&req.method, req.uri.path()) {
             RouteMatch::NoRoute => {
                 write_problem(session, &Problem::NoRoute, None).await?;
@@ -1028,6 +1050,17 @@ mod tests {
         let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["content-type", "x-order", "x-order"]);
         assert_eq!(kept[2].1, Bytes::from_static(b"b"));
+    }
+
+    #[test]
+    fn standard_methods_in_another_case_are_recognised() {
+        let m = |s: &str| http::Method::from_bytes(s.as_bytes()).expect("method");
+        for odd in ["post", "Post", "pOST", "get", "patch", "Delete"] {
+            assert!(is_standard_method_in_other_case(&m(odd)), "{odd}");
+        }
+        for fine in ["POST", "GET", "PURGE", "purge", "posts", "MKCOL"] {
+            assert!(!is_standard_method_in_other_case(&m(fine)), "{fine}");
+        }
     }
 
     #[test]

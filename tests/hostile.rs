@@ -133,6 +133,24 @@ fn cases() -> Vec<Case> {
             true,
         ),
         c("255-char key", post().key(&"k".repeat(255)), 201, true),
+        c(
+            "lower-case post",
+            Request::new("post", "/orders").key("m1").body("{}"),
+            400,
+            false,
+        ),
+        c(
+            "mixed-case Post",
+            Request::new("Post", "/orders").key("m2").body("{}"),
+            400,
+            false,
+        ),
+        c(
+            "lower-case get, no route idempotency",
+            Request::new("get", "/plain"),
+            400,
+            false,
+        ),
     ]
 }
 

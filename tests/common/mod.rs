@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod client;
 pub mod proxy;
+pub mod rawbackend;
 pub mod redis;
 
 pub use backend::Backend;

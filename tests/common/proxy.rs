@@ -40,8 +40,13 @@ impl ProxyBuilder {
     }
 
     pub fn new(backend: &Backend) -> Self {
+        Self::to(backend.addr)
+    }
+
+    /// A proxy in front of any backend address.
+    pub fn to(backend: SocketAddr) -> Self {
         ProxyBuilder {
-            backend: backend.addr,
+            backend,
             idempotency: vec![],
             upstream: vec![],
             store_backend: "memory",

@@ -1,0 +1,108 @@
+//! A backend that answers every request with scripted raw bytes, for upstream answers a
+//! well-behaved HTTP library would never send: no length, both `Content-Length` and chunked,
+//! 1xx before the final answer, trailers, a close in the middle of the body.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// One step of the scripted answer.
+#[derive(Clone, Debug)]
+pub enum Step {
+    /// Write these bytes.
+    Send(Vec<u8>),
+    /// Wait before the next step.
+    Pause(Duration),
+    /// Close the connection (after the steps so far); later steps are ignored.
+    Close,
+}
+
+/// The running backend. Every complete request it reads counts as one execution.
+#[derive(Clone)]
+pub struct RawBackend {
+    pub addr: SocketAddr,
+    executions: Arc<AtomicUsize>,
+}
+
+impl RawBackend {
+    /// Starts on a free loopback port; each request on a connection gets `script`. Without a
+    /// `Close` step the connection is kept for the next request.
+    pub async fn start(script: Vec<Step>) -> RawBackend {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let executions = Arc::new(AtomicUsize::new(0));
+        let count = executions.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let script = script.clone();
+                let count = count.clone();
+                tokio::spawn(serve(stream, script, count));
+            }
+        });
+        RawBackend { addr, executions }
+    }
+
+    /// Requests read so far.
+    pub fn count(&self) -> usize {
+        self.executions.load(Ordering::SeqCst)
+    }
+}
+
+async fn serve(mut stream: TcpStream, script: Vec<Step>, count: Arc<AtomicUsize>) {
+    let mut buf = Vec::new();
+    loop {
+        if read_request(&mut stream, &mut buf).await.is_none() {
+            return;
+        }
+        count.fetch_add(1, Ordering::SeqCst);
+        for step in &script {
+            match step {
+                Step::Send(bytes) => {
+                    if stream.write_all(bytes).await.is_err() {
+                        return;
+                    }
+                }
+                Step::Pause(d) => tokio::time::sleep(*d).await,
+                Step::Close => {
+                    let _ = stream.shutdown().await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Reads one request with a `Content-Length` body (idemgate always sends one upstream).
+async fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    while buf.len() < head_end + length {
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    buf.drain(..head_end + length);
+    Some(())
+}
