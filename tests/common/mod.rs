@@ -5,6 +5,7 @@ pub mod backend;
 pub mod client;
 pub mod proxy;
 pub mod redis;
+pub mod tls;
 
 pub use backend::Backend;
 pub use client::{Request, Response};
