@@ -186,13 +186,17 @@ impl Admin {
         let Some(expected) = config.config.admin.token.as_deref() else {
             return false;
         };
-        let given = session
+        let mut given = session
             .req_header()
             .headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-            .unwrap_or_default();
-        constant_time_eq(given, expected.as_bytes())
+            .get_all(http::header::AUTHORIZATION)
+            .iter();
+        // Exactly one Authorization header: with two, which one is meant is a guess.
+        match (given.next(), given.next()) {
+            (Some(value), None) => bearer_token(value.as_bytes())
+                .is_some_and(|token| constant_time_eq(token, expected.as_bytes())),
+            _ => false,
+        }
     }
 
     async fn reload(&self) -> Response<Vec<u8>> {
@@ -310,12 +314,28 @@ fn record_json(
     v
 }
 
-/// Compares two byte strings in time that depends only on their lengths.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The token of an `Authorization: Bearer <token>` value. The scheme is case-insensitive
+/// (RFC 9110 §11.1); the token is taken as sent.
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(7)?;
+    (scheme.eq_ignore_ascii_case(b"bearer ") && !token.is_empty()).then_some(token)
+}
+
+/// Whether `given` equals `expected`, in time that tells an attacker nothing about `expected`.
+///
+/// Both sides are hashed (SHA-256) and all 32 bytes of the digests are compared without an
+/// early exit, so the time depends neither on where the first difference is nor on the
+/// expected token's length (a plain byte comparison returns at once on a length mismatch,
+/// which lets a caller find the token's length). `black_box` keeps the compiler from turning
+/// the fold back into a short-circuiting comparison.
+fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
+    use sha2::{Digest, Sha256};
+    let (given, expected) = (Sha256::digest(given), Sha256::digest(expected));
+    let diff = given
+        .iter()
+        .zip(expected.iter())
+        .fold(0u8, |acc, (x, y)| acc | std::hint::black_box(x ^ y));
+    std::hint::black_box(diff) == 0
 }
 
 fn json(status: StatusCode, value: serde_json::Value) -> Response<Vec<u8>> {
@@ -377,6 +397,12 @@ fn config_json(c: &Config) -> serde_json::Value {
             "connect_timeout": secs(r.connect_timeout),
             "response_timeout": secs(r.response_timeout),
             "key_prefix": r.key_prefix,
+            // Paths only: the files' contents (a private key) never leave the process.
+            "tls": r.tls.as_ref().map(|t| json!({
+                "ca_file": t.ca_file.as_ref().map(|p| p.display().to_string()),
+                "cert_file": t.cert_file.as_ref().map(|p| p.display().to_string()),
+                "key_file": t.key_file.as_ref().map(|p| p.display().to_string()),
+            })),
         })
     });
     json!({
@@ -470,5 +496,55 @@ impl ServeHttp for Admin {
             ),
             _ => text(StatusCode::NOT_FOUND, "text/plain", b"not found\n".to_vec()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: &[u8] = b"admin-token-0123456789abcdef";
+
+    #[test]
+    fn constant_time_eq_needs_every_byte_to_match() {
+        assert!(constant_time_eq(TOKEN, TOKEN));
+        // A difference in any single byte, first, middle or last, is caught: every byte counts.
+        for i in 0..TOKEN.len() {
+            let mut other = TOKEN.to_vec();
+            other[i] ^= 0x01;
+            assert!(!constant_time_eq(&other, TOKEN), "byte {i} ignored");
+        }
+        // Prefixes, extensions and the empty string are other tokens.
+        for n in 0..TOKEN.len() {
+            assert!(!constant_time_eq(&TOKEN[..n], TOKEN), "prefix of {n} bytes");
+        }
+        let mut longer = TOKEN.to_vec();
+        longer.push(b'x');
+        assert!(!constant_time_eq(&longer, TOKEN));
+        assert!(!constant_time_eq(b"", TOKEN));
+    }
+
+    #[test]
+    fn bearer_tokens_are_read_with_a_case_insensitive_scheme() {
+        assert_eq!(bearer_token(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_token(b"bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_token(b"BEARER abc"), Some(&b"abc"[..]));
+        for bad in [
+            &b"Bearer "[..],
+            b"Bearer",
+            b"Basic abc",
+            b"Bearerabc",
+            b"abc",
+            b"",
+        ] {
+            assert_eq!(
+                bearer_token(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // The token is not trimmed or folded: a padded token is another token.
+        assert_eq!(bearer_token(b"Bearer  abc"), Some(&b" abc"[..]));
     }
 }

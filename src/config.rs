@@ -202,6 +202,23 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Which Lua script versions run (`store.redis.scripts`); applied live on reload.
     pub scripts: ScriptsConfig,
+    /// Certificates for TLS connections (`store.redis.tls`); when set, every URL uses TLS.
+    pub tls: Option<RedisTlsConfig>,
+}
+
+/// Certificates for the TLS connections of the Redis store (`store.redis.tls`). The files were
+/// readable and held PEM of the right kind when the config was loaded; the store reads them
+/// again when it starts. Certificate verification is never turned off: a private CA is trusted
+/// by naming it here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisTlsConfig {
+    /// PEM file of the CA certificate(s) the server's certificate must chain to. It replaces
+    /// the built-in Mozilla roots; `None` keeps them.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain (PEM) for mutual TLS. Set exactly when `key_file` is.
+    pub cert_file: Option<PathBuf>,
+    /// Private key (PEM) of `cert_file`. Set exactly when `cert_file` is.
+    pub key_file: Option<PathBuf>,
 }
 
 /// Which Lua script versions the Redis store runs, and the canary (`store.redis.scripts`).
@@ -257,11 +274,13 @@ pub enum RedisTopology {
     Sentinel,
 }
 
-/// A parsed `redis+sentinel://[user[:pass]@]host[:port][,host[:port]...]/<master>[/<db>]` URL.
+/// A parsed `redis+sentinel://[user[:pass]@]host[:port][,host[:port]...]/<master>[/<db>]` URL
+/// (or `rediss+sentinel://`: the same over TLS).
 ///
 /// The hosts are Sentinels (default port 26379); `master` is the name they monitor; user,
 /// password and database apply to the primary they name. The Sentinels themselves are
-/// reached without authentication or TLS.
+/// reached without authentication; with `rediss+sentinel://` both the Sentinels and the
+/// primary are reached over TLS.
 // Debug is hand-written: the password stays out of logs.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SentinelUrl {
@@ -275,6 +294,8 @@ pub struct SentinelUrl {
     pub username: Option<String>,
     /// Password for the primary, percent-decoded.
     pub password: Option<String>,
+    /// Whether the Sentinels and the primary are reached over TLS (`rediss+sentinel://`).
+    pub tls: bool,
 }
 
 /// What to do with an idempotent request when the store cannot be reached.
@@ -417,8 +438,14 @@ const DURATION_HINT: &str = "use e.g. 250ms, 30s, 5m, 24h";
 const BYTES_HINT: &str = "use e.g. 1048576, 512KiB, 256MiB, 1GiB";
 const STATUS_HINT: &str =
     "use a class (2xx, 3xx, 4xx, 5xx), an exact code (201) or a quoted exclusion (\"!429\")";
-const REDIS_SCHEMES: [&str; 3] = ["redis://", "rediss://", "redis+sentinel://"];
+const REDIS_SCHEMES: [&str; 4] = [
+    "redis://",
+    "rediss://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+];
 const SENTINEL_SCHEME: &str = "redis+sentinel://";
+const SENTINEL_TLS_SCHEME: &str = "rediss+sentinel://";
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const DEFAULT_SCRIPTS_VERSION: &str = "v1";
 const DEFAULT_SENTINEL_PORT: u16 = 26379;
@@ -574,6 +601,15 @@ struct FileRedis {
     response_timeout: Scalar,
     key_prefix: String,
     scripts: FileScripts,
+    tls: Option<FileRedisTls>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileRedisTls {
+    ca_file: Option<String>,
+    cert_file: Option<String>,
+    key_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -755,6 +791,7 @@ impl Default for FileRedis {
             response_timeout: Scalar::text("200ms"),
             key_prefix: "idemgate".to_owned(),
             scripts: FileScripts::default(),
+            tls: None,
         }
     }
 }
@@ -1218,16 +1255,44 @@ impl FileRedis {
         };
         let several = urls.len() > 1;
         let mut sentinels = 0;
+        let mut plain = None;
         for (i, url) in urls.iter().enumerate() {
             let field = if several {
                 format!("{field}[{i}]")
             } else {
                 field.to_owned()
             };
-            if check_redis_url(url).map_err(|message| invalid(field, message))? {
+            if check_redis_url(url).map_err(|message| invalid(field.clone(), message))? {
                 sentinels += 1;
             }
+            if !uses_tls(url) {
+                plain.get_or_insert(field);
+            }
         }
+        // One transport for every node: a seed list that mixes TLS and plain text would let
+        // some connections go out unencrypted.
+        if plain.is_some() && urls.iter().any(|url| uses_tls(url)) {
+            return Err(invalid(
+                "store.redis.urls",
+                "mixes TLS (rediss://) and plain-text (redis://) URLs; use one for all",
+            ));
+        }
+        let tls = match self.tls {
+            None => None,
+            Some(block) => {
+                // The block asks for TLS: a plain URL beside it would silently go unencrypted.
+                if let Some(field) = plain {
+                    return Err(invalid(
+                        "store.redis.tls",
+                        format!(
+                            "is set, but {field} is a plain-text URL; use rediss:// \
+                             (or rediss+sentinel://) with store.redis.tls"
+                        ),
+                    ));
+                }
+                Some(block.into_config()?)
+            }
+        };
         let topology = if sentinels > 0 {
             if sentinels != urls.len() {
                 return Err(invalid(
@@ -1285,8 +1350,81 @@ impl FileRedis {
             )?,
             key_prefix: self.key_prefix,
             scripts: self.scripts.into_config()?,
+            tls,
         })
     }
+}
+
+/// What a PEM file given in `store.redis.tls` must hold.
+#[derive(Clone, Copy)]
+enum Pem {
+    Certificates,
+    PrivateKey,
+}
+
+impl FileRedisTls {
+    fn into_config(self) -> Result<RedisTlsConfig, ConfigError> {
+        let file = |field: &str, raw: Option<String>, kind: Pem| {
+            raw.map(|raw| pem_file(&format!("store.redis.tls.{field}"), &raw, kind))
+                .transpose()
+        };
+        let ca_file = file("ca_file", self.ca_file, Pem::Certificates)?;
+        let cert_file = file("cert_file", self.cert_file, Pem::Certificates)?;
+        let key_file = file("key_file", self.key_file, Pem::PrivateKey)?;
+        match (&cert_file, &key_file) {
+            (Some(_), None) => Err(invalid(
+                "store.redis.tls.key_file",
+                "is required with cert_file (the client certificate's private key)",
+            )),
+            (None, Some(_)) => Err(invalid(
+                "store.redis.tls.cert_file",
+                "is required with key_file (the client certificate)",
+            )),
+            _ => Ok(RedisTlsConfig {
+                ca_file,
+                cert_file,
+                key_file,
+            }),
+        }
+    }
+}
+
+/// Checks that `raw` names a readable file holding PEM of `kind`. Messages name the file, never
+/// its contents (a key file is a secret).
+fn pem_file(field: &str, raw: &str, kind: Pem) -> Result<PathBuf, ConfigError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    if raw.trim().is_empty() {
+        return Err(invalid(field, "must not be empty"));
+    }
+    let path = PathBuf::from(raw);
+    let bytes = std::fs::read(&path)
+        .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
+    let holds = match kind {
+        Pem::Certificates => {
+            let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
+            certs.is_ok_and(|c| !c.is_empty())
+        }
+        Pem::PrivateKey => PrivateKeyDer::from_pem_slice(&bytes).is_ok(),
+    };
+    if !holds {
+        let what = match kind {
+            Pem::Certificates => "no PEM certificate (-----BEGIN CERTIFICATE-----)",
+            Pem::PrivateKey => "no PEM private key (PKCS#8, PKCS#1 or SEC1)",
+        };
+        return Err(invalid(field, format!("{} holds {what}", path.display())));
+    }
+    Ok(path)
+}
+
+/// Whether a store URL is reached over TLS.
+fn uses_tls(url: &str) -> bool {
+    url.starts_with("rediss://") || url.starts_with(SENTINEL_TLS_SCHEME)
+}
+
+/// Whether a store URL names Sentinels.
+fn is_sentinel_url(url: &str) -> bool {
+    url.starts_with(SENTINEL_SCHEME) || url.starts_with(SENTINEL_TLS_SCHEME)
 }
 
 impl FileScripts {
@@ -1385,13 +1523,23 @@ fn check_redis_url(url: &str) -> Result<bool, String> {
             // Only the scheme is echoed: the rest may carry a password.
             let scheme = url.split_once("://").map_or("", |(s, _)| s);
             return Err(format!(
-                "unsupported scheme {scheme:?} (use redis://, rediss:// or redis+sentinel://)"
+                "unsupported scheme {scheme:?} (use redis://, rediss://, redis+sentinel:// or \
+                 rediss+sentinel://)"
             ));
         }
     }
-    if url.starts_with(SENTINEL_SCHEME) {
+    if is_sentinel_url(url) {
         parse_sentinel_url(url)?;
         return Ok(true);
+    }
+    // redis-rs reads `rediss://...#insecure` as "accept any certificate". Verification is
+    // never turned off here; a private CA is trusted with store.redis.tls.ca_file.
+    if url.contains('#') {
+        return Err(
+            "URL fragments are not supported (#insecure would turn off certificate \
+             verification; trust a private CA with store.redis.tls.ca_file instead)"
+                .to_owned(),
+        );
     }
     redis::IntoConnectionInfo::into_connection_info(url).map_err(|_| {
         "not a valid Redis URL (use redis[s]://[user[:password]@]host[:port][/db])".to_owned()
@@ -1402,10 +1550,15 @@ fn check_redis_url(url: &str) -> Result<bool, String> {
 /// Parses a `redis+sentinel://` URL (see [`SentinelUrl`]). Errors never echo the URL.
 pub fn parse_sentinel_url(url: &str) -> Result<SentinelUrl, String> {
     const SHAPE: &str =
-        "use redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master>[/<db>]";
-    let rest = url
-        .strip_prefix(SENTINEL_SCHEME)
-        .ok_or_else(|| format!("not a Sentinel URL ({SHAPE})"))?;
+        "use redis[s]+sentinel://[user[:password]@]host[:port][,host[:port]...]/<master>[/<db>]";
+    let (rest, tls) = match url.strip_prefix(SENTINEL_TLS_SCHEME) {
+        Some(rest) => (rest, true),
+        None => (
+            url.strip_prefix(SENTINEL_SCHEME)
+                .ok_or_else(|| format!("not a Sentinel URL ({SHAPE})"))?,
+            false,
+        ),
+    };
     if rest.contains(['?', '#']) {
         return Err(format!("query and fragment are not supported ({SHAPE})"));
     }
@@ -1457,6 +1610,7 @@ pub fn parse_sentinel_url(url: &str) -> Result<SentinelUrl, String> {
         db,
         username,
         password,
+        tls,
     })
 }
 
@@ -2010,6 +2164,7 @@ impl fmt::Debug for RedisConfig {
             .field("response_timeout", &self.response_timeout)
             .field("key_prefix", &self.key_prefix)
             .field("scripts", &self.scripts)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -2022,6 +2177,7 @@ impl fmt::Debug for SentinelUrl {
             .field("db", &self.db)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -2168,6 +2324,31 @@ routes:
             "store: {{redis: {{scripts: {{canary: {{version: v2, percent: 10}}}}}}}}\n{MINIMAL}"
         ));
         assert_eq!(Some(canary), minimal.store.redis.unwrap().scripts.canary);
+    }
+
+    #[test]
+    fn reference_config_tls_example_loads() {
+        let start = REFERENCE.find("    # tls:\n").expect("tls example");
+        let end = start + REFERENCE[start..].find("client.key\n").unwrap() + 11;
+        let uncommented: String = REFERENCE[start..end]
+            .lines()
+            .map(|line| format!("    {}\n", line.strip_prefix("    # ").unwrap()))
+            .collect::<String>()
+            .replace("/etc/idemgate/redis/ca.pem", FIXTURE_CERT)
+            .replace("/etc/idemgate/redis/client.pem", FIXTURE_CERT)
+            .replace("/etc/idemgate/redis/client.key", FIXTURE_KEY);
+        let text = REFERENCE
+            .replace(&REFERENCE[start..end], &uncommented)
+            .replace(
+                "url: redis://127.0.0.1:6379",
+                "url: rediss://127.0.0.1:6379",
+            );
+        let tls = load(&text).store.redis.unwrap().tls.expect("tls");
+        assert_eq!(tls.ca_file, Some(PathBuf::from(FIXTURE_CERT)));
+        assert_eq!(tls.key_file, Some(PathBuf::from(FIXTURE_KEY)));
+        // With its plain-text URL the reference would send TLS settings nowhere: refused.
+        let plain = REFERENCE.replace(&REFERENCE[start..end], &uncommented);
+        assert_eq!(load_err(&plain).field(), Some("store.redis.tls"));
     }
 
     #[test]
@@ -2669,6 +2850,128 @@ routes:
         );
     }
 
+    const FIXTURE_CERT: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/redis-tls/cert.pem"
+    );
+    const FIXTURE_KEY: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/redis-tls/key.pem"
+    );
+
+    /// A config whose Redis block has `url` and `tls: {tls}`.
+    fn with_tls(url: &str, tls: &str) -> String {
+        format!("store: {{redis: {{url: \"{url}\", tls: {tls}}}}}\n{MINIMAL}")
+    }
+
+    #[test]
+    fn redis_tls_block_keeps_checked_paths() {
+        let config = load(&with_tls(
+            "rediss://cache:6380",
+            &format!(
+                "{{ca_file: \"{FIXTURE_CERT}\", cert_file: \"{FIXTURE_CERT}\", key_file: \"{FIXTURE_KEY}\"}}"
+            ),
+        ));
+        let tls = config.store.redis.unwrap().tls.expect("tls block");
+        assert_eq!(tls.ca_file, Some(PathBuf::from(FIXTURE_CERT)));
+        assert_eq!(tls.cert_file, Some(PathBuf::from(FIXTURE_CERT)));
+        assert_eq!(tls.key_file, Some(PathBuf::from(FIXTURE_KEY)));
+        // An empty block: TLS with the built-in roots, and every URL must use it.
+        let empty = load(&with_tls("rediss://cache:6380", "{}"));
+        assert_eq!(
+            empty.store.redis.unwrap().tls,
+            Some(RedisTlsConfig {
+                ca_file: None,
+                cert_file: None,
+                key_file: None
+            })
+        );
+        // No block: no TLS settings (a rediss:// URL alone trusts the built-in roots).
+        let none = load(&format!(
+            "store: {{redis: {{url: \"rediss://cache\"}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(none.store.redis.unwrap().tls, None);
+    }
+
+    #[test]
+    fn redis_tls_files_are_checked_at_load_naming_the_field() {
+        let ca = |path: &str| with_tls("rediss://cache", &format!("{{ca_file: \"{path}\"}}"));
+        let missing = assert_field(&ca("/nonexistent/ca.pem"), "store.redis.tls.ca_file");
+        assert!(missing.contains("/nonexistent/ca.pem"), "{missing}");
+        assert_field(&ca(""), "store.redis.tls.ca_file");
+        // A key where a certificate belongs, and the other way round.
+        let wrong = assert_field(&ca(FIXTURE_KEY), "store.redis.tls.ca_file");
+        assert!(wrong.contains("no PEM certificate"), "{wrong}");
+        let key_as_cert = assert_field(
+            &with_tls(
+                "rediss://cache",
+                &format!("{{cert_file: \"{FIXTURE_CERT}\", key_file: \"{FIXTURE_CERT}\"}}"),
+            ),
+            "store.redis.tls.key_file",
+        );
+        assert!(key_as_cert.contains("no PEM private key"), "{key_as_cert}");
+        // The error names the file but never echoes a key file's contents.
+        let key_text = std::fs::read_to_string(FIXTURE_KEY).unwrap();
+        let body_line = key_text.lines().nth(1).unwrap();
+        assert!(!wrong.contains(body_line), "{wrong}");
+        // A client certificate and its key go together.
+        assert_field(
+            &with_tls(
+                "rediss://cache",
+                &format!("{{cert_file: \"{FIXTURE_CERT}\"}}"),
+            ),
+            "store.redis.tls.key_file",
+        );
+        assert_field(
+            &with_tls(
+                "rediss://cache",
+                &format!("{{key_file: \"{FIXTURE_KEY}\"}}"),
+            ),
+            "store.redis.tls.cert_file",
+        );
+        // There is no switch to skip verification.
+        let err = load_err(&with_tls("rediss://cache", "{insecure_skip_verify: true}"));
+        assert!(err.to_string().contains("insecure_skip_verify"), "{err}");
+    }
+
+    #[test]
+    fn redis_tls_is_all_or_nothing() {
+        // A tls block beside a plain URL would send everything unencrypted.
+        let msg = assert_field(&with_tls("redis://cache", "{}"), "store.redis.tls");
+        assert!(msg.contains("store.redis.url"), "{msg}");
+        assert_field(
+            &format!(
+                "store: {{redis: {{urls: [\"redis+sentinel://s/m\"], tls: {{}}}}}}\n{MINIMAL}"
+            ),
+            "store.redis.tls",
+        );
+        // Cluster seeds share one transport.
+        assert_field(
+            &format!("store: {{redis: {{urls: [\"rediss://a:1\", \"redis://b:1\"]}}}}\n{MINIMAL}"),
+            "store.redis.urls",
+        );
+        // `#insecure` (redis-rs: accept any certificate) is refused.
+        let msg = assert_field(
+            &format!("store: {{redis: {{url: \"rediss://cache:6380/#insecure\"}}}}\n{MINIMAL}"),
+            "store.redis.url",
+        );
+        assert!(msg.contains("ca_file"), "{msg}");
+        // TLS through Sentinel.
+        let config = load(&with_tls("rediss+sentinel://s1:26379/mymaster", "{}"));
+        let redis = config.store.redis.unwrap();
+        assert_eq!(redis.topology, RedisTopology::Sentinel);
+        assert!(parse_sentinel_url(&redis.urls[0]).unwrap().tls);
+        assert!(!parse_sentinel_url("redis+sentinel://s1/m").unwrap().tls);
+        let seeds = "[\"rediss://a:1\", \"rediss://b:1\"]";
+        let cluster = load(&format!(
+            "store: {{redis: {{urls: {seeds}, tls: {{ca_file: \"{FIXTURE_CERT}\"}}}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(
+            cluster.store.redis.unwrap().topology,
+            RedisTopology::Cluster
+        );
+    }
+
     #[test]
     fn redis_timeouts() {
         let config = load(&format!(
@@ -2738,6 +3041,7 @@ routes:
             response_timeout: Duration::from_millis(200),
             key_prefix: "p".into(),
             scripts: ScriptsConfig::default(),
+            tls: None,
         };
         let debug = format!("{redis:?}");
         assert!(!debug.contains("secret"), "{debug}");

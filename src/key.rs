@@ -58,6 +58,9 @@ pub enum TenantError {
     /// The tenant holds a character outside `[A-Za-z0-9._:-]`.
     #[error("the tenant may only contain letters, digits, '.', '_', ':' and '-'")]
     InvalidCharacter,
+    /// The tenant header was sent several times with different values.
+    #[error("the tenant header carries more than one distinct tenant")]
+    ConflictingValues,
 }
 
 /// Parses every value of the key header. `Ok(None)` = header absent.
@@ -98,6 +101,27 @@ pub fn parse_key<'a>(
         key.extend(Unescape(inner).map(char::from));
         key
     }))
+}
+
+/// Reads every value of the tenant header. `Ok(None)` = header absent (the default tenant
+/// applies).
+///
+/// Repeating the header with one value is that value; different values are refused rather than
+/// one picked: a gateway that appends the authenticated tenant after a client-sent one would
+/// otherwise let the client choose whose records it reaches.
+pub fn parse_tenant<'a>(
+    values: impl IntoIterator<Item = &'a http::HeaderValue>,
+) -> Result<Option<&'a str>, TenantError> {
+    let mut tenant: Option<&'a str> = None;
+    for value in values {
+        let this = validate_tenant(value.as_bytes())?;
+        match tenant {
+            None => tenant = Some(this),
+            Some(seen) if seen == this => {}
+            Some(_) => return Err(TenantError::ConflictingValues),
+        }
+    }
+    Ok(tenant)
 }
 
 /// Validates a tenant value: 1..=128 bytes of `[A-Za-z0-9._:-]`.
@@ -489,6 +513,30 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_repeated_tenant_header_must_agree() {
+        let values = |vs: &[&[u8]]| vs.iter().map(|v| hv(v)).collect::<Vec<_>>();
+        assert_eq!(parse_tenant(values(&[]).iter()), Ok(None));
+        assert_eq!(parse_tenant(values(&[b"acme"]).iter()), Ok(Some("acme")));
+        assert_eq!(
+            parse_tenant(values(&[b"acme", b"acme"]).iter()),
+            Ok(Some("acme"))
+        );
+        for pair in [[&b"acme"[..], b"globex"], [b"globex", b"acme"]] {
+            assert_eq!(
+                parse_tenant(values(&pair).iter()),
+                Err(TenantError::ConflictingValues)
+            );
+        }
+        // A bad value anywhere is reported as such.
+        assert_eq!(
+            parse_tenant(values(&[b"acme", b"a b"]).iter()),
+            Err(TenantError::InvalidCharacter)
+        );
+        let err = parse_tenant(values(&[b"secret-a", b"secret-b"]).iter()).unwrap_err();
+        assert!(!err.to_string().contains("secret"), "{err}");
     }
 
     fn auth() -> Vec<HeaderName> {

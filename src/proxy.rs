@@ -294,16 +294,15 @@ impl Gate {
         };
 
         // Step 3: tenant and principal scope.
-        let tenant = match req.headers.get(&config.idempotency.tenant_header) {
-            None => config.idempotency.default_tenant.clone(),
-            Some(v) => match key::validate_tenant(v.as_bytes()) {
-                Ok(t) => t.to_owned(),
-                Err(e) => {
-                    return self
-                        .refuse(session, Problem::TenantInvalid(e.to_string()))
-                        .await
-                }
-            },
+        let tenant = match key::parse_tenant(req.headers.get_all(&config.idempotency.tenant_header))
+        {
+            Ok(None) => config.idempotency.default_tenant.clone(),
+            Ok(Some(t)) => t.to_owned(),
+            Err(e) => {
+                return self
+                    .refuse(session, Problem::TenantInvalid(e.to_string()))
+                    .await
+            }
         };
         let hash = key::record_hash(&tenant, &req.headers, &idem.scope_headers, &key);
         ctx.record_label = Some(key::hash_label(&hash));
@@ -394,7 +393,8 @@ impl Gate {
             }
             match existing.state {
                 RecordState::Completed(Completion::Response(stored)) => {
-                    self.replay(session, &stored).await?;
+                    self.replay(session, &stored, &idem.replay_exclude_headers)
+                        .await?;
                     return Ok(Some(Handled {
                         outcome: Outcome::Hit,
                     }));
@@ -724,10 +724,20 @@ impl Gate {
         }
     }
 
-    /// Writes a stored response back byte for byte, plus the replay markers.
-    async fn replay(&self, session: &mut Session, stored: &StoredResponse) -> Result<()> {
+    /// Writes a stored response back byte for byte, plus the replay markers. Headers the
+    /// route excludes now are skipped too: the exclusions of the running config hold even for
+    /// records stored under an older one (e.g. before `Set-Cookie` was excluded again).
+    async fn replay(
+        &self,
+        session: &mut Session,
+        stored: &StoredResponse,
+        exclude: &[HeaderName],
+    ) -> Result<()> {
         let mut resp = ResponseHeader::build(stored.status, Some(stored.headers.len() + 4))?;
         for (name, value) in &stored.headers {
+            if !is_replayable(name, exclude) {
+                continue;
+            }
             let value = HeaderValue::from_maybe_shared(value.clone())
                 .map_err(|_| Error::explain(pingora::ErrorType::InternalError, "stored header"))?;
             resp.append_header(name.clone(), value)?;
@@ -866,7 +876,9 @@ fn connection_tokens(headers: &http::HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
-/// The end-to-end headers of a response as stored for replay: no hop-by-hop headers, no framing
+/// The end-to-end headers of a response as stored for replay: no hop-by-hop headers (the
+/// listed ones, those `Connection` names, and every `Proxy-*` header: they describe one hop or
+/// one intermediary's handling of the original message, which a replay is not), no framing
 /// (`Content-Length` is set at replay), no `Date` (a replay is a new message), and none of
 /// `replay_exclude_headers`.
 fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String, Bytes)> {
@@ -874,12 +886,7 @@ fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String,
     resp.headers
         .iter()
         .filter(|(name, _)| {
-            let n = name.as_str();
-            !HOP_BY_HOP.contains(&n)
-                && n != "content-length"
-                && n != "date"
-                && !exclude.contains(name)
-                && !connection_named.contains(name)
+            is_replayable(name.as_str(), exclude) && !connection_named.contains(name)
         })
         .map(|(name, value)| {
             (
@@ -888,6 +895,16 @@ fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String,
             )
         })
         .collect()
+}
+
+/// Whether a response header (lower-case name) may be stored and replayed: not hop-by-hop (see
+/// [`replay_headers`]), not framing or `Date`, not excluded by the route.
+fn is_replayable(name: &str, exclude: &[HeaderName]) -> bool {
+    !HOP_BY_HOP.contains(&name)
+        && !name.starts_with("proxy-")
+        && name != "content-length"
+        && name != "date"
+        && !exclude.iter().any(|e| e.as_str() == name)
 }
 
 fn label(ctx: &RequestCtx) -> &str {
@@ -1045,6 +1062,10 @@ mod tests {
         resp.append_header("date", "Sun, 29 Nov 2026 00:00:00 GMT")
             .unwrap();
         resp.append_header("x-order", "a").unwrap();
+        resp.append_header("proxy-authentication-info", "n=1")
+            .unwrap();
+        resp.append_header("proxy-status", "gw; error=none")
+            .unwrap();
         resp.append_header("x-order", "b").unwrap();
         let kept = replay_headers(&resp, &[HeaderName::from_static("set-cookie")]);
         let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();

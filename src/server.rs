@@ -26,6 +26,7 @@ use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::purge::{OnPurge, PurgeBus};
+use crate::store::redis as redis_store;
 use crate::store::retry::{CompletionRetrier, RetryOptions};
 use crate::store::{MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 
@@ -135,16 +136,26 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     // Sentinel URLs name the Sentinels, not a server to publish on: purges stay local there.
     let purge = match settings.topology {
         RedisTopology::Sentinel => None,
-        _ => settings
-            .urls
-            .first()
-            .and_then(|url| match PurgeBus::new(url, &settings.key_prefix) {
-                Ok(bus) => Some((bus, forget)),
+        _ => {
+            let url = settings
+                .urls
+                .first()
+                .map(String::as_str)
+                .unwrap_or_default();
+            let client = settings
+                .tls
+                .as_ref()
+                .map(redis_store::tls_certificates)
+                .transpose()
+                .and_then(|certs| redis_store::single_client(url, certs.as_ref()));
+            match client {
+                Ok(client) => Some((PurgeBus::new(client, &settings.key_prefix), forget)),
                 Err(e) => {
                     tracing::warn!(error = %e, "purges will not reach other replicas");
                     None
                 }
-            }),
+            }
+        }
     };
     Ok(StoreStack {
         store,

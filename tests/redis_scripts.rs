@@ -73,6 +73,7 @@ fn settings(server: &RedisServer, scripts: ScriptsConfig) -> RedisConfig {
         response_timeout: SECOND,
         key_prefix: "scripttest".into(),
         scripts,
+        tls: None,
     }
 }
 

@@ -28,6 +28,7 @@ fn settings(urls: Vec<String>, topology: RedisTopology) -> RedisConfig {
         response_timeout: SECOND,
         key_prefix: PREFIX.into(),
         scripts: ScriptsConfig::default(),
+        tls: None,
     }
 }
 

@@ -15,7 +15,7 @@ fn send(bytes: &[u8]) -> Step {
 }
 
 async fn proxy(backend: &RawBackend) -> Proxy {
-    ProxyBuilder::to(backend.addr)
+    ProxyBuilder::at(backend.addr)
         .idem("lock_ttl: 1s")
         .upstream("connect_timeout: 200ms")
         .upstream("read_timeout: 500ms")

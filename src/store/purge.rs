@@ -24,13 +24,13 @@ pub struct PurgeBus {
 pub type OnPurge = Arc<dyn Fn(&RecordKey) + Send + Sync>;
 
 impl PurgeBus {
-    /// A bus on the Redis at `url`, channel `<prefix>:purge`.
-    pub fn new(url: &str, key_prefix: &str) -> Result<Self, String> {
-        let client = redis::Client::open(url).map_err(|e| format!("purge channel: {e}"))?;
-        Ok(PurgeBus {
+    /// A bus over `client` (the store's server, with its TLS settings), channel
+    /// `<prefix>:purge`.
+    pub fn new(client: redis::Client, key_prefix: &str) -> Self {
+        PurgeBus {
             client,
             channel: format!("{key_prefix}:purge"),
-        })
+        }
     }
 
     /// Announces that `key` was purged.

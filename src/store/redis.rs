@@ -38,6 +38,10 @@
 //!
 //! Connections are made on first use, not at construction, so the proxy starts while Redis is
 //! down; [`RedisStore::connect`] warms them up (and loads the scripts) when called.
+//!
+//! TLS (`rediss://`, `rediss+sentinel://`) always verifies the server's certificate and name;
+//! `store.redis.tls` replaces the trusted roots with a private CA and adds a client certificate,
+//! for every connection of every topology (and the purge channel, via [`single_client`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -51,10 +55,10 @@ use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    Cmd, ConnectionAddr, ErrorKind, RedisConnectionInfo, RedisError, RedisFuture, RedisResult,
-    ScriptInvocation, ServerErrorKind, Value,
+    ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, RedisError, RedisFuture, RedisResult,
+    ScriptInvocation, ServerErrorKind, TlsCertificates, TlsMode, Value,
 };
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -67,7 +71,9 @@ use super::{
     codec, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
     RecordState, RecordStore, StoreError, WriteOutcome,
 };
-use crate::config::{parse_sentinel_url, redact_url, RedisConfig, RedisTopology, ScriptsConfig};
+use crate::config::{
+    parse_sentinel_url, redact_url, RedisConfig, RedisTlsConfig, RedisTopology, ScriptsConfig,
+};
 use crate::scripts::{self, SourceError, Sources};
 
 /// Version name of [`Scripts::builtin`], the default active version.
@@ -109,6 +115,9 @@ pub enum SetupError {
     /// A script version the config named could not be read (it vanished since validation).
     #[error("store.redis.scripts: {0}")]
     Scripts(#[from] SourceError),
+    /// A `store.redis.tls` file could not be read or used (it changed since validation).
+    #[error("store.redis.tls: {0}")]
+    Tls(String),
 }
 
 /// Why [`RedisStore::apply_scripts`] kept the running scripts.
@@ -189,6 +198,52 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
+/// A client for one server (`redis://` or `rediss://`), with the `store.redis.tls` certificates
+/// when given. Shared by the store and the purge channel, so both trust the same CA.
+pub fn single_client(
+    url: &str,
+    certs: Option<&TlsCertificates>,
+) -> Result<redis::Client, SetupError> {
+    let refused = |err: RedisError| SetupError::Invalid(format!("{}: {err}", redact_url(url)));
+    let info = redis::IntoConnectionInfo::into_connection_info(url)
+        .map_err(refused)?
+        .set_tcp_settings(tcp_settings());
+    match certs {
+        Some(certs) => redis::Client::build_with_tls(info, certs.clone()).map_err(refused),
+        None => redis::Client::open(info).map_err(refused),
+    }
+}
+
+/// Reads the `store.redis.tls` files. The config checked them at load; reading again here
+/// reports a file that vanished since by its field. Errors name files, never their contents.
+pub fn tls_certificates(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
+    let read = |field: &str, path: &std::path::Path| {
+        std::fs::read(path)
+            .map_err(|e| SetupError::Tls(format!("{field}: cannot read {}: {e}", path.display())))
+    };
+    let root_cert = tls
+        .ca_file
+        .as_deref()
+        .map(|path| read("ca_file", path))
+        .transpose()?;
+    let client_tls = match (&tls.cert_file, &tls.key_file) {
+        (Some(cert), Some(key)) => Some(ClientTlsConfig {
+            client_cert: read("cert_file", cert)?,
+            client_key: read("key_file", key)?,
+        }),
+        _ => None,
+    };
+    let certs = TlsCertificates {
+        client_tls,
+        root_cert,
+    };
+    // Parse now (a throwaway client does it), so a bad file stops the start instead of
+    // failing every connection later.
+    redis::Client::build_with_tls("rediss://localhost", certs.clone())
+        .map_err(|e| SetupError::Tls(e.to_string()))?;
+    Ok(certs)
+}
+
 /// One connection per tokio runtime. A multiplexed connection is driven by a task on the
 /// runtime that created it, so a connection shared across pingora's runtimes (each service and,
 /// without work stealing, each proxy thread has its own) made every call wake another thread:
@@ -266,28 +321,30 @@ impl RedisStore {
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(100));
         let op_timeout = config.connect_timeout + 2 * config.response_timeout;
-        let refused =
-            |url: &str, err: RedisError| SetupError::Invalid(format!("{}: {err}", redact_url(url)));
+        let certs = config.tls.as_ref().map(tls_certificates).transpose()?;
 
         let backend = match config.topology {
             RedisTopology::Single => {
                 let url = config.urls.first().map(String::as_str).unwrap_or_default();
-                let info = redis::IntoConnectionInfo::into_connection_info(url)
-                    .map_err(|e| refused(url, e))?
-                    .set_tcp_settings(tcp_settings());
                 Backend::Single {
-                    client: redis::Client::open(info).map_err(|e| refused(url, e))?,
+                    client: single_client(url, certs.as_ref())?,
                     config: manager_config,
                     conn: PerRuntime::default(),
                 }
             }
             RedisTopology::Cluster => {
-                let client = ClusterClientBuilder::new(config.urls.iter().map(String::as_str))
+                let mut builder = ClusterClientBuilder::new(config.urls.iter().map(String::as_str))
                     .connection_timeout(config.connect_timeout)
                     .response_timeout(config.response_timeout)
                     .overall_response_timeout(Some(op_timeout))
                     .retries(2)
-                    .tcp_settings(tcp_settings())
+                    .tcp_settings(tcp_settings());
+                // The config let `tls` through only with rediss:// seeds, so this never turns
+                // TLS on for plain URLs; the nodes the cluster announces get the same settings.
+                if let Some(certs) = &certs {
+                    builder = builder.certs(certs.clone());
+                }
+                let client = builder
                     .build()
                     .map_err(|e| SetupError::Invalid(e.to_string()))?;
                 Backend::Cluster {
@@ -295,9 +352,11 @@ impl RedisStore {
                     conn: PerRuntime::default(),
                 }
             }
-            RedisTopology::Sentinel => {
-                Backend::Sentinel(SentinelBackend::new(&config.urls, manager_config)?)
-            }
+            RedisTopology::Sentinel => Backend::Sentinel(SentinelBackend::new(
+                &config.urls,
+                manager_config,
+                certs.as_ref(),
+            )?),
         };
         let (active, canary) = find_sources(&config.scripts)?;
         let version_stats = StatsRegistry::default();
@@ -911,37 +970,60 @@ impl Backend {
 // === impl SentinelBackend ===
 
 impl SentinelBackend {
-    fn new(urls: &[String], config: ConnectionManagerConfig) -> Result<Self, SetupError> {
+    fn new(
+        urls: &[String],
+        config: ConnectionManagerConfig,
+        certs: Option<&TlsCertificates>,
+    ) -> Result<Self, SetupError> {
         let mut sentinels = Vec::new();
         let mut primary = None;
         for url in urls {
             let parsed = parse_sentinel_url(url).map_err(SetupError::Invalid)?;
-            sentinels.extend(
-                parsed
-                    .sentinels
-                    .iter()
-                    .map(|(host, port)| ConnectionAddr::Tcp(host.clone(), *port)),
-            );
+            sentinels.extend(parsed.sentinels.iter().map(|(host, port)| {
+                if parsed.tls {
+                    ConnectionAddr::TcpTls {
+                        host: host.clone(),
+                        port: *port,
+                        insecure: false,
+                        tls_params: None,
+                    }
+                } else {
+                    ConnectionAddr::Tcp(host.clone(), *port)
+                }
+            }));
             primary.get_or_insert(parsed);
         }
         let primary = primary.ok_or_else(|| SetupError::Invalid("no Sentinel URL".into()))?;
-        let mut redis_info = RedisConnectionInfo::default().set_db(primary.db);
-        if let Some(user) = &primary.username {
-            redis_info = redis_info.set_username(user);
-        }
-        if let Some(password) = &primary.password {
-            redis_info = redis_info.set_password(password);
-        }
-        let node = SentinelNodeConnectionInfo::default()
-            .set_redis_connection_info(redis_info)
-            .set_tcp_settings(tcp_settings());
-        let client = SentinelClient::build(
+        let mut builder = SentinelClientBuilder::new(
             sentinels,
             primary.master.clone(),
-            Some(node),
             SentinelServerType::Master,
         )
-        .map_err(|e| SetupError::Invalid(e.to_string()))?;
+        .map_err(|e| SetupError::Invalid(e.to_string()))?
+        .set_client_to_redis_db(primary.db)
+        .set_client_to_redis_tcp_settings(tcp_settings())
+        .set_client_to_sentinel_tcp_settings(tcp_settings());
+        if let Some(user) = &primary.username {
+            builder = builder.set_client_to_redis_username(user);
+        }
+        if let Some(password) = &primary.password {
+            builder = builder.set_client_to_redis_password(password);
+        }
+        // rediss+sentinel://: the Sentinels and the primary they name are both reached over
+        // verified TLS (the config refuses `tls` settings with a plain Sentinel URL).
+        if primary.tls {
+            builder = builder
+                .set_client_to_redis_tls_mode(TlsMode::Secure)
+                .set_client_to_sentinel_tls_mode(TlsMode::Secure);
+            if let Some(certs) = certs {
+                builder = builder
+                    .set_client_to_redis_certificates(certs.clone())
+                    .set_client_to_sentinel_certificates(certs.clone());
+            }
+        }
+        let client = builder
+            .build()
+            .map_err(|e| SetupError::Invalid(e.to_string()))?;
         Ok(SentinelBackend {
             sentinel: tokio::sync::Mutex::new(client),
             config,

@@ -6,6 +6,7 @@ pub mod client;
 pub mod proxy;
 pub mod rawbackend;
 pub mod redis;
+pub mod tls;
 
 pub use backend::Backend;
 pub use client::{Request, Response};

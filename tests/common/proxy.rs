@@ -24,6 +24,7 @@ pub fn free_port() -> u16 {
 pub struct ProxyBuilder {
     backend: SocketAddr,
     idempotency: Vec<String>,
+    global_idempotency: Vec<String>,
     upstream: Vec<String>,
     store_backend: &'static str,
     store: Vec<String>,
@@ -40,14 +41,15 @@ impl ProxyBuilder {
     }
 
     pub fn new(backend: &Backend) -> Self {
-        Self::to(backend.addr)
+        Self::at(backend.addr)
     }
 
-    /// A proxy in front of any backend address.
-    pub fn to(backend: SocketAddr) -> Self {
+    /// A proxy whose upstreams are at `backend` (a server the test runs itself).
+    pub fn at(backend: SocketAddr) -> Self {
         ProxyBuilder {
             backend,
             idempotency: vec![],
+            global_idempotency: vec![],
             upstream: vec![],
             store_backend: "memory",
             store: vec![],
@@ -59,6 +61,11 @@ impl ProxyBuilder {
     /// A line (`key: value`) added to the `orders` route's idempotency block.
     pub fn idem(mut self, line: &str) -> Self {
         self.idempotency.push(line.to_string());
+        self
+    }
+    /// A line (`key: value`) added to the top-level `idempotency` block.
+    pub fn global(mut self, line: &str) -> Self {
+        self.global_idempotency.push(line.to_string());
         self
     }
     /// A line added to the `orders` upstream.
@@ -102,7 +109,7 @@ impl ProxyBuilder {
         format!(
             "listen: \"127.0.0.1:{port}\"\nthreads: 2\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
              upstreams:\n  orders:\n    addrs: [\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
-             idempotency:\n  worker_id: 1\nstore:\n  backend: {store_backend}\n{store}\
+             idempotency:\n  worker_id: 1\n{global}store:\n  backend: {store_backend}\n{store}\
              routes:\n  - name: orders\n    methods: [POST, PUT, PATCH, DELETE]\n    path_prefix: /orders\n    upstream: orders\n    idempotency:\n      key: required\n{idem}\
              \x20 - name: optional\n    methods: [POST]\n    path_prefix: /optional\n    upstream: orders\n    idempotency:\n      key: optional\n\
              \x20 - name: plain\n    path_prefix: /plain\n    upstream: orders\n",
@@ -112,6 +119,7 @@ impl ProxyBuilder {
             store_backend = self.store_backend,
             store = ind(&self.store, 2),
             idem = ind(&self.idempotency, 6),
+            global = ind(&self.global_idempotency, 2),
         )
     }
 

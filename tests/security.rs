@@ -1,0 +1,1066 @@
+//! The security properties of issue #5, each proved against the real binary:
+//!
+//! - a stored response is replayed only to the same tenant and principal, for every scope
+//!   configuration (and, with `scope_headers: []`, to any principal of the tenant, as the README
+//!   warns);
+//! - raw keys, scope values and bodies never reach logs (text and JSON), metrics or Redis key
+//!   names;
+//! - admin mutations need the exact bearer token; the admin listener is loopback by default;
+//! - Redis with an ACL user and TLS against a private CA (and mutual TLS) works, and a wrong CA
+//!   or client certificate is refused without ever forwarding;
+//! - stored responses never carry hop-by-hop headers, nor `Set-Cookie` unless configured.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::proxy::Edit;
+use common::redis::RedisServer;
+use common::tls::{Pki, TlsCluster, TlsRedis, TlsSentinel};
+use common::{Backend, Proxy, ProxyBuilder, Request};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const TOKEN: &str = "admin-token-for-security-tests-42";
+
+/// Polls `/readyz` until it answers `status` (the Redis warm-up runs in the background).
+async fn readyz_becomes(proxy: &Proxy, status: u16) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = Request::get("/readyz").send(proxy.admin).await;
+        if r.status == status {
+            return r.text();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz stayed {} ({}), wanted {status}",
+            r.status,
+            r.text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// === Redis: ACL user, TLS with a private CA, mutual TLS ===
+
+/// A proxy on the TLS Redis `redis`, trusting `pki`'s CA (with its client certificate when
+/// `client_cert`).
+async fn tls_proxy(backend: &Backend, redis: &TlsRedis, pki: &Pki, client_cert: bool) -> Proxy {
+    let mut builder = ProxyBuilder::new(backend)
+        .redis(&[redis.url()])
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN);
+    for line in pki.store_lines(client_cert) {
+        builder = builder.store(&line);
+    }
+    builder.start().await
+}
+
+#[tokio::test]
+async fn redis_over_tls_with_a_private_ca_and_an_acl_user_replays_across_instances() {
+    let pki = Pki::generate("idemgate");
+    let redis = TlsRedis::start(&pki, "no");
+    let backend = Backend::start().await;
+    let a = tls_proxy(&backend, &redis, &pki, false).await;
+    let b = tls_proxy(&backend, &redis, &pki, false).await;
+    readyz_becomes(&a, 200).await;
+    readyz_becomes(&b, 200).await;
+
+    let req = Request::post("/orders")
+        .key("tls-order-1")
+        .header("Authorization", "Bearer alice")
+        .json(r#"{"sku":"A"}"#);
+    let first = req.send(a.addr).await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    // B never saw this key: its answer comes from Redis, over TLS, as the ACL user.
+    let second = req.send(b.addr).await;
+    assert_eq!((second.status, second.result()), (201, Some("HIT")));
+    assert_eq!(second.body, first.body);
+    assert_eq!(backend.count(), 1);
+
+    // Every key the proxies wrote is a record under the prefix the ACL user is limited to.
+    let keys = redis.scan_keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert!(keys[0].starts_with("idemgate:{default:"), "{keys:?}");
+    // Both proxies are connected as the ACL user, over TLS (the server has no plain port).
+    let clients: String = redis.cmd(&["CLIENT", "LIST"]);
+    assert!(
+        clients
+            .lines()
+            .filter(|l| l.contains("user=idemgate"))
+            .count()
+            >= 2,
+        "{clients}"
+    );
+
+    // A purge through B reaches A's local copy over the TLS pub/sub connection (PUBLISH and
+    // SUBSCRIBE on the one channel the ACL grants).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let subs: Vec<redis::Value> = redis.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
+        if matches!(subs.get(1), Some(redis::Value::Int(2))) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "purge listeners: {subs:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let del = Request::new("DELETE", "/admin/records/default/tls-order-1")
+        .header("X-Idemgate-Scope-Authorization", "Bearer alice")
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(b.admin)
+        .await;
+    assert_eq!(del.status, 200, "{}", del.text());
+    assert!(del.text().contains("all replicas"), "{}", del.text());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while req.send(a.addr).await.result() != Some("MISS") {
+        assert!(
+            Instant::now() < deadline,
+            "A kept replaying a purged record"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The least-privilege rules were enough: Redis denied nothing the proxies sent.
+    let denied: Vec<redis::Value> = redis.cmd(&["ACL", "LOG"]);
+    assert!(denied.is_empty(), "ACL denials: {denied:?}");
+    // The password in the URL never reaches the log.
+    for proxy in [&a, &b] {
+        assert!(!proxy.log().contains(common::tls::IDEMGATE_PASSWORD));
+    }
+}
+
+/// A proxy on the store at `urls` (TLS with `pki`'s CA), the request MISS on it then HIT on a
+/// second proxy, the backend reached once; returns the proxies.
+async fn miss_then_hit_on_two_proxies(urls: &[String], pki: &Pki, key: &str) -> Vec<Proxy> {
+    let backend = Backend::start().await;
+    let mut proxies = Vec::new();
+    for _ in 0..2 {
+        let mut builder = ProxyBuilder::new(&backend).redis(urls);
+        for line in pki.store_lines(false) {
+            builder = builder.store(&line);
+        }
+        let proxy = builder.start().await;
+        readyz_becomes(&proxy, 200).await;
+        proxies.push(proxy);
+    }
+    let req = Request::post("/orders").key(key).body("{}");
+    let first = req.send(proxies[0].addr).await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    let second = req.send(proxies[1].addr).await;
+    assert_eq!((second.status, second.result()), (201, Some("HIT")));
+    assert_eq!(second.body, first.body);
+    assert_eq!(backend.count(), 1);
+    proxies
+}
+
+#[tokio::test]
+async fn redis_cluster_over_tls_with_a_private_ca() {
+    let pki = Pki::generate("idemgate");
+    let cluster = TlsCluster::start(&pki, 3);
+    let _proxies = miss_then_hit_on_two_proxies(&cluster.urls(), &pki, "tls-cluster-1").await;
+    let keys = cluster.scan_keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    for node in &cluster.nodes {
+        let denied: Vec<redis::Value> = node.cmd(&["ACL", "LOG"]);
+        assert!(
+            denied.is_empty(),
+            "ACL denials on {}: {denied:?}",
+            node.port
+        );
+    }
+}
+
+#[tokio::test]
+async fn sentinel_over_tls_with_a_private_ca() {
+    let pki = Pki::generate("idemgate");
+    let setup = TlsSentinel::start(&pki);
+    let _proxies = miss_then_hit_on_two_proxies(&[setup.url()], &pki, "tls-sentinel-1").await;
+    assert_eq!(setup.primary.scan_keys().len(), 1);
+    let denied: Vec<redis::Value> = setup.primary.cmd(&["ACL", "LOG"]);
+    assert!(denied.is_empty(), "ACL denials: {denied:?}");
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_the_client_certificate() {
+    let pki = Pki::generate("idemgate");
+    let redis = TlsRedis::start(&pki, "yes");
+    let backend = Backend::start().await;
+    let with_cert = tls_proxy(&backend, &redis, &pki, true).await;
+    readyz_becomes(&with_cert, 200).await;
+    let req = Request::post("/orders").key("mtls-1").body("{}");
+    assert_eq!(req.send(with_cert.addr).await.result(), Some("MISS"));
+    assert_eq!(req.send(with_cert.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 1);
+
+    // Without a client certificate the server ends every handshake: not ready, and under
+    // `on_unavailable: reject` (the default) nothing is forwarded unprotected.
+    let without = tls_proxy(&backend, &redis, &pki, false).await;
+    readyz_becomes(&without, 503).await;
+    let other = Request::post("/orders").key("mtls-2").body("{}");
+    let refused = other.send(without.addr).await;
+    assert_eq!(
+        (refused.status, refused.result()),
+        (503, Some("UNAVAILABLE"))
+    );
+    assert_eq!(backend.count(), 1, "forwarded without a store");
+}
+
+#[tokio::test]
+async fn a_server_certificate_from_another_ca_is_refused_and_nothing_is_forwarded() {
+    let pki = Pki::generate("idemgate");
+    let impostor = Pki::generate("impostor");
+    let redis = TlsRedis::start(&pki, "no");
+    let backend = Backend::start().await;
+    // The proxy trusts only the other CA (which replaces the built-in roots).
+    let proxy = tls_proxy(&backend, &redis, &impostor, false).await;
+    let why = readyz_becomes(&proxy, 503).await;
+    assert!(why.to_lowercase().contains("certificate"), "{why}");
+    let log = proxy.log_containing("redis store not reachable yet").await;
+    assert!(log.to_lowercase().contains("certificate"), "{log}");
+    for n in 0..3 {
+        let r = Request::post("/orders")
+            .key(&format!("wrong-ca-{n}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        assert_eq!((r.status, r.result()), (503, Some("UNAVAILABLE")));
+    }
+    assert_eq!(backend.count(), 0, "forwarded without a verified store");
+    assert!(redis.scan_keys().is_empty());
+
+    // The right CA but a wrong ACL password: refused too, and the password is not logged.
+    let wrong_password = redis
+        .url()
+        .replace(common::tls::IDEMGATE_PASSWORD, "not-it-9f8e");
+    let mut builder = ProxyBuilder::new(&backend).redis(&[wrong_password]);
+    for line in pki.store_lines(false) {
+        builder = builder.store(&line);
+    }
+    let proxy = builder.start().await;
+    let why = readyz_becomes(&proxy, 503).await;
+    assert!(!why.contains("not-it-9f8e"), "{why}");
+    let r = Request::post("/orders").key("wrong-pw").body("{}");
+    assert_eq!(r.send(proxy.addr).await.status, 503);
+    assert_eq!(backend.count(), 0);
+    assert!(!proxy.log().contains("not-it-9f8e"));
+}
+
+#[test]
+fn a_missing_tls_file_is_a_config_error_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemgate.yaml");
+    std::fs::write(
+        &config,
+        "upstreams: {orders: {addrs: [\"127.0.0.1:8080\"]}}\nroutes: []\n\
+         store:\n  backend: redis\n  redis:\n    url: rediss://cache:6380\n    tls:\n      \
+         ca_file: /nonexistent/redis-ca.pem\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--config")
+        .arg(&config)
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("store.redis.tls.ca_file") && err.contains("/nonexistent/redis-ca.pem"),
+        "{err}"
+    );
+}
+
+// === Scope: a replay crosses neither tenant nor principal ===
+
+/// One request shape: key, tenant header, and headers (name, value) in sending order.
+fn scoped(key: &str, headers: &[(&str, &str)]) -> Request {
+    let mut r = Request::post("/orders").key(key).json(r#"{"sku":"A"}"#);
+    for (name, value) in headers {
+        r = r.header(name, value);
+    }
+    r
+}
+
+/// Sends every request in `distinct` once (each must execute: a MISS, never another's
+/// replay), then again (each must HIT its own record with its own body), and checks the backend
+/// ran exactly `distinct.len()` times.
+async fn assert_isolated(proxy: &Proxy, backend: &Backend, distinct: &[Request], what: &str) {
+    let before = backend.count();
+    let mut bodies = Vec::new();
+    for (i, req) in distinct.iter().enumerate() {
+        let r = req.send(proxy.addr).await;
+        assert_eq!(
+            (r.status, r.result()),
+            (201, Some("MISS")),
+            "{what}: request {i} was answered from another scope's record"
+        );
+        bodies.push(r.body);
+    }
+    for (i, req) in distinct.iter().enumerate() {
+        let r = req.send(proxy.addr).await;
+        assert_eq!(r.result(), Some("HIT"), "{what}: request {i} retry");
+        assert_eq!(r.body, bodies[i], "{what}: request {i} got another body");
+    }
+    assert_eq!(backend.count() - before, distinct.len(), "{what}");
+}
+
+/// Sends `first`, then each of `same` must replay it (the same scope, written differently).
+async fn assert_same_scope(proxy: &Proxy, first: &Request, same: &[Request], what: &str) {
+    let original = first.send(proxy.addr).await;
+    assert_eq!(original.result(), Some("MISS"), "{what}");
+    for (i, req) in same.iter().enumerate() {
+        let r = req.send(proxy.addr).await;
+        assert_eq!(r.result(), Some("HIT"), "{what}: variant {i}");
+        assert_eq!(r.body, original.body, "{what}: variant {i}");
+    }
+}
+
+#[tokio::test]
+async fn default_scope_isolates_tenants_and_authorization_values() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let k = "scope-default";
+    assert_isolated(
+        &proxy,
+        &backend,
+        &[
+            scoped(
+                k,
+                &[("X-Tenant-ID", "acme"), ("Authorization", "Bearer alice")],
+            ),
+            scoped(
+                k,
+                &[("X-Tenant-ID", "globex"), ("Authorization", "Bearer alice")],
+            ),
+            scoped(
+                k,
+                &[("X-Tenant-ID", "acme"), ("Authorization", "Bearer bob")],
+            ),
+            // Values are compared exactly: case and extra characters make another principal.
+            scoped(
+                k,
+                &[("X-Tenant-ID", "acme"), ("Authorization", "Bearer Alice")],
+            ),
+            scoped(
+                k,
+                &[("X-Tenant-ID", "acme"), ("Authorization", "Bearer alicex")],
+            ),
+            // No tenant header: the default tenant, its own scope.
+            scoped(k, &[("Authorization", "Bearer alice")]),
+            // A missing principal header is a scope of its own (every anonymous caller of a
+            // tenant shares it), distinct from an empty value.
+            scoped(k, &[("X-Tenant-ID", "acme")]),
+            scoped(k, &[("X-Tenant-ID", "acme"), ("Authorization", "")]),
+            // Two values are not one of them.
+            scoped(
+                k,
+                &[
+                    ("X-Tenant-ID", "acme"),
+                    ("Authorization", "Bearer alice"),
+                    ("Authorization", "Bearer bob"),
+                ],
+            ),
+            // Tenants compare exactly too: `Default` is not the default tenant `default`.
+            scoped(
+                k,
+                &[
+                    ("X-Tenant-ID", "Default"),
+                    ("Authorization", "Bearer alice"),
+                ],
+            ),
+        ],
+        "default scope",
+    )
+    .await;
+    // Header names are case-insensitive: the same principal in any spelling.
+    assert_same_scope(
+        &proxy,
+        &scoped(
+            "scope-case",
+            &[("X-Tenant-ID", "acme"), ("Authorization", "Bearer carol")],
+        ),
+        &[
+            scoped(
+                "scope-case",
+                &[("x-tenant-id", "acme"), ("authorization", "Bearer carol")],
+            ),
+            scoped(
+                "scope-case",
+                &[("X-TENANT-ID", "acme"), ("AUTHORIZATION", "Bearer carol")],
+            ),
+        ],
+        "header name case",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_repeated_tenant_header_with_two_values_is_refused() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let victim = scoped(
+        "repeat-1",
+        &[("X-Tenant-ID", "victim"), ("Authorization", "a")],
+    );
+    assert_eq!(victim.send(proxy.addr).await.result(), Some("MISS"));
+    // A client-sent tenant followed by the one a gateway appended: which one is meant is
+    // ambiguous, so neither is guessed (the first one would reach the victim's record).
+    for order in [["victim", "attacker"], ["attacker", "victim"]] {
+        let r = scoped(
+            "repeat-1",
+            &[
+                ("X-Tenant-ID", order[0]),
+                ("X-Tenant-ID", order[1]),
+                ("Authorization", "a"),
+            ],
+        )
+        .send(proxy.addr)
+        .await;
+        assert_eq!((r.status, r.result()), (400, Some("INVALID")), "{order:?}");
+        assert_eq!(r.problem_type(), "tenant-invalid");
+    }
+    // The same value twice is still one tenant.
+    let twice = scoped(
+        "repeat-1",
+        &[
+            ("X-Tenant-ID", "victim"),
+            ("X-Tenant-ID", "victim"),
+            ("Authorization", "a"),
+        ],
+    );
+    assert_eq!(twice.send(proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
+async fn principal_headers_only_and_several_principal_headers() {
+    let backend = Backend::start().await;
+    // Principal headers only, listed in odd case; the tenant header is never sent.
+    let only = ProxyBuilder::new(&backend)
+        .idem("scope_headers: [x-USER-id]")
+        .start()
+        .await;
+    let k = "scope-user";
+    assert_isolated(
+        &only,
+        &backend,
+        &[
+            scoped(k, &[("X-User-ID", "u-1")]),
+            scoped(k, &[("X-User-ID", "u-2")]),
+            scoped(k, &[("X-User-ID", "U-1")]),
+            scoped(k, &[]),
+            scoped(k, &[("X-User-ID", "u-1"), ("X-Tenant-ID", "acme")]),
+        ],
+        "principal header only",
+    )
+    .await;
+    // Authorization is no longer part of the scope here: only X-User-ID is.
+    assert_same_scope(
+        &only,
+        &scoped(
+            "scope-user-2",
+            &[("X-User-ID", "u-9"), ("Authorization", "a")],
+        ),
+        &[
+            scoped(
+                "scope-user-2",
+                &[("x-user-id", "u-9"), ("Authorization", "b")],
+            ),
+            scoped("scope-user-2", &[("X-USER-ID", "u-9")]),
+        ],
+        "principal header only, name case",
+    )
+    .await;
+
+    // A custom tenant header and three principal headers: changing any one is another scope.
+    let several = ProxyBuilder::new(&backend)
+        .global("tenant_header: X-Org")
+        .idem("scope_headers: [X-User-ID, Authorization, X-Session]")
+        .start()
+        .await;
+    let base = [
+        ("X-Org", "acme"),
+        ("Authorization", "Bearer alice"),
+        ("X-User-ID", "u-1"),
+        ("X-Session", "s-1"),
+    ];
+    let with = |i: usize, value: &str| {
+        let mut h = base.to_vec();
+        h[i].1 = value;
+        scoped("scope-several", &h)
+    };
+    let mut without_session = base.to_vec();
+    without_session.pop();
+    assert_isolated(
+        &several,
+        &backend,
+        &[
+            scoped("scope-several", &base),
+            with(0, "globex"),
+            with(1, "Bearer bob"),
+            with(2, "u-2"),
+            with(3, "s-2"),
+            scoped("scope-several", &without_session),
+        ],
+        "tenant + several principal headers",
+    )
+    .await;
+    // Header order and name case do not matter. X-Tenant-ID is not the tenant header here:
+    // it is neither tenant nor principal, so it changes nothing.
+    let mut reordered = base.to_vec();
+    reordered.reverse();
+    let lower: Vec<(String, &str)> = base
+        .iter()
+        .map(|(n, v)| (n.to_ascii_lowercase(), *v))
+        .collect();
+    let lower: Vec<(&str, &str)> = lower.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+    let mut other_tenant_id = base.to_vec();
+    other_tenant_id.push(("X-Tenant-ID", "globex"));
+    assert_same_scope(
+        &several,
+        &scoped("scope-several-2", &base),
+        &[
+            scoped("scope-several-2", &reordered),
+            scoped("scope-several-2", &lower),
+            scoped("scope-several-2", &other_tenant_id),
+        ],
+        "several principal headers, order and case",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn with_no_scope_headers_tenants_stay_isolated_but_principals_share_records() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("scope_headers: []")
+        .start()
+        .await;
+    // Tenants are still separate...
+    assert_isolated(
+        &proxy,
+        &backend,
+        &[
+            scoped("scope-none", &[("X-Tenant-ID", "acme")]),
+            scoped("scope-none", &[("X-Tenant-ID", "globex")]),
+            scoped("scope-none", &[]),
+        ],
+        "no scope headers, tenants",
+    )
+    .await;
+    // ...but within a tenant, anyone who knows the key gets the response: exactly what the
+    // README's Security section warns about.
+    assert_same_scope(
+        &proxy,
+        &scoped(
+            "scope-none-2",
+            &[("X-Tenant-ID", "acme"), ("Authorization", "Bearer alice")],
+        ),
+        &[
+            scoped(
+                "scope-none-2",
+                &[("X-Tenant-ID", "acme"), ("Authorization", "Bearer mallory")],
+            ),
+            scoped("scope-none-2", &[("X-Tenant-ID", "acme")]),
+        ],
+        "no scope headers, principals",
+    )
+    .await;
+    let readme = include_str!("../README.md");
+    let security = &readme[readme.find("## Security").expect("a Security section")..];
+    assert!(
+        security.contains("scope_headers: []") && security.contains("any client that knows a key"),
+        "the README must warn about scope_headers: []"
+    );
+}
+
+// === No raw key, scope value or body in logs, metrics or Redis key names ===
+
+const SECRET_KEY: &str = "idem-KEY-q7Zx9w";
+const SECRET_TENANT: &str = "tenant-TNT-p4Lm2v";
+const SECRET_AUTH: &str = "Bearer tok-AUTH-h8Rk3c";
+const SECRET_USER: &str = "user-USR-b5Nt6y";
+const SECRET_BODY: &str = "body-BDY-f2Gs8u";
+
+/// Every request path that touches the key, scope values and body: MISS, HIT, 422, a released
+/// 5xx, malformed key and tenant, and the admin record API (whose path holds the raw key).
+async fn exercise_secret_paths(proxy: &Proxy) {
+    let req = |key: &str, path: &str, body: &str| {
+        Request::post(path)
+            .key(key)
+            .header("X-Tenant-ID", SECRET_TENANT)
+            .header("Authorization", SECRET_AUTH)
+            .header("X-User-ID", SECRET_USER)
+            .json(&format!(r#"{{"note":"{body}"}}"#))
+    };
+    let first = req(SECRET_KEY, "/orders", SECRET_BODY)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(first.result(), Some("MISS"));
+    assert_eq!(
+        req(SECRET_KEY, "/orders", SECRET_BODY)
+            .send(proxy.addr)
+            .await
+            .result(),
+        Some("HIT")
+    );
+    let other_body = format!("{SECRET_BODY}-changed");
+    assert_eq!(
+        req(SECRET_KEY, "/orders", &other_body)
+            .send(proxy.addr)
+            .await
+            .status,
+        422
+    );
+    let failing = format!("{SECRET_KEY}-5xx");
+    assert_eq!(
+        req(&failing, "/orders/status/503", SECRET_BODY)
+            .send(proxy.addr)
+            .await
+            .status,
+        503
+    );
+    let long_key = format!("{SECRET_KEY}{}", "x".repeat(300));
+    assert_eq!(
+        req(&long_key, "/orders", SECRET_BODY)
+            .send(proxy.addr)
+            .await
+            .status,
+        400
+    );
+    let bad_key = format!("\"{SECRET_KEY}");
+    assert_eq!(
+        req(&bad_key, "/orders", SECRET_BODY)
+            .send(proxy.addr)
+            .await
+            .status,
+        400
+    );
+    let bad_tenant = Request::post("/orders")
+        .key(SECRET_KEY)
+        .header("X-Tenant-ID", format!("{SECRET_TENANT} x"))
+        .body(SECRET_BODY);
+    assert_eq!(bad_tenant.send(proxy.addr).await.status, 400);
+
+    let path = format!("/admin/records/{SECRET_TENANT}/{SECRET_KEY}");
+    let as_principal = |r: Request| {
+        r.header("X-Idemgate-Scope-Authorization", SECRET_AUTH)
+            .header("X-Idemgate-Scope-X-User-ID", SECRET_USER)
+    };
+    let view = as_principal(Request::get(&format!("{path}?body=true")))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(view.status, 200, "{}", view.text());
+    let del = as_principal(Request::new("DELETE", &path))
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(del.status, 200, "{}", del.text());
+    assert_eq!(
+        req(SECRET_KEY, "/orders", SECRET_BODY)
+            .send(proxy.addr)
+            .await
+            .result(),
+        Some("MISS"),
+        "purged"
+    );
+}
+
+fn assert_absent(haystack: &str, needles: &[&str], place: &str) {
+    for needle in needles {
+        assert!(
+            !haystack.contains(needle),
+            "{needle:?} appears in {place}:\n{haystack}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn raw_keys_scope_values_and_bodies_stay_out_of_logs_metrics_and_redis_key_names() {
+    for format in ["text", "json"] {
+        let redis = RedisServer::start();
+        let backend = Backend::start().await;
+        let proxy = ProxyBuilder::new(&backend)
+            .redis(&[redis.url()])
+            .idem("scope_headers: [Authorization, X-User-ID]")
+            .env("IDEMGATE_LOG_FORMAT", format)
+            // Debug, not just the default info: nothing up to debug may log them. (At trace,
+            // pingora dumps raw request headers; the README says never to run trace.)
+            .env("IDEMGATE_LOG", "debug")
+            .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+            .start()
+            .await;
+        exercise_secret_paths(&proxy).await;
+        // The backend did see them: the markers are real, not lost on the way.
+        let seen = backend.executions();
+        assert!(seen.iter().any(|e| e
+            .body
+            .windows(SECRET_BODY.len())
+            .any(|w| w == SECRET_BODY.as_bytes())));
+
+        // Logs: wait for all eight access lines (logs are written in batches).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while proxy.log().matches("idemgate::access").count() < 8 {
+            assert!(
+                Instant::now() < deadline,
+                "access lines missing:\n{}",
+                proxy.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let log = proxy.log();
+        if format == "json" {
+            for line in log.lines().filter(|l| l.contains("idemgate::access")) {
+                serde_json::from_str::<serde_json::Value>(line).expect("one JSON object a line");
+            }
+        }
+        let key_and_scope = [SECRET_KEY, "AUTH-h8Rk3c", "USR-b5Nt6y"];
+        assert_absent(&log, &key_and_scope, &format!("the {format} log"));
+        assert_absent(&log, &["BDY-f2Gs8u"], &format!("the {format} log"));
+
+        // Metrics: the whole exposition, names, labels and values.
+        let metrics = proxy.metrics().await;
+        assert_absent(&metrics, &key_and_scope, "/metrics");
+        assert_absent(&metrics, &["BDY-f2Gs8u", "TNT-p4Lm2v"], "/metrics");
+
+        // Redis: key names hold the prefix, the tenant (the hash tag, by design) and a hash.
+        let keys = redis.keys();
+        assert!(!keys.is_empty());
+        for key in &keys {
+            assert_absent(key, &key_and_scope, "a Redis key name");
+            assert_absent(key, &["BDY-f2Gs8u"], "a Redis key name");
+            let fields: BTreeMap<String, Vec<u8>> = redis.cmd(&["HGETALL", key]);
+            for (field, value) in &fields {
+                // The stored response is a value, and may hold anything the backend sent;
+                // the key and scope values are never stored.
+                let text = String::from_utf8_lossy(value);
+                assert_absent(&text, &key_and_scope, &format!("Redis {key} field {field}"));
+            }
+        }
+        // The purge message names the record by hash as well (nothing else is published).
+        let channels: Vec<String> = redis.cmd(&["PUBSUB", "CHANNELS"]);
+        for channel in &channels {
+            assert_absent(channel, &key_and_scope, "a pub/sub channel");
+        }
+    }
+}
+
+// === Admin: loopback by default, exact bearer token for mutations ===
+
+#[test]
+fn the_admin_listener_is_loopback_unless_configured_otherwise() {
+    let minimal = "upstreams: {orders: {addrs: [\"127.0.0.1:8080\"]}}\nroutes: []\n";
+    let config = idemgate::config::Config::from_yaml_str(minimal).expect("minimal config");
+    assert!(
+        config.admin.listen.ip().is_loopback(),
+        "{}",
+        config.admin.listen
+    );
+    assert_eq!(config.admin.token, None, "no token unless configured");
+    let reference = include_str!("../config/idemgate.yaml");
+    let config = idemgate::config::Config::from_yaml_str(reference).expect("reference config");
+    assert!(
+        config.admin.listen.ip().is_loopback(),
+        "{}",
+        config.admin.listen
+    );
+}
+
+#[tokio::test]
+async fn admin_mutations_need_the_exact_bearer_token() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    let record = "/admin/records/default/admin-key";
+    let make = |n: usize| {
+        Request::post("/orders")
+            .key("admin-key")
+            .body(format!("{n}"))
+    };
+    assert_eq!(make(0).send(proxy.addr).await.result(), Some("MISS"));
+
+    let mutations = || {
+        [
+            Request::new("POST", "/admin/reload"),
+            Request::new("DELETE", record),
+        ]
+    };
+    let shorter = &TOKEN[..TOKEN.len() - 1];
+    let wrong: Vec<(&str, Vec<String>)> = vec![
+        ("no Authorization", vec![]),
+        ("empty", vec![String::new()]),
+        ("scheme only", vec!["Bearer".into()]),
+        ("scheme and space", vec!["Bearer ".into()]),
+        ("token without scheme", vec![TOKEN.into()]),
+        ("another scheme", vec![format!("Basic {TOKEN}")]),
+        (
+            "wrong token",
+            vec!["Bearer admin-token-for-security-tests-43".into()],
+        ),
+        ("a prefix of the token", vec![format!("Bearer {shorter}")]),
+        (
+            "the first byte only",
+            vec![format!("Bearer {}", &TOKEN[..1])],
+        ),
+        ("the token and more", vec![format!("Bearer {TOKEN}x")]),
+        ("padded inside", vec![format!("Bearer  {TOKEN}")]),
+        (
+            "other case",
+            vec![format!("Bearer {}", TOKEN.to_uppercase())],
+        ),
+        (
+            "the token beside another",
+            vec![format!("Bearer {TOKEN}"), "Bearer nope".into()],
+        ),
+    ];
+    for (what, values) in &wrong {
+        for req in mutations() {
+            let mut req = req;
+            for v in values {
+                req = req.header("Authorization", v);
+            }
+            let r = req.send(proxy.admin).await;
+            assert_eq!(r.status, 401, "{what}: {} {}", req.method, req.path);
+            assert_eq!(r.header("www-authenticate"), Some("Bearer"), "{what}");
+        }
+    }
+    // None of them purged the record.
+    assert_eq!(make(0).send(proxy.addr).await.result(), Some("HIT"));
+
+    // The exact token works, with the scheme in any case.
+    for scheme in ["Bearer", "bearer"] {
+        let r = Request::new("POST", "/admin/reload")
+            .header("Authorization", format!("{scheme} {TOKEN}"))
+            .send(proxy.admin)
+            .await;
+        assert_eq!(r.status, 200, "{scheme}: {}", r.text());
+    }
+    let del = Request::new("DELETE", record)
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(del.status, 200, "{}", del.text());
+    assert_eq!(make(0).send(proxy.addr).await.result(), Some("MISS"));
+    // The running config never shows the token.
+    let config = Request::get("/admin/config").send(proxy.admin).await;
+    assert_eq!(config.status, 200);
+    assert!(!config.text().contains(TOKEN));
+    assert!(config.text().contains("<redacted>"));
+
+    // Without a configured token every mutation is refused, whatever is sent.
+    let open = ProxyBuilder::new(&backend).start().await;
+    for req in mutations() {
+        let r = req
+            .header("Authorization", format!("Bearer {TOKEN}"))
+            .send(open.admin)
+            .await;
+        assert_eq!(r.status, 401);
+    }
+}
+
+// === Stored headers: no hop-by-hop headers; Set-Cookie only when configured ===
+
+/// The backend response of [`raw_backend`]: every kind of hop-by-hop header next to two
+/// end-to-end ones, and a chunked body.
+const HOP_BY_HOP_RESPONSE: &str = "HTTP/1.1 201 Created\r\n\
+    Content-Type: application/json\r\n\
+    Connection: close, X-Hop-Named\r\n\
+    X-Hop-Named: named-in-connection\r\n\
+    Keep-Alive: timeout=5, max=100\r\n\
+    Proxy-Connection: keep-alive\r\n\
+    Proxy-Authenticate: Basic realm=\"backend-proxy\"\r\n\
+    Proxy-Authentication-Info: nextnonce=\"n0nce\"\r\n\
+    Proxy-Status: backend-gw; error=none\r\n\
+    TE: trailers\r\n\
+    Trailer: X-Checksum\r\n\
+    Upgrade: h2c\r\n\
+    Set-Cookie: session=cookie-value\r\n\
+    X-End-To-End: kept\r\n\
+    Transfer-Encoding: chunked\r\n\
+    \r\n\
+    5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
+
+/// A backend that reads one request per connection, answers it with `response` byte for byte,
+/// and closes; counts requests.
+async fn raw_backend(response: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let count = Arc::new(AtomicUsize::new(0));
+    let counter = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                // The head, then as many body bytes as Content-Length says.
+                let head_end = loop {
+                    let Ok(n) = stream.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let length = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                while buf.len() < head_end + length {
+                    let Ok(n) = stream.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                counter.fetch_add(1, Ordering::SeqCst);
+                let _ = stream.write_all(response.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    (addr, count)
+}
+
+/// Header names that must never be stored or replayed from [`HOP_BY_HOP_RESPONSE`].
+const NEVER_REPLAYED: [&str; 11] = [
+    "x-hop-named",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authentication-info",
+    "proxy-status",
+    "te",
+    "trailer",
+    "upgrade",
+    "transfer-encoding",
+    "set-cookie",
+];
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_never_stored_or_replayed() {
+    let (addr, executed) = raw_backend(HOP_BY_HOP_RESPONSE).await;
+    let proxy = ProxyBuilder::at(addr).start().await;
+    let req = Request::post("/orders").key("hop-1").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(
+        (first.status, first.result()),
+        (201, Some("MISS")),
+        "{first:?}"
+    );
+    assert_eq!(first.body, b"hello world");
+    // The live answer keeps end-to-end headers (Set-Cookie included: it is the original
+    // client's cookie) but never the headers Connection names.
+    assert_eq!(first.header("x-end-to-end"), Some("kept"));
+    assert_eq!(first.header("set-cookie"), Some("session=cookie-value"));
+    assert_eq!(first.header("x-hop-named"), None);
+
+    // What was stored: only the end-to-end headers.
+    let stored = Request::get("/admin/records/default/hop-1?body=true")
+        .send(proxy.admin)
+        .await;
+    assert_eq!(stored.status, 200, "{}", stored.text());
+    let v: serde_json::Value = serde_json::from_slice(&stored.body).unwrap();
+    let names: Vec<&str> = v["headers"]
+        .as_array()
+        .expect("stored headers")
+        .iter()
+        .filter_map(|pair| pair[0].as_str())
+        .collect();
+    assert_eq!(names, ["content-type", "x-end-to-end"], "{v}");
+
+    // What a replay carries.
+    let replay = req.send(proxy.addr).await;
+    assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
+    assert_eq!(replay.body, b"hello world");
+    assert_eq!(replay.header("x-end-to-end"), Some("kept"));
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    for name in NEVER_REPLAYED {
+        assert_eq!(replay.header(name), None, "{name} replayed: {replay:?}");
+    }
+    // A Connection header of the replay's own (if any) is the proxy's, not the backend's.
+    if let Some(connection) = replay.header("connection") {
+        assert!(
+            !connection.to_ascii_lowercase().contains("x-hop-named"),
+            "{connection}"
+        );
+    }
+    assert_eq!(executed.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn set_cookie_is_replayed_only_when_configured() {
+    let backend = Backend::start().await;
+    // Default: `replay_exclude_headers: [Set-Cookie]`.
+    let default = ProxyBuilder::new(&backend).start().await;
+    let req = Request::post("/orders").key("cookie-1").body("{}");
+    let first = req.send(default.addr).await;
+    assert_eq!(first.header("set-cookie"), Some("session=abc"));
+    let replay = req.send(default.addr).await;
+    assert_eq!(replay.result(), Some("HIT"));
+    assert_eq!(
+        replay.header("set-cookie"),
+        None,
+        "cookie replayed by default"
+    );
+
+    // Configured: the list no longer names Set-Cookie (it names another header instead).
+    let replaying = ProxyBuilder::new(&backend)
+        .idem("replay_exclude_headers: [X-Backend]")
+        .start()
+        .await;
+    let first = req.send(replaying.addr).await;
+    assert_eq!(first.result(), Some("MISS"));
+    let replay = req.send(replaying.addr).await;
+    assert_eq!(replay.result(), Some("HIT"));
+    assert_eq!(replay.header("set-cookie"), Some("session=abc"));
+    assert_eq!(
+        replay.header("x-backend"),
+        None,
+        "an excluded header was replayed"
+    );
+    assert_eq!(first.header("x-backend"), Some("orders"));
+
+    // And the empty list replays every end-to-end header the backend sent.
+    let mut everything = ProxyBuilder::new(&backend)
+        .idem("replay_exclude_headers: []")
+        .start()
+        .await;
+    req.send(everything.addr).await;
+    let replay = req.send(everything.addr).await;
+    assert_eq!(replay.result(), Some("HIT"));
+    assert_eq!(replay.header("set-cookie"), Some("session=abc"));
+    assert_eq!(replay.header("x-backend"), Some("orders"));
+
+    // Excluding Set-Cookie again (a live reload) holds for records stored before it, too.
+    everything.edit_config(Edit::Rename, |yaml| {
+        yaml.replacen(
+            "replay_exclude_headers: []",
+            "replay_exclude_headers: [Set-Cookie]",
+            1,
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let replay = req.send(everything.addr).await;
+        assert_eq!(replay.result(), Some("HIT"));
+        if replay.header("set-cookie").is_none() {
+            assert_eq!(replay.header("x-backend"), Some("orders"));
+            break;
+        }
+        assert!(Instant::now() < deadline, "the reload never applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
