@@ -37,9 +37,21 @@ fn flush_logs() {
     }
 }
 
+/// Crates whose trace output carries raw request headers or store commands.
+const SECRET_DUMPING_TARGETS: [&str; 4] =
+    ["pingora_core", "pingora_proxy", "pingora_http", "redis"];
+
 fn init_logging() {
     use tracing_subscriber::{fmt, EnvFilter};
-    let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter =
+        EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // At trace these crates dump raw requests and commands (keys, `Authorization`, bodies):
+    // whatever level is asked for, they stop at debug.
+    for capped in SECRET_DUMPING_TARGETS {
+        if let Ok(directive) = format!("{capped}=debug").parse() {
+            filter = filter.add_directive(directive);
+        }
+    }
     let writer = LOG_WRITER
         .get_or_init(|| BatchWriter::new(Box::new(std::io::stderr())))
         .clone();

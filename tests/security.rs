@@ -686,9 +686,9 @@ async fn raw_keys_scope_values_and_bodies_stay_out_of_logs_metrics_and_redis_key
             .redis(&[redis.url()])
             .idem("scope_headers: [Authorization, X-User-ID]")
             .env("IDEMGATE_LOG_FORMAT", format)
-            // Debug, not just the default info: nothing up to debug may log them. (At trace,
-            // pingora dumps raw request headers; the README says never to run trace.)
-            .env("IDEMGATE_LOG", "debug")
+            // Trace, not just the default info: nothing at any level may log them (the
+            // crates that dump raw requests at trace are capped at debug).
+            .env("IDEMGATE_LOG", "trace")
             .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
             .start()
             .await;
