@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod client;
+pub mod faultproxy;
 pub mod proxy;
 pub mod redis;
 
