@@ -6,6 +6,7 @@ pub mod client;
 pub mod faultproxy;
 pub mod proxy;
 pub mod redis;
+pub mod soak_backend;
 
 pub use backend::Backend;
 pub use client::{Request, Response};
