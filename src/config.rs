@@ -153,7 +153,7 @@ pub struct BreakerConfig {
 /// Background retries of refused completions, and where dead letters go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryConfig {
-    /// Attempts after the failed write.
+    /// Attempts after the failed write, at least; more while the claim's lock holds.
     pub attempts: u32,
     /// First backoff, doubled every attempt (with jitter).
     pub base_delay: Duration,

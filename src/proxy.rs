@@ -234,6 +234,8 @@ struct Claim<'a> {
     key: RecordKey,
     owner: OwnerToken,
     execution_id: u64,
+    /// The claim was sent, plus `lock_ttl`: the store's lock lapses no earlier than this.
+    lock_deadline: Instant,
 }
 
 // === impl Gate ===
@@ -350,6 +352,7 @@ impl Gate {
                         key: claim_req.key.clone(),
                         owner: claim_req.owner,
                         execution_id,
+                        lock_deadline: started + idem.lock_ttl,
                     };
                     let outcome = if degraded {
                         Outcome::Degraded
@@ -698,6 +701,7 @@ impl Gate {
                     completion,
                     ttl,
                     execution_id: claim.execution_id,
+                    lock_deadline: tokio::time::Instant::from_std(claim.lock_deadline),
                 });
             }
         }

@@ -418,11 +418,20 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     server.run(RunArgs {
         shutdown_signal: Box::new(Signals {
             in_flight,
-            retrier,
+            retrier: retrier.clone(),
             readiness,
             on_exit,
         }),
     });
+    // The drain ran out of time (or the stop was fast): what still waits for the store goes to
+    // the dead-letter file rather than vanishing with the process.
+    let left = retrier.dead_letter_pending("process stopped before the store took it");
+    if left > 0 {
+        tracing::error!(
+            completions = left,
+            "stopping with completions the store never took; dead-lettered"
+        );
+    }
     on_exit();
     Ok(())
 }

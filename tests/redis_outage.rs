@@ -1,11 +1,13 @@
 //! Redis failing under a running proxy: the outage policies, the circuit breaker, completions
-//! that reach Redis late (retry queue) or never (dead-letter file), lock fencing, and the local
-//! fast path.
+//! that reach Redis late (retry queue, kept while the claim's lock holds) or never (dead-letter
+//! file), lock fencing, and the local fast path.
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use common::faultproxy::{Fault, FaultProxy};
 use common::redis::RedisServer;
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
@@ -195,11 +197,15 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
     let backend = Backend::start().await;
     let dir = tempfile::tempdir().unwrap();
     let dead = dir.path().join("dead.jsonl");
+    // Dead-lettered once the attempts are spent and the claim's lock (2 s) may have lapsed.
     let proxy = builder(&backend, &redis)
         .store(&format!(
             "completion_retry: {{ attempts: 2, base_delay: 20ms, max_delay: 40ms, dead_letter_path: \"{}\" }}",
             dead.display()
         ))
+        .upstream("connect_timeout: 200ms")
+        .upstream("read_timeout: 1s")
+        .idem("lock_ttl: 2s")
         .start()
         .await;
     let addr = proxy.addr;
@@ -318,4 +324,59 @@ async fn a_retry_this_replica_completed_needs_no_redis_round_trip() {
     let m = proxy.metrics().await;
     assert!(metric(&m, "idemgate_local_cache_hits_total") >= 21.0, "{m}");
     assert!(metric(&m, "idemgate_bloom_fill_ratio") > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_the_completion() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    // Two quick attempts (about 60 ms in all) against a 6 s lock.
+    let build = || {
+        ProxyBuilder::new(&backend)
+            .redis(&[link.redis_url()])
+            .store("  connect_timeout: 200ms")
+            .store("  response_timeout: 200ms")
+            .store(&format!(
+                "completion_retry: {{ attempts: 2, base_delay: 20ms, max_delay: 40ms, dead_letter_path: \"{}\" }}",
+                dead.display()
+            ))
+            .upstream("read_timeout: 2s")
+            .idem("lock_ttl: 6s")
+    };
+    let a = build().start().await;
+    let b = build().start().await;
+    let req = Request::post("/orders/slow/500").key("outage").body("{}");
+    let first = tokio::spawn({
+        let (req, addr) = (req.clone(), a.addr);
+        async move { req.send(addr).await }
+    });
+    // Claimed, the backend is working: now every Redis connection breaks until further notice.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    link.set(Fault::Reset);
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    link.set(Fault::Pass);
+    // The completion lands while the lock holds: the other instance replays it, and never
+    // executes the key again, also once the lock's time has passed.
+    let deadline = Instant::now() + Duration::from_secs(8);
+    loop {
+        let r = req.send(b.addr).await;
+        assert_ne!(r.result(), Some("MISS"), "executed again: {}", a.log());
+        if r.result() == Some("HIT") {
+            assert_eq!(r.body, first.body);
+            break;
+        }
+        assert!(Instant::now() < deadline, "never stored:\n{}", a.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(backend.count(), 1);
+    let m = a
+        .metrics_containing("idemgate_completion_retry_recovered_total 1")
+        .await;
+    assert_eq!(metric(&m, "idemgate_dead_letters_total"), 0.0, "{m}");
+    assert!(!dead.exists());
 }

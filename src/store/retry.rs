@@ -2,11 +2,21 @@
 //! full jitter, bounded queue), and after the last attempt written to a dead-letter file: nothing
 //! the backend returned is silently dropped.
 //!
+//! The claim's lock is what keeps every other request from executing the key again, so it is
+//! also the real deadline of a retry: a completion is never given up while its lock may still
+//! hold (however many attempts that takes), and no backoff sleeps past the lock's deadline —
+//! what is left is halved instead — so a store that is back before the lock lapses gets the
+//! completion before another request can claim the key. (Attempts made while the circuit
+//! breaker is open fail at once; a fixed attempt budget used to run out during a few seconds'
+//! outage, and the key then executed again once its lock lapsed.) A completion still waiting when
+//! the process stops is dead-lettered then ([`CompletionRetrier::dead_letter_pending`]).
+//!
 //! The dead-letter file is JSON lines, one record per line, body in base64, so an operator can
 //! reconcile (or re-inject) what the store never received. A `NotOwner` answer during a retry
 //! means the lock lapsed and another request took the key over: that response is dead-lettered
 //! too, since the store now belongs to the newer execution.
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -17,13 +27,14 @@ use base64::Engine;
 use parking_lot::Mutex;
 use rand::Rng;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::{Completion, OwnerToken, Record, RecordKey, RecordState, RecordStore, WriteOutcome};
 
 /// Retry settings.
 #[derive(Clone, Debug)]
 pub struct RetryOptions {
-    /// Attempts after the failed original write.
+    /// Attempts after the failed original write, at least; more while the claim's lock holds.
     pub attempts: u32,
     /// First backoff; doubles every attempt.
     pub base_delay: Duration,
@@ -60,6 +71,10 @@ pub struct PendingCompletion {
     pub ttl: Duration,
     /// Execution id, for the dead-letter line.
     pub execution_id: u64,
+    /// When the claim's lock lapses at the latest: the claim was sent, plus `lock_ttl` (the
+    /// store starts the lock when it takes the claim, so its deadline is no earlier). Until then
+    /// no other request can execute the key and the completion can still be stored.
+    pub lock_deadline: Instant,
 }
 
 /// Counters exported as metrics.
@@ -78,9 +93,38 @@ pub struct RetryStats {
 /// Handle to the background retrier.
 #[derive(Clone)]
 pub struct CompletionRetrier {
-    tx: mpsc::Sender<(PendingCompletion, u32)>,
+    tx: mpsc::Sender<(Job, u32)>,
     dead: Arc<DeadLetters>,
     stats: Arc<RetryStats>,
+    jobs: Arc<Jobs>,
+}
+
+/// A queued completion: its id in [`Jobs`].
+type Job = u64;
+
+/// Every completion not yet stored or dead-lettered, by job id. Whoever takes a job out settles
+/// it (stores it, dead-letters it, or puts it back to retry), so a job is settled exactly once
+/// even when the process stops while it waits.
+#[derive(Default)]
+struct Jobs {
+    next: AtomicU64,
+    waiting: Mutex<HashMap<Job, PendingCompletion>>,
+}
+
+impl Jobs {
+    fn add(&self, job: PendingCompletion) -> Job {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.waiting.lock().insert(id, job);
+        id
+    }
+
+    fn get(&self, id: Job) -> Option<PendingCompletion> {
+        self.waiting.lock().get(&id).cloned()
+    }
+
+    fn take(&self, id: Job) -> Option<PendingCompletion> {
+        self.waiting.lock().remove(&id)
+    }
 }
 
 struct DeadLetters {
@@ -105,12 +149,14 @@ impl CompletionRetrier {
             file: Mutex::new(()),
             stats: stats.clone(),
         });
+        let jobs = Arc::new(Jobs::default());
         let handle = CompletionRetrier {
             tx: tx.clone(),
             dead: dead.clone(),
             stats: stats.clone(),
+            jobs: jobs.clone(),
         };
-        let worker = run(store, options, rx, tx, dead, stats);
+        let worker = run(store, options, rx, tx, dead, stats, jobs);
         (handle, worker)
     }
 
@@ -128,45 +174,80 @@ impl CompletionRetrier {
     pub fn submit(&self, job: PendingCompletion) {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         self.stats.pending.fetch_add(1, Ordering::AcqRel);
-        if let Err(e) = self.tx.try_send((job, 0)) {
-            let (job, _) = match e {
-                mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j) => j,
-            };
-            self.dead.write(&job, 0, "retry queue full");
+        let id = self.jobs.add(job);
+        if self.tx.try_send((id, 0)).is_err() {
+            if let Some(job) = self.jobs.take(id) {
+                self.dead.write(&job, 0, "retry queue full");
+            }
         }
+    }
+
+    /// Dead-letters every completion still waiting: the process is stopping and nothing will
+    /// retry them (the shutdown drain waited as long as it could). Returns how many.
+    pub fn dead_letter_pending(&self, reason: &str) -> usize {
+        let waiting: Vec<PendingCompletion> = {
+            let mut w = self.jobs.waiting.lock();
+            w.drain().map(|(_, job)| job).collect()
+        };
+        for job in &waiting {
+            self.dead.write(job, 0, reason);
+        }
+        waiting.len()
     }
 }
 
-fn backoff(options: &RetryOptions, attempt: u32) -> Duration {
+/// The shortest pause between two attempts as a lock's deadline nears.
+const MIN_PAUSE: Duration = Duration::from_millis(10);
+
+/// The pause before retry `attempt` (0-based): exponential with full jitter, and never past
+/// the lock's deadline while the lock holds — half of what is left, at least [`MIN_PAUSE`] — so
+/// attempts come closer together as the deadline nears and one follows soon after the store
+/// is back.
+fn backoff(options: &RetryOptions, attempt: u32, lock_deadline: Instant) -> Duration {
     let exp = options.base_delay.saturating_mul(1u32 << attempt.min(20));
     let cap = exp.min(options.max_delay);
     // Full jitter: spreads retries of many replicas after a shared outage.
     let ms = cap.as_millis().max(1) as u64;
-    Duration::from_millis(rand::thread_rng().gen_range(ms / 2..=ms))
+    let pause = Duration::from_millis(rand::thread_rng().gen_range(ms / 2..=ms));
+    let left = lock_deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        pause
+    } else {
+        pause.min((left / 2).max(MIN_PAUSE))
+    }
 }
 
 async fn run(
     store: Arc<dyn RecordStore>,
     options: RetryOptions,
-    mut rx: mpsc::Receiver<(PendingCompletion, u32)>,
-    tx: mpsc::Sender<(PendingCompletion, u32)>,
+    mut rx: mpsc::Receiver<(Job, u32)>,
+    tx: mpsc::Sender<(Job, u32)>,
     dead: Arc<DeadLetters>,
     stats: Arc<RetryStats>,
+    jobs: Arc<Jobs>,
 ) {
     // The worker holds a sender to requeue; it stops when it is the last one and nothing waits.
     let tx = tx.downgrade();
     let options = Arc::new(options);
-    while let Some((job, attempt)) = rx.recv().await {
+    while let Some((id, attempt)) = rx.recv().await {
         let store = store.clone();
         let options = options.clone();
         let dead = dead.clone();
         let stats = stats.clone();
+        let jobs = jobs.clone();
         let requeue = tx.upgrade();
         tokio::spawn(async move {
-            tokio::time::sleep(backoff(&options, attempt)).await;
+            let Some(job) = jobs.get(id) else {
+                return;
+            };
+            tokio::time::sleep(backoff(&options, attempt, job.lock_deadline)).await;
             let result = store
                 .complete(&job.key, job.owner, job.completion.clone(), job.ttl)
                 .await;
+            // Settled by someone else meanwhile (dead-lettered at shutdown): nothing to do.
+            let Some(job) = jobs.take(id) else {
+                return;
+            };
             match result {
                 Ok(WriteOutcome::Applied) => {
                     stats.recovered.fetch_add(1, Ordering::Relaxed);
@@ -188,16 +269,23 @@ async fn run(
                         dead.write(&job, attempt + 1, "lock taken over")
                     }
                 }
-                Err(e) if attempt + 1 >= options.attempts => {
+                // Given up only once the attempts are spent and the lock may have lapsed: until
+                // then nobody else can execute the key, so a store back in time still wins.
+                Err(e)
+                    if attempt + 1 >= options.attempts && Instant::now() >= job.lock_deadline =>
+                {
                     dead.write(&job, attempt + 1, &format!("store failed: {e}"))
                 }
                 Err(_) => {
+                    let id = jobs.add(job);
                     let sent = match requeue {
-                        Some(tx) => tx.try_send((job.clone(), attempt + 1)).is_ok(),
+                        Some(tx) => tx.try_send((id, attempt + 1)).is_ok(),
                         None => false,
                     };
                     if !sent {
-                        dead.write(&job, attempt + 1, "retry queue full");
+                        if let Some(job) = jobs.take(id) {
+                            dead.write(&job, attempt + 1, "retry queue full");
+                        }
                     }
                 }
             }
@@ -307,6 +395,9 @@ mod tests {
             })),
             ttl: req.ttl,
             execution_id: 42,
+            // Lapsed already: only the attempt budget keeps it (tests that need a live lock
+            // set their own).
+            lock_deadline: Instant::now(),
         }
     }
 
@@ -389,6 +480,87 @@ mod tests {
         settle(&retrier).await;
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
         assert!(!dir.path().join("dead.jsonl").exists());
+    }
+
+    #[tokio::test]
+    async fn a_completion_is_retried_while_its_lock_holds_however_many_attempts_that_takes() {
+        tokio::time::pause();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut job = claimed(store.as_ref(), 7).await;
+        job.lock_deadline = Instant::now() + Duration::from_secs(2);
+        // Down for far longer than three attempts take (about 70 ms), but not past the lock.
+        store.set(Fault::Down);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job.clone());
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(retrier.pending(), 1, "still retried, not dead-lettered");
+        store.set(Fault::None);
+        settle(&retrier).await;
+        assert!(
+            Instant::now() < job.lock_deadline,
+            "stored before the lock lapsed"
+        );
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
+        let record = store.get(&job.key).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed(job.completion));
+        assert!(!dir.path().join("dead.jsonl").exists());
+    }
+
+    #[tokio::test]
+    async fn no_backoff_sleeps_past_the_lock_deadline() {
+        tokio::time::pause();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut job = claimed(store.as_ref(), 8).await;
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(3400);
+        job.lock_deadline = deadline;
+        let mut o = options(dir.path());
+        o.attempts = 8;
+        o.base_delay = Duration::from_secs(1);
+        o.max_delay = Duration::from_secs(10);
+        store.set(Fault::Down);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), o);
+        tokio::spawn(worker);
+        retrier.submit(job);
+        // Plain backoff tries at 0.5-1 s, 1.5-3 s, then not before 3.5 s: past the deadline.
+        tokio::time::sleep_until(start + Duration::from_millis(3050)).await;
+        store.set(Fault::None);
+        while retrier.pending() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "stored {:?} after the deadline",
+            Instant::now() - deadline
+        );
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn what_still_waits_at_exit_is_dead_lettered_once() {
+        tokio::time::pause();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut job = claimed(store.as_ref(), 9).await;
+        job.lock_deadline = Instant::now() + Duration::from_secs(30);
+        store.set(Fault::Down);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(retrier.dead_letter_pending("stopping"), 1);
+        assert_eq!(retrier.pending(), 0);
+        // The retry task that was asleep finds the job settled and leaves it alone.
+        store.set(Fault::None);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert_eq!(text.lines().count(), 1);
+        assert!(text.contains("stopping"));
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 0);
     }
 
     #[tokio::test]

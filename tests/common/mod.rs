@@ -3,9 +3,11 @@
 
 pub mod backend;
 pub mod client;
+pub mod faultproxy;
 pub mod proxy;
 pub mod rawbackend;
 pub mod redis;
+pub mod soak_backend;
 pub mod tls;
 
 pub use backend::Backend;

@@ -31,6 +31,7 @@ pub struct ProxyBuilder {
     top: Vec<String>,
     env: Vec<(String, String)>,
     configmap: bool,
+    worker_id: u16,
 }
 
 impl ProxyBuilder {
@@ -56,7 +57,13 @@ impl ProxyBuilder {
             top: vec![],
             env: vec![],
             configmap: false,
+            worker_id: 1,
         }
+    }
+    /// The Snowflake worker id (default 1); give each of several instances its own.
+    pub fn worker_id(mut self, id: u16) -> Self {
+        self.worker_id = id;
+        self
     }
     /// A line (`key: value`) added to the `orders` route's idempotency block.
     pub fn idem(mut self, line: &str) -> Self {
@@ -109,7 +116,7 @@ impl ProxyBuilder {
         format!(
             "listen: \"127.0.0.1:{port}\"\nthreads: 2\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
              upstreams:\n  orders:\n    addrs: [\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
-             idempotency:\n  worker_id: 1\n{global}store:\n  backend: {store_backend}\n{store}\
+             idempotency:\n  worker_id: {worker_id}\n{global}store:\n  backend: {store_backend}\n{store}\
              routes:\n  - name: orders\n    methods: [POST, PUT, PATCH, DELETE]\n    path_prefix: /orders\n    upstream: orders\n    idempotency:\n      key: required\n{idem}\
              \x20 - name: optional\n    methods: [POST]\n    path_prefix: /optional\n    upstream: orders\n    idempotency:\n      key: optional\n\
              \x20 - name: plain\n    path_prefix: /plain\n    upstream: orders\n",
@@ -117,6 +124,7 @@ impl ProxyBuilder {
             backend = self.backend,
             up = ind(&self.upstream, 4),
             store_backend = self.store_backend,
+            worker_id = self.worker_id,
             store = ind(&self.store, 2),
             idem = ind(&self.idempotency, 6),
             global = ind(&self.global_idempotency, 2),
@@ -144,26 +152,18 @@ impl ProxyBuilder {
             std::fs::write(&config_path, &yaml).expect("write config");
         }
         let log_path = dir.path().join("idemgate.log");
-        let log = std::fs::File::create(&log_path).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-            .arg("--config")
-            .arg(&config_path)
-            .env("IDEMGATE_LOG", "info")
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn idemgate");
-        let proxy = Proxy {
+        let mut proxy = Proxy {
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
             admin: SocketAddr::from(([127, 0, 0, 1], admin_port)),
-            child: Some(child),
+            child: None,
             log_path,
             config_path,
             yaml,
             updates: 0,
+            env: self.env,
             _dir: dir,
         };
+        proxy.child = Some(proxy.spawn());
         proxy.wait_ready().await;
         proxy
     }
@@ -179,6 +179,7 @@ pub struct Proxy {
     /// The config text as last written.
     pub yaml: String,
     updates: u32,
+    env: Vec<(String, String)>,
     _dir: tempfile::TempDir,
 }
 
@@ -194,6 +195,45 @@ pub enum Edit {
 }
 
 impl Proxy {
+    /// Starts the binary on this proxy's config; its log is appended to the same file.
+    fn spawn(&self) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .expect("log file");
+        Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(&self.config_path)
+            // Relative paths in the config (the dead-letter file) land in the test's own
+            // directory, never in the source tree.
+            .current_dir(self._dir.path())
+            .env("IDEMGATE_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn idemgate")
+    }
+
+    /// Starts the process again on the same ports and config (killing it first if it still
+    /// runs) and waits until it answers.
+    pub async fn restart(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.child = Some(self.spawn());
+        self.wait_ready().await;
+    }
+
+    /// The exit status, if the process has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
     async fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
