@@ -941,7 +941,8 @@ impl ProxyHttp for Gate {
         let req = session.req_header();
         if is_standard_method_in_other_case(&req.method) {
             let problem = Problem::MethodCase;
-            write_problem(session, &problem, Some(problem.outcome())).await?;
+            ctx.outcome = Some(problem.outcome());
+            write_problem(session, &problem, ctx.outcome).await?;
             return Ok(true);
         }
         match gen.config.match_route(&req.method, req.uri.path()) {

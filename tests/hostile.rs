@@ -201,6 +201,14 @@ async fn every_bad_input_gets_its_answer_and_nothing_is_stored() {
         assert_eq!(probe.status, 201, "after {}", case.name);
         forwarded += 1;
     }
+    // A method in the wrong case is refused before any route: counted as INVALID, unrouted.
+    let method_case = cases.iter().filter(|c| c.name.contains("-case ")).count();
+    assert_eq!(method_case, 3);
+    proxy
+        .metrics_containing(&format!(
+            r#"idemgate_requests_total{{result="INVALID",route="-"}} {method_case}"#
+        ))
+        .await;
     // Nothing malformed was stored: only the accepted cases hold records.
     let m = proxy.metrics().await;
     let records: f64 = m
