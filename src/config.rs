@@ -2793,6 +2793,23 @@ routes:
     }
 
     #[test]
+    fn fuzz_seed_configs_stay_valid() {
+        // The config fuzzer mutates these; a seed the schema no longer accepts would leave it
+        // exploring parse errors only.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/config");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("fuzz/seeds/config") {
+            let path = entry.expect("seed entry").path();
+            let text = std::fs::read_to_string(&path).expect("seed text");
+            if let Err(e) = crate::fuzzing::config_from_yaml(&text) {
+                panic!("{}: {e}", path.display());
+            }
+            seen += 1;
+        }
+        assert!(seen >= 3, "only {seen} seeds");
+    }
+
+    #[test]
     fn percent_decode_takes_only_two_hex_digits() {
         assert_eq!(
             percent_decode("p%40ss%2F%e2%82%ac").as_deref(),

@@ -310,9 +310,17 @@ mod tests {
             let b = b.clone();
             async move { b.get(&key()).await }
         });
-        while b.view().state() != CircuitState::HalfOpen {
+        for _ in 0..5000 {
+            if b.view().state() == CircuitState::HalfOpen {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        assert_eq!(
+            b.view().state(),
+            CircuitState::HalfOpen,
+            "the probe never started"
+        );
         let calls = b.inner().calls.load(Ordering::Relaxed);
         for _ in 0..10 {
             match b.get(&key()).await {
