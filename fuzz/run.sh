@@ -19,6 +19,7 @@
 # and never written to; what a run discovers goes to fuzz/corpus/<target>/ (not committed), so a
 # later run on the same machine starts from it.
 set -euo pipefail
+caller_dir="$(pwd)"
 cd "$(dirname "$0")"
 
 export RUSTC_BOOTSTRAP=1
@@ -42,10 +43,15 @@ options() {
 }
 
 if [ "${1:-}" = "--replay" ]; then
+  if [ $# -ne 3 ]; then
+    echo "usage: fuzz/run.sh --replay <target> <input file>" >&2
+    exit 2
+  fi
   target="$2"
-  shift 2
+  input="$3"
+  case "$input" in /*) ;; *) input="$caller_dir/$input" ;; esac
   # shellcheck disable=SC2046
-  exec cargo fuzz run "${build[@]}" "$target" "$@" -- $(options "$target")
+  exec cargo fuzz run "${build[@]}" "$target" "$input" -- $(options "$target")
 fi
 
 if [ $# -gt 0 ]; then
