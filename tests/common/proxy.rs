@@ -40,8 +40,13 @@ impl ProxyBuilder {
     }
 
     pub fn new(backend: &Backend) -> Self {
+        ProxyBuilder::to(backend.addr)
+    }
+
+    /// In front of a backend of the test's own making at `backend`.
+    pub fn to(backend: SocketAddr) -> Self {
         ProxyBuilder {
-            backend: backend.addr,
+            backend,
             idempotency: vec![],
             upstream: vec![],
             store_backend: "memory",
