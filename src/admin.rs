@@ -501,7 +501,13 @@ impl ServeHttp for Admin {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
     use super::*;
+    use crate::store::StoredResponse;
 
     const TOKEN: &[u8] = b"admin-token-0123456789abcdef";
 
@@ -546,5 +552,104 @@ mod tests {
         }
         // The token is not trimmed or folded: a padded token is another token.
         assert_eq!(bearer_token(b"Bearer  abc"), Some(&b" abc"[..]));
+    }
+
+    #[test]
+    fn config_json_never_shows_secrets() {
+        let config = Config::from_yaml_str(
+            r#"
+admin: {token: "admin-token-0123456789-secret"}
+upstreams: {app: {addrs: ["127.0.0.1:8080"]}}
+store:
+  backend: redis
+  redis: {urls: ["redis://user:hunter2-pw@127.0.0.1:7000", "redis://:other-pw@127.0.0.1:7001/0"]}
+routes:
+  - {name: orders, path_prefix: /orders, upstream: app, idempotency: {scope_headers: [Authorization]}}
+"#,
+        )
+        .expect("valid config");
+        let text = config_json(&config).to_string();
+        for secret in [
+            "admin-token-0123456789-secret",
+            "hunter2-pw",
+            "other-pw",
+            "user:",
+        ] {
+            assert!(!text.contains(secret), "{secret} leaked: {text}");
+        }
+        let v = config_json(&config);
+        assert_eq!(v["admin"]["token"], "<redacted>");
+        assert_eq!(
+            v["store"]["redis"]["urls"],
+            serde_json::json!(["redis://***@127.0.0.1:7000", "redis://***@127.0.0.1:7001/0"])
+        );
+        assert_eq!(v["store"]["redis"]["topology"], "cluster");
+        assert_eq!(
+            v["routes"][0]["idempotency"]["scope_headers"][0],
+            "authorization"
+        );
+        assert_eq!(v["routes"][0]["upstream"], "app");
+    }
+
+    fn record(state: RecordState) -> Record {
+        Record {
+            fingerprint: [0xab; 32],
+            execution_id: 7 << 22,
+            state,
+        }
+    }
+
+    #[test]
+    fn record_json_describes_every_state() {
+        let key = RecordKey {
+            tenant: "acme".into(),
+            hash: [1; 32],
+        };
+        let v = record_json(
+            &key,
+            &record(RecordState::InFlight {
+                lock_remaining: Duration::from_millis(1500),
+            }),
+            false,
+            None,
+        );
+        assert_eq!(v["state"], "in_flight");
+        assert_eq!(v["lock_remaining_ms"], 1500);
+        assert_eq!(v["execution_id"], (7u64 << 22).to_string());
+        assert_eq!(v["record"], "01".repeat(32));
+        assert!(v.get("fingerprint_matches").is_none());
+
+        let v = record_json(&key, &record(RecordState::Released), false, None);
+        assert_eq!(v["state"], "released");
+        assert!(v.get("status").is_none());
+
+        let unreplayable = RecordState::Completed(Completion::Unreplayable { status: 201 });
+        let v = record_json(&key, &record(unreplayable), true, Some(&"AB".repeat(32)));
+        assert_eq!(v["state"], "completed");
+        assert_eq!(v["replayable"], false);
+        assert_eq!(v["status"], 201);
+        assert!(v.get("body_base64").is_none(), "nothing to show");
+        assert_eq!(v["fingerprint_matches"], true, "hex compared without case");
+
+        let response = RecordState::Completed(Completion::Response(Arc::new(StoredResponse {
+            status: 200,
+            headers: vec![("x-a".into(), Bytes::from_static(b"1"))],
+            body: Bytes::from_static(b"\x00\xff"),
+        })));
+        let v = record_json(&key, &record(response.clone()), false, Some("00"));
+        assert_eq!(v["body_bytes"], 2);
+        assert!(v.get("body_base64").is_none(), "no body unless asked");
+        assert_eq!(v["fingerprint_matches"], false);
+        let v = record_json(&key, &record(response), true, None);
+        assert_eq!(v["body_base64"], "AP8=");
+        assert_eq!(v["headers"], serde_json::json!([["x-a", "1"]]));
+    }
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"secret-token", b"secret-token"));
+        assert!(!constant_time_eq(b"secret-token", b"secret-tokeN"));
+        assert!(!constant_time_eq(b"secret-token", b"secret-toke"));
+        assert!(constant_time_eq(b"", b""));
     }
 }

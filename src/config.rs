@@ -946,10 +946,15 @@ impl Config {
     /// fail early rather than at run time: upstream addresses must resolve, and script versions
     /// named in `store.redis.scripts` must exist.
     pub fn from_yaml_str(text: &str) -> Result<Config, ConfigError> {
+        Config::from_yaml_str_with(text, Lookup::System)
+    }
+
+    /// [`Config::from_yaml_str`] with the upstream address check done the way `lookup` says.
+    pub(crate) fn from_yaml_str_with(text: &str, lookup: Lookup) -> Result<Config, ConfigError> {
         let file: FileConfig =
             serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         let source_hash = hex::encode(Sha256::digest(text.as_bytes()));
-        file.into_config(source_hash)
+        file.into_config(source_hash, lookup)
     }
 
     /// Finds where a request goes. `path` is the request path without the query.
@@ -1002,7 +1007,7 @@ fn prefix_matches(prefix: &str, path: &str) -> bool {
 // === Validating conversion ===
 
 impl FileConfig {
-    fn into_config(self, source_hash: String) -> Result<Config, ConfigError> {
+    fn into_config(self, source_hash: String, lookup: Lookup) -> Result<Config, ConfigError> {
         let listen = socket_addr("listen", &self.listen)?;
         let threads = int_in_range("threads", self.threads, 1, 256)?;
         let request_body_timeout =
@@ -1041,7 +1046,7 @@ impl FileConfig {
         let upstreams = self
             .upstreams
             .into_iter()
-            .map(|(name, upstream)| upstream.into_config(name))
+            .map(|(name, upstream)| upstream.into_config(name, lookup))
             .collect::<Result<Vec<_>, _>>()?;
 
         let default_upstream =
@@ -1086,7 +1091,7 @@ impl FileConfig {
 }
 
 impl FileUpstream {
-    fn into_config(self, name: String) -> Result<UpstreamConfig, ConfigError> {
+    fn into_config(self, name: String, lookup: Lookup) -> Result<UpstreamConfig, ConfigError> {
         if name.is_empty() {
             return Err(invalid("upstreams", "upstream names must not be empty"));
         }
@@ -1098,7 +1103,7 @@ impl FileUpstream {
             ));
         }
         for (j, addr) in self.addrs.iter().enumerate() {
-            resolves(format!("{base}.addrs[{j}]"), addr)?;
+            resolves(format!("{base}.addrs[{j}]"), addr, lookup)?;
         }
         Ok(UpstreamConfig {
             connect_timeout: positive_duration(
@@ -1646,6 +1651,10 @@ pub fn percent_decode(raw: &str) -> Option<String> {
     while i < bytes.len() {
         if bytes[i] == b'%' {
             let hex = raw.get(i + 1..i + 3)?;
+            // from_str_radix alone would also take a sign: `%+1` is not an escape.
+            if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
             out.push(u8::from_str_radix(hex, 16).ok()?);
             i += 3;
         } else {
@@ -1837,7 +1846,10 @@ fn int_in_range<T: TryFrom<i64>>(
     T::try_from(value).map_err(|_| invalid(field, format!("{value} is out of range")))
 }
 
-fn resolves(field: String, addr: &str) -> Result<(), ConfigError> {
+fn resolves(field: String, addr: &str, lookup: Lookup) -> Result<(), ConfigError> {
+    if lookup == Lookup::Offline {
+        return offline_address(addr).map_err(|message| invalid(field, message));
+    }
     match addr.to_socket_addrs() {
         Ok(mut resolved) => match resolved.next() {
             Some(_) => Ok(()),
@@ -1847,6 +1859,29 @@ fn resolves(field: String, addr: &str) -> Result<(), ConfigError> {
             field,
             format!("cannot resolve {addr:?} as host:port: {e}"),
         )),
+    }
+}
+
+/// How upstream addresses are checked while a config is validated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    /// The system resolver: an address that does not resolve makes the config invalid.
+    System,
+    /// The `host:port` shape only, without asking any name service: for fuzzing, where a lookup
+    /// per input would be slow and would send a query off the machine for every random name.
+    Offline,
+}
+
+/// The checks `to_socket_addrs` makes before its lookup: a socket address, or `host:port` with a
+/// port that fits in 16 bits.
+fn offline_address(addr: &str) -> Result<(), String> {
+    if addr.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    match addr.rsplit_once(':') {
+        Some((_, port)) if port.parse::<u16>().is_ok() => Ok(()),
+        Some(_) => Err(format!("invalid port in {addr:?}")),
+        None => Err(format!("{addr:?} is not host:port")),
     }
 }
 
@@ -2650,6 +2685,34 @@ routes:
     }
 
     #[test]
+    fn offline_lookup_checks_the_address_shape_only() {
+        let offline = |addrs: &str| {
+            crate::fuzzing::config_from_yaml(&format!(
+                "upstreams: {{orders: {{addrs: [{addrs}]}}}}\nroutes: []\n"
+            ))
+        };
+        // What the system resolver refuses without a lookup, the offline check refuses too.
+        for bad in [
+            "\"127.0.0.1\"",
+            "\"127.0.0.1:99999\"",
+            "\"host\"",
+            "\"host:\"",
+            "\"h:p\"",
+        ] {
+            let err = offline(bad).expect_err(bad);
+            assert_eq!(
+                err.field(),
+                Some("upstreams.orders.addrs[0]"),
+                "{bad}: {err}"
+            );
+        }
+        // A name is taken on trust: no query leaves the machine.
+        let config = offline("\"backend.invalid:8080\", \"[::1]:80\", \"10.0.0.1:1\"")
+            .expect("shape is enough offline");
+        assert_eq!(config.upstreams[0].addrs[0], "backend.invalid:8080");
+    }
+
+    #[test]
     fn upstream_timeouts_must_be_positive() {
         for key in ["connect_timeout", "read_timeout", "write_timeout"] {
             assert_field(
@@ -3030,6 +3093,38 @@ routes:
             let err = parse_sentinel_url(bad).expect_err(bad);
             assert!(!err.contains("%zz"), "{err}");
         }
+    }
+
+    #[test]
+    fn fuzz_seed_configs_stay_valid() {
+        // The config fuzzer mutates these; a seed the schema no longer accepts would leave it
+        // exploring parse errors only.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/config");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("fuzz/seeds/config") {
+            let path = entry.expect("seed entry").path();
+            let text = std::fs::read_to_string(&path).expect("seed text");
+            if let Err(e) = crate::fuzzing::config_from_yaml(&text) {
+                panic!("{}: {e}", path.display());
+            }
+            seen += 1;
+        }
+        assert!(seen >= 3, "only {seen} seeds");
+    }
+
+    #[test]
+    fn percent_decode_takes_only_two_hex_digits() {
+        assert_eq!(
+            percent_decode("p%40ss%2F%e2%82%ac").as_deref(),
+            Some("p@ss/\u{20ac}")
+        );
+        // Found by fuzzing: `%+0` decoded to a NUL byte, because the radix parser takes a sign.
+        for bad in [
+            "p%+0ss", "%-1", "%+", "%4", "%zz", "%4g", "%", "%\u{e9}0", "%c3",
+        ] {
+            assert_eq!(percent_decode(bad), None, "{bad:?}");
+        }
+        assert!(parse_sentinel_url("redis+sentinel://user:p%+0ss@s1/m").is_err());
     }
 
     #[test]

@@ -20,6 +20,8 @@
 
 pub mod admin;
 pub mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod key;
 pub mod logwriter;
 pub mod metrics;

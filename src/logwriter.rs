@@ -127,6 +127,88 @@ mod tests {
         }
     }
 
+    /// A sink that blocks every write until `open` is called, like a stderr nobody reads.
+    #[derive(Clone)]
+    struct StuckSink {
+        out: Sink,
+        gate: Arc<(Mutex<bool>, Condvar)>,
+        entered: std::sync::mpsc::SyncSender<()>,
+    }
+
+    impl StuckSink {
+        fn open(gate: &(Mutex<bool>, Condvar)) {
+            *gate.0.lock().unwrap() = true;
+            gate.1.notify_all();
+        }
+    }
+
+    impl Write for StuckSink {
+        fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+            let _ = self.entered.try_send(());
+            let (open, cv) = &*self.gate;
+            let mut open = open.lock().unwrap();
+            while !*open {
+                open = cv.wait(open).unwrap();
+            }
+            self.out.write(data)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_stuck_sink_never_blocks_writers_and_drops_are_reported() {
+        let out = Sink::default();
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let (entered, entered_rx) = std::sync::mpsc::sync_channel(1);
+        let sink = StuckSink {
+            out: out.clone(),
+            gate: gate.clone(),
+            entered,
+        };
+        let mut w = BatchWriter::new(Box::new(sink));
+        writeln!(w, "first").unwrap();
+        // The background flush now hangs in the sink, holding "first".
+        entered_rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the writer thread reached the sink");
+
+        // One write per line, as the tracing formatter does; the cap holds a whole number.
+        let mut line = vec![b'x'; 1023];
+        line.push(b'\n');
+        let fit = HARD_CAP / line.len();
+        let started = std::time::Instant::now();
+        for _ in 0..fit + 500 {
+            w.write_all(&line).unwrap();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "writers waited for the sink"
+        );
+
+        StuckSink::open(&gate);
+        w.flush_now();
+        // The writer thread may hold the last batch a moment longer than this flush.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let text = loop {
+            let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+            if text.lines().filter(|l| l.starts_with('x')).count() == fit
+                || std::time::Instant::now() > deadline
+            {
+                break text;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(text.starts_with("first\n"), "{:?}", &text[..40]);
+        assert_eq!(text.lines().filter(|l| l.starts_with('x')).count(), fit);
+        let notices: Vec<&str> = text.lines().filter(|l| l.contains("dropped")).collect();
+        assert_eq!(
+            notices,
+            ["idemgate: 500 log lines dropped (log sink too slow)"]
+        );
+    }
+
     #[test]
     fn lines_arrive_in_order_after_an_interval_or_a_flush() {
         let sink = Sink::default();

@@ -285,6 +285,14 @@ impl Reloader {
 
 /// Logs settings that changed but only take effect after a restart.
 fn warn_restart_only(old: &Config, new: &Config) {
+    let changed = restart_only_changes(old, new);
+    if !changed.is_empty() {
+        tracing::warn!(settings = ?changed, "these settings changed but only take effect after a restart");
+    }
+}
+
+/// The settings that differ between `old` and `new` and are read only at start-up.
+fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     let mut changed = Vec::new();
     if old.listen != new.listen {
         changed.push("listen");
@@ -312,7 +320,56 @@ fn warn_restart_only(old: &Config, new: &Config) {
     if old.idempotency.worker_id != new.idempotency.worker_id {
         changed.push("idempotency.worker_id");
     }
-    if !changed.is_empty() {
-        tracing::warn!(settings = ?changed, "these settings changed but only take effect after a restart");
+    changed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+listen: "127.0.0.1:6180"
+threads: 2
+admin: {listen: "127.0.0.1:6181"}
+shutdown: {grace_period: 20s}
+upstreams: {app: {addrs: ["127.0.0.1:8080"]}}
+idempotency: {worker_id: 1}
+store:
+  backend: redis
+  redis: {url: "redis://127.0.0.1:6379", scripts: {version: v1}}
+routes:
+  - {name: orders, path_prefix: /orders, upstream: app, idempotency: {ttl: 1h}}
+"#;
+
+    fn changes(edit: (&str, &str)) -> Vec<&'static str> {
+        let edited = BASE.replace(edit.0, edit.1);
+        assert_ne!(edited, BASE, "{edit:?} changed nothing");
+        let old = Config::from_yaml_str(BASE).expect("base config");
+        let new = Config::from_yaml_str(&edited).expect("edited config");
+        restart_only_changes(&old, &new)
+    }
+
+    #[test]
+    fn settings_read_at_start_up_are_named() {
+        let cases: [((&str, &str), &[&str]); 8] = [
+            (("127.0.0.1:6180", "127.0.0.1:7180"), &["listen"]),
+            (("127.0.0.1:6181", "127.0.0.1:7181"), &["admin.listen"]),
+            (("threads: 2", "threads: 3"), &["threads"]),
+            (("grace_period: 20s", "grace_period: 5s"), &["shutdown"]),
+            (("worker_id: 1", "worker_id: 2"), &["idempotency.worker_id"]),
+            (("6379", "6380"), &["store"]),
+            // Applied live: scripts (by the script reloader), routes and upstreams.
+            (("version: v1", "version: v2"), &[]),
+            (("ttl: 1h", "ttl: 2h"), &[]),
+        ];
+        for (edit, want) in cases {
+            assert_eq!(changes(edit), want, "{edit:?}");
+        }
+        let both = BASE
+            .replace("threads: 2", "threads: 3")
+            .replace("version: v1", "version: v2");
+        let old = Config::from_yaml_str(BASE).expect("base config");
+        let new = Config::from_yaml_str(&both).expect("edited config");
+        assert_eq!(restart_only_changes(&old, &new), ["threads"]);
     }
 }

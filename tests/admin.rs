@@ -123,3 +123,48 @@ async fn a_purge_drops_the_local_copy_on_every_replica() {
     assert_eq!(req.send(b.addr).await.result(), Some("HIT"));
     assert_eq!(backend.count(), 2);
 }
+
+#[tokio::test]
+async fn malformed_record_requests_are_refused_with_the_reason() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let cases = [
+        ("/admin/records/default", 404, "use /admin/records/"),
+        ("/admin/records/default/k%zz", 400, "percent-encoding"),
+        // `%+1` is not an escape (the radix parser alone would read it as 0x01).
+        ("/admin/records/default/k%+1", 400, "percent-encoding"),
+        ("/admin/records/default/%22secret-key", 400, "malformed"),
+        (
+            "/admin/records/default/a%0Ab",
+            400,
+            "not a valid header value",
+        ),
+        ("/admin/records/default/a%20b", 400, "outside visible ASCII"),
+        (
+            "/admin/records/default/k?route=plain",
+            404,
+            "no such idempotent route",
+        ),
+        (
+            "/admin/records/default/k?route=nope",
+            404,
+            "no such idempotent route",
+        ),
+    ];
+    for (path, status, reason) in cases {
+        let r = Request::get(path).send(proxy.admin).await;
+        assert_eq!(r.status, status, "{path}: {}", r.text());
+        assert!(r.text().contains(reason), "{path}: {}", r.text());
+        assert!(!r.text().contains("secret-key"), "{path} echoes the key");
+    }
+    // No token configured: every mutation is refused, whatever bearer is offered.
+    let del = Request::new("DELETE", "/admin/records/default/k")
+        .header("Authorization", "Bearer ")
+        .send(proxy.admin)
+        .await;
+    assert_eq!(del.status, 401);
+    // The memory store has no scripts to show.
+    let scripts = Request::get("/admin/scripts").send(proxy.admin).await;
+    assert_eq!(scripts.status, 404);
+    assert!(scripts.text().contains("not redis"), "{}", scripts.text());
+}

@@ -2,9 +2,12 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Backend, ProxyBuilder, Request};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn setup() -> (Backend, common::Proxy) {
     let backend = Backend::start().await;
@@ -533,6 +536,95 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
         .collect();
     assert_eq!(ids.len(), 2);
     assert_eq!(ids[0], ids[1]);
+}
+
+/// A backend that announces a 100-byte body, sends `pieces` pieces of 10 bytes 100 ms apart and
+/// closes the connection; it counts the requests it reads.
+async fn cutting_backend(pieces: usize) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let count = Arc::new(AtomicUsize::new(0));
+    let counted = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                // Read the whole request first, so closing sends FIN, not a reset.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let complete = |buf: &[u8]| {
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        return false;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    buf.len() >= end + 4 + len
+                };
+                while !complete(&buf) {
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                counted.fetch_add(1, Ordering::SeqCst);
+                let _ = stream
+                    .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 100\r\n\r\n")
+                    .await;
+                for _ in 0..pieces {
+                    let _ = stream.write_all(b"0123456789").await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            });
+        }
+    });
+    (addr, count)
+}
+
+#[tokio::test]
+async fn a_response_cut_off_mid_body_keeps_the_claim() {
+    // One piece: the proxy still holds the header back, so the client learns the truth (504).
+    let (addr, count) = cutting_backend(1).await;
+    let proxy = ProxyBuilder::at(addr).start().await;
+    let req = Request::post("/orders").key("cut-early").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.status, 504, "{}", first.text());
+    assert_eq!(first.problem_type(), "upstream-outcome-unknown");
+    let retry = req.send(proxy.addr).await;
+    assert_eq!((retry.status, retry.result()), (409, Some("CONFLICT")));
+    assert_eq!(count.load(Ordering::SeqCst), 1, "never executed twice");
+    proxy.log_containing("backend answer cut off").await;
+
+    // Two pieces: the header and the first piece already went out; the client's connection is
+    // closed short of the announced length, and the outcome stays unknown (409) all the same.
+    let (addr, count) = cutting_backend(2).await;
+    let proxy = ProxyBuilder::at(addr).start().await;
+    let req = Request::post("/orders").key("cut-late").body("{}");
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr)
+        .await
+        .expect("connect");
+    stream.write_all(&req.to_bytes()).await.expect("send");
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
+        .await
+        .expect("the proxy closes the connection")
+        .expect("read");
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    assert!(
+        body.len() < 100,
+        "a cut-off body must not look complete: {text}"
+    );
+    let retry = req.send(proxy.addr).await;
+    assert_eq!((retry.status, retry.result()), (409, Some("CONFLICT")));
+    assert_eq!(count.load(Ordering::SeqCst), 1, "never executed twice");
+    proxy.log_containing("backend answer cut off").await;
 }
 
 #[tokio::test]

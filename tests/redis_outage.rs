@@ -184,10 +184,14 @@ async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
     assert_eq!(backend.count(), 1);
     // The stalled write may itself land when Redis resumes; the retry then finds it applied
     // (complete is idempotent per write). Either way the queue drains without a dead letter.
-    let m = a
-        .metrics_containing("idemgate_completion_retry_recovered_total 1")
+    a.metrics_containing("idemgate_completion_retry_recovered_total 1")
         .await;
-    assert_eq!(metric(&m, "idemgate_completion_retry_pending"), 0.0, "{m}");
+    // Recovered and pending are two atomics read separately: a scrape may fall between the
+    // retry's two updates, so wait for the queue to drain rather than reading both at once.
+    let m = a
+        .metrics_containing("idemgate_completion_retry_pending 0")
+        .await;
+    assert_eq!(metric(&m, "idemgate_completion_retry_recovered_total"), 1.0);
     assert_eq!(metric(&m, "idemgate_dead_letters_total"), 0.0);
 }
 

@@ -297,6 +297,44 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn one_probe_at_a_time_while_half_open() {
+        let b = Arc::new(breaker());
+        b.inner().set(Fault::Down);
+        for _ in 0..3 {
+            let _ = b.get(&key()).await;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        // The probe's ping hangs: everyone else must fail fast instead of piling onto the store.
+        b.inner().set(Fault::Stall);
+        let probe = tokio::spawn({
+            let b = b.clone();
+            async move { b.get(&key()).await }
+        });
+        for _ in 0..5000 {
+            if b.view().state() == CircuitState::HalfOpen {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(
+            b.view().state(),
+            CircuitState::HalfOpen,
+            "the probe never started"
+        );
+        let calls = b.inner().calls.load(Ordering::Relaxed);
+        for _ in 0..10 {
+            match b.get(&key()).await {
+                Err(StoreError::Unavailable(m)) => assert!(m.contains("probe in progress"), "{m}"),
+                other => panic!("expected a fast refusal, got {other:?}"),
+            }
+        }
+        assert_eq!(b.inner().calls.load(Ordering::Relaxed), calls);
+        b.inner().set(Fault::None);
+        assert_eq!(probe.await.expect("probe task").expect("probe"), None);
+        assert_eq!(b.view().state(), CircuitState::Closed);
+    }
+
+    #[tokio::test]
     async fn a_success_resets_the_failure_count() {
         let b = breaker();
         for _ in 0..5 {

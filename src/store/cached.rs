@@ -514,6 +514,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_bloom_filter_forgets_a_key_after_two_windows() {
+        tokio::time::pause();
+        let store = cached();
+        let mut req = claim("t", 9);
+        req.ttl = Duration::from_secs(3600);
+        store.claim(&req).await.unwrap();
+        store
+            .complete(&req.key, req.owner, response(b"{}"), req.ttl)
+            .await
+            .unwrap();
+        let retry = |store: Arc<CachedStore<FaultyStore<MemoryStore>>>| async move {
+            let again = ClaimRequest {
+                owner: OwnerToken::random(),
+                ..claim("t", 9)
+            };
+            store.claim(&again).await.unwrap()
+        };
+        // One rotation later the key is in the previous generation: still a local hit.
+        tokio::time::advance(Duration::from_secs(61)).await;
+        let calls = store.inner().calls.load(Ordering::Relaxed);
+        assert!(matches!(
+            retry(store.clone()).await,
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(store.inner().calls.load(Ordering::Relaxed), calls);
+        assert_eq!(store.stats().hits.load(Ordering::Relaxed), 1);
+        // Two rotations: no generation holds it, so the shared store answers (and still knows it).
+        tokio::time::advance(Duration::from_secs(61)).await;
+        let negatives = store.stats().bloom_negatives.load(Ordering::Relaxed);
+        match retry(store.clone()).await {
+            ClaimOutcome::Existing(r) => {
+                assert_eq!(r.state, RecordState::Completed(response(b"{}")))
+            }
+            other => panic!("expected the stored record, got {other:?}"),
+        }
+        assert_eq!(store.inner().calls.load(Ordering::Relaxed), calls + 1);
+        assert_eq!(
+            store.stats().bloom_negatives.load(Ordering::Relaxed),
+            negatives + 1
+        );
+        assert_eq!(store.stats().hits.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
     async fn delete_forgets_the_local_copy() {
         let store = cached();
         let req = claim("t", 6);

@@ -321,6 +321,18 @@ mod tests {
     }
 
     #[test]
+    fn fuzz_seed_records_decode() {
+        // The decoder fuzzer starts from these: each must be a valid record.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/record_decode");
+        for entry in std::fs::read_dir(&dir).expect("fuzz/seeds/record_decode") {
+            let path = entry.expect("seed entry").path();
+            let bytes = Bytes::from(std::fs::read(&path).expect("seed bytes"));
+            let completion = decode(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert_eq!(encode(&completion), bytes);
+        }
+    }
+
+    #[test]
     fn random_and_mutated_input_never_panics() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(0x1de6a7e);
         let valid = encode(&Completion::Response(Arc::new(sample())));

@@ -20,6 +20,8 @@ pub enum Fault {
     Down = 1,
     /// Only `complete` fails.
     CompleteFails = 2,
+    /// Calls wait until the fault is switched, then meet the new one.
+    Stall = 3,
 }
 
 /// A [`RecordStore`] that injects faults into an inner store.
@@ -45,12 +47,17 @@ impl<S: RecordStore> FaultyStore<S> {
         self.fault.store(fault as u8, Ordering::Release);
     }
 
-    fn check(&self, op: &str) -> Result<(), StoreError> {
+    async fn check(&self, op: &str) -> Result<(), StoreError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        match self.fault.load(Ordering::Acquire) {
-            1 => Err(StoreError::Unavailable(format!("injected: {op}"))),
-            2 if op == "complete" => Err(StoreError::Unavailable("injected: complete".into())),
-            _ => Ok(()),
+        loop {
+            match self.fault.load(Ordering::Acquire) {
+                1 => return Err(StoreError::Unavailable(format!("injected: {op}"))),
+                2 if op == "complete" => {
+                    return Err(StoreError::Unavailable("injected: complete".into()))
+                }
+                3 => tokio::time::sleep(Duration::from_millis(5)).await,
+                _ => return Ok(()),
+            }
         }
     }
 }
@@ -58,7 +65,7 @@ impl<S: RecordStore> FaultyStore<S> {
 #[async_trait]
 impl<S: RecordStore> RecordStore for FaultyStore<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.check("claim")?;
+        self.check("claim").await?;
         self.inner.claim(req).await
     }
     async fn complete(
@@ -68,7 +75,7 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        self.check("complete")?;
+        self.check("complete").await?;
         self.inner.complete(key, owner, completion, ttl).await
     }
     async fn release(
@@ -76,7 +83,7 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
-        self.check("release")?;
+        self.check("release").await?;
         self.inner.release(key, owner).await
     }
     async fn wait_for_change(
@@ -84,19 +91,19 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
         key: &RecordKey,
         timeout: Duration,
     ) -> Result<Option<Record>, StoreError> {
-        self.check("wait")?;
+        self.check("wait").await?;
         self.inner.wait_for_change(key, timeout).await
     }
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        self.check("get")?;
+        self.check("get").await?;
         self.inner.get(key).await
     }
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        self.check("delete")?;
+        self.check("delete").await?;
         self.inner.delete(key).await
     }
     async fn ping(&self) -> Result<(), StoreError> {
-        self.check("ping")?;
+        self.check("ping").await?;
         self.inner.ping().await
     }
     fn usage(&self) -> Option<StoreUsage> {

@@ -564,6 +564,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_unwritable_dead_letter_file_still_accounts_the_completion() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut job = claimed(store.as_ref(), 7).await;
+        job.completion = Completion::Unreplayable { status: 201 };
+        store.set(Fault::Down);
+        let mut o = options(dir.path());
+        o.attempts = 1;
+        o.dead_letter_path = dir.path().join("missing-dir").join("dead.jsonl");
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), o);
+        tokio::spawn(worker);
+        retrier.submit(job.clone());
+        // Shutdown waits for `pending`: a dead-letter write that fails must not leave it stuck.
+        settle(&retrier).await;
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
+        assert!(!dir.path().join("missing-dir").exists());
+
+        let line: serde_json::Value =
+            serde_json::from_str(&dead_letter_line(&job, 1, "store failed")).unwrap();
+        assert_eq!(
+            line["response"],
+            serde_json::json!({ "status": 201, "unreplayable": true })
+        );
+        assert_eq!(line["record"], "07".repeat(32));
+        assert_eq!(line["ttl_ms"], 60_000);
+    }
+
+    #[tokio::test]
     async fn a_full_queue_dead_letters_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
