@@ -1,4 +1,4 @@
-//! The `redis+sentinel://` URL parser and its percent-decoding: never panic; what it accepts is
+//! The `redis+sentinel://` / `rediss+sentinel://` URL parser and its percent-decoding: never panic; what it accepts is
 //! well formed (hosts non-empty, ports non-zero, a master, a database >= 0); written back as a URL
 //! it parses to the same thing; and percent-decoding accepts only `%` followed by two hex digits.
 #![no_main]
@@ -11,8 +11,12 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     check_percent_decode(text);
-    // The scheme is a fixed prefix: also try the input as the part after it.
-    for url in [text.to_owned(), format!("redis+sentinel://{text}")] {
+    // The scheme is a fixed prefix: also try the input as the part after either.
+    for url in [
+        text.to_owned(),
+        format!("redis+sentinel://{text}"),
+        format!("rediss+sentinel://{text}"),
+    ] {
         if let Ok(parsed) = parse_sentinel_url(&url) {
             check_parsed(&parsed);
             let again = parse_sentinel_url(&write(&parsed)).expect("a written URL parses");
@@ -61,7 +65,11 @@ fn encode(text: &str) -> String {
 }
 
 fn write(url: &SentinelUrl) -> String {
-    let mut out = String::from("redis+sentinel://");
+    let mut out = String::from(if url.tls {
+        "rediss+sentinel://"
+    } else {
+        "redis+sentinel://"
+    });
     if url.username.is_some() || url.password.is_some() {
         out += &encode(url.username.as_deref().unwrap_or(""));
         if let Some(password) = &url.password {
