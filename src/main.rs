@@ -42,16 +42,17 @@ const SECRET_DUMPING_TARGETS: [&str; 4] =
     ["pingora_core", "pingora_proxy", "pingora_http", "redis"];
 
 fn init_logging() {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::{fmt, EnvFilter};
-    let mut filter =
-        EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     // At trace these crates dump raw requests and commands (keys, `Authorization`, bodies):
-    // whatever level is asked for, they stop at debug.
-    for capped in SECRET_DUMPING_TARGETS {
-        if let Ok(directive) = format!("{capped}=debug").parse() {
-            filter = filter.add_directive(directive);
-        }
-    }
+    // whatever level is asked for, they stop at debug. A second filter, so it only ever lowers
+    // what `IDEMGATE_LOG` enables (a directive in the EnvFilter would also raise it).
+    let cap = Targets::new()
+        .with_default(LevelFilter::TRACE)
+        .with_targets(SECRET_DUMPING_TARGETS.map(|t| (t, LevelFilter::DEBUG)));
     let writer = LOG_WRITER
         .get_or_init(|| BatchWriter::new(Box::new(std::io::stderr())))
         .clone();
@@ -63,9 +64,9 @@ fn init_logging() {
         .with_writer(writer)
         .with_ansi(ansi);
     if json {
-        builder.json().flatten_event(true).init();
+        builder.json().flatten_event(true).finish().with(cap).init();
     } else {
-        builder.init();
+        builder.finish().with(cap).init();
     }
 }
 

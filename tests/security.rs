@@ -1064,3 +1064,27 @@ async fn set_cookie_is_replayed_only_when_configured() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The cap on the crates that dump raw requests only ever lowers their level: at the default
+/// `info`, none of their debug lines appear (a cap that raised them would log every request).
+#[tokio::test]
+async fn the_log_cap_never_raises_a_level() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    for path in ["/orders", "/plain"] {
+        let r = Request::post(path)
+            .key("cap-1")
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    let log = proxy.log_containing("path=\"/plain\"").await;
+    assert!(log.contains("path=\"/orders\""), "{log}");
+    for line in log.lines() {
+        assert!(
+            !line.contains("DEBUG") && !line.contains("TRACE"),
+            "a line below info at IDEMGATE_LOG=info: {line}"
+        );
+    }
+}
