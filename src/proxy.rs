@@ -728,9 +728,10 @@ impl Gate {
         }
     }
 
-    /// Writes a stored response back byte for byte, plus the replay markers. Headers the
-    /// route excludes now are skipped too: the exclusions of the running config hold even for
-    /// records stored under an older one (e.g. before `Set-Cookie` was excluded again).
+    /// Writes a stored response back byte for byte, plus the replay markers. Hop-by-hop and
+    /// framing headers were dropped when the record was stored; only the route's exclusions are
+    /// checked again, since they can change: the running config's hold even for records stored
+    /// under an older one (e.g. before `Set-Cookie` was excluded again).
     async fn replay(
         &self,
         session: &mut Session,
@@ -739,7 +740,7 @@ impl Gate {
     ) -> Result<()> {
         let mut resp = ResponseHeader::build(stored.status, Some(stored.headers.len() + 4))?;
         for (name, value) in &stored.headers {
-            if !is_replayable(name, exclude) {
+            if is_excluded(name, exclude) {
                 continue;
             }
             let value = HeaderValue::from_maybe_shared(value.clone())
@@ -908,7 +909,12 @@ fn is_replayable(name: &str, exclude: &[HeaderName]) -> bool {
         && !name.starts_with("proxy-")
         && name != "content-length"
         && name != "date"
-        && !exclude.iter().any(|e| e.as_str() == name)
+        && !is_excluded(name, exclude)
+}
+
+/// Whether the route's `replay_exclude_headers` names this (lower-case) header.
+fn is_excluded(name: &str, exclude: &[HeaderName]) -> bool {
+    exclude.iter().any(|e| e.as_str() == name)
 }
 
 fn label(ctx: &RequestCtx) -> &str {

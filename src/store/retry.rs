@@ -125,6 +125,11 @@ impl Jobs {
     fn take(&self, id: Job) -> Option<PendingCompletion> {
         self.waiting.lock().remove(&id)
     }
+
+    /// Returns a taken job for another attempt, under the same id.
+    fn put_back(&self, id: Job, job: PendingCompletion) {
+        self.waiting.lock().insert(id, job);
+    }
 }
 
 struct DeadLetters {
@@ -277,7 +282,7 @@ async fn run(
                     dead.write(&job, attempt + 1, &format!("store failed: {e}"))
                 }
                 Err(_) => {
-                    let id = jobs.add(job);
+                    jobs.put_back(id, job);
                     let sent = match requeue {
                         Some(tx) => tx.try_send((id, attempt + 1)).is_ok(),
                         None => false,
