@@ -76,33 +76,48 @@ async fn serve(mut stream: TcpStream, script: Vec<Step>, count: Arc<AtomicUsize>
     }
 }
 
-/// Reads one request with a `Content-Length` body (idemgate always sends one upstream).
-async fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+/// Reads one request with a `Content-Length` body (idemgate always sends one upstream) from
+/// `stream`, keeping bytes of the next request in `buf`. Returns its headers, lower-case names
+/// and trimmed values; `None` at EOF, on a read error or a head over 64 KiB.
+pub async fn read_request(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+) -> Option<Vec<(String, String)>> {
     let head_end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break i + 4;
         }
-        let mut chunk = [0u8; 4096];
-        let n = stream.read(&mut chunk).await.ok()?;
-        if n == 0 {
+        if buf.len() > 64 * 1024 {
             return None;
         }
-        buf.extend_from_slice(&chunk[..n]);
+        read_more(stream, buf).await?;
     };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let headers: Vec<(String, String)> = head
+        .split("\r\n")
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let length: usize = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .and_then(|(_, v)| v.parse().ok())
         .unwrap_or(0);
     while buf.len() < head_end + length {
-        let mut chunk = [0u8; 4096];
-        let n = stream.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
+        read_more(stream, buf).await?;
     }
     buf.drain(..head_end + length);
-    Some(())
+    Some(headers)
+}
+
+async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+    let mut chunk = [0u8; 8192];
+    match stream.read(&mut chunk).await {
+        Ok(0) | Err(_) => None,
+        Ok(n) => {
+            buf.extend_from_slice(&chunk[..n]);
+            Some(())
+        }
+    }
 }

@@ -253,6 +253,21 @@ pub struct RedisSentinel {
     dir: tempfile::TempDir,
 }
 
+/// Writes `conf` as `<dir>/sentinel.conf` and starts a Sentinel on it, logging to
+/// `<dir>/sentinel.log`.
+pub fn spawn_sentinel(dir: &Path, conf: &str) -> Child {
+    let path = dir.join("sentinel.conf");
+    std::fs::write(&path, conf).expect("write sentinel.conf");
+    let log = std::fs::File::create(dir.join("sentinel.log")).expect("sentinel log");
+    Command::new("redis-server")
+        .arg(&path)
+        .arg("--sentinel")
+        .stdout(log)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn redis-server --sentinel")
+}
+
 impl RedisSentinel {
     pub const MASTER: &'static str = "mymaster";
 
@@ -262,10 +277,9 @@ impl RedisSentinel {
         let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &replica_of]);
         let dir = tempfile::tempdir().expect("sentinel tempdir");
         let sentinel_port = free_redis_port();
-        let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
+        let child = spawn_sentinel(
+            dir.path(),
+            &format!(
                 "port {sentinel_port}\nbind 127.0.0.1\ndir {dir}\n\
                  sentinel monitor {m} 127.0.0.1 {p} 1\n\
                  sentinel down-after-milliseconds {m} 1000\n\
@@ -274,16 +288,7 @@ impl RedisSentinel {
                 m = Self::MASTER,
                 p = primary.port,
             ),
-        )
-        .expect("write sentinel.conf");
-        let log = std::fs::File::create(dir.path().join("sentinel.log")).expect("sentinel log");
-        let child = Command::new("redis-server")
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(log)
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server --sentinel");
+        );
         let setup = RedisSentinel {
             primary,
             replica,

@@ -229,39 +229,6 @@ fn reason(status: u16) -> &'static str {
 
 /// Reads one request (head and `Content-Length` body); `None` at end of stream or on garbage.
 async fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Incoming> {
-    let end = loop {
-        if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break p + 4;
-        }
-        if buf.len() > 64 * 1024 {
-            return None;
-        }
-        let mut chunk = [0u8; 8192];
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-    let mut lines = head.split("\r\n");
-    lines.next()?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let len: usize = headers
-        .iter()
-        .find(|(n, _)| n == "content-length")
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(0);
-    buf.drain(..end);
-    while buf.len() < len {
-        let mut chunk = [0u8; 8192];
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    buf.drain(..len);
+    let headers = super::rawbackend::read_request(stream, buf).await?;
     Some(Incoming { headers })
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use redis::{ClientTlsConfig, FromRedisValue, TlsCertificates, Value};
 
-use super::redis::free_redis_port;
+use super::redis::{free_redis_port, spawn_sentinel};
 
 /// A private CA and certificates it signed, in a temporary directory: `ca.pem`, `server.pem` /
 /// `server.key` (for `localhost` and `127.0.0.1`), `client.pem` / `client.key`.
@@ -396,10 +396,9 @@ impl TlsSentinel {
         let primary = TlsRedis::start_with(pki, "no", "+role", &[]);
         let dir = tempfile::tempdir().expect("sentinel tempdir");
         let sentinel_port = free_redis_port();
-        let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
+        let child = spawn_sentinel(
+            dir.path(),
+            &format!(
                 "port 0\ntls-port {sentinel_port}\nbind 127.0.0.1\ndir {dir}\n\
                  tls-cert-file {cert}\ntls-key-file {key}\ntls-ca-cert-file {ca}\n\
                  tls-auth-clients no\ntls-replication yes\n\
@@ -413,16 +412,7 @@ impl TlsSentinel {
                 m = Self::MASTER,
                 p = primary.port,
             ),
-        )
-        .expect("write sentinel.conf");
-        let log = std::fs::File::create(dir.path().join("sentinel.log")).expect("sentinel log");
-        let child = Command::new("redis-server")
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(log)
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server --sentinel");
+        );
         let setup = TlsSentinel {
             primary,
             sentinel_port,
