@@ -18,6 +18,7 @@
 //! - [`reload`]: live config reload; [`script_reload`]: live Lua script versions.
 //! - [`server`]: wires pingora services, logging and graceful shutdown.
 
+pub mod accesslog;
 pub mod admin;
 pub mod config;
 #[doc(hidden)]
@@ -33,3 +34,4 @@ pub mod scripts;
 pub mod server;
 pub mod snowflake;
 pub mod store;
+pub mod upstream;

@@ -59,6 +59,7 @@ fn init_logging() {
     // Colour codes only for a person at a terminal, never into files or log collectors.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    idemgate::accesslog::install(writer.clone(), json);
     let builder = fmt()
         .with_env_filter(filter)
         .with_writer(writer)

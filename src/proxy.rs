@@ -1,10 +1,12 @@
 //! The request flow of SPEC §1 as a pingora `ProxyHttp`: route, key, claim, replay or execute.
 //!
-//! Requests on routes without idempotency (and optional-key requests without a key) take
-//! pingora's own proxy path. A keyed request is handled whole in `request_filter`: its body is
-//! read and fingerprinted before the claim, so it cannot take that path (pingora's retry buffer
-//! replays at most 64 KiB), and is executed by [`Gate::execute`] over pingora's upstream
-//! connector, which also lets the outcome be stored when the client has gone away.
+//! Every request is answered in `request_filter`. A keyed request's body is read and
+//! fingerprinted before the claim (pingora's retry buffer would replay at most 64 KiB), then it is
+//! executed by [`Gate::execute`] over idemgate's own upstream client ([`crate::upstream`]), which
+//! also lets the outcome be stored when the client has gone away. Forwarded requests (routes
+//! without idempotency, an optional key absent) take the same client through [`Gate::forward`]
+//! when their body is known and small; an `Upgrade`, `Expect: 100-continue`, `CONNECT`, a chunked
+//! or larger body takes pingora's own proxy path, which streams both ways.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -14,10 +16,8 @@ use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName, HeaderValue};
-use pingora::connectors::http::Connector;
-use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::http::ResponseHeader;
 use pingora::prelude::HttpPeer;
-use pingora::protocols::http::client::HttpSession as UpstreamSession;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{Error, Result};
 
@@ -33,6 +33,8 @@ use crate::store::{
     ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
     StoreError, StoredResponse, WriteOutcome,
 };
+use crate::upstream::{self, Backend, UpstreamError};
+use pingora::prelude::fast_timeout::fast_timeout;
 
 /// Header carrying the result of the idempotency check to the client.
 pub const RESULT_HEADER: &str = "x-idempotent-result";
@@ -120,17 +122,18 @@ impl Generation {
 
 /// Round-robin over the resolved addresses of one upstream.
 pub struct UpstreamPool {
+    /// The addresses as pingora peers, for requests that take pingora's proxy path.
     peers: Vec<HttpPeer>,
+    /// The same addresses for idemgate's own client, same order.
+    backends: Vec<Backend>,
     next: AtomicUsize,
-    idle_timeout: Duration,
-    read_timeout: Duration,
-    write_timeout: Duration,
 }
 
 impl UpstreamPool {
     fn new(up: &crate::config::UpstreamConfig) -> std::result::Result<Self, String> {
         use std::net::ToSocketAddrs;
         let mut peers = Vec::new();
+        let mut backends = Vec::new();
         for addr in &up.addrs {
             let resolved = addr
                 .to_socket_addrs()
@@ -142,6 +145,13 @@ impl UpstreamPool {
                 peer.options.write_timeout = Some(up.write_timeout);
                 peer.options.idle_timeout = Some(up.idle_timeout);
                 peers.push(peer);
+                backends.push(Backend {
+                    addr: sa,
+                    connect_timeout: up.connect_timeout,
+                    read_timeout: up.read_timeout,
+                    write_timeout: up.write_timeout,
+                    idle_timeout: up.idle_timeout,
+                });
             }
         }
         if peers.is_empty() {
@@ -149,16 +159,14 @@ impl UpstreamPool {
         }
         Ok(UpstreamPool {
             peers,
+            backends,
             next: AtomicUsize::new(0),
-            idle_timeout: up.idle_timeout,
-            read_timeout: up.read_timeout,
-            write_timeout: up.write_timeout,
         })
     }
 
-    fn pick(&self) -> &HttpPeer {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.peers.len();
-        &self.peers[i]
+    /// The index of the next address, round robin.
+    fn pick(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % self.peers.len()
     }
 }
 
@@ -208,7 +216,6 @@ pub struct Gate {
     fallback: Option<Arc<dyn RecordStore>>,
     ids: Snowflake,
     metrics: Arc<Metrics>,
-    connector: Connector,
     in_flight: Arc<InFlightCounter>,
     retrier: CompletionRetrier,
     store_ops: [StoreOpHandles; 4],
@@ -260,7 +267,6 @@ impl Gate {
             ids: Snowflake::new(worker_id),
             store_ops,
             metrics,
-            connector: Connector::new(None),
             in_flight,
             retrier,
         }
@@ -469,7 +475,7 @@ impl Gate {
         }
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit as u64) as usize);
         loop {
-            let chunk = tokio::time::timeout(timeout, session.read_request_body()).await;
+            let chunk = fast_timeout(timeout, session.read_request_body()).await;
             match chunk {
                 Err(_) => return Err(Problem::RequestTimeout),
                 Ok(Err(_)) => return Err(Problem::RequestBodyUnreadable),
@@ -499,36 +505,27 @@ impl Gate {
         outcome: Outcome,
     ) -> Result<Handled> {
         let pool = &ctx.gen.pools[route.upstream];
-        let peer = pool.pick();
+        let backend = &pool.backends[pool.pick()];
 
-        let mut up_req = session.req_header().clone();
-        for name in connection_tokens(&up_req.headers) {
-            up_req.remove_header(&name);
-        }
-        for name in HOP_BY_HOP {
-            up_req.remove_header(*name);
-        }
-        up_req.remove_header(&header::EXPECT);
+        let req = session.req_header();
         let had_body = !body.is_empty()
-            || session
-                .req_header()
-                .headers
-                .contains_key(header::CONTENT_LENGTH)
-            || session
-                .req_header()
-                .headers
-                .contains_key(header::TRANSFER_ENCODING);
-        if had_body {
-            up_req.insert_header(header::CONTENT_LENGTH, body.len())?;
-        }
-        if let Some(c) = &claim {
-            up_req.insert_header(EXECUTION_ID_HEADER, c.execution_id)?;
-        }
+            || req.headers.contains_key(header::CONTENT_LENGTH)
+            || req.headers.contains_key(header::TRANSFER_ENCODING);
+        let mut digits = [0u8; 20];
+        let id = claim
+            .as_ref()
+            .map(|c| upstream::itoa(c.execution_id, &mut digits));
+        let extra: &[(&str, &[u8])] = match &id {
+            Some(id) => &[(EXECUTION_ID_HEADER, id)],
+            None => &[],
+        };
+        let mut head = Vec::with_capacity(512);
+        upstream::request_head(req, had_body.then_some(body.len()), extra, &mut head);
+        let head_request = req.method == http::Method::HEAD;
 
         let started = Instant::now();
-        let sent = self.send_request(peer, pool, up_req, &body).await;
-        let mut upstream = match sent {
-            Ok(up) => up,
+        let mut exchange = match upstream::send(backend, &head, &body).await {
+            Ok(x) => x,
             Err(e) => {
                 tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
                 if let Some(c) = &claim {
@@ -543,8 +540,8 @@ impl Gate {
 
         // The request is on the wire: from here on the outcome is unknown until a complete
         // response arrives, and the claim is kept unless one does.
-        let response = match read_final_header(&mut upstream).await {
-            Ok(r) => r,
+        let response = match exchange.read_head(head_request).await {
+            Ok(r) => r.header,
             Err(e) => {
                 tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
                 return self
@@ -555,21 +552,10 @@ impl Gate {
         };
         let status = response.status.as_u16();
         let storable = claim.is_some() && idem.cache_statuses.contains(status);
+        let stored_headers =
+            storable.then(|| replay_headers(&response, &idem.replay_exclude_headers));
 
-        let mut downstream = response.clone();
-        for name in connection_tokens(&downstream.headers) {
-            downstream.remove_header(&name);
-        }
-        for name in [
-            "connection",
-            "keep-alive",
-            "proxy-connection",
-            "te",
-            "trailer",
-            "upgrade",
-        ] {
-            downstream.remove_header(name);
-        }
+        let mut downstream = response;
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
 
         // The last bytes of the response (and the header, until a body chunk follows it) are held
@@ -582,11 +568,8 @@ impl Gate {
         };
         let mut captured = storable.then(BytesMut::new);
         let mut too_large = false;
-        let body_result: Result<()> = async {
-            while !upstream.response_done() {
-                let Some(chunk) = upstream.read_response_body().await? else {
-                    break;
-                };
+        let body_result: std::result::Result<(), UpstreamError> = async {
+            while let Some(chunk) = exchange.next_chunk().await? {
                 if let Some(buf) = captured.as_mut() {
                     if buf.len() + chunk.len() > idem.max_response_bytes {
                         too_large = true;
@@ -606,7 +589,6 @@ impl Gate {
 
         if let Err(e) = body_result {
             tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
-            upstream.shutdown().await;
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
                 return self
@@ -621,16 +603,14 @@ impl Gate {
                 "upstream response cut off",
             ));
         }
-        self.connector
-            .release_http_session(upstream, peer, Some(pool.idle_timeout))
-            .await;
+        exchange.finish();
 
         if let Some(claim) = &claim {
             if storable {
                 let completion = match captured {
                     Some(body) if !too_large => Completion::Response(Arc::new(StoredResponse {
                         status,
-                        headers: replay_headers(&response, &idem.replay_exclude_headers),
+                        headers: stored_headers.unwrap_or_default(),
                         body: body.freeze(),
                     })),
                     _ => Completion::Unreplayable { status },
@@ -647,36 +627,143 @@ impl Gate {
         Ok(Handled { outcome })
     }
 
-    /// Connects (pooled) and writes the request. A pooled connection the backend had already
-    /// closed fails on write before anything was processed, so that case retries once on a fresh
-    /// connection.
-    async fn send_request(
+    /// Forwards a request that needs no idempotency bookkeeping over idemgate's own client, when
+    /// it can: returns `Ok(false)` to leave the request to pingora's proxy path (an `Upgrade`,
+    /// `Expect`, `CONNECT`, a chunked body or one over [`upstream::FORWARD_BODY_BYTES`]).
+    async fn forward(
         &self,
-        peer: &HttpPeer,
-        pool: &UpstreamPool,
-        req: RequestHeader,
-        body: &Bytes,
-    ) -> Result<UpstreamSession> {
-        let mut last_err = None;
-        for _ in 0..2 {
-            let (mut up, reused) = self.connector.get_http_session(peer).await?;
-            up.set_read_timeout(Some(pool.read_timeout));
-            up.set_write_timeout(Some(pool.write_timeout));
-            match up.write_request_header(Box::new(req.clone())).await {
-                Ok(()) => {}
-                Err(e) if reused => {
-                    last_err = Some(e);
-                    continue;
-                }
-                Err(e) => return Err(e),
-            }
-            if !body.is_empty() {
-                up.write_request_body(body.clone(), true).await?;
-            }
-            up.finish_request_body().await?;
-            return Ok(up);
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        upstream_index: usize,
+    ) -> Result<bool> {
+        let req = session.req_header();
+        let headers = &req.headers;
+        if req.method == http::Method::CONNECT
+            || headers.contains_key(header::UPGRADE)
+            || headers.contains_key(header::EXPECT)
+            || headers.contains_key(header::TRANSFER_ENCODING)
+        {
+            return Ok(false);
         }
-        Err(last_err.unwrap_or_else(|| Error::new(pingora::ErrorType::ConnectError)))
+        let declared = match headers.get(header::CONTENT_LENGTH) {
+            None => None,
+            Some(v) => match std::str::from_utf8(v.as_bytes())
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+            {
+                Some(n) if n <= upstream::FORWARD_BODY_BYTES => Some(n),
+                // Large or odd: pingora streams (or refuses) it.
+                _ => return Ok(false),
+            },
+        };
+        let gen = ctx.gen.clone();
+        let pool = &gen.pools[upstream_index];
+        let config = &gen.config;
+
+        let mut body = BytesMut::new();
+        if declared.is_some_and(|n| n > 0) {
+            loop {
+                let chunk =
+                    fast_timeout(config.request_body_timeout, session.read_request_body()).await;
+                match chunk {
+                    Ok(Ok(Some(data))) => body.extend_from_slice(&data),
+                    Ok(Ok(None)) => break,
+                    Err(_) => {
+                        write_problem(session, &Problem::RequestTimeout, ctx.outcome).await?;
+                        return Ok(true);
+                    }
+                    Ok(Err(_)) => {
+                        write_problem(session, &Problem::RequestBodyUnreadable, ctx.outcome)
+                            .await?;
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+        let req = session.req_header();
+        let mut head = Vec::with_capacity(512);
+        upstream::request_head(req, declared, &[], &mut head);
+        let method = req.method.clone();
+        let head_request = method == http::Method::HEAD;
+        // A request that changes nothing may go again on a new connection if a pooled one was
+        // closed under it before any answer; one that may change something never does.
+        let safe = matches!(
+            method,
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS | http::Method::TRACE
+        );
+
+        let started = Instant::now();
+        let mut attempt = 0;
+        let (mut exchange, response) = loop {
+            attempt += 1;
+            let backend = &pool.backends[pool.pick()];
+            let sent = upstream::send(backend, &head, &body).await;
+            let mut exchange = match sent {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, route = label(ctx), "backend unreachable");
+                    write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
+                    return Ok(true);
+                }
+            };
+            match exchange.read_head(head_request).await {
+                Ok(r) => break (exchange, r.header),
+                Err(UpstreamError::Closed(_))
+                    if safe && attempt == 1 && exchange.reused() && exchange.nothing_received() =>
+                {
+                    continue
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
+                    write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
+                    return Ok(true);
+                }
+            }
+        };
+        let mut downstream = response;
+        if let Some(outcome) = ctx.outcome {
+            downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
+        }
+        let mut out = Downstream {
+            header: Some(Box::new(downstream)),
+            held: None,
+            gone: false,
+        };
+        loop {
+            match exchange.next_chunk().await {
+                Ok(Some(chunk)) => {
+                    out.push(session, chunk).await;
+                    if out.gone {
+                        // Nobody to tell: the connection is dropped with the rest of the answer.
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
+                    if out.header.is_some() {
+                        write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
+                        return Ok(true);
+                    }
+                    session.set_keepalive(None);
+                    return Err(Error::explain(
+                        pingora::ErrorType::ConnectionClosed,
+                        "upstream response cut off",
+                    ));
+                }
+            }
+        }
+        gen.route_metrics(ctx.route)
+            .observe_upstream(started.elapsed().as_secs_f64());
+        let gone = out.gone;
+        if !gone {
+            exchange.finish();
+            out.finish(session).await;
+        }
+        if out.gone {
+            session.set_keepalive(None);
+        }
+        Ok(true)
     }
 
     async fn complete(&self, claim: &Claim<'_>, completion: Completion, ttl: Duration) {
@@ -748,10 +835,7 @@ impl Gate {
             resp.append_header(name.clone(), value)?;
         }
         resp.insert_header(header::CONTENT_LENGTH, stored.body.len())?;
-        resp.insert_header(
-            header::DATE,
-            httpdate::fmt_http_date(std::time::SystemTime::now()),
-        )?;
+        resp.insert_header(header::DATE, http_date())?;
         resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
         resp.insert_header(REPLAYED_HEADER, "true")?;
         let head_only = session.req_header().method == http::Method::HEAD;
@@ -811,6 +895,28 @@ impl Downstream {
     }
 }
 
+/// The `Date` header value for now, formatted once a second per thread.
+fn http_date() -> HeaderValue {
+    thread_local! {
+        static DATE: std::cell::RefCell<(u64, HeaderValue)> =
+            const { std::cell::RefCell::new((u64::MAX, HeaderValue::from_static(""))) };
+    }
+    let now = std::time::SystemTime::now();
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.0 != secs {
+            let formatted = httpdate::fmt_http_date(now);
+            if let Ok(v) = HeaderValue::from_str(&formatted) {
+                *cell = (secs, v);
+            }
+        }
+        cell.1.clone()
+    })
+}
+
 /// Writes `problem` as problem+json, with `X-Idempotent-Result` when on an idempotent route.
 async fn write_problem(
     session: &mut Session,
@@ -834,30 +940,6 @@ async fn write_problem(
     session.write_response_header(Box::new(resp), false).await?;
     session.write_response_body(Some(body), true).await?;
     Ok(())
-}
-
-/// Reads response headers, skipping informational (1xx) ones.
-async fn read_final_header(up: &mut UpstreamSession) -> Result<ResponseHeader> {
-    loop {
-        up.read_response_header().await?;
-        let Some(resp) = up.response_header() else {
-            return Err(Error::explain(
-                pingora::ErrorType::InvalidHTTPHeader,
-                "no response header",
-            ));
-        };
-        let code = resp.status.as_u16();
-        if code == 101 {
-            // `Upgrade` is never forwarded on a keyed request: a switch nobody asked for.
-            return Err(Error::explain(
-                pingora::ErrorType::InvalidHTTPHeader,
-                "101 Switching Protocols to a request without Upgrade",
-            ));
-        }
-        if code >= 200 {
-            return Ok(resp.clone());
-        }
-    }
 }
 
 /// `post`, `Get`, …: an extension method as far as HTTP goes (methods are case-sensitive), but one
@@ -959,21 +1041,21 @@ impl ProxyHttp for Gate {
             RouteMatch::Forward { route, upstream } => {
                 ctx.route = route;
                 ctx.upstream = Some(upstream);
-                Ok(false)
+                self.forward(session, ctx, upstream).await
             }
             RouteMatch::Idempotent(i) => {
                 let route = &gen.config.routes[i];
                 ctx.route = Some(i);
                 ctx.upstream = Some(route.upstream);
                 let Some(idem) = route.idempotency.as_ref() else {
-                    return Ok(false);
+                    return self.forward(session, ctx, route.upstream).await;
                 };
                 match self.handle_keyed(session, ctx, route, idem).await? {
                     Some(handled) => {
                         ctx.outcome = Some(handled.outcome);
                         Ok(true)
                     }
-                    None => Ok(false),
+                    None => self.forward(session, ctx, route.upstream).await,
                 }
             }
         }
@@ -988,7 +1070,8 @@ impl ProxyHttp for Gate {
         let upstream = ctx.upstream.ok_or_else(|| {
             Error::explain(pingora::ErrorType::InternalError, "no upstream chosen")
         })?;
-        Ok(Box::new(ctx.gen.pools[upstream].pick().clone()))
+        let pool = &ctx.gen.pools[upstream];
+        Ok(Box::new(pool.peers[pool.pick()].clone()))
     }
 
     /// Marks forwarded responses of idempotent routes (`BYPASS`).
@@ -1041,17 +1124,21 @@ impl ProxyHttp for Gate {
             .route_metrics(ctx.route)
             .observe(index, elapsed.as_secs_f64());
         let req = session.req_header();
-        tracing::info!(
-            target: "idemgate::access",
-            method = %req.method,
-            path = req.uri.path(),
+        let record = ctx
+            .record_label
+            .as_ref()
+            .map(|r| r as &dyn std::fmt::Display);
+        let error = e.map(|e| e as &dyn std::fmt::Display);
+        crate::accesslog::log(&crate::accesslog::AccessLine {
+            method: req.method.as_str(),
+            path: req.uri.path(),
             route,
             result,
             status,
-            duration_ms = elapsed.as_secs_f64() * 1000.0,
-            record = ctx.record_label.map(tracing::field::display),
-            error = e.map(tracing::field::display),
-        );
+            duration: elapsed,
+            record,
+            error,
+        });
     }
 }
 

@@ -15,7 +15,9 @@ fn send(bytes: &[u8]) -> Step {
 }
 
 async fn proxy(backend: &RawBackend) -> Proxy {
+    // One worker thread: one upstream connection pool, so connection counts are exact.
     ProxyBuilder::at(backend.addr)
+        .threads(1)
         .idem("lock_ttl: 1s")
         .upstream("connect_timeout: 200ms")
         .upstream("read_timeout: 500ms")
@@ -198,4 +200,168 @@ async fn an_unrequested_switch_of_protocols_is_an_unknown_outcome() {
     let first = order("switch").send(proxy.addr).await;
     assert_eq!(first.status, 504, "{}", first.text());
     assert_locked_then_lapses(&proxy, &backend, "switch").await;
+}
+
+// === idemgate's upstream client: connection reuse and the forwarding path ===
+
+fn created(body: &str) -> Step {
+    send(
+        format!(
+            "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+}
+
+#[tokio::test]
+async fn keep_alive_connections_are_reused_for_keyed_and_forwarded_requests() {
+    let backend = RawBackend::start(vec![created("{}")]).await;
+    let proxy = proxy(&backend).await;
+    for i in 0..5 {
+        let r = order(&format!("reuse-{i}")).send(proxy.addr).await;
+        assert_eq!((r.status, r.result()), (201, Some("MISS")));
+        let r = Request::post("/plain").json("{}").send(proxy.addr).await;
+        assert_eq!((r.status, r.result()), (201, None));
+    }
+    assert_eq!(backend.count(), 10);
+    assert_eq!(
+        backend.connections(),
+        1,
+        "one keep-alive connection carried every request"
+    );
+}
+
+#[tokio::test]
+async fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
+    // The backend answers, then closes the idle connection 100 ms later (its keep-alive timeout).
+    let backend = RawBackend::start(vec![
+        created("{}"),
+        Step::Pause(Duration::from_millis(100)),
+        Step::Close,
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    for i in 0..3 {
+        let r = order(&format!("idle-closed-{i}")).send(proxy.addr).await;
+        // Sending on the closed connection would lose the answer: 504 and a locked key.
+        assert_eq!((r.status, r.result()), (201, Some("MISS")), "{}", r.text());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(backend.count(), 3);
+    assert_eq!(backend.connections(), 3);
+}
+
+#[tokio::test]
+async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_closes_unanswered() {
+    // Each connection answers its first request and closes on the second without answering:
+    // the race of a backend's keep-alive timeout with a request already on the wire.
+    let backend = RawBackend::start_sequence(vec![vec![created("{}")], vec![Step::Close]]).await;
+    let proxy = proxy(&backend).await;
+    let first = Request::get("/plain/a").send(proxy.addr).await;
+    assert_eq!(first.status, 201);
+    let again = Request::get("/plain/b").send(proxy.addr).await;
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert_eq!(backend.connections(), 2);
+    // A POST may have been executed: it is never sent twice, the client is told.
+    let post = Request::post("/plain/c").json("{}").send(proxy.addr).await;
+    assert_eq!(post.status, 502, "{}", post.text());
+    assert_eq!(post.problem_type(), "upstream-unreachable");
+    assert_eq!(backend.count(), 4);
+}
+
+#[tokio::test]
+async fn forwarded_requests_keep_header_spelling_and_drop_hop_by_hop_headers() {
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 200 Fine Thanks\r\nX-Backend-Trace: t1\r\nConnection: X-Hop\r\nX-Hop: secret\r\nContent-Length: 2\r\n\r\nok",
+    )])
+    .await;
+    let proxy = proxy(&backend).await;
+    let r = Request::post("/plain/orders?x=1")
+        .header("X-Request-ID", "r-1")
+        .header("Connection", "X-Private")
+        .header("X-Private", "p")
+        .header("Keep-Alive", "timeout=5")
+        .json("{\"a\":1}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!((r.status, r.body.as_slice()), (200, b"ok".as_slice()));
+    assert_eq!(r.header("x-backend-trace"), Some("t1"));
+    assert_eq!(
+        r.header("x-hop"),
+        None,
+        "headers the backend's Connection names stay behind"
+    );
+    assert_eq!(r.header("x-idempotent-result"), None);
+    // The backend's own reason phrase reaches the client.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(&Request::get("/plain/x").to_bytes())
+        .await
+        .unwrap();
+    let mut raw = vec![0u8; 64];
+    let n = tokio::io::AsyncReadExt::read(&mut s, &mut raw)
+        .await
+        .unwrap();
+    let status_line = String::from_utf8_lossy(&raw[..n])
+        .lines()
+        .next()
+        .map(str::to_owned);
+    assert_eq!(status_line.as_deref(), Some("HTTP/1.1 200 Fine Thanks"));
+    let head = backend.heads()[0].clone();
+    assert!(
+        head.starts_with("POST /plain/orders?x=1 HTTP/1.1\r\n"),
+        "{head}"
+    );
+    assert!(
+        head.contains("\r\nX-Request-ID: r-1\r\n"),
+        "client spelling kept: {head}"
+    );
+    assert!(head.contains("\r\nContent-Length: 7\r\n"), "{head}");
+    for gone in ["x-private", "keep-alive", "connection"] {
+        assert!(
+            !head.to_ascii_lowercase().contains(&format!("\r\n{gone}:")),
+            "{gone} forwarded: {head}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn head_requests_and_bodiless_statuses_end_without_a_body() {
+    let backend = RawBackend::start_sequence(vec![
+        vec![send(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")],
+        vec![send(b"HTTP/1.1 204 No Content\r\n\r\n")],
+        vec![send(
+            b"HTTP/1.1 304 Not Modified\r\nContent-Length: 9\r\n\r\n",
+        )],
+        vec![created("{}")],
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    let head = Request::new("HEAD", "/plain/x").send(proxy.addr).await;
+    assert_eq!(head.status, 200);
+    assert_eq!(head.header("content-length"), Some("5"));
+    let none = Request::get("/plain/x").send(proxy.addr).await;
+    assert_eq!((none.status, none.body.len()), (204, 0));
+    let not_modified = Request::get("/plain/x").send(proxy.addr).await;
+    assert_eq!((not_modified.status, not_modified.body.len()), (304, 0));
+    // The connection stayed in step through all three.
+    let next = Request::get("/plain/x").send(proxy.addr).await;
+    assert_eq!((next.status, next.body.as_slice()), (201, b"{}".as_slice()));
+    assert_eq!(backend.connections(), 1);
+}
+
+#[tokio::test]
+async fn a_malformed_answer_to_a_forwarded_request_is_a_502() {
+    let backend = RawBackend::start(vec![
+        send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok"),
+        Step::Close,
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    let r = Request::get("/plain/x").send(proxy.addr).await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.problem_type(), "upstream-unreachable");
+    // On a keyed request the same answer is an unknown outcome: the request was executed.
+    let keyed = order("conflicting-length").send(proxy.addr).await;
+    assert_eq!(keyed.status, 504, "{}", keyed.text());
 }

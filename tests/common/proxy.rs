@@ -32,6 +32,7 @@ pub struct ProxyBuilder {
     env: Vec<(String, String)>,
     configmap: bool,
     worker_id: u16,
+    threads: usize,
 }
 
 impl ProxyBuilder {
@@ -58,6 +59,7 @@ impl ProxyBuilder {
             env: vec![],
             configmap: false,
             worker_id: 1,
+            threads: 2,
         }
     }
     /// The Snowflake worker id (default 1); give each of several instances its own.
@@ -100,6 +102,12 @@ impl ProxyBuilder {
         self.store.push(format!("  urls: [{}]", list.join(", ")));
         self
     }
+    /// Worker threads (2 unless set). Each has its own upstream connection pool.
+    #[allow(dead_code)]
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = n;
+        self
+    }
     /// A top-level line.
     pub fn top(mut self, line: &str) -> Self {
         self.top.push(line.to_string());
@@ -114,7 +122,7 @@ impl ProxyBuilder {
                 .collect::<String>()
         };
         format!(
-            "listen: \"127.0.0.1:{port}\"\nthreads: 2\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
+            "listen: \"127.0.0.1:{port}\"\nthreads: {threads}\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
              upstreams:\n  orders:\n    addrs: [\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
              idempotency:\n  worker_id: {worker_id}\n{global}store:\n  backend: {store_backend}\n{store}\
              routes:\n  - name: orders\n    methods: [POST, PUT, PATCH, DELETE]\n    path_prefix: /orders\n    upstream: orders\n    idempotency:\n      key: required\n{idem}\
@@ -125,6 +133,7 @@ impl ProxyBuilder {
             up = ind(&self.upstream, 4),
             store_backend = self.store_backend,
             worker_id = self.worker_id,
+            threads = self.threads,
             store = ind(&self.store, 2),
             idem = ind(&self.idempotency, 6),
             global = ind(&self.global_idempotency, 2),

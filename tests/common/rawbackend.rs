@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -26,40 +26,64 @@ pub enum Step {
 pub struct RawBackend {
     pub addr: SocketAddr,
     executions: Arc<AtomicUsize>,
+    connections: Arc<AtomicUsize>,
+    heads: Arc<Mutex<Vec<String>>>,
 }
 
 impl RawBackend {
     /// Starts on a free loopback port; each request on a connection gets `script`. Without a
     /// `Close` step the connection is kept for the next request.
     pub async fn start(script: Vec<Step>) -> RawBackend {
+        RawBackend::start_sequence(vec![script]).await
+    }
+
+    /// Like [`RawBackend::start`], with the n-th request on each connection answered by
+    /// `scripts[n]` (the last script for every request after).
+    pub async fn start_sequence(scripts: Vec<Vec<Step>>) -> RawBackend {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let executions = Arc::new(AtomicUsize::new(0));
-        let count = executions.clone();
+        let backend = RawBackend {
+            addr,
+            executions: Arc::new(AtomicUsize::new(0)),
+            connections: Arc::new(AtomicUsize::new(0)),
+            heads: Arc::new(Mutex::new(Vec::new())),
+        };
+        let b = backend.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
-                let script = script.clone();
-                let count = count.clone();
-                tokio::spawn(serve(stream, script, count));
+                b.connections.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(stream, scripts.clone(), b.clone()));
             }
         });
-        RawBackend { addr, executions }
+        backend
     }
 
     /// Requests read so far.
     pub fn count(&self) -> usize {
         self.executions.load(Ordering::SeqCst)
     }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    /// The raw heads (request line and headers) of the requests read so far.
+    pub fn heads(&self) -> Vec<String> {
+        self.heads.lock().expect("heads").clone()
+    }
 }
 
-async fn serve(mut stream: TcpStream, script: Vec<Step>, count: Arc<AtomicUsize>) {
+async fn serve(mut stream: TcpStream, scripts: Vec<Vec<Step>>, backend: RawBackend) {
     let mut buf = Vec::new();
-    loop {
-        if read_request(&mut stream, &mut buf).await.is_none() {
+    for n in 0.. {
+        let Some((head, _)) = read_raw_request(&mut stream, &mut buf).await else {
             return;
-        }
-        count.fetch_add(1, Ordering::SeqCst);
-        for step in &script {
+        };
+        backend.heads.lock().expect("heads").push(head);
+        backend.executions.fetch_add(1, Ordering::SeqCst);
+        let script = &scripts[n.min(scripts.len() - 1)];
+        for step in script {
             match step {
                 Step::Send(bytes) => {
                     if stream.write_all(bytes).await.is_err() {
@@ -83,6 +107,16 @@ pub async fn read_request(
     stream: &mut TcpStream,
     buf: &mut Vec<u8>,
 ) -> Option<Vec<(String, String)>> {
+    read_raw_request(stream, buf)
+        .await
+        .map(|(_, headers)| headers)
+}
+
+/// [`read_request`], also returning the raw head as received.
+pub async fn read_raw_request(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+) -> Option<(String, Vec<(String, String)>)> {
     let head_end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break i + 4;
@@ -108,7 +142,7 @@ pub async fn read_request(
         read_more(stream, buf).await?;
     }
     buf.drain(..head_end + length);
-    Some(headers)
+    Some((head, headers))
 }
 
 async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<()> {

@@ -1,0 +1,937 @@
+//! The HTTP/1.1 client idemgate forwards with.
+//!
+//! pingora's own upstream path writes a request's header and body in two writes, checks every
+//! pooled connection with a `getpeername` call and moves each response through a duplex task
+//! loop; on a small API request those costs are most of the proxy's time. This client does the
+//! one thing idemgate needs, the way a request/response API backend is used:
+//!
+//! - the request head and body go out in one `writev`;
+//! - the response head is parsed in place (`httparse`), its header values share the read buffer;
+//! - the body is framed by RFC 9112 §6.3 (no body for HEAD, 1xx, 204 and 304; chunked when the
+//!   last transfer coding is chunked, trailers consumed; `Content-Length`, with conflicting values
+//!   refused; otherwise until the backend closes);
+//! - keep-alive connections are pooled per worker thread and per address (each worker thread
+//!   runs its own scheduler and I/O driver, so a connection stays with the thread that opened
+//!   it), newest first, dropped after `idle_timeout`. A pooled connection is checked before use
+//!   without a system call in the usual case: the backend closing it shows as read readiness.
+//!
+//! Every read and write is bounded by the upstream's `read_timeout` / `write_timeout`, the
+//! connect by `connect_timeout`.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderValue};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::fast_timeout::fast_timeout;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest body a forwarded request may have to be read whole and sent by this client; larger
+/// (or chunked) bodies of forwarded requests are streamed by pingora's proxy path.
+pub const FORWARD_BODY_BYTES: usize = 64 * 1024;
+/// Largest response head (status line and headers) accepted from a backend.
+pub const MAX_RESPONSE_HEAD_BYTES: usize = 64 * 1024;
+/// Most header fields accepted in one response head.
+const MAX_RESPONSE_HEADERS: usize = 256;
+/// Longest chunk-size line, and most trailer bytes, accepted in a chunked body.
+const MAX_CHUNK_LINE_BYTES: usize = 4096;
+const MAX_TRAILER_BYTES: usize = 64 * 1024;
+/// Idle connections kept per worker thread and backend address.
+pub const MAX_IDLE_PER_ADDRESS: usize = 128;
+/// Size of each read from the backend.
+const READ_BYTES: usize = 16 * 1024;
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and the framing headers this client writes itself.
+const NOT_FORWARDED: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+    "content-length",
+    "expect",
+];
+
+/// Headers of a response that belong to its connection, not to the response.
+const RESPONSE_HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+/// One address of an upstream and the budgets for talking to it.
+#[derive(Debug, Clone)]
+pub struct Backend {
+    pub addr: SocketAddr,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+    pub write_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+/// Why an exchange with a backend failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// Nothing was sent: the backend never saw the request.
+    #[error("connecting to {addr}: {source}")]
+    Connect { addr: SocketAddr, source: io::Error },
+    /// The request could not be written whole; a partial request is never processed.
+    #[error("writing the request: {0}")]
+    Write(io::Error),
+    /// The request went out; no complete answer came back.
+    #[error("reading the response: {0}")]
+    Read(io::Error),
+    /// The backend closed the connection before the response was complete.
+    #[error("the backend closed the connection {0}")]
+    Closed(&'static str),
+    /// The backend's answer is not HTTP/1.x as this client accepts it.
+    #[error("malformed response: {0}")]
+    Malformed(&'static str),
+}
+
+impl UpstreamError {
+    /// The request never fully reached the backend, so it cannot have been executed.
+    pub fn before_sent(&self) -> bool {
+        matches!(
+            self,
+            UpstreamError::Connect { .. } | UpstreamError::Write(_)
+        )
+    }
+}
+
+fn timed_out(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, format!("{what} timed out"))
+}
+
+// === pool ===
+
+struct Idle {
+    stream: TcpStream,
+    since: Instant,
+}
+
+thread_local! {
+    static POOL: RefCell<HashMap<SocketAddr, VecDeque<Idle>>> = RefCell::new(HashMap::new());
+}
+
+/// The newest idle connection to `backend` that is still open, if any.
+fn take_idle(backend: &Backend) -> Option<TcpStream> {
+    POOL.with(|pool| {
+        let mut pool = pool.borrow_mut();
+        let idle = pool.get_mut(&backend.addr)?;
+        while let Some(conn) = idle.pop_back() {
+            if conn.since.elapsed() < backend.idle_timeout && still_open(&conn.stream) {
+                return Some(conn.stream);
+            }
+        }
+        None
+    })
+}
+
+/// A pooled connection is usable when it has nothing to read: a backend that closed it (or
+/// sent bytes nobody asked for) makes it readable. tokio answers from its readiness state when
+/// it knows the socket is idle, so the usual case costs no system call.
+fn still_open(stream: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+fn put_idle(backend: &Backend, stream: TcpStream) {
+    POOL.with(|pool| {
+        let mut pool = pool.borrow_mut();
+        let idle = pool.entry(backend.addr).or_default();
+        // Oldest first: drop the ones past their idle time, and the oldest when full.
+        while idle
+            .front()
+            .is_some_and(|c| c.since.elapsed() >= backend.idle_timeout)
+        {
+            idle.pop_front();
+        }
+        if idle.len() >= MAX_IDLE_PER_ADDRESS {
+            idle.pop_front();
+        }
+        idle.push_back(Idle {
+            stream,
+            since: Instant::now(),
+        });
+    });
+}
+
+/// Idle connections this thread holds to `addr` (for tests).
+pub fn idle_count(addr: SocketAddr) -> usize {
+    POOL.with(|pool| pool.borrow().get(&addr).map_or(0, VecDeque::len))
+}
+
+async fn connect(backend: &Backend) -> Result<TcpStream, UpstreamError> {
+    let connected = fast_timeout(backend.connect_timeout, TcpStream::connect(backend.addr))
+        .await
+        .unwrap_or_else(|_| Err(timed_out("connect")));
+    let stream = connected.map_err(|source| UpstreamError::Connect {
+        addr: backend.addr,
+        source,
+    })?;
+    stream
+        .set_nodelay(true)
+        .map_err(|source| UpstreamError::Connect {
+            addr: backend.addr,
+            source,
+        })?;
+    Ok(stream)
+}
+
+// === request ===
+
+/// Writes the request line and headers of `req` for the backend: hop-by-hop headers, headers
+/// named by `Connection`, `Expect` and the client's framing are left out, `Content-Length` is
+/// written for `body_len`, then `extra` headers. Header names keep the client's spelling.
+pub fn request_head(
+    req: &RequestHeader,
+    body_len: Option<usize>,
+    extra: &[(&str, &[u8])],
+    buf: &mut Vec<u8>,
+) {
+    buf.extend_from_slice(req.method.as_str().as_bytes());
+    buf.push(b' ');
+    buf.extend_from_slice(req.raw_path());
+    buf.extend_from_slice(b" HTTP/1.1\r\n");
+    let named = connection_tokens(req.headers.get_all(header::CONNECTION));
+    let _ = req.map(|name, value| {
+        let name = match name {
+            pingora::http::HeaderNameVariant::Case(n) => n.as_slice(),
+            pingora::http::HeaderNameVariant::Titled(n) => n.as_bytes(),
+        };
+        let skip = NOT_FORWARDED
+            .iter()
+            .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
+            || named.iter().any(|h| name.eq_ignore_ascii_case(h));
+        if !skip {
+            buf.extend_from_slice(name);
+            buf.extend_from_slice(b": ");
+            buf.extend_from_slice(value.as_bytes());
+            buf.extend_from_slice(b"\r\n");
+        }
+        Ok(())
+    });
+    if let Some(len) = body_len {
+        buf.extend_from_slice(b"Content-Length: ");
+        buf.extend_from_slice(itoa(len as u64, &mut [0u8; 20]));
+        buf.extend_from_slice(b"\r\n");
+    }
+    for (name, value) in extra {
+        buf.extend_from_slice(name.as_bytes());
+        buf.extend_from_slice(b": ");
+        buf.extend_from_slice(value);
+        buf.extend_from_slice(b"\r\n");
+    }
+    buf.extend_from_slice(b"\r\n");
+}
+
+/// Header names listed in `Connection` values (other than the usual `close` / `keep-alive`).
+fn connection_tokens<'a>(values: http::header::GetAll<'a, HeaderValue>) -> Vec<&'a [u8]> {
+    values
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(|t| t.trim_ascii())
+        .filter(|t| {
+            !t.is_empty()
+                && !t.eq_ignore_ascii_case(b"close")
+                && !t.eq_ignore_ascii_case(b"keep-alive")
+        })
+        .collect()
+}
+
+/// Decimal digits of `n`, written into `out`.
+pub fn itoa(mut n: u64, out: &mut [u8; 20]) -> &[u8] {
+    let mut i = out.len();
+    loop {
+        i -= 1;
+        out[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    &out[i..]
+}
+
+/// Sends `head` and `body` (one `writev`) on a pooled connection, or a new one. A pooled
+/// connection the backend closed in the meantime fails on write, before the backend could have
+/// read a whole request; that case is sent again once on a new connection.
+pub async fn send(backend: &Backend, head: &[u8], body: &[u8]) -> Result<Exchange, UpstreamError> {
+    if let Some(stream) = take_idle(backend) {
+        match write_request(backend, stream, head, body).await {
+            Ok(stream) => return Ok(Exchange::new(backend, stream, true)),
+            Err(e) => {
+                tracing::debug!(error = %e, "pooled backend connection was closed; reconnecting")
+            }
+        }
+    }
+    let stream = connect(backend).await?;
+    let stream = write_request(backend, stream, head, body)
+        .await
+        .map_err(UpstreamError::Write)?;
+    Ok(Exchange::new(backend, stream, false))
+}
+
+async fn write_request(
+    backend: &Backend,
+    mut stream: TcpStream,
+    head: &[u8],
+    body: &[u8],
+) -> io::Result<TcpStream> {
+    let write = async {
+        if body.is_empty() {
+            return stream.write_all(head).await;
+        }
+        let slices = [io::IoSlice::new(head), io::IoSlice::new(body)];
+        let n = stream.write_vectored(&slices).await?;
+        if n < head.len() {
+            stream.write_all(&head[n..]).await?;
+            stream.write_all(body).await
+        } else {
+            stream.write_all(&body[n - head.len()..]).await
+        }
+    };
+    fast_timeout(backend.write_timeout, write)
+        .await
+        .unwrap_or_else(|_| Err(timed_out("write")))?;
+    Ok(stream)
+}
+
+// === response ===
+
+/// How the response body ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// No body, or all of it has been read.
+    Done,
+    /// This many bytes are still to come.
+    Length(u64),
+    /// Chunked: the state of the decoder.
+    Chunked(ChunkState),
+    /// Until the backend closes the connection.
+    Close,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    /// Expecting a chunk-size line.
+    Size,
+    /// Inside a chunk's data: bytes left.
+    Data(u64),
+    /// After a chunk's data: its CRLF.
+    DataEnd,
+    /// After the last chunk: trailer lines until an empty one; bytes seen so far.
+    Trailers(usize),
+}
+
+/// A request on the wire and its response being read.
+pub struct Exchange {
+    stream: TcpStream,
+    buf: BytesMut,
+    framing: Framing,
+    /// The connection may carry another request once the response is read whole.
+    keep_alive: bool,
+    /// The connection came from the pool.
+    reused: bool,
+    /// Bytes of response received so far (head included).
+    received: usize,
+    backend: Backend,
+}
+
+/// The final response head of an exchange.
+pub struct Response {
+    /// Status and headers, hop-by-hop headers removed, `Content-Length` removed when the body
+    /// is chunked (the client gets one framing).
+    pub header: ResponseHeader,
+}
+
+impl Exchange {
+    fn new(backend: &Backend, stream: TcpStream, reused: bool) -> Self {
+        Exchange {
+            stream,
+            buf: BytesMut::new(),
+            framing: Framing::Close,
+            keep_alive: false,
+            reused,
+            received: 0,
+            backend: backend.clone(),
+        }
+    }
+
+    /// The request went out on a pooled connection.
+    pub fn reused(&self) -> bool {
+        self.reused
+    }
+
+    /// No byte of the response has arrived.
+    pub fn nothing_received(&self) -> bool {
+        self.received == 0
+    }
+
+    /// Reads more of the response into the buffer. `Ok(false)` at end of stream.
+    async fn fill(&mut self) -> Result<bool, UpstreamError> {
+        self.buf.reserve(READ_BYTES);
+        let read = fast_timeout(
+            self.backend.read_timeout,
+            self.stream.read_buf(&mut self.buf),
+        )
+        .await
+        .unwrap_or_else(|_| Err(timed_out("read")))
+        .map_err(UpstreamError::Read)?;
+        self.received += read;
+        Ok(read > 0)
+    }
+
+    /// Reads the final response head, skipping informational (1xx) ones. `head_request`: the
+    /// request was HEAD, so the response has no body whatever its headers say. A `101` is refused:
+    /// this client never forwards `Upgrade`.
+    pub async fn read_head(&mut self, head_request: bool) -> Result<Response, UpstreamError> {
+        loop {
+            let parsed = loop {
+                if let Some(parsed) = parse_head(&mut self.buf)? {
+                    break parsed;
+                }
+                if self.buf.len() > MAX_RESPONSE_HEAD_BYTES {
+                    return Err(UpstreamError::Malformed("response head too large"));
+                }
+                if !self.fill().await? {
+                    return Err(UpstreamError::Closed(if self.received == 0 {
+                        "before the response"
+                    } else {
+                        "inside the response head"
+                    }));
+                }
+            };
+            let status = parsed.header.status.as_u16();
+            if status == 101 {
+                return Err(UpstreamError::Malformed(
+                    "101 Switching Protocols to a request without Upgrade",
+                ));
+            }
+            if status < 200 {
+                continue;
+            }
+            self.keep_alive = parsed.keep_alive;
+            self.framing = if head_request || status == 204 || status == 304 {
+                Framing::Done
+            } else {
+                parsed.framing
+            };
+            if self.framing == Framing::Close {
+                self.keep_alive = false;
+            }
+            return Ok(Response {
+                header: parsed.header,
+            });
+        }
+    }
+
+    /// The response body has been read to its end.
+    pub fn done(&self) -> bool {
+        self.framing == Framing::Done
+    }
+
+    /// The next piece of the response body, `None` at its end.
+    pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        loop {
+            match self.framing {
+                Framing::Done => return Ok(None),
+                Framing::Length(0) => {
+                    self.framing = Framing::Done;
+                    return Ok(None);
+                }
+                Framing::Length(left) => {
+                    if self.buf.is_empty() && !self.fill().await? {
+                        return Err(UpstreamError::Closed("inside the response body"));
+                    }
+                    let take = (self.buf.len() as u64).min(left) as usize;
+                    self.framing = Framing::Length(left - take as u64);
+                    if self.framing == Framing::Length(0) {
+                        self.framing = Framing::Done;
+                    }
+                    return Ok(Some(self.buf.split_to(take).freeze()));
+                }
+                Framing::Close => {
+                    if self.buf.is_empty() && !self.fill().await? {
+                        self.framing = Framing::Done;
+                        return Ok(None);
+                    }
+                    return Ok(Some(self.buf.split().freeze()));
+                }
+                Framing::Chunked(state) => {
+                    let (state, data) = decode_chunked(state, &mut self.buf)?;
+                    self.framing = match state {
+                        None => Framing::Done,
+                        Some(s) => Framing::Chunked(s),
+                    };
+                    if let Some(data) = data {
+                        return Ok(Some(data));
+                    }
+                    if self.framing == Framing::Done {
+                        return Ok(None);
+                    }
+                    if !self.fill().await? {
+                        return Err(UpstreamError::Closed("inside the chunked response body"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Puts the connection back in the pool when the response was read whole and the backend
+    /// keeps it open; otherwise closes it.
+    pub fn finish(self) {
+        if self.done() && self.keep_alive && self.buf.is_empty() {
+            put_idle(&self.backend, self.stream);
+        }
+    }
+}
+
+struct ParsedHead {
+    header: ResponseHeader,
+    framing: Framing,
+    keep_alive: bool,
+}
+
+/// Parses a response head at the start of `buf` and removes it, or `None` if incomplete.
+fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
+    let mut slots = [httparse::EMPTY_HEADER; 64];
+    let mut many;
+    let mut resp = httparse::Response::new(&mut slots);
+    let mut status = resp.parse(buf);
+    if matches!(status, Err(httparse::Error::TooManyHeaders)) {
+        many = vec![httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
+        resp = httparse::Response::new(&mut many);
+        status = resp.parse(buf);
+    }
+    let head_len = match status {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(UpstreamError::Malformed("too many response headers"))
+        }
+        Err(_) => return Err(UpstreamError::Malformed("unparsable response head")),
+    };
+    let code = resp.code.unwrap_or(0);
+    let version = resp.version.unwrap_or(1);
+    let reason = resp.reason.unwrap_or("");
+    // Offsets into the head, so names and values can share one buffer once it is frozen.
+    let base = buf.as_ptr() as usize;
+    let fields: Vec<(usize, usize, usize, usize)> = resp
+        .headers
+        .iter()
+        .map(|h| {
+            let n = h.name.as_ptr() as usize - base;
+            let v = h.value.as_ptr() as usize - base;
+            (n, h.name.len(), v, h.value.len())
+        })
+        .collect();
+    let canonical_reason = http::StatusCode::from_u16(code)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .is_some_and(|r| r == reason);
+    let custom_reason = (!canonical_reason && !reason.is_empty()).then(|| reason.to_owned());
+
+    let head = buf.split_to(head_len).freeze();
+    let mut header = ResponseHeader::build(code, Some(fields.len()))
+        .map_err(|_| UpstreamError::Malformed("invalid status code"))?;
+    if let Some(reason) = custom_reason {
+        // A reason phrase the backend chose is passed on, like the rest of its answer.
+        let _ = header.set_reason_phrase(Some(&reason));
+    }
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    let mut transfer_encoding = false;
+    let mut close = version == 0;
+    let mut connection_named: Vec<Bytes> = Vec::new();
+    for &(n, nl, v, vl) in &fields {
+        let name = &head[n..n + nl];
+        let value = &head[v..v + vl];
+        if name.eq_ignore_ascii_case(b"content-length") {
+            for part in value.split(|&b| b == b',') {
+                let part = part.trim_ascii();
+                let parsed = std::str::from_utf8(part)
+                    .ok()
+                    .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .ok_or(UpstreamError::Malformed("invalid Content-Length"))?;
+                if length.is_some_and(|l| l != parsed) {
+                    return Err(UpstreamError::Malformed(
+                        "conflicting Content-Length values",
+                    ));
+                }
+                length = Some(parsed);
+            }
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            transfer_encoding = true;
+            // Only the last coding decides whether the body is chunked.
+            chunked = value
+                .split(|&b| b == b',')
+                .map(|c| c.trim_ascii())
+                .rfind(|c| !c.is_empty())
+                .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for token in value.split(|&b| b == b',').map(|t| t.trim_ascii()) {
+                if token.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                    if version == 0 {
+                        close = false;
+                    }
+                } else if !token.is_empty() {
+                    connection_named.push(head.slice_ref(token));
+                }
+            }
+        }
+    }
+    for &(n, nl, v, vl) in &fields {
+        let name = &head[n..n + nl];
+        let hop = RESPONSE_HOP_BY_HOP
+            .iter()
+            .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
+            || connection_named
+                .iter()
+                .any(|c| name.eq_ignore_ascii_case(c))
+            || (transfer_encoding && name.eq_ignore_ascii_case(b"content-length"));
+        if hop {
+            continue;
+        }
+        let value = HeaderValue::from_maybe_shared(head.slice(v..v + vl))
+            .map_err(|_| UpstreamError::Malformed("invalid header value"))?;
+        header
+            .append_header(head.slice(n..n + nl), value)
+            .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
+    }
+    let framing = if transfer_encoding {
+        if chunked {
+            Framing::Chunked(ChunkState::Size)
+        } else {
+            Framing::Close
+        }
+    } else {
+        match length {
+            Some(0) => Framing::Done,
+            Some(n) => Framing::Length(n),
+            None => Framing::Close,
+        }
+    };
+    // A body both chunked and length-framed was framed two ways: do not trust the connection.
+    let keep_alive = !(close || transfer_encoding && length.is_some());
+    Ok(Some(ParsedHead {
+        header,
+        framing,
+        keep_alive,
+    }))
+}
+
+/// Decodes as much of a chunked body as `buf` holds. Returns the next state (`None` when the
+/// body, trailers included, is complete) and the data decoded, if any.
+fn decode_chunked(
+    mut state: ChunkState,
+    buf: &mut BytesMut,
+) -> Result<(Option<ChunkState>, Option<Bytes>), UpstreamError> {
+    let mut out: Option<BytesMut> = None;
+    let mut single: Option<Bytes> = None;
+    let mut push = |data: Bytes| match (&mut out, single.take()) {
+        (Some(o), _) => o.extend_from_slice(&data),
+        (None, None) => single = Some(data),
+        (None, Some(first)) => {
+            let mut o = BytesMut::with_capacity(first.len() + data.len());
+            o.extend_from_slice(&first);
+            o.extend_from_slice(&data);
+            out = Some(o);
+        }
+    };
+    loop {
+        match state {
+            ChunkState::Size => {
+                let Some(end) = buf.iter().position(|&b| b == b'\n') else {
+                    if buf.len() > MAX_CHUNK_LINE_BYTES {
+                        return Err(UpstreamError::Malformed("chunk size line too long"));
+                    }
+                    break;
+                };
+                if end > MAX_CHUNK_LINE_BYTES {
+                    return Err(UpstreamError::Malformed("chunk size line too long"));
+                }
+                let line = buf.split_to(end + 1);
+                let line = line
+                    .strip_suffix(b"\r\n")
+                    .ok_or(UpstreamError::Malformed("chunk size line without CRLF"))?;
+                // chunk-size [ chunk-ext ]: extensions (after `;`) are ignored.
+                let size = line.split(|&b| b == b';').next().unwrap_or(&[]);
+                let size = size.trim_ascii_end();
+                if size.is_empty() || size.len() > 16 || !size.iter().all(u8::is_ascii_hexdigit) {
+                    return Err(UpstreamError::Malformed("invalid chunk size"));
+                }
+                let size = size.iter().fold(0u64, |n, &d| {
+                    (n << 4) | (d as char).to_digit(16).unwrap_or(0) as u64
+                });
+                state = if size == 0 {
+                    ChunkState::Trailers(0)
+                } else {
+                    ChunkState::Data(size)
+                };
+            }
+            ChunkState::Data(left) => {
+                if buf.is_empty() {
+                    break;
+                }
+                let take = (buf.len() as u64).min(left) as usize;
+                push(buf.split_to(take).freeze());
+                state = if take as u64 == left {
+                    ChunkState::DataEnd
+                } else {
+                    ChunkState::Data(left - take as u64)
+                };
+            }
+            ChunkState::DataEnd => {
+                if buf.len() < 2 {
+                    break;
+                }
+                if &buf[..2] != b"\r\n" {
+                    return Err(UpstreamError::Malformed("chunk data without CRLF"));
+                }
+                buf.advance(2);
+                state = ChunkState::Size;
+            }
+            ChunkState::Trailers(seen) => {
+                let Some(end) = buf.iter().position(|&b| b == b'\n') else {
+                    if seen + buf.len() > MAX_TRAILER_BYTES {
+                        return Err(UpstreamError::Malformed("trailers too large"));
+                    }
+                    break;
+                };
+                if seen + end > MAX_TRAILER_BYTES {
+                    return Err(UpstreamError::Malformed("trailers too large"));
+                }
+                let line = buf.split_to(end + 1);
+                if line.as_ref() == b"\r\n" {
+                    let data = out.map(BytesMut::freeze).or(single);
+                    return Ok((None, data));
+                }
+                if !line.ends_with(b"\r\n") {
+                    return Err(UpstreamError::Malformed("trailer line without CRLF"));
+                }
+                // Trailer fields are consumed, not forwarded or stored.
+                state = ChunkState::Trailers(seen + end + 1);
+            }
+        }
+    }
+    Ok((Some(state), out.map(BytesMut::freeze).or(single)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(raw: &[u8]) -> Result<Option<ParsedHead>, UpstreamError> {
+        let mut buf = BytesMut::from(raw);
+        parse_head(&mut buf)
+    }
+
+    fn decode_all(raw: &[u8], piece: usize) -> Result<(Vec<u8>, bool), UpstreamError> {
+        let mut state = ChunkState::Size;
+        let mut buf = BytesMut::new();
+        let mut body = Vec::new();
+        for part in raw.chunks(piece.max(1)) {
+            buf.extend_from_slice(part);
+            let (next, data) = decode_chunked(state, &mut buf)?;
+            if let Some(d) = data {
+                body.extend_from_slice(&d);
+            }
+            match next {
+                Some(s) => state = s,
+                None => return Ok((body, true)),
+            }
+        }
+        Ok((body, false))
+    }
+
+    #[test]
+    fn a_head_is_parsed_with_its_framing_and_keeps_the_backends_spelling() {
+        let p = parse(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nX-Custom-ID: 7\r\nContent-Length: 2\r\n\r\n{}")
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.header.status.as_u16(), 201);
+        assert_eq!(p.framing, Framing::Length(2));
+        assert!(p.keep_alive);
+        let mut wire = Vec::new();
+        p.header.header_to_h1_wire(&mut wire);
+        let wire = String::from_utf8(wire).unwrap();
+        assert!(wire.contains("X-Custom-ID: 7\r\n"), "{wire}");
+        assert!(wire.contains("Content-Length: 2\r\n"), "{wire}");
+    }
+
+    #[test]
+    fn an_incomplete_head_asks_for_more() {
+        assert!(parse(b"HTTP/1.1 200 OK\r\nContent-Le").unwrap().is_none());
+    }
+
+    #[test]
+    fn chunked_wins_over_content_length_and_the_connection_is_not_reused() {
+        let p =
+            parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert_eq!(p.framing, Framing::Chunked(ChunkState::Size));
+        assert!(!p.keep_alive);
+        assert!(p.header.headers.get("content-length").is_none());
+    }
+
+    #[test]
+    fn a_transfer_coding_other_than_chunked_last_is_read_to_close() {
+        let p = parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.framing, Framing::Close);
+    }
+
+    #[test]
+    fn conflicting_lengths_are_refused_and_repeated_equal_ones_accepted() {
+        assert!(matches!(
+            parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n"),
+            Err(UpstreamError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\n"),
+            Err(UpstreamError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse(b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n"),
+            Err(UpstreamError::Malformed(_))
+        ));
+        let p = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.framing, Framing::Length(5));
+    }
+
+    #[test]
+    fn connection_close_http_1_0_and_no_length_end_keep_alive() {
+        let close = parse(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(!close.keep_alive);
+        assert!(close.header.headers.get("connection").is_none());
+        let old = parse(b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(!old.keep_alive);
+        let old_kept =
+            parse(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert!(old_kept.keep_alive);
+        let open_ended = parse(b"HTTP/1.1 200 OK\r\n\r\n").unwrap().unwrap();
+        assert_eq!(open_ended.framing, Framing::Close);
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_are_dropped() {
+        let p = parse(b"HTTP/1.1 200 OK\r\nConnection: X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nTrailer: X-T\r\nUpgrade: h2c\r\nX-Kept: 2\r\nContent-Length: 0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        let names: Vec<&str> = p.header.headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-kept", "content-length"]);
+    }
+
+    #[test]
+    fn a_custom_reason_phrase_is_kept() {
+        let p = parse(b"HTTP/1.1 200 Fine Thanks\r\nContent-Length: 0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.header.get_reason_phrase(), Some("Fine Thanks"));
+        let p = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.header.get_reason_phrase(), Some("OK"));
+    }
+
+    #[test]
+    fn garbage_and_too_many_headers_are_malformed() {
+        assert!(matches!(
+            parse(b"SSH-2.0-OpenSSH\r\n\r\n"),
+            Err(UpstreamError::Malformed(_))
+        ));
+        let mut many = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for i in 0..300 {
+            many.extend_from_slice(format!("X-{i}: v\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        assert!(matches!(parse(&many), Err(UpstreamError::Malformed(_))));
+        let mut fine = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for i in 0..100 {
+            fine.extend_from_slice(format!("X-{i}: v\r\n").as_bytes());
+        }
+        fine.extend_from_slice(b"\r\n");
+        assert_eq!(parse(&fine).unwrap().unwrap().header.headers.len(), 100);
+    }
+
+    #[test]
+    fn chunked_bodies_decode_whatever_the_read_boundaries() {
+        let raw = b"5;ext=1\r\nhello\r\n1\r\n \r\n6\r\nworld!\r\n0\r\nX-Trailer: t\r\n\r\n";
+        for piece in 1..raw.len() + 1 {
+            let (body, complete) = decode_all(raw, piece).unwrap();
+            assert_eq!(body, b"hello world!", "piece {piece}");
+            assert!(complete, "piece {piece}");
+        }
+    }
+
+    #[test]
+    fn broken_chunked_bodies_are_malformed() {
+        for raw in [
+            &b"zz\r\nhello\r\n0\r\n\r\n"[..],
+            b"5\r\nhelloXX0\r\n\r\n",
+            b"\r\n",
+            b"5\nhello\r\n0\r\n\r\n",
+            b"11111111111111111\r\n",
+        ] {
+            assert!(
+                matches!(decode_all(raw, raw.len()), Err(UpstreamError::Malformed(_))),
+                "{:?}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+        let long = vec![b'1'; MAX_CHUNK_LINE_BYTES + 10];
+        assert!(decode_all(&long, long.len()).is_err());
+    }
+
+    #[test]
+    fn the_request_head_drops_hop_by_hop_and_framing_and_adds_length_and_extras() {
+        let mut req = RequestHeader::build("POST", b"/orders?x=1", None).unwrap();
+        req.append_header("Host", "shop").unwrap();
+        req.append_header("Connection", "keep-alive, X-Secret")
+            .unwrap();
+        req.append_header("X-Secret", "s").unwrap();
+        req.append_header("Transfer-Encoding", "chunked").unwrap();
+        req.append_header("Expect", "100-continue").unwrap();
+        req.append_header("Content-Length", "99").unwrap();
+        req.append_header("X-Request-ID", "r1").unwrap();
+        let mut buf = Vec::new();
+        request_head(&req, Some(2), &[("x-idempotency-id", b"42")], &mut buf);
+        assert_eq!(
+            String::from_utf8(buf).unwrap(),
+            "POST /orders?x=1 HTTP/1.1\r\nHost: shop\r\nX-Request-ID: r1\r\nContent-Length: 2\r\nx-idempotency-id: 42\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn itoa_writes_decimal() {
+        for n in [0u64, 7, 10, 1234567890, u64::MAX] {
+            assert_eq!(itoa(n, &mut [0; 20]), n.to_string().as_bytes());
+        }
+    }
+}
