@@ -39,7 +39,7 @@ pub struct AccessLine<'a> {
     pub status: u16,
     pub duration: Duration,
     /// Short label of the record hash (never the key).
-    pub record: Option<&'a dyn std::fmt::Display>,
+    pub record: Option<crate::key::HashLabel>,
     pub error: Option<&'a dyn std::fmt::Display>,
 }
 
@@ -96,7 +96,7 @@ fn format_text(buf: &mut Vec<u8>, stamp: &mut Stamp, line: &AccessLine<'_>) {
     millis(buf, line.duration);
     if let Some(record) = line.record {
         buf.extend_from_slice(b" record=");
-        let _ = write!(buf, "{record}");
+        buf.extend_from_slice(&record.hex());
     }
     if let Some(error) = line.error {
         buf.extend_from_slice(b" error=");
@@ -121,8 +121,9 @@ fn format_json(buf: &mut Vec<u8>, stamp: &mut Stamp, line: &AccessLine<'_>) {
     buf.extend_from_slice(b",\"duration_ms\":");
     millis(buf, line.duration);
     if let Some(record) = line.record {
-        buf.extend_from_slice(b",\"record\":");
-        json_str(buf, &record.to_string());
+        buf.extend_from_slice(b",\"record\":\"");
+        buf.extend_from_slice(&record.hex());
+        buf.push(b'"');
     }
     if let Some(error) = line.error {
         buf.extend_from_slice(b",\"error\":");
@@ -232,7 +233,7 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 mod tests {
     use super::*;
 
-    fn line<'a>(path: &'a str, record: Option<&'a dyn std::fmt::Display>) -> AccessLine<'a> {
+    fn line(path: &str, record: Option<crate::key::HashLabel>) -> AccessLine<'_> {
         AccessLine {
             method: "POST",
             path,
@@ -274,7 +275,7 @@ mod tests {
         let (_, rest) = text.split_once("Z  ").unwrap();
         assert_eq!(
             rest,
-            "INFO idemgate::access: method=POST path=\"/orders\" route=\"orders\" result=\"MISS\" status=201 duration_ms=1336.492 record=41cc22709a5357fb\n"
+            "INFO idemgate::access: method=POST path=\"/orders\" route=\"orders\" result=\"MISS\" status=201 duration_ms=1336.492 record=4141414141414141\n"
         );
     }
 

@@ -205,9 +205,23 @@ pub fn hash_label(hash: &Digest) -> HashLabel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HashLabel([u8; 8]);
 
+impl HashLabel {
+    /// The label as 16 lower-case hex digits.
+    pub fn hex(&self) -> [u8; 16] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; 16];
+        for (i, b) in self.0.iter().enumerate() {
+            out[2 * i] = DIGITS[usize::from(b >> 4)];
+            out[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
+        }
+        out
+    }
+}
+
 impl std::fmt::Display for HashLabel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+        let hex = self.hex();
+        f.write_str(std::str::from_utf8(&hex).map_err(|_| std::fmt::Error)?)
     }
 }
 

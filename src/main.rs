@@ -50,9 +50,13 @@ fn init_logging() {
     // At trace these crates dump raw requests and commands (keys, `Authorization`, bodies):
     // whatever level is asked for, they stop at debug. A second filter, so it only ever lowers
     // what `IDEMGATE_LOG` enables (a directive in the EnvFilter would also raise it).
+    // Its default is the most verbose level the filter can enable (not TRACE): the subscriber's
+    // level hint then stays that of `IDEMGATE_LOG`, and the `log` crate's max level with it, so
+    // pingora's per-request `debug!` calls stop at a static check instead of reaching the bridge.
+    let most = filter.max_level_hint().unwrap_or(LevelFilter::TRACE);
     let cap = Targets::new()
-        .with_default(LevelFilter::TRACE)
-        .with_targets(SECRET_DUMPING_TARGETS.map(|t| (t, LevelFilter::DEBUG)));
+        .with_default(most)
+        .with_targets(SECRET_DUMPING_TARGETS.map(|t| (t, LevelFilter::DEBUG.min(most))));
     let writer = LOG_WRITER
         .get_or_init(|| BatchWriter::new(Box::new(std::io::stderr())))
         .clone();

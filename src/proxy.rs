@@ -1124,10 +1124,6 @@ impl ProxyHttp for Gate {
             .route_metrics(ctx.route)
             .observe(index, elapsed.as_secs_f64());
         let req = session.req_header();
-        let record = ctx
-            .record_label
-            .as_ref()
-            .map(|r| r as &dyn std::fmt::Display);
         let error = e.map(|e| e as &dyn std::fmt::Display);
         crate::accesslog::log(&crate::accesslog::AccessLine {
             method: req.method.as_str(),
@@ -1136,7 +1132,7 @@ impl ProxyHttp for Gate {
             result,
             status,
             duration: elapsed,
-            record,
+            record: ctx.record_label,
             error,
         });
     }

@@ -43,6 +43,8 @@ const MAX_CHUNK_LINE_BYTES: usize = 4096;
 const MAX_TRAILER_BYTES: usize = 64 * 1024;
 /// Idle connections kept per worker thread and backend address.
 pub const MAX_IDLE_PER_ADDRESS: usize = 128;
+/// Informational (1xx) responses accepted before the final one.
+const MAX_INFORMATIONAL: usize = 16;
 /// Size of each read from the backend.
 const READ_BYTES: usize = 16 * 1024;
 
@@ -398,7 +400,7 @@ impl Exchange {
     /// request was HEAD, so the response has no body whatever its headers say. A `101` is refused:
     /// this client never forwards `Upgrade`.
     pub async fn read_head(&mut self, head_request: bool) -> Result<Response, UpstreamError> {
-        loop {
+        for _ in 0..=MAX_INFORMATIONAL {
             let parsed = loop {
                 if let Some(parsed) = parse_head(&mut self.buf)? {
                     break parsed;
@@ -436,6 +438,9 @@ impl Exchange {
                 header: parsed.header,
             });
         }
+        Err(UpstreamError::Malformed(
+            "too many informational (1xx) responses",
+        ))
     }
 
     /// The response body has been read to its end.

@@ -365,3 +365,15 @@ async fn a_malformed_answer_to_a_forwarded_request_is_a_502() {
     let keyed = order("conflicting-length").send(proxy.addr).await;
     assert_eq!(keyed.status, 504, "{}", keyed.text());
 }
+
+#[tokio::test]
+async fn an_endless_run_of_informational_answers_is_refused() {
+    let mut flood = b"HTTP/1.1 102 Processing\r\n\r\n".repeat(20);
+    flood.extend_from_slice(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok");
+    let backend = RawBackend::start(vec![Step::Send(flood), Step::Close]).await;
+    let proxy = proxy(&backend).await;
+    let keyed = order("flood").send(proxy.addr).await;
+    assert_eq!(keyed.status, 504, "{}", keyed.text());
+    let plain = Request::get("/plain/x").send(proxy.addr).await;
+    assert_eq!(plain.status, 502, "{}", plain.text());
+}
