@@ -265,11 +265,11 @@ mod tests {
     #[test]
     fn text_lines_have_the_fmt_layer_shape() {
         let mut buf = Vec::new();
-        let record = "41cc22709a5357fb";
+        let record = crate::key::hash_label(&[0x41; 32]);
         format_text(
             &mut buf,
             &mut Stamp::default(),
-            &line("/orders", Some(&record)),
+            &line("/orders", Some(record)),
         );
         let text = String::from_utf8(buf).unwrap();
         let (_, rest) = text.split_once("Z  ").unwrap();

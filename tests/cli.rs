@@ -111,3 +111,40 @@ async fn json_logs_have_one_object_per_request_without_the_key() {
     assert_eq!(v["record"].as_str().map(str::len), Some(16));
     assert!(!proxy.log().contains("my-secret-key"));
 }
+
+#[tokio::test]
+async fn the_access_line_follows_idemgate_log_like_any_target() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .env("IDEMGATE_LOG", "info,idemgate::access=off")
+        .start()
+        .await;
+    let r = Request::post("/orders")
+        .key("quiet")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(r.status, 201);
+    // Other info lines still arrive; the access line (flushed within 50 ms) never does.
+    let log = proxy.log_containing("idemgate starting").await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(!proxy.log().contains("idemgate::access"), "{log}");
+
+    let text = ProxyBuilder::new(&backend).start().await;
+    Request::post("/orders")
+        .key("loud")
+        .body("{}")
+        .send(text.addr)
+        .await;
+    let line = text.log_containing("idemgate::access").await;
+    let line = line
+        .lines()
+        .find(|l| l.contains("idemgate::access"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        line.contains(" INFO idemgate::access: method=POST path=\"/orders\" route=\"orders\" result=\"MISS\" status=201 duration_ms="),
+        "{line}"
+    );
+    assert!(!line.contains("loud"), "{line}");
+}
