@@ -342,13 +342,15 @@ impl Gate {
             lock_ttl: idem.lock_ttl,
             ttl: idem.ttl,
         };
-        let deadline = Instant::now() + idem.wait_timeout;
+        // Set at the first claim: only a request that meets an in-flight twin needs it.
+        let mut deadline: Option<Instant> = None;
         let mut store: &dyn RecordStore = self.store.as_ref();
         let mut degraded = false;
         let mut attempts = 0u32;
         loop {
             attempts += 1;
             let started = Instant::now();
+            let deadline = *deadline.get_or_insert(started + idem.wait_timeout);
             let answer = store.claim(&claim_req).await;
             self.observe_store(StoreOp::Claim, started, answer.is_err());
             let existing = match answer {
@@ -1008,6 +1010,10 @@ fn label(ctx: &RequestCtx) -> &str {
 #[async_trait]
 impl ProxyHttp for Gate {
     type CTX = RequestCtx;
+
+    /// No downstream modules: pingora's default adds a response-compression module (disabled)
+    /// whose context is built and whose filters run on every request.
+    fn init_downstream_modules(&self, _modules: &mut pingora::modules::http::HttpModules) {}
 
     fn new_ctx(&self) -> Self::CTX {
         RequestCtx {
