@@ -526,7 +526,7 @@ impl Gate {
         let head_request = req.method == http::Method::HEAD;
 
         let started = Instant::now();
-        let mut exchange = match upstream::send(backend, &head, &body).await {
+        let mut exchange = match upstream::send(backend, &head, &body, started).await {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
@@ -694,12 +694,13 @@ impl Gate {
             http::Method::GET | http::Method::HEAD | http::Method::OPTIONS | http::Method::TRACE
         );
 
-        let started = Instant::now();
+        // The request's own start: reading a small body was all that came before.
+        let started = ctx.started;
         let mut attempt = 0;
         let (mut exchange, response) = loop {
             attempt += 1;
             let backend = &pool.backends[pool.pick()];
-            let sent = upstream::send(backend, &head, &body).await;
+            let sent = upstream::send(backend, &head, &body, started).await;
             let mut exchange = match sent {
                 Ok(x) => x,
                 Err(e) => {

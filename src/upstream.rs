@@ -127,13 +127,16 @@ thread_local! {
     static POOL: RefCell<HashMap<SocketAddr, VecDeque<Idle>>> = RefCell::new(HashMap::new());
 }
 
-/// The newest idle connection to `backend` that is still open, if any.
-fn take_idle(backend: &Backend) -> Option<TcpStream> {
+/// The newest idle connection to `backend` that is still open, if any. `now` is a recent
+/// instant (the request's start): the pool reads no clock of its own.
+fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
     POOL.with(|pool| {
         let mut pool = pool.borrow_mut();
         let idle = pool.get_mut(&backend.addr)?;
         while let Some(conn) = idle.pop_back() {
-            if conn.since.elapsed() < backend.idle_timeout && still_open(&conn.stream) {
+            if now.saturating_duration_since(conn.since) < backend.idle_timeout
+                && still_open(&conn.stream)
+            {
                 return Some(conn.stream);
             }
         }
@@ -149,24 +152,23 @@ fn still_open(stream: &TcpStream) -> bool {
     matches!(stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
-fn put_idle(backend: &Backend, stream: TcpStream) {
+/// Pools `stream`, idle since `since` (when its request started: earlier than the truth, so
+/// a connection is dropped a little before `idle_timeout`, never after).
+fn put_idle(backend: &Backend, stream: TcpStream, since: Instant) {
     POOL.with(|pool| {
         let mut pool = pool.borrow_mut();
         let idle = pool.entry(backend.addr).or_default();
         // Oldest first: drop the ones past their idle time, and the oldest when full.
         while idle
             .front()
-            .is_some_and(|c| c.since.elapsed() >= backend.idle_timeout)
+            .is_some_and(|c| since.saturating_duration_since(c.since) >= backend.idle_timeout)
         {
             idle.pop_front();
         }
         if idle.len() >= MAX_IDLE_PER_ADDRESS {
             idle.pop_front();
         }
-        idle.push_back(Idle {
-            stream,
-            since: Instant::now(),
-        });
+        idle.push_back(Idle { stream, since });
     });
 }
 
@@ -267,13 +269,19 @@ pub fn itoa(mut n: u64, out: &mut [u8; 20]) -> &[u8] {
     &out[i..]
 }
 
-/// Sends `head` and `body` (one `writev`) on a pooled connection, or a new one. A pooled
+/// Sends `head` and `body` (one `writev`) on a pooled connection, or a new one. `started` is
+/// when the request started (a recent instant; the pool's idle times are measured from it). A pooled
 /// connection the backend closed in the meantime fails on write, before the backend could have
 /// read a whole request; that case is sent again once on a new connection.
-pub async fn send(backend: &Backend, head: &[u8], body: &[u8]) -> Result<Exchange, UpstreamError> {
-    if let Some(stream) = take_idle(backend) {
+pub async fn send(
+    backend: &Backend,
+    head: &[u8],
+    body: &[u8],
+    started: Instant,
+) -> Result<Exchange, UpstreamError> {
+    if let Some(stream) = take_idle(backend, started) {
         match write_request(backend, stream, head, body).await {
-            Ok(stream) => return Ok(Exchange::new(backend, stream, true)),
+            Ok(stream) => return Ok(Exchange::new(backend, stream, true, started)),
             Err(e) => {
                 tracing::debug!(error = %e, "pooled backend connection was closed; reconnecting")
             }
@@ -283,7 +291,7 @@ pub async fn send(backend: &Backend, head: &[u8], body: &[u8]) -> Result<Exchang
     let stream = write_request(backend, stream, head, body)
         .await
         .map_err(UpstreamError::Write)?;
-    Ok(Exchange::new(backend, stream, false))
+    Ok(Exchange::new(backend, stream, false, started))
 }
 
 async fn write_request(
@@ -350,6 +358,7 @@ pub struct Exchange {
     /// Bytes of response received so far (head included).
     received: usize,
     backend: Backend,
+    started: Instant,
 }
 
 /// The final response head of an exchange.
@@ -360,8 +369,9 @@ pub struct Response {
 }
 
 impl Exchange {
-    fn new(backend: &Backend, stream: TcpStream, reused: bool) -> Self {
+    fn new(backend: &Backend, stream: TcpStream, reused: bool, started: Instant) -> Self {
         Exchange {
+            started,
             stream,
             buf: BytesMut::new(),
             framing: Framing::Close,
@@ -499,7 +509,7 @@ impl Exchange {
     /// keeps it open; otherwise closes it.
     pub fn finish(self) {
         if self.done() && self.keep_alive && self.buf.is_empty() {
-            put_idle(&self.backend, self.stream);
+            put_idle(&self.backend, self.stream, self.started);
         }
     }
 }

@@ -377,3 +377,26 @@ async fn an_endless_run_of_informational_answers_is_refused() {
     let plain = Request::get("/plain/x").send(proxy.addr).await;
     assert_eq!(plain.status, 502, "{}", plain.text());
 }
+
+#[tokio::test]
+async fn a_connection_idle_past_idle_timeout_is_not_reused() {
+    let backend = RawBackend::start(vec![created("{}")]).await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .threads(1)
+        .upstream("idle_timeout: 300ms")
+        .start()
+        .await;
+    let first = Request::get("/plain/a").send(proxy.addr).await;
+    assert_eq!(first.status, 201);
+    let soon = Request::get("/plain/b").send(proxy.addr).await;
+    assert_eq!(soon.status, 201);
+    assert_eq!(backend.connections(), 1, "reused within idle_timeout");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let late = Request::get("/plain/c").send(proxy.addr).await;
+    assert_eq!(late.status, 201);
+    assert_eq!(
+        backend.connections(),
+        2,
+        "a new connection after idle_timeout"
+    );
+}
