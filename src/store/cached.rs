@@ -76,12 +76,21 @@ struct CacheEntry {
     size: usize,
 }
 
+/// One shard of the cache: its own map, completion order and byte budget.
 #[derive(Default)]
 struct Cache {
     map: HashMap<Digest, CacheEntry>,
     order: VecDeque<Digest>,
     bytes: usize,
 }
+
+/// Byte budget per cache shard the shard count aims at. One map holding a whole 64 MiB cache
+/// (~200k records) stalled its worker thread for ~250 ms each time churn made it grow or
+/// rehash — long enough for Redis calls in flight to time out and open the circuit breaker.
+/// Shards of about 1 MiB keep each such step well under a millisecond.
+const CACHE_SHARD_BYTES: usize = 1 << 20;
+/// Most cache shards.
+const MAX_CACHE_SHARDS: usize = 64;
 
 /// What a claim this replica acquired will need at completion to build the cached record.
 struct Pending {
@@ -95,7 +104,8 @@ pub struct CachedStore<S> {
     inner: S,
     options: LocalCacheOptions,
     filters: Mutex<Filters>,
-    cache: Mutex<Cache>,
+    /// Shards picked by the record hash; each has `capacity_bytes / shards.len()` bytes.
+    cache: Box<[Mutex<Cache>]>,
     pending: Mutex<HashMap<(Digest, u128), Pending>>,
     stats: Arc<LocalCacheStats>,
 }
@@ -117,14 +127,25 @@ impl<S: RecordStore> CachedStore<S> {
             previous: make()?,
             rotated_at: Instant::now(),
         };
+        let shards = (options.capacity_bytes / CACHE_SHARD_BYTES).clamp(1, MAX_CACHE_SHARDS);
         Ok(CachedStore {
             inner,
             options,
             filters: Mutex::new(filters),
-            cache: Mutex::new(Cache::default()),
+            cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
             pending: Mutex::new(HashMap::new()),
             stats: Arc::default(),
         })
+    }
+
+    /// The cache shard holding `hash` (record hashes are uniform: any byte picks evenly).
+    fn shard(&self, hash: &Digest) -> &Mutex<Cache> {
+        &self.cache[usize::from(hash[0]) % self.cache.len()]
+    }
+
+    /// Bytes one cache shard may hold.
+    fn shard_budget(&self) -> usize {
+        self.options.capacity_bytes / self.cache.len()
     }
 
     /// The wrapped store.
@@ -151,7 +172,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// Drops a record from the local cache (purge). The filter keeps its bit; a stale positive
     /// only costs a cache lookup.
     pub fn forget(&self, key: &RecordKey) {
-        let mut cache = self.cache.lock();
+        let mut cache = self.shard(&key.hash).lock();
         if let Some(e) = cache.map.remove(&key.hash) {
             cache.bytes -= e.size;
         }
@@ -174,7 +195,7 @@ impl<S: RecordStore> CachedStore<S> {
     }
 
     fn cached(&self, key: &RecordKey) -> Option<Record> {
-        let mut cache = self.cache.lock();
+        let mut cache = self.shard(&key.hash).lock();
         let now = Instant::now();
         let hit = cache
             .map
@@ -198,11 +219,12 @@ impl<S: RecordStore> CachedStore<S> {
             RecordState::Completed(Completion::Response(r)) => r.size_bytes() + 128,
             _ => 128,
         };
-        if size > self.options.capacity_bytes {
+        let budget = self.shard_budget();
+        if size > budget {
             return;
         }
         self.filters.lock().current.set(&key.hash);
-        let mut cache = self.cache.lock();
+        let mut cache = self.shard(&key.hash).lock();
         let entry = CacheEntry {
             tenant: key.tenant.clone(),
             record,
@@ -215,8 +237,9 @@ impl<S: RecordStore> CachedStore<S> {
             cache.order.push_back(key.hash);
         }
         cache.bytes += size;
-        // Oldest first: entries are evicted in completion order, which approximates expiry order.
-        while cache.bytes > self.options.capacity_bytes {
+        // Oldest first: entries are evicted in completion order, which approximates expiry order
+        // (per shard; records spread evenly over the shards).
+        while cache.bytes > budget {
             let Some(oldest) = cache.order.pop_front() else {
                 break;
             };
@@ -233,8 +256,10 @@ impl<S: RecordStore> CachedStore<S> {
 
     /// Records held and bytes used by the local cache.
     pub fn cache_usage(&self) -> (usize, usize) {
-        let cache = self.cache.lock();
-        (cache.map.len(), cache.bytes)
+        self.cache.iter().fold((0, 0), |(records, bytes), shard| {
+            let shard = shard.lock();
+            (records + shard.map.len(), bytes + shard.bytes)
+        })
     }
 }
 
@@ -383,6 +408,51 @@ mod tests {
             )],
             body: Bytes::from_static(body),
         }))
+    }
+
+    #[tokio::test]
+    async fn a_large_cache_is_sharded_and_each_shard_keeps_its_share_of_the_budget() {
+        let mut o = options();
+        o.capacity_bytes = 8 << 20;
+        let store = CachedStore::new(MemoryStore::new(1 << 30, 16), o).unwrap();
+        assert_eq!(store.cache.len(), 8, "about 1 MiB per shard");
+        // 20 000 completions of ~5 KiB: 100 MB offered to an 8 MiB cache.
+        for n in 0..20_000u32 {
+            let mut hash = [0u8; 32];
+            hash[..4].copy_from_slice(&n.to_le_bytes());
+            hash[4..8].copy_from_slice(&n.wrapping_mul(2_654_435_761).to_le_bytes());
+            hash[0] = hash[4];
+            let key = RecordKey {
+                tenant: "t".into(),
+                hash,
+            };
+            let record = Record {
+                fingerprint: [7; 32],
+                execution_id: u64::from(n),
+                state: RecordState::Completed(response(&[1u8; 5000])),
+            };
+            store.remember(&key, record, Duration::from_secs(60));
+        }
+        let (records, bytes) = store.cache_usage();
+        assert!(bytes <= 8 << 20, "{bytes} bytes");
+        assert!(bytes > 7 << 20, "the budget is used: {bytes} bytes");
+        for shard in store.cache.iter() {
+            let shard = shard.lock();
+            assert!(
+                shard.bytes <= 1 << 20 && shard.bytes > 900 << 10,
+                "{}",
+                shard.bytes
+            );
+        }
+        assert!(records > 1400, "{records} records");
+        // A small cache stays one shard, with its whole budget for one record.
+        assert_eq!(
+            CachedStore::new(MemoryStore::new(1 << 20, 1), options())
+                .unwrap()
+                .cache
+                .len(),
+            1
+        );
     }
 
     #[tokio::test]
