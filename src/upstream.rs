@@ -102,16 +102,6 @@ pub enum UpstreamError {
     Malformed(&'static str),
 }
 
-impl UpstreamError {
-    /// The request never fully reached the backend, so it cannot have been executed.
-    pub fn before_sent(&self) -> bool {
-        matches!(
-            self,
-            UpstreamError::Connect { .. } | UpstreamError::Write(_)
-        )
-    }
-}
-
 fn timed_out(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, format!("{what} timed out"))
 }
@@ -170,11 +160,6 @@ fn put_idle(backend: &Backend, stream: TcpStream, since: Instant) {
         }
         idle.push_back(Idle { stream, since });
     });
-}
-
-/// Idle connections this thread holds to `addr` (for tests).
-pub fn idle_count(addr: SocketAddr) -> usize {
-    POOL.with(|pool| pool.borrow().get(&addr).map_or(0, VecDeque::len))
 }
 
 async fn connect(backend: &Backend) -> Result<TcpStream, UpstreamError> {
