@@ -568,7 +568,17 @@ impl Gate {
             held: None,
             gone: false,
         };
-        let mut captured = storable.then(BytesMut::new);
+        // Sized by the declared length when there is one, so the stored body is one allocation
+        // of its own length (what the store's capacity accounting charges).
+        let declared = out
+            .header
+            .as_ref()
+            .and_then(|h| h.headers.get(header::CONTENT_LENGTH))
+            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n <= idem.max_response_bytes)
+            .unwrap_or(0);
+        let mut captured = storable.then(|| BytesMut::with_capacity(declared));
         let mut too_large = false;
         let body_result: std::result::Result<(), UpstreamError> = async {
             while let Some(chunk) = exchange.next_chunk().await? {
@@ -613,7 +623,11 @@ impl Gate {
                     Some(body) if !too_large => Completion::Response(Arc::new(StoredResponse {
                         status,
                         headers: stored_headers.unwrap_or_default(),
-                        body: body.freeze(),
+                        body: if body.capacity() == body.len() {
+                            body.freeze()
+                        } else {
+                            Bytes::copy_from_slice(&body)
+                        },
                     })),
                     _ => Completion::Unreplayable { status },
                 };

@@ -28,9 +28,16 @@ use super::{
     RecordStore, StoreError, StoreUsage, WriteOutcome,
 };
 
-/// Bytes charged against the capacity for every record, whatever its state: the map slot, the
-/// entry, the tenant string and the allocator's share, rounded up.
-pub const ENTRY_OVERHEAD_BYTES: usize = 128;
+/// Bytes charged against the capacity for every record, whatever its state, so `capacity`
+/// bounds the heap the records take (`tests/memory_bound.rs` measures it):
+///
+/// - the map slot (key and entry) plus its control byte, times 16/7: a hash table that has just
+///   doubled holds 7/16 of its slots filled, the worst case between two doublings;
+/// - the tenant string, charged at the longest tenant allowed (128 bytes).
+///
+/// A stored response is charged on top, by [`super::StoredResponse::size_bytes`].
+pub const ENTRY_OVERHEAD_BYTES: usize =
+    (std::mem::size_of::<MapKey>() + std::mem::size_of::<Entry>() + 1) * 16 / 7 + 128;
 
 /// Upper bound on the shard count; more shards than this only waste memory.
 const MAX_SHARDS: usize = 1 << 16;

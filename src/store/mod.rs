@@ -86,15 +86,21 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// Approximate memory the response occupies, for capacity accounting.
+    /// Heap the response occupies, for capacity accounting: its shared allocation, the header
+    /// list (by capacity), each name (by capacity) and value, and the body. Bodies and header
+    /// values are held in allocations of their own length (see `Gate::execute`).
     pub fn size_bytes(&self) -> usize {
+        // The `Arc` around a stored response: two counters and the response itself.
+        const SHARED: usize =
+            2 * std::mem::size_of::<usize>() + std::mem::size_of::<StoredResponse>();
         self.body.len()
+            + self.headers.capacity() * std::mem::size_of::<(String, Bytes)>()
             + self
                 .headers
                 .iter()
-                .map(|(n, v)| n.len() + v.len() + 16)
+                .map(|(n, v)| n.capacity() + v.len())
                 .sum::<usize>()
-            + 32
+            + SHARED
     }
 }
 
