@@ -70,66 +70,88 @@ pub fn log(line: &AccessLine<'_>) {
         let mut cell = cell.borrow_mut();
         let (buf, stamp) = &mut *cell;
         buf.clear();
-        if sink.json {
-            format_json(buf, stamp, line);
-        } else {
-            format_text(buf, stamp, line);
-        }
+        format(buf, stamp, line, sink.json);
         let mut writer = sink.writer.clone();
         let _ = writer.write_all(buf);
     });
 }
 
-fn format_text(buf: &mut Vec<u8>, stamp: &mut Stamp, line: &AccessLine<'_>) {
-    stamp.write(buf, SystemTime::now());
-    buf.extend_from_slice(b"  INFO idemgate::access: method=");
-    buf.extend_from_slice(line.method.as_bytes());
-    buf.extend_from_slice(b" path=");
-    debug_str(buf, line.path);
-    buf.extend_from_slice(b" route=");
-    debug_str(buf, line.route);
-    buf.extend_from_slice(b" result=");
-    debug_str(buf, line.result);
-    buf.extend_from_slice(b" status=");
+/// Writes `line` as the fmt layer's text line, or as a flat JSON object when `json`.
+fn format(buf: &mut Vec<u8>, stamp: &mut Stamp, line: &AccessLine<'_>, json: bool) {
+    let f = Fields { json };
+    if json {
+        buf.extend_from_slice(b"{\"timestamp\":\"");
+        stamp.write(buf, SystemTime::now());
+        buf.extend_from_slice(b"\",\"level\":\"INFO\"");
+    } else {
+        stamp.write(buf, SystemTime::now());
+        buf.extend_from_slice(b"  INFO idemgate::access:");
+    }
+    f.key(buf, "method");
+    f.symbol(buf, line.method.as_bytes());
+    for (key, value) in [
+        ("path", line.path),
+        ("route", line.route),
+        ("result", line.result),
+    ] {
+        f.key(buf, key);
+        f.quoted(buf, value);
+    }
+    f.key(buf, "status");
     buf.extend_from_slice(crate::upstream::itoa(line.status.into(), &mut [0; 20]));
-    buf.extend_from_slice(b" duration_ms=");
+    f.key(buf, "duration_ms");
     millis(buf, line.duration);
     if let Some(record) = line.record {
-        buf.extend_from_slice(b" record=");
-        buf.extend_from_slice(&record.hex());
+        f.key(buf, "record");
+        f.symbol(buf, &record.hex());
     }
     if let Some(error) = line.error {
-        buf.extend_from_slice(b" error=");
-        let _ = write!(buf, "{error}");
+        f.key(buf, "error");
+        f.symbol(buf, error.to_string().as_bytes());
     }
-    buf.push(b'\n');
+    buf.extend_from_slice(if json {
+        &b",\"target\":\"idemgate::access\"}\n"[..]
+    } else {
+        &b"\n"[..]
+    });
 }
 
-fn format_json(buf: &mut Vec<u8>, stamp: &mut Stamp, line: &AccessLine<'_>) {
-    buf.extend_from_slice(b"{\"timestamp\":\"");
-    stamp.write(buf, SystemTime::now());
-    buf.extend_from_slice(b"\",\"level\":\"INFO\",\"method\":");
-    json_str(buf, line.method);
-    buf.extend_from_slice(b",\"path\":");
-    json_str(buf, line.path);
-    buf.extend_from_slice(b",\"route\":");
-    json_str(buf, line.route);
-    buf.extend_from_slice(b",\"result\":");
-    json_str(buf, line.result);
-    buf.extend_from_slice(b",\"status\":");
-    buf.extend_from_slice(crate::upstream::itoa(line.status.into(), &mut [0; 20]));
-    buf.extend_from_slice(b",\"duration_ms\":");
-    millis(buf, line.duration);
-    if let Some(record) = line.record {
-        buf.extend_from_slice(b",\"record\":\"");
-        buf.extend_from_slice(&record.hex());
-        buf.push(b'"');
+/// How one field is written in either format.
+struct Fields {
+    json: bool,
+}
+
+impl Fields {
+    /// ` key=` or `,"key":`.
+    fn key(&self, buf: &mut Vec<u8>, key: &str) {
+        if self.json {
+            buf.extend_from_slice(b",\"");
+            buf.extend_from_slice(key.as_bytes());
+            buf.extend_from_slice(b"\":");
+        } else {
+            buf.push(b' ');
+            buf.extend_from_slice(key.as_bytes());
+            buf.push(b'=');
+        }
     }
-    if let Some(error) = line.error {
-        buf.extend_from_slice(b",\"error\":");
-        json_str(buf, &error.to_string());
+
+    /// A string the fmt layer prints as `Debug` (quoted).
+    fn quoted(&self, buf: &mut Vec<u8>, value: &str) {
+        if self.json {
+            json_str(buf, value);
+        } else {
+            debug_str(buf, value);
+        }
     }
-    buf.extend_from_slice(b",\"target\":\"idemgate::access\"}\n");
+
+    /// A value the fmt layer prints as `Display` (bare): a JSON string all the same.
+    fn symbol(&self, buf: &mut Vec<u8>, value: &[u8]) {
+        if self.json {
+            json_str(buf, &String::from_utf8_lossy(value));
+        } else {
+            buf.extend_from_slice(value);
+        }
+    }
 }
 
 /// Milliseconds with microsecond precision: `1.336`.
@@ -160,21 +182,8 @@ fn debug_str(buf: &mut Vec<u8>, s: &str) {
 
 /// A JSON string literal.
 fn json_str(buf: &mut Vec<u8>, s: &str) {
-    buf.push(b'"');
-    for c in s.chars() {
-        match c {
-            '"' => buf.extend_from_slice(b"\\\""),
-            '\\' => buf.extend_from_slice(b"\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(buf, "\\u{:04x}", c as u32);
-            }
-            c => {
-                let mut utf8 = [0u8; 4];
-                buf.extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
-            }
-        }
-    }
-    buf.push(b'"');
+    // Writing a `str` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(&mut *buf, s);
 }
 
 /// RFC 3339 UTC timestamps with microseconds; the date and time are formatted once a second.
@@ -266,10 +275,11 @@ mod tests {
     fn text_lines_have_the_fmt_layer_shape() {
         let mut buf = Vec::new();
         let record = crate::key::hash_label(&[0x41; 32]);
-        format_text(
+        format(
             &mut buf,
             &mut Stamp::default(),
             &line("/orders", Some(record)),
+            false,
         );
         let text = String::from_utf8(buf).unwrap();
         let (_, rest) = text.split_once("Z  ").unwrap();
@@ -283,7 +293,7 @@ mod tests {
     fn json_lines_parse_and_escape_what_needs_it() {
         let mut buf = Vec::new();
         let path = "/a\"b\\c\u{1}é";
-        format_json(&mut buf, &mut Stamp::default(), &line(path, None));
+        format(&mut buf, &mut Stamp::default(), &line(path, None), true);
         let v: serde_json::Value = serde_json::from_slice(&buf).unwrap();
         assert_eq!(v["path"], path);
         assert_eq!(v["status"], 201);

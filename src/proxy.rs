@@ -35,6 +35,7 @@ use crate::store::{
 };
 use crate::upstream::{self, Backend, UpstreamError};
 use pingora::prelude::fast_timeout::fast_timeout;
+use pingora::protocols::http::date::get_cached_date;
 
 /// Header carrying the result of the idempotency check to the client.
 pub const RESULT_HEADER: &str = "x-idempotent-result";
@@ -42,18 +43,6 @@ pub const RESULT_HEADER: &str = "x-idempotent-result";
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// Header carrying the execution id to the backend.
 pub const EXECUTION_ID_HEADER: &str = "x-idempotency-id";
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1): never forwarded by the executor, never stored.
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
-];
 
 /// A config and the upstream pools built from it: swapped as one, so a request sees one version.
 pub struct Generation {
@@ -543,7 +532,7 @@ impl Gate {
         // The request is on the wire: from here on the outcome is unknown until a complete
         // response arrives, and the claim is kept unless one does.
         let response = match exchange.read_head(head_request).await {
-            Ok(r) => r.header,
+            Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
                 return self
@@ -676,26 +665,20 @@ impl Gate {
         let pool = &gen.pools[upstream_index];
         let config = &gen.config;
 
-        let mut body = BytesMut::new();
-        if declared.is_some_and(|n| n > 0) {
-            loop {
-                let chunk =
-                    fast_timeout(config.request_body_timeout, session.read_request_body()).await;
-                match chunk {
-                    Ok(Ok(Some(data))) => body.extend_from_slice(&data),
-                    Ok(Ok(None)) => break,
-                    Err(_) => {
-                        write_problem(session, &Problem::RequestTimeout, ctx.outcome).await?;
-                        return Ok(true);
-                    }
-                    Ok(Err(_)) => {
-                        write_problem(session, &Problem::RequestBodyUnreadable, ctx.outcome)
-                            .await?;
-                        return Ok(true);
-                    }
-                }
+        let body = match self
+            .read_body(
+                session,
+                upstream::FORWARD_BODY_BYTES,
+                config.request_body_timeout,
+            )
+            .await
+        {
+            Ok(body) => body,
+            Err(problem) => {
+                write_problem(session, &problem, ctx.outcome).await?;
+                return Ok(true);
             }
-        }
+        };
         let req = session.req_header();
         let mut head = Vec::with_capacity(512);
         upstream::request_head(req, declared, &[], &mut head);
@@ -724,7 +707,7 @@ impl Gate {
                 }
             };
             match exchange.read_head(head_request).await {
-                Ok(r) => break (exchange, r.header),
+                Ok(r) => break (exchange, r),
                 Err(UpstreamError::Closed(_))
                     if safe && attempt == 1 && exchange.reused() && exchange.nothing_received() =>
                 {
@@ -852,7 +835,7 @@ impl Gate {
             resp.append_header(name.clone(), value)?;
         }
         resp.insert_header(header::CONTENT_LENGTH, stored.body.len())?;
-        resp.insert_header(header::DATE, http_date())?;
+        resp.insert_header(header::DATE, get_cached_date())?;
         resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
         resp.insert_header(REPLAYED_HEADER, "true")?;
         let head_only = session.req_header().method == http::Method::HEAD;
@@ -912,28 +895,6 @@ impl Downstream {
     }
 }
 
-/// The `Date` header value for now, formatted once a second per thread.
-fn http_date() -> HeaderValue {
-    thread_local! {
-        static DATE: std::cell::RefCell<(u64, HeaderValue)> =
-            const { std::cell::RefCell::new((u64::MAX, HeaderValue::from_static(""))) };
-    }
-    let now = std::time::SystemTime::now();
-    let secs = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    DATE.with(|cell| {
-        let mut cell = cell.borrow_mut();
-        if cell.0 != secs {
-            let formatted = httpdate::fmt_http_date(now);
-            if let Ok(v) = HeaderValue::from_str(&formatted) {
-                *cell = (secs, v);
-            }
-        }
-        cell.1.clone()
-    })
-}
-
 /// Writes `problem` as problem+json, with `X-Idempotent-Result` when on an idempotent route.
 async fn write_problem(
     session: &mut Session,
@@ -969,28 +930,20 @@ fn is_standard_method_in_other_case(method: &http::Method) -> bool {
     m.bytes().any(|b| b.is_ascii_lowercase()) && STANDARD.iter().any(|s| s.eq_ignore_ascii_case(m))
 }
 
-/// The headers a `Connection` header names: hop-by-hop too (RFC 9110 §7.6.1).
-fn connection_tokens(headers: &http::HeaderMap) -> Vec<HeaderName> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect()
-}
-
 /// The end-to-end headers of a response as stored for replay: no hop-by-hop headers (the
 /// listed ones, those `Connection` names, and every `Proxy-*` header: they describe one hop or
 /// one intermediary's handling of the original message, which a replay is not), no framing
 /// (`Content-Length` is set at replay), no `Date` (a replay is a new message), and none of
 /// `replay_exclude_headers`.
 fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String, Bytes)> {
-    let connection_named = connection_tokens(&resp.headers);
+    let connection_named = upstream::connection_tokens(resp.headers.get_all(header::CONNECTION));
     resp.headers
         .iter()
         .filter(|(name, _)| {
-            is_replayable(name.as_str(), exclude) && !connection_named.contains(name)
+            is_replayable(name.as_str(), exclude)
+                && !connection_named
+                    .iter()
+                    .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
         })
         .map(|(name, value)| {
             (
@@ -1004,7 +957,7 @@ fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String,
 /// Whether a response header (lower-case name) may be stored and replayed: not hop-by-hop (see
 /// [`replay_headers`]), not framing or `Date`, not excluded by the route.
 fn is_replayable(name: &str, exclude: &[HeaderName]) -> bool {
-    !HOP_BY_HOP.contains(&name)
+    !upstream::HOP_BY_HOP.contains(&name)
         && !name.starts_with("proxy-")
         && name != "content-length"
         && name != "date"
@@ -1197,19 +1150,5 @@ mod tests {
         for fine in ["POST", "GET", "PURGE", "purge", "posts", "MKCOL"] {
             assert!(!is_standard_method_in_other_case(&m(fine)), "{fine}");
         }
-    }
-
-    #[test]
-    fn connection_named_headers_are_hop_by_hop() {
-        let mut h = http::HeaderMap::new();
-        h.insert("connection", HeaderValue::from_static("x-a, X-B"));
-        let names = connection_tokens(&h);
-        assert_eq!(
-            names,
-            [
-                HeaderName::from_static("x-a"),
-                HeaderName::from_static("x-b")
-            ]
-        );
     }
 }

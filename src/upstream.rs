@@ -48,8 +48,8 @@ const MAX_INFORMATIONAL: usize = 16;
 /// Size of each read from the backend.
 const READ_BYTES: usize = 16 * 1024;
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) and the framing headers this client writes itself.
-const NOT_FORWARDED: &[&str] = &[
+/// Hop-by-hop headers (RFC 9110 §7.6.1): never forwarded, never stored.
+pub const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -58,9 +58,10 @@ const NOT_FORWARDED: &[&str] = &[
     "transfer-encoding",
     "upgrade",
     "proxy-authenticate",
-    "content-length",
-    "expect",
 ];
+
+/// Request headers this client writes itself (framing) or answers itself (`Expect`).
+const WRITTEN_HERE: &[&str] = &["content-length", "expect"];
 
 /// Headers of a response that belong to its connection, not to the response.
 const RESPONSE_HOP_BY_HOP: &[&str] = &[
@@ -200,8 +201,9 @@ pub fn request_head(
             pingora::http::HeaderNameVariant::Case(n) => n.as_slice(),
             pingora::http::HeaderNameVariant::Titled(n) => n.as_bytes(),
         };
-        let skip = NOT_FORWARDED
+        let skip = HOP_BY_HOP
             .iter()
+            .chain(WRITTEN_HERE)
             .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
             || named.iter().any(|h| name.eq_ignore_ascii_case(h));
         if !skip {
@@ -227,7 +229,7 @@ pub fn request_head(
 }
 
 /// Header names listed in `Connection` values (other than the usual `close` / `keep-alive`).
-fn connection_tokens<'a>(values: http::header::GetAll<'a, HeaderValue>) -> Vec<&'a [u8]> {
+pub fn connection_tokens<'a>(values: http::header::GetAll<'a, HeaderValue>) -> Vec<&'a [u8]> {
     values
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
@@ -346,13 +348,6 @@ pub struct Exchange {
     started: Instant,
 }
 
-/// The final response head of an exchange.
-pub struct Response {
-    /// Status and headers, hop-by-hop headers removed, `Content-Length` removed when the body
-    /// is chunked (the client gets one framing).
-    pub header: ResponseHeader,
-}
-
 impl Exchange {
     fn new(backend: &Backend, stream: TcpStream, reused: bool, started: Instant) -> Self {
         Exchange {
@@ -394,7 +389,9 @@ impl Exchange {
     /// Reads the final response head, skipping informational (1xx) ones. `head_request`: the
     /// request was HEAD, so the response has no body whatever its headers say. A `101` is refused:
     /// this client never forwards `Upgrade`.
-    pub async fn read_head(&mut self, head_request: bool) -> Result<Response, UpstreamError> {
+    /// Status and headers come back with hop-by-hop headers removed, and `Content-Length`
+    /// removed when the body is chunked (the client gets one framing).
+    pub async fn read_head(&mut self, head_request: bool) -> Result<ResponseHeader, UpstreamError> {
         for _ in 0..=MAX_INFORMATIONAL {
             let parsed = loop {
                 if let Some(parsed) = parse_head(&mut self.buf)? {
@@ -429,9 +426,7 @@ impl Exchange {
             if self.framing == Framing::Close {
                 self.keep_alive = false;
             }
-            return Ok(Response {
-                header: parsed.header,
-            });
+            return Ok(parsed.header);
         }
         Err(UpstreamError::Malformed(
             "too many informational (1xx) responses",
@@ -926,6 +921,14 @@ mod tests {
             String::from_utf8(buf).unwrap(),
             "POST /orders?x=1 HTTP/1.1\r\nHost: shop\r\nX-Request-ID: r1\r\nContent-Length: 2\r\nx-idempotency-id: 42\r\n\r\n"
         );
+    }
+
+    #[test]
+    fn connection_named_headers_are_hop_by_hop() {
+        let mut h = http::HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("x-a, X-B, close"));
+        let names = connection_tokens(h.get_all("connection"));
+        assert_eq!(names, [&b"x-a"[..], &b"X-B"[..]]);
     }
 
     #[test]
