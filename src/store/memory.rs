@@ -5,8 +5,8 @@
 //! Every operation locks exactly one shard and never across an `.await`, and no code path holds
 //! two shard locks at once, so there is no global lock on the hot path and no lock ordering to
 //! get wrong. Expired records are treated as absent on every access and removed then; a
-//! background sweeper ([`MemoryStore::spawn_sweeper`]) and a sweep before refusing for lack of
-//! room collect the rest. When full the store refuses new claims rather than forget a live record.
+//! background sweeper ([`MemoryStore::sweep_round`], an eighth of the shards per round) and a
+//! full sweep before refusing for lack of room collect the rest. When full the store refuses new claims rather than forget a live record.
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -48,6 +48,12 @@ const MAX_SHARDS: usize = 1 << 16;
 /// for a claim, which is then refused as if the store were full of live records.
 const ROOM_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
 
+/// A background round sweeps `1 / SWEEP_ROUNDS` of the shards, so each second's sweep costs an
+/// eighth of the store's size rather than all of it (a full walk of ten million records is
+/// ~10% of a core every second); every shard is still visited once every `SWEEP_ROUNDS` rounds.
+/// Expired records are absent to every operation anyway; sweeping only returns their memory.
+pub const SWEEP_ROUNDS: usize = 8;
+
 /// Roughly thirty years: stands in for "never" when a deadline would overflow `Instant`.
 const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
 
@@ -65,6 +71,8 @@ pub struct MemoryStore {
     records: AtomicUsize,
     /// When the last make-room sweep started; see [`ROOM_SWEEP_INTERVAL`].
     last_room_sweep: Mutex<Option<Instant>>,
+    /// The first shard the next [`MemoryStore::sweep_round`] visits (modulo the shard count).
+    sweep_cursor: AtomicUsize,
 }
 
 /// One record as the memory store keeps it.
@@ -117,6 +125,7 @@ impl MemoryStore {
             used: AtomicUsize::new(0),
             records: AtomicUsize::new(0),
             last_room_sweep: Mutex::new(None),
+            sweep_cursor: AtomicUsize::new(0),
         }
     }
 
@@ -125,22 +134,40 @@ impl MemoryStore {
     /// Locks one shard at a time, so it may run while requests are served.
     pub fn sweep_expired(&self) -> usize {
         let now = Instant::now();
+        self.shards
+            .iter()
+            .map(|shard| self.sweep_shard(shard, now))
+            .sum()
+    }
+
+    /// One background round: removes the expired records of the next `1 / SWEEP_ROUNDS` of the
+    /// shards (at least one) and returns how many went. Consecutive rounds walk every shard in
+    /// turn, so a record is collected within [`SWEEP_ROUNDS`] rounds of expiring.
+    pub fn sweep_round(&self) -> usize {
+        let count = self.shards.len();
+        let per_round = count.div_ceil(SWEEP_ROUNDS);
+        let first = self.sweep_cursor.fetch_add(per_round, Ordering::Relaxed);
+        let now = Instant::now();
+        (0..per_round)
+            .map(|i| self.sweep_shard(&self.shards[first.wrapping_add(i) & self.shard_mask], now))
+            .sum()
+    }
+
+    fn sweep_shard(&self, shard: &Shard, now: Instant) -> usize {
         let mut removed = 0;
-        for shard in self.shards.iter() {
-            shard.lock().retain(|_, entry| {
-                if entry.expired(now) {
-                    self.forget(entry);
-                    removed += 1;
-                    false
-                } else {
-                    true
-                }
-            });
-        }
+        shard.lock().retain(|_, entry| {
+            if entry.expired(now) {
+                self.forget(entry);
+                removed += 1;
+                false
+            } else {
+                true
+            }
+        });
         removed
     }
 
-    /// Spawns a task that calls [`MemoryStore::sweep_expired`] every `every`.
+    /// Spawns a task that calls [`MemoryStore::sweep_round`] every `every`.
     ///
     /// The task holds only a `Weak` reference, so it does not keep the store alive: it ends at
     /// the first tick after the last `Arc` is dropped. Must be called within a Tokio runtime.
@@ -157,7 +184,7 @@ impl MemoryStore {
                 let Some(store) = store.upgrade() else {
                     break;
                 };
-                store.sweep_expired();
+                store.sweep_round();
             }
         })
     }
@@ -741,6 +768,27 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn sweep_rounds_take_a_slice_of_the_shards_and_cover_them_all() {
+        let store = MemoryStore::new(1 << 24, 16);
+        for n in 1..=160 {
+            store.claim(&claim_req(&key(n), SECOND)).await.unwrap();
+        }
+        store
+            .claim(&claim_req(&key(200), 60 * SECOND))
+            .await
+            .unwrap();
+        tokio::time::advance(2 * SECOND).await;
+        let removed: Vec<usize> = (0..SWEEP_ROUNDS).map(|_| store.sweep_round()).collect();
+        assert!(
+            removed[0] > 0 && removed[0] < 160 / 4,
+            "one round visits an eighth of the shards: {removed:?}"
+        );
+        assert_eq!(removed.iter().sum::<usize>(), 160, "{removed:?}");
+        assert_eq!(store.sweep_round(), 0);
+        assert_eq!(store.usage().unwrap().records, 1, "the live record stays");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn sweeper_removes_expired_and_stops_with_the_store() {
         let store = Arc::new(MemoryStore::new(1 << 20, 4));
         for n in 1..=5 {
@@ -748,8 +796,9 @@ mod tests {
         }
         store.claim(&claim_req(&key(6), 60 * SECOND)).await.unwrap();
         let sweeper = store.spawn_sweeper(SECOND);
-        // Paused time auto-advances while this sleeps, letting the sweeper tick.
-        tokio::time::sleep(7 * SECOND).await;
+        // Paused time auto-advances while this sleeps, letting the sweeper tick: the records
+        // expire at 5 s, and the 4 shards take a round each (one per tick) from then on.
+        tokio::time::sleep(10 * SECOND).await;
         let usage = store.usage().unwrap();
         assert_eq!(usage.records, 1);
         assert_eq!(usage.bytes, ENTRY_OVERHEAD_BYTES);
