@@ -588,7 +588,8 @@ impl Default for FileRetry {
 #[serde(deny_unknown_fields, default)]
 struct FileMemoryStore {
     capacity: Scalar,
-    shards: i64,
+    /// Unset: [`default_memory_shards`] of the capacity.
+    shards: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -776,7 +777,7 @@ impl Default for FileMemoryStore {
     fn default() -> Self {
         FileMemoryStore {
             capacity: Scalar::text("256MiB"),
-            shards: 64,
+            shards: None,
         }
     }
 }
@@ -1152,12 +1153,25 @@ impl FileIdempotency {
     }
 }
 
+/// Shards of an embedded store when `store.memory.shards` is unset: one per 4 MiB of capacity,
+/// 64 to 4096. A shard's hash table doubles in one step while its lock is held, so the pause a
+/// growing store puts on the requests of that shard scales with the shard's size; at ~4 MiB
+/// (5–8k records) a doubling stays under a millisecond. 256 MiB gets 64 shards, 4 GiB 1024.
+pub fn default_memory_shards(capacity_bytes: usize) -> usize {
+    const BYTES_PER_SHARD: usize = 4 << 20;
+    (capacity_bytes / BYTES_PER_SHARD).clamp(64, 4096)
+}
+
 impl FileStore {
     fn into_config(self) -> Result<StoreConfig, ConfigError> {
         let capacity = byte_size("store.memory.capacity".into(), &self.memory.capacity)?;
+        let capacity_bytes = bytes_in_range("store.memory.capacity".into(), capacity, 1, u64::MAX)?;
         let memory = MemoryStoreConfig {
-            capacity_bytes: bytes_in_range("store.memory.capacity".into(), capacity, 1, u64::MAX)?,
-            shards: int_in_range("store.memory.shards", self.memory.shards, 1, 4096)?,
+            capacity_bytes,
+            shards: match self.memory.shards {
+                Some(shards) => int_in_range("store.memory.shards", shards, 1, 4096)?,
+                None => default_memory_shards(capacity_bytes),
+            },
         };
         // `backend: redis` with no block means a local server with every default.
         let redis = match (self.redis, self.backend) {
@@ -3167,6 +3181,24 @@ routes:
         assert_eq!(config.store.memory.capacity_bytes, 1_000_000_000);
         assert_eq!(config.store.memory.shards, 3);
         assert_eq!(config.store.on_unavailable, OnUnavailable::Local);
+    }
+
+    #[test]
+    fn memory_shards_default_to_one_per_four_mib() {
+        let shards = |capacity: &str| {
+            load(&format!(
+                "store: {{memory: {{capacity: {capacity}}}}}\n{MINIMAL}"
+            ))
+            .store
+            .memory
+            .shards
+        };
+        assert_eq!(shards("1MiB"), 64);
+        assert_eq!(shards("256MiB"), 64);
+        assert_eq!(shards("1GiB"), 256);
+        assert_eq!(shards("4GiB"), 1024);
+        assert_eq!(shards("64GiB"), 4096);
+        assert_eq!(shards("100GiB"), 4096);
     }
 
     #[test]
