@@ -133,28 +133,31 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     };
     let fallback = (config.store.on_unavailable == OnUnavailable::Local)
         .then(|| memory.clone() as Arc<dyn RecordStore>);
-    // Sentinel URLs name the Sentinels, not a server to publish on: purges stay local there.
-    let purge = match settings.topology {
-        RedisTopology::Sentinel => None,
-        _ => {
-            let url = settings
-                .urls
-                .first()
-                .map(String::as_str)
-                .unwrap_or_default();
-            let client = settings
-                .tls
-                .as_ref()
-                .map(redis_store::tls_certificates)
-                .transpose()
-                .and_then(|certs| redis_store::single_client(url, certs.as_ref()));
-            match client {
-                Ok(client) => Some((PurgeBus::new(client, &settings.key_prefix), forget)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "purges will not reach other replicas");
-                    None
-                }
+    // The purge channel: on the server (a Cluster's first seed), or on the primary the
+    // Sentinels name.
+    let bus = settings
+        .tls
+        .as_ref()
+        .map(redis_store::tls_certificates)
+        .transpose()
+        .and_then(|certs| match settings.topology {
+            RedisTopology::Sentinel => redis_store::sentinel_client(&settings.urls, certs.as_ref())
+                .map(|sentinel| PurgeBus::sentinel(sentinel, &settings.key_prefix)),
+            RedisTopology::Single | RedisTopology::Cluster => {
+                let url = settings
+                    .urls
+                    .first()
+                    .map(String::as_str)
+                    .unwrap_or_default();
+                redis_store::single_client(url, certs.as_ref())
+                    .map(|client| PurgeBus::new(client, &settings.key_prefix))
             }
+        });
+    let purge = match bus {
+        Ok(bus) => Some((bus, forget)),
+        Err(e) => {
+            tracing::warn!(error = %e, "purges will not reach other replicas");
+            None
         }
     };
     Ok(StoreStack {

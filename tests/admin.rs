@@ -1,12 +1,12 @@
 //! The admin record API: inspect and purge a key, token required for purges, and a purge that
-//! reaches every replica's local cache.
+//! reaches every replica's local cache (on one server, and behind Sentinel across a failover).
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::redis::RedisServer;
-use common::{Backend, ProxyBuilder, Request};
+use common::redis::{RedisSentinel, RedisServer};
+use common::{Backend, Proxy, ProxyBuilder, Request};
 
 const TOKEN: &str = "admin-token-for-tests-0123456789";
 
@@ -73,21 +73,62 @@ async fn inspect_and_purge_a_record() {
 async fn a_purge_drops_the_local_copy_on_every_replica() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let a = ProxyBuilder::new(&backend)
-        .redis(&[redis.url()])
+    let (a, b) = two_replicas(&backend, &redis.url()).await;
+    wait_for_listeners(&redis, 2).await;
+    purge_reaches_the_other_replica(&a, &b, "purge-me").await;
+    assert_eq!(backend.count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_reaches_every_replica_behind_sentinel_across_a_failover() {
+    let setup = RedisSentinel::start();
+    let backend = Backend::start().await;
+    let (a, b) = two_replicas(&backend, &setup.url()).await;
+    // Both listeners subscribe on the primary the Sentinel names.
+    wait_for_listeners(&setup.primary, 2).await;
+    purge_reaches_the_other_replica(&a, &b, "sentinel-purge-1").await;
+
+    setup.fail_over();
+    // B now publishes on the new primary. The listeners stay subscribed on the demoted one (a
+    // failover drops normal clients, not subscribers), which hears the purge once it replicates
+    // from the new primary: Redis replicates PUBLISH. A listener whose server went away finds the
+    // new primary through the Sentinel instead.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info: String = setup.primary.cmd(&["INFO", "replication"]);
+        if info.contains("role:slave") && info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "old primary never followed: {info}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    purge_reaches_the_other_replica(&a, &b, "sentinel-purge-2").await;
+    assert_eq!(backend.count(), 4);
+}
+
+async fn two_replicas(backend: &Backend, url: &str) -> (Proxy, Proxy) {
+    let a = ProxyBuilder::new(backend)
+        .redis(&[url.to_owned()])
         .start()
         .await;
-    let b = ProxyBuilder::new(&backend)
-        .redis(&[redis.url()])
+    let b = ProxyBuilder::new(backend)
+        .redis(&[url.to_owned()])
         .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
         .start()
         .await;
-    // Give both replicas' purge listeners a moment to subscribe.
-    let deadline = Instant::now() + Duration::from_secs(5);
+    (a, b)
+}
+
+/// Waits until `listeners` purge listeners are subscribed on `server`.
+async fn wait_for_listeners(server: &RedisServer, listeners: i64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let subs: Vec<redis::Value> = redis.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
-        if matches!(subs.get(1), Some(redis::Value::Int(2))) {
-            break;
+        let subs: Vec<redis::Value> = server.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
+        if matches!(subs.get(1), Some(redis::Value::Int(n)) if *n == listeners) {
+            return;
         }
         assert!(
             Instant::now() < deadline,
@@ -95,20 +136,40 @@ async fn a_purge_drops_the_local_copy_on_every_replica() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let req = Request::post("/orders").key("purge-me").body("{}");
-    assert_eq!(req.send(a.addr).await.result(), Some("MISS"));
+}
+
+/// A executes `key` and keeps it in its local cache; B purges it; A must then execute it again
+/// rather than replay its local copy, and B replays that new execution from Redis.
+async fn purge_reaches_the_other_replica(a: &Proxy, b: &Proxy, key: &str) {
+    let req = Request::post("/orders").key(key).body("{}");
+    // Right after a failover the store may answer 503 until it follows the Sentinel.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match req.send(a.addr).await.result() {
+            Some("MISS") => break,
+            other => assert!(Instant::now() < deadline, "first execution: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(
         req.send(a.addr).await.result(),
         Some("HIT"),
         "served from A's local cache"
     );
-    let del = Request::new("DELETE", "/admin/records/default/purge-me")
-        .header("Authorization", format!("Bearer {TOKEN}"))
-        .send(b.admin)
-        .await;
+    let path = format!("/admin/records/default/{key}");
+    let del = loop {
+        let del = Request::new("DELETE", &path)
+            .header("Authorization", format!("Bearer {TOKEN}"))
+            .send(b.admin)
+            .await;
+        if del.status == 200 || Instant::now() >= deadline {
+            break del;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     assert_eq!(del.status, 200, "{}", del.text());
     assert!(del.text().contains("all replicas"), "{}", del.text());
-    let deadline = Instant::now() + Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let r = req.send(a.addr).await;
         if r.result() == Some("MISS") {
@@ -116,12 +177,11 @@ async fn a_purge_drops_the_local_copy_on_every_replica() {
         }
         assert!(
             Instant::now() < deadline,
-            "A still replays the purged record"
+            "A still replays the purged record {key}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(req.send(b.addr).await.result(), Some("HIT"));
-    assert_eq!(backend.count(), 2);
 }
 
 #[tokio::test]

@@ -5,19 +5,34 @@
 //! travels. Pub/sub is best effort (a replica that is disconnected at that moment misses it), so
 //! the local cache is also bounded by the record's TTL; a purge is an operator tool, not part of
 //! the exactly-once guarantee.
+//!
+//! Behind Sentinel the channel is on the primary the Sentinels name, looked up again for every
+//! publish and every (re)subscription, so purges keep reaching every replica across a failover
+//! (a listener still on a demoted primary also keeps hearing them: Redis replicates `PUBLISH`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use redis::sentinel::SentinelClient;
+use redis::RedisResult;
 
 use super::RecordKey;
 
 /// Publishes and receives purge messages on one channel.
 #[derive(Clone)]
 pub struct PurgeBus {
-    client: redis::Client,
+    server: Server,
     channel: String,
+}
+
+/// Where the channel lives.
+#[derive(Clone)]
+enum Server {
+    /// One server (the first of a Cluster's seeds: Cluster pub/sub reaches every node).
+    Direct(Box<redis::Client>),
+    /// The primary a set of Sentinels names at the time.
+    Sentinel(Arc<tokio::sync::Mutex<SentinelClient>>),
 }
 
 /// Called with every purged record announced by any replica (including this one).
@@ -28,21 +43,40 @@ impl PurgeBus {
     /// `<prefix>:purge`.
     pub fn new(client: redis::Client, key_prefix: &str) -> Self {
         PurgeBus {
-            client,
+            server: Server::Direct(Box::new(client)),
             channel: format!("{key_prefix}:purge"),
+        }
+    }
+
+    /// A bus on the primary `sentinel` names, channel `<prefix>:purge`.
+    pub fn sentinel(sentinel: SentinelClient, key_prefix: &str) -> Self {
+        PurgeBus {
+            server: Server::Sentinel(Arc::new(tokio::sync::Mutex::new(sentinel))),
+            channel: format!("{key_prefix}:purge"),
+        }
+    }
+
+    /// A client for the server the channel is on now.
+    async fn client(&self) -> RedisResult<redis::Client> {
+        match &self.server {
+            Server::Direct(client) => Ok((**client).clone()),
+            Server::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
         }
     }
 
     /// Announces that `key` was purged.
     pub async fn publish(&self, key: &RecordKey) -> Result<(), String> {
         let message = format!("{}:{}", key.tenant, hex::encode(key.hash));
-        let mut conn = tokio::time::timeout(
-            Duration::from_secs(2),
-            self.client.get_multiplexed_async_connection(),
-        )
-        .await
-        .map_err(|_| "purge channel: connect timed out".to_string())?
-        .map_err(|e| format!("purge channel: {e}"))?;
+        let connect = async {
+            self.client()
+                .await?
+                .get_multiplexed_async_connection()
+                .await
+        };
+        let mut conn = tokio::time::timeout(Duration::from_secs(2), connect)
+            .await
+            .map_err(|_| "purge channel: connect timed out".to_string())?
+            .map_err(|e| format!("purge channel: {e}"))?;
         let _: i64 = redis::cmd("PUBLISH")
             .arg(&self.channel)
             .arg(message)
@@ -61,7 +95,7 @@ impl PurgeBus {
         let mut pause = Duration::from_millis(100);
         loop {
             let session = async {
-                let mut pubsub = self.client.get_async_pubsub().await?;
+                let mut pubsub = self.client().await?.get_async_pubsub().await?;
                 pubsub.subscribe(&self.channel).await?;
                 tracing::debug!(channel = %self.channel, "listening for purges");
                 let mut messages = pubsub.into_on_message();

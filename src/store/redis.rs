@@ -214,6 +214,65 @@ pub fn single_client(
     }
 }
 
+/// A Sentinel client for `redis+sentinel://` / `rediss+sentinel://` URLs: every URL's Sentinels,
+/// the primary named by the first. It looks the primary up on each `async_get_client`, so a
+/// caller that asks again after a failover reaches the new one. Shared by the store and the
+/// purge channel.
+pub fn sentinel_client(
+    urls: &[String],
+    certs: Option<&TlsCertificates>,
+) -> Result<SentinelClient, SetupError> {
+    let mut sentinels = Vec::new();
+    let mut primary = None;
+    for url in urls {
+        let parsed = parse_sentinel_url(url).map_err(SetupError::Invalid)?;
+        sentinels.extend(parsed.sentinels.iter().map(|(host, port)| {
+            if parsed.tls {
+                ConnectionAddr::TcpTls {
+                    host: host.clone(),
+                    port: *port,
+                    insecure: false,
+                    tls_params: None,
+                }
+            } else {
+                ConnectionAddr::Tcp(host.clone(), *port)
+            }
+        }));
+        primary.get_or_insert(parsed);
+    }
+    let primary = primary.ok_or_else(|| SetupError::Invalid("no Sentinel URL".into()))?;
+    let mut builder = SentinelClientBuilder::new(
+        sentinels,
+        primary.master.clone(),
+        SentinelServerType::Master,
+    )
+    .map_err(|e| SetupError::Invalid(e.to_string()))?
+    .set_client_to_redis_db(primary.db)
+    .set_client_to_redis_tcp_settings(tcp_settings())
+    .set_client_to_sentinel_tcp_settings(tcp_settings());
+    if let Some(user) = &primary.username {
+        builder = builder.set_client_to_redis_username(user);
+    }
+    if let Some(password) = &primary.password {
+        builder = builder.set_client_to_redis_password(password);
+    }
+    // rediss+sentinel://: the Sentinels and the primary they name are both reached over
+    // verified TLS (the config refuses `tls` settings with a plain Sentinel URL).
+    if primary.tls {
+        builder = builder
+            .set_client_to_redis_tls_mode(TlsMode::Secure)
+            .set_client_to_sentinel_tls_mode(TlsMode::Secure);
+        if let Some(certs) = certs {
+            builder = builder
+                .set_client_to_redis_certificates(certs.clone())
+                .set_client_to_sentinel_certificates(certs.clone());
+        }
+    }
+    builder
+        .build()
+        .map_err(|e| SetupError::Invalid(e.to_string()))
+}
+
 /// Reads the `store.redis.tls` files. The config checked them at load; reading again here
 /// reports a file that vanished since by its field. Errors name files, never their contents.
 pub fn tls_certificates(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
@@ -975,57 +1034,8 @@ impl SentinelBackend {
         config: ConnectionManagerConfig,
         certs: Option<&TlsCertificates>,
     ) -> Result<Self, SetupError> {
-        let mut sentinels = Vec::new();
-        let mut primary = None;
-        for url in urls {
-            let parsed = parse_sentinel_url(url).map_err(SetupError::Invalid)?;
-            sentinels.extend(parsed.sentinels.iter().map(|(host, port)| {
-                if parsed.tls {
-                    ConnectionAddr::TcpTls {
-                        host: host.clone(),
-                        port: *port,
-                        insecure: false,
-                        tls_params: None,
-                    }
-                } else {
-                    ConnectionAddr::Tcp(host.clone(), *port)
-                }
-            }));
-            primary.get_or_insert(parsed);
-        }
-        let primary = primary.ok_or_else(|| SetupError::Invalid("no Sentinel URL".into()))?;
-        let mut builder = SentinelClientBuilder::new(
-            sentinels,
-            primary.master.clone(),
-            SentinelServerType::Master,
-        )
-        .map_err(|e| SetupError::Invalid(e.to_string()))?
-        .set_client_to_redis_db(primary.db)
-        .set_client_to_redis_tcp_settings(tcp_settings())
-        .set_client_to_sentinel_tcp_settings(tcp_settings());
-        if let Some(user) = &primary.username {
-            builder = builder.set_client_to_redis_username(user);
-        }
-        if let Some(password) = &primary.password {
-            builder = builder.set_client_to_redis_password(password);
-        }
-        // rediss+sentinel://: the Sentinels and the primary they name are both reached over
-        // verified TLS (the config refuses `tls` settings with a plain Sentinel URL).
-        if primary.tls {
-            builder = builder
-                .set_client_to_redis_tls_mode(TlsMode::Secure)
-                .set_client_to_sentinel_tls_mode(TlsMode::Secure);
-            if let Some(certs) = certs {
-                builder = builder
-                    .set_client_to_redis_certificates(certs.clone())
-                    .set_client_to_sentinel_certificates(certs.clone());
-            }
-        }
-        let client = builder
-            .build()
-            .map_err(|e| SetupError::Invalid(e.to_string()))?;
         Ok(SentinelBackend {
-            sentinel: tokio::sync::Mutex::new(client),
+            sentinel: tokio::sync::Mutex::new(sentinel_client(urls, certs)?),
             config,
             current: parking_lot::Mutex::new(None),
         })
