@@ -34,7 +34,6 @@ use crate::store::{
     StoreError, StoredResponse, WriteOutcome,
 };
 use crate::upstream::{self, Backend, UpstreamError};
-use pingora::prelude::fast_timeout::fast_timeout;
 use pingora::protocols::http::date::get_cached_date;
 
 /// Header carrying the result of the idempotency check to the client.
@@ -466,7 +465,7 @@ impl Gate {
         }
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit as u64) as usize);
         loop {
-            let chunk = fast_timeout(timeout, session.read_request_body()).await;
+            let chunk = upstream::within(timeout, session.read_request_body()).await;
             match chunk {
                 Err(_) => return Err(Problem::RequestTimeout),
                 Ok(Err(_)) => return Err(Problem::RequestBodyUnreadable),

@@ -20,14 +20,18 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
+use std::future::{poll_fn, Future};
 use std::io;
 use std::net::SocketAddr;
+use std::pin::pin;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderValue};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::fast_timeout::fast_timeout;
+use pingora::prelude::Elapsed;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -101,6 +105,17 @@ pub enum UpstreamError {
     /// The backend's answer is not HTTP/1.x as this client accepts it.
     #[error("malformed response: {0}")]
     Malformed(&'static str),
+}
+
+/// `fast_timeout`, except that no timer is armed when `fut` is ready at its first poll: a write
+/// into a socket with room, or bytes that are already in the kernel's buffer. That is most I/O
+/// on this path, and a timer costs a clock read and a registration each time.
+pub async fn within<F: Future>(limit: Duration, fut: F) -> Result<F::Output, Elapsed> {
+    let mut fut = pin!(fut);
+    match poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+        Poll::Ready(output) => Ok(output),
+        Poll::Pending => fast_timeout(limit, fut).await,
+    }
 }
 
 fn timed_out(what: &str) -> io::Error {
@@ -300,7 +315,7 @@ async fn write_request(
             stream.write_all(&body[n - head.len()..]).await
         }
     };
-    fast_timeout(backend.write_timeout, write)
+    within(backend.write_timeout, write)
         .await
         .unwrap_or_else(|_| Err(timed_out("write")))?;
     Ok(stream)
@@ -375,7 +390,7 @@ impl Exchange {
     /// Reads more of the response into the buffer. `Ok(false)` at end of stream.
     async fn fill(&mut self) -> Result<bool, UpstreamError> {
         self.buf.reserve(READ_BYTES);
-        let read = fast_timeout(
+        let read = within(
             self.backend.read_timeout,
             self.stream.read_buf(&mut self.buf),
         )
@@ -731,6 +746,21 @@ fn decode_chunked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn within_answers_ready_futures_and_bounds_pending_ones() {
+        assert_eq!(
+            within(Duration::from_millis(10), async { 7 }).await.ok(),
+            Some(7)
+        );
+        let never = within(Duration::from_millis(20), std::future::pending::<()>());
+        assert!(never.await.is_err(), "a pending future is bounded");
+        let later = async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            8
+        };
+        assert_eq!(within(Duration::from_secs(5), later).await.ok(), Some(8));
+    }
 
     fn parse(raw: &[u8]) -> Result<Option<ParsedHead>, UpstreamError> {
         let mut buf = BytesMut::from(raw);
