@@ -141,16 +141,16 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         .map(redis_store::tls_certificates)
         .transpose()
         .and_then(|certs| match settings.topology {
-            RedisTopology::Sentinel => redis_store::sentinel_client(&settings.urls, certs.as_ref())
-                .map(|sentinel| PurgeBus::sentinel(sentinel, &settings.key_prefix)),
+            RedisTopology::Sentinel => {
+                PurgeBus::sentinel(&settings.urls, certs.as_ref(), &settings.key_prefix)
+            }
             RedisTopology::Single | RedisTopology::Cluster => {
                 let url = settings
                     .urls
                     .first()
                     .map(String::as_str)
                     .unwrap_or_default();
-                redis_store::single_client(url, certs.as_ref())
-                    .map(|client| PurgeBus::new(client, &settings.key_prefix))
+                PurgeBus::new(url, certs.as_ref(), &settings.key_prefix)
             }
         });
     let purge = match bus {
@@ -401,6 +401,16 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         "config watcher",
         ConfigWatcher { reloader },
     ));
+    if let Some(store) = stack.redis.as_ref().filter(|s| s.watches_tls()) {
+        server.add_service(background_service(
+            "redis tls watcher",
+            TlsWatcher {
+                store: store.clone(),
+                bus: stack.purge.as_ref().map(|(bus, _)| bus.clone()),
+                last_error: parking_lot::Mutex::new(None),
+            },
+        ));
+    }
     if let Some((bus, on_purge)) = stack.purge {
         server.add_service(background_service(
             "purge listener",
@@ -437,6 +447,60 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     }
     on_exit();
     Ok(())
+}
+
+/// How often the `store.redis.tls` files are read for a change (a rotated certificate).
+const TLS_POLL: Duration = Duration::from_secs(2);
+
+/// Reads the `store.redis.tls` files every [`TLS_POLL`]; when their contents change, the store
+/// and the purge channel connect with them from then on. A Kubernetes Secret volume is updated
+/// by swapping a symlink, and cert-manager renews a certificate before it expires, so polling
+/// the contents sees every rotation without a restart.
+struct TlsWatcher {
+    store: Arc<RedisStore>,
+    bus: Option<PurgeBus>,
+    /// The last failure logged, so one bad rotation is logged once, not every poll.
+    last_error: parking_lot::Mutex<Option<String>>,
+}
+
+#[async_trait]
+impl BackgroundService for TlsWatcher {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(TLS_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => self.poll(),
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+impl TlsWatcher {
+    fn poll(&self) {
+        let swapped = self.store.reload_tls().and_then(|certs| {
+            if let (Some(certs), Some(bus)) = (&certs, &self.bus) {
+                bus.use_certificates(certs)?;
+            }
+            Ok(certs.is_some())
+        });
+        let mut last_error = self.last_error.lock();
+        match swapped {
+            Ok(true) => {
+                *last_error = None;
+                tracing::info!("store.redis.tls files changed; new Redis connections use them");
+            }
+            Ok(false) => *last_error = None,
+            Err(e) => {
+                let message = e.to_string();
+                if last_error.as_deref() != Some(message.as_str()) {
+                    tracing::error!(error = %message, "store.redis.tls files changed but cannot be used; Redis connections keep the previous ones");
+                    *last_error = Some(message);
+                }
+            }
+        }
+    }
 }
 
 /// Drops this replica's cached copy of every record purged anywhere.

@@ -183,6 +183,57 @@ async fn sentinel_over_tls_with_a_private_ca() {
 }
 
 #[tokio::test]
+async fn a_rotated_ca_and_server_certificate_are_used_without_a_restart() {
+    let old = Pki::generate("idemgate");
+    let new = Pki::generate("idemgate");
+    let mut redis = TlsRedis::start(&old, "no");
+    let backend = Backend::start().await;
+    // The proxy reads its CA from a file the test replaces, as a Secret volume update does.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = dir.path().join("ca.pem");
+    std::fs::copy(old.ca(), &ca).expect("copy CA");
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .store("  tls:")
+        .store(&format!("    ca_file: \"{}\"", ca.display()))
+        .start()
+        .await;
+    readyz_becomes(&proxy, 200).await;
+    let before = Request::post("/orders").key("rotation-1").body("{}");
+    assert_eq!(before.send(proxy.addr).await.result(), Some("MISS"));
+
+    // Redis moves to a certificate from another CA and drops idemgate's connections: until
+    // the proxy trusts the new CA it cannot reconnect.
+    redis.rotate(&new);
+    readyz_becomes(&proxy, 503).await;
+    // A half-written or wrong file is refused (logged once), and the old one stays in force.
+    std::fs::write(&ca, "not a certificate").expect("write a bad CA file");
+    let refused = "store.redis.tls files changed but cannot be used";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !proxy.log().contains(refused) {
+        assert!(Instant::now() < deadline, "{}", proxy.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(proxy.log().matches(refused).count(), 1, "logged once");
+    let tmp = dir.path().join("ca.pem.new");
+    std::fs::copy(new.ca(), &tmp).expect("copy new CA");
+    std::fs::rename(&tmp, &ca).expect("swap the CA file");
+    readyz_becomes(&proxy, 200).await;
+
+    let after = Request::post("/orders").key("rotation-2").body("{}");
+    assert_eq!(after.send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(after.send(proxy.addr).await.result(), Some("HIT"));
+    assert_eq!(backend.count(), 2);
+    assert_eq!(redis.scan_keys().len(), 2, "both records are in Redis");
+    assert!(
+        proxy.log().contains("store.redis.tls files changed"),
+        "{}",
+        proxy.log()
+    );
+}
+
+#[tokio::test]
 async fn mutual_tls_needs_the_client_certificate() {
     let pki = Pki::generate("idemgate");
     let redis = TlsRedis::start(&pki, "yes");

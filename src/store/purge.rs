@@ -13,54 +13,96 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use futures_util::StreamExt;
 use redis::sentinel::SentinelClient;
-use redis::RedisResult;
+use redis::{RedisResult, TlsCertificates};
 
+use super::redis::{sentinel_client, single_client, SetupError};
 use super::RecordKey;
 
 /// Publishes and receives purge messages on one channel.
 #[derive(Clone)]
 pub struct PurgeBus {
-    server: Server,
+    /// Swapped when the `store.redis.tls` files change ([`PurgeBus::use_certificates`]).
+    server: Arc<ArcSwap<Server>>,
     channel: String,
 }
 
 /// Where the channel lives.
-#[derive(Clone)]
 enum Server {
     /// One server (the first of a Cluster's seeds: Cluster pub/sub reaches every node).
-    Direct(Box<redis::Client>),
+    Direct { url: String, client: redis::Client },
     /// The primary a set of Sentinels names at the time.
-    Sentinel(Arc<tokio::sync::Mutex<SentinelClient>>),
+    Sentinel {
+        urls: Vec<String>,
+        sentinel: tokio::sync::Mutex<SentinelClient>,
+    },
+}
+
+impl Server {
+    fn direct(url: &str, certs: Option<&TlsCertificates>) -> Result<Server, SetupError> {
+        Ok(Server::Direct {
+            url: url.to_owned(),
+            client: single_client(url, certs)?,
+        })
+    }
+
+    fn sentinel(urls: &[String], certs: Option<&TlsCertificates>) -> Result<Server, SetupError> {
+        Ok(Server::Sentinel {
+            urls: urls.to_vec(),
+            sentinel: tokio::sync::Mutex::new(sentinel_client(urls, certs)?),
+        })
+    }
 }
 
 /// Called with every purged record announced by any replica (including this one).
 pub type OnPurge = Arc<dyn Fn(&RecordKey) + Send + Sync>;
 
 impl PurgeBus {
-    /// A bus over `client` (the store's server, with its TLS settings), channel
+    /// A bus on the server at `url` (the store's, with its TLS certificates), channel
     /// `<prefix>:purge`.
-    pub fn new(client: redis::Client, key_prefix: &str) -> Self {
+    pub fn new(
+        url: &str,
+        certs: Option<&TlsCertificates>,
+        key_prefix: &str,
+    ) -> Result<Self, SetupError> {
+        Ok(PurgeBus::on(Server::direct(url, certs)?, key_prefix))
+    }
+
+    /// A bus on the primary the Sentinels of `urls` name, channel `<prefix>:purge`.
+    pub fn sentinel(
+        urls: &[String],
+        certs: Option<&TlsCertificates>,
+        key_prefix: &str,
+    ) -> Result<Self, SetupError> {
+        Ok(PurgeBus::on(Server::sentinel(urls, certs)?, key_prefix))
+    }
+
+    fn on(server: Server, key_prefix: &str) -> Self {
         PurgeBus {
-            server: Server::Direct(Box::new(client)),
+            server: Arc::new(ArcSwap::from_pointee(server)),
             channel: format!("{key_prefix}:purge"),
         }
     }
 
-    /// A bus on the primary `sentinel` names, channel `<prefix>:purge`.
-    pub fn sentinel(sentinel: SentinelClient, key_prefix: &str) -> Self {
-        PurgeBus {
-            server: Server::Sentinel(Arc::new(tokio::sync::Mutex::new(sentinel))),
-            channel: format!("{key_prefix}:purge"),
-        }
+    /// Connects with `certs` from now on (the `store.redis.tls` files changed). A subscription
+    /// that is up stays on its connection until that drops.
+    pub fn use_certificates(&self, certs: &TlsCertificates) -> Result<(), SetupError> {
+        let server = match &**self.server.load() {
+            Server::Direct { url, .. } => Server::direct(url, Some(certs))?,
+            Server::Sentinel { urls, .. } => Server::sentinel(urls, Some(certs))?,
+        };
+        self.server.store(Arc::new(server));
+        Ok(())
     }
 
     /// A client for the server the channel is on now.
     async fn client(&self) -> RedisResult<redis::Client> {
-        match &self.server {
-            Server::Direct(client) => Ok((**client).clone()),
-            Server::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
+        let server = self.server.load_full();
+        match &*server {
+            Server::Direct { client, .. } => Ok(client.clone()),
+            Server::Sentinel { sentinel, .. } => sentinel.lock().await.async_get_client().await,
         }
     }
 

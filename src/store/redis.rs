@@ -155,7 +155,13 @@ pub enum ScriptsApplied {
 
 /// The [`RecordStore`] on Redis.
 pub struct RedisStore {
-    backend: Backend,
+    /// Swapped whole when the `store.redis.tls` files change ([`RedisStore::reload_tls`]).
+    backend: ArcSwap<Backend>,
+    /// What a new backend is built from.
+    settings: RedisConfig,
+    manager_config: ConnectionManagerConfig,
+    /// The `store.redis.tls` files as the backend in force read them.
+    tls_in_force: parking_lot::Mutex<Option<TlsCertificates>>,
     /// The versions in force; swapped whole.
     scripts: ArcSwap<ScriptSet>,
     /// Counters of every version that ran, by name; kept across swaps.
@@ -273,23 +279,91 @@ pub fn sentinel_client(
         .map_err(|e| SetupError::Invalid(e.to_string()))
 }
 
+/// The connections of one topology, made lazily, trusting `certs` (for `rediss://`).
+fn build_backend(
+    config: &RedisConfig,
+    manager_config: &ConnectionManagerConfig,
+    op_timeout: Duration,
+    certs: Option<&TlsCertificates>,
+) -> Result<Backend, SetupError> {
+    Ok(match config.topology {
+        RedisTopology::Single => {
+            let url = config.urls.first().map(String::as_str).unwrap_or_default();
+            Backend::Single {
+                client: single_client(url, certs)?,
+                config: manager_config.clone(),
+                conn: PerRuntime::default(),
+            }
+        }
+        RedisTopology::Cluster => {
+            let mut builder = ClusterClientBuilder::new(config.urls.iter().map(String::as_str))
+                .connection_timeout(config.connect_timeout)
+                .response_timeout(config.response_timeout)
+                .overall_response_timeout(Some(op_timeout))
+                .retries(2)
+                .tcp_settings(tcp_settings());
+            // The config let `tls` through only with rediss:// seeds, so this never turns
+            // TLS on for plain URLs; the nodes the cluster announces get the same settings.
+            if let Some(certs) = certs {
+                builder = builder.certs(certs.clone());
+            }
+            let client = builder
+                .build()
+                .map_err(|e| SetupError::Invalid(e.to_string()))?;
+            Backend::Cluster {
+                client,
+                conn: PerRuntime::default(),
+            }
+        }
+        RedisTopology::Sentinel => Backend::Sentinel(SentinelBackend::new(
+            &config.urls,
+            manager_config.clone(),
+            certs,
+        )?),
+    })
+}
+
 /// Reads the `store.redis.tls` files. The config checked them at load; reading again here
 /// reports a file that vanished since by its field. Errors name files, never their contents.
 pub fn tls_certificates(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let read = |field: &str, path: &std::path::Path| {
         std::fs::read(path)
             .map_err(|e| SetupError::Tls(format!("{field}: cannot read {}: {e}", path.display())))
     };
+    // The same checks as the config's: a file caught half-written, or replaced by something
+    // else, is refused instead of leaving the connections with no trusted root.
+    let certificates = |field: &str, path: &std::path::Path| {
+        let bytes = read(field, path)?;
+        let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
+        if !certs.is_ok_and(|c| !c.is_empty()) {
+            return Err(SetupError::Tls(format!(
+                "{field}: {} holds no PEM certificate",
+                path.display()
+            )));
+        }
+        Ok(bytes)
+    };
     let root_cert = tls
         .ca_file
         .as_deref()
-        .map(|path| read("ca_file", path))
+        .map(|path| certificates("ca_file", path))
         .transpose()?;
     let client_tls = match (&tls.cert_file, &tls.key_file) {
-        (Some(cert), Some(key)) => Some(ClientTlsConfig {
-            client_cert: read("cert_file", cert)?,
-            client_key: read("key_file", key)?,
-        }),
+        (Some(cert), Some(key)) => {
+            let client_key = read("key_file", key)?;
+            if PrivateKeyDer::from_pem_slice(&client_key).is_err() {
+                return Err(SetupError::Tls(format!(
+                    "key_file: {} holds no PEM private key",
+                    key.display()
+                )));
+            }
+            Some(ClientTlsConfig {
+                client_cert: certificates("cert_file", cert)?,
+                client_key,
+            })
+        }
         _ => None,
     };
     let certs = TlsCertificates {
@@ -301,6 +375,16 @@ pub fn tls_certificates(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupEr
     redis::Client::build_with_tls("rediss://localhost", certs.clone())
         .map_err(|e| SetupError::Tls(e.to_string()))?;
     Ok(certs)
+}
+
+/// Whether two readings of the `store.redis.tls` files found the same bytes.
+fn same_certificates(a: &TlsCertificates, b: &TlsCertificates) -> bool {
+    let client = |c: &TlsCertificates| {
+        c.client_tls
+            .as_ref()
+            .map(|t| (t.client_cert.clone(), t.client_key.clone()))
+    };
+    a.root_cert == b.root_cert && client(a) == client(b)
 }
 
 /// One connection per tokio runtime. A multiplexed connection is driven by a task on the
@@ -382,46 +466,15 @@ impl RedisStore {
         let op_timeout = config.connect_timeout + 2 * config.response_timeout;
         let certs = config.tls.as_ref().map(tls_certificates).transpose()?;
 
-        let backend = match config.topology {
-            RedisTopology::Single => {
-                let url = config.urls.first().map(String::as_str).unwrap_or_default();
-                Backend::Single {
-                    client: single_client(url, certs.as_ref())?,
-                    config: manager_config,
-                    conn: PerRuntime::default(),
-                }
-            }
-            RedisTopology::Cluster => {
-                let mut builder = ClusterClientBuilder::new(config.urls.iter().map(String::as_str))
-                    .connection_timeout(config.connect_timeout)
-                    .response_timeout(config.response_timeout)
-                    .overall_response_timeout(Some(op_timeout))
-                    .retries(2)
-                    .tcp_settings(tcp_settings());
-                // The config let `tls` through only with rediss:// seeds, so this never turns
-                // TLS on for plain URLs; the nodes the cluster announces get the same settings.
-                if let Some(certs) = &certs {
-                    builder = builder.certs(certs.clone());
-                }
-                let client = builder
-                    .build()
-                    .map_err(|e| SetupError::Invalid(e.to_string()))?;
-                Backend::Cluster {
-                    client,
-                    conn: PerRuntime::default(),
-                }
-            }
-            RedisTopology::Sentinel => Backend::Sentinel(SentinelBackend::new(
-                &config.urls,
-                manager_config,
-                certs.as_ref(),
-            )?),
-        };
+        let backend = build_backend(config, &manager_config, op_timeout, certs.as_ref())?;
         let (active, canary) = find_sources(&config.scripts)?;
         let version_stats = StatsRegistry::default();
         let set = ScriptSet::new(&config.scripts, active, canary, None, &version_stats);
         Ok(RedisStore {
-            backend,
+            backend: ArcSwap::from_pointee(backend),
+            settings: config.clone(),
+            manager_config,
+            tls_in_force: parking_lot::Mutex::new(certs),
             scripts: ArcSwap::from_pointee(set),
             version_stats,
             apply_lock: tokio::sync::Mutex::new(()),
@@ -446,10 +499,11 @@ impl RedisStore {
     pub async fn connect(&self) -> Result<(), StoreError> {
         let _serial = self.apply_lock.lock().await;
         let set = self.scripts.load_full();
-        match tokio::time::timeout(self.op_timeout, self.backend.conn()).await {
+        let backend = self.backend.load_full();
+        match tokio::time::timeout(self.op_timeout, backend.conn()).await {
             Ok(Ok(_)) => {}
             Ok(Err(err)) => {
-                self.backend.on_error(&err);
+                backend.on_error(&err);
                 return Err(store_error("connect", err));
             }
             Err(_) => return Err(self.timed_out("connect")),
@@ -557,6 +611,39 @@ impl RedisStore {
         Ok(ScriptsApplied::Applied { loaded })
     }
 
+    /// Whether a `store.redis.tls` block names files to watch ([`RedisStore::reload_tls`]).
+    pub fn watches_tls(&self) -> bool {
+        self.settings.tls.is_some()
+    }
+
+    /// Reads the `store.redis.tls` files again and, when their contents changed, swaps in new
+    /// connections that use them (a rotated CA, server or client certificate). Calls in flight
+    /// finish on the connections they started on; the next calls connect with the new files.
+    /// Returns the certificates now in force when it swapped, `None` when nothing changed (or
+    /// no `tls` block is set). Files that cannot be read or parsed leave everything as it was.
+    pub fn reload_tls(&self) -> Result<Option<TlsCertificates>, SetupError> {
+        let Some(tls) = &self.settings.tls else {
+            return Ok(None);
+        };
+        let certs = tls_certificates(tls)?;
+        let mut in_force = self.tls_in_force.lock();
+        if in_force
+            .as_ref()
+            .is_some_and(|old| same_certificates(old, &certs))
+        {
+            return Ok(None);
+        }
+        let backend = build_backend(
+            &self.settings,
+            &self.manager_config,
+            self.op_timeout,
+            Some(&certs),
+        )?;
+        self.backend.store(Arc::new(backend));
+        *in_force = Some(certs.clone());
+        Ok(Some(certs))
+    }
+
     /// Version name of the active scripts.
     pub fn scripts_version(&self) -> String {
         self.scripts.load().active.sources.version.clone()
@@ -656,9 +743,9 @@ impl RedisStore {
     /// SCRIPT LOAD of a version's four scripts (every primary of a cluster), checking that
     /// Redis hashes each to the SHA we will call. Returns the files loaded.
     async fn load(&self, version: &Version) -> Result<Vec<String>, ScriptsError> {
+        let backend = self.backend.load_full();
         let attempt = async {
-            let mut conn = self
-                .backend
+            let mut conn = backend
                 .conn()
                 .await
                 .map_err(|e| ScriptsError::Unavailable(e.to_string()))?;
@@ -688,7 +775,7 @@ impl RedisStore {
                         })
                     }
                     Err(err) => {
-                        self.backend.on_error(&err);
+                        backend.on_error(&err);
                         return Err(ScriptsError::Unavailable(err.to_string()));
                     }
                 }
@@ -799,13 +886,14 @@ impl RedisStore {
     /// Sends one call, re-sending it once on a fresh connection if the first connection was
     /// dead, all within the operation deadline.
     async fn send(&self, op: &'static str, call: Call<'_>) -> Result<Value, Failure> {
+        let backend = self.backend.load_full();
         let attempt = async {
-            let mut conn = self.backend.conn().await?;
+            let mut conn = backend.conn().await?;
             match call.send(&mut conn).await {
                 Err(err) if worth_resending(&err) => {
                     tracing::debug!(op, error = %err, "redis connection lost; sending again");
-                    self.backend.on_error(&err);
-                    let mut conn = self.backend.conn().await?;
+                    backend.on_error(&err);
+                    let mut conn = backend.conn().await?;
                     call.send(&mut conn).await
                 }
                 other => other,
@@ -814,7 +902,7 @@ impl RedisStore {
         match tokio::time::timeout(self.op_timeout, attempt).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) => {
-                self.backend.on_error(&err);
+                backend.on_error(&err);
                 Err(Failure {
                     script_fault: is_script_fault(&err),
                     error: store_error(op, err),
@@ -968,7 +1056,7 @@ impl RecordStore for RedisStore {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let topology = match self.backend {
+        let topology = match **self.backend.load() {
             Backend::Single { .. } => "single",
             Backend::Cluster { .. } => "cluster",
             Backend::Sentinel(_) => "sentinel",

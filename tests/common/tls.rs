@@ -263,6 +263,39 @@ impl TlsRedis {
         cmd.query(&mut conn)
     }
 
+    /// Moves the server to `to`'s certificate and CA (`CONFIG SET`, as an operator rotating
+    /// certificates would) and drops the `idemgate` user's connections, on one connection made
+    /// with the old CA; later commands of the test trust the new one.
+    pub fn rotate(&mut self, to: &Pki) {
+        let url = format!(
+            "rediss://inspector:{INSPECTOR_PASSWORD}@127.0.0.1:{}",
+            self.port
+        );
+        let client = redis::Client::build_with_tls(url.as_str(), self.certs.clone())
+            .expect("client with the old CA");
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("connect with the old CA");
+        let file = |f: &str| to.path(f).display().to_string();
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("tls-cert-file")
+            .arg(file("server.pem"))
+            .arg("tls-key-file")
+            .arg(file("server.key"))
+            .arg("tls-ca-cert-file")
+            .arg(to.ca().display().to_string())
+            .query(&mut conn)
+            .expect("CONFIG SET tls-*");
+        let _: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("USER")
+            .arg(IDEMGATE_USER)
+            .query(&mut conn)
+            .expect("CLIENT KILL USER");
+        self.certs = to.certificates();
+    }
+
     pub fn cmd<T: FromRedisValue>(&self, args: &[&str]) -> T {
         let reply = self
             .try_cmd(args)
