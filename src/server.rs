@@ -203,6 +203,8 @@ fn register_script_metrics(metrics: &Metrics, redis: &Arc<RedisStore>) {
             ("idemgate_script_canary_rollbacks_total", "Canary script versions rolled back for their error rate", Pull::Counter, |s| s.canary_rollbacks() as f64),
             ("idemgate_script_reloads_total", "Script changes (files or config) applied after start-up", Pull::Counter, |s| s.script_reloads() as f64),
             ("idemgate_script_reload_failures_total", "Script changes refused (unreadable, or Redis would not load them); the old scripts stay", Pull::Counter, |s| s.script_reload_failures() as f64),
+            ("idemgate_redis_tls_reloads_total", "Changed store.redis.tls files taken into use without a restart", Pull::Counter, |s| s.tls_reloads() as f64),
+            ("idemgate_redis_tls_reload_failures_total", "Changed store.redis.tls files refused (unreadable, or no PEM); the previous files stay", Pull::Counter, |s| s.tls_reload_failures() as f64),
         ],
     );
 }
@@ -407,7 +409,6 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             TlsWatcher {
                 store: store.clone(),
                 bus: stack.purge.as_ref().map(|(bus, _)| bus.clone()),
-                last_error: parking_lot::Mutex::new(None),
             },
         ));
     }
@@ -459,8 +460,6 @@ const TLS_POLL: Duration = Duration::from_secs(2);
 struct TlsWatcher {
     store: Arc<RedisStore>,
     bus: Option<PurgeBus>,
-    /// The last failure logged, so one bad rotation is logged once, not every poll.
-    last_error: parking_lot::Mutex<Option<String>>,
 }
 
 #[async_trait]
@@ -479,26 +478,11 @@ impl BackgroundService for TlsWatcher {
 
 impl TlsWatcher {
     fn poll(&self) {
-        let swapped = self.store.reload_tls().and_then(|certs| {
-            if let (Some(certs), Some(bus)) = (&certs, &self.bus) {
-                bus.use_certificates(certs)?;
-            }
-            Ok(certs.is_some())
-        });
-        let mut last_error = self.last_error.lock();
-        match swapped {
-            Ok(true) => {
-                *last_error = None;
-                tracing::info!("store.redis.tls files changed; new Redis connections use them");
-            }
-            Ok(false) => *last_error = None,
-            Err(e) => {
-                let message = e.to_string();
-                if last_error.as_deref() != Some(message.as_str()) {
-                    tracing::error!(error = %message, "store.redis.tls files changed but cannot be used; Redis connections keep the previous ones");
-                    *last_error = Some(message);
-                }
-            }
+        let (Some(certs), Some(bus)) = (self.store.reload_tls(), &self.bus) else {
+            return;
+        };
+        if let Err(e) = bus.use_certificates(&certs) {
+            tracing::error!(error = %e, "purge channel keeps the previous store.redis.tls files");
         }
     }
 }

@@ -231,6 +231,12 @@ async fn a_rotated_ca_and_server_certificate_are_used_without_a_restart() {
         "{}",
         proxy.log()
     );
+    let metrics = Request::get("/metrics").send(proxy.admin).await.text();
+    assert!(
+        metrics.contains("idemgate_redis_tls_reloads_total 1\n")
+            && metrics.contains("idemgate_redis_tls_reload_failures_total 1\n"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

@@ -162,6 +162,10 @@ pub struct RedisStore {
     manager_config: ConnectionManagerConfig,
     /// The `store.redis.tls` files as the backend in force read them.
     tls_in_force: parking_lot::Mutex<Option<TlsCertificates>>,
+    /// Why the last changed files were refused, so one bad rotation counts and logs once.
+    tls_refused: parking_lot::Mutex<Option<String>>,
+    tls_reloads: AtomicU64,
+    tls_reload_failures: AtomicU64,
     /// The versions in force; swapped whole.
     scripts: ArcSwap<ScriptSet>,
     /// Counters of every version that ran, by name; kept across swaps.
@@ -475,6 +479,9 @@ impl RedisStore {
             settings: config.clone(),
             manager_config,
             tls_in_force: parking_lot::Mutex::new(certs),
+            tls_refused: parking_lot::Mutex::new(None),
+            tls_reloads: AtomicU64::new(0),
+            tls_reload_failures: AtomicU64::new(0),
             scripts: ArcSwap::from_pointee(set),
             version_stats,
             apply_lock: tokio::sync::Mutex::new(()),
@@ -620,8 +627,43 @@ impl RedisStore {
     /// connections that use them (a rotated CA, server or client certificate). Calls in flight
     /// finish on the connections they started on; the next calls connect with the new files.
     /// Returns the certificates now in force when it swapped, `None` when nothing changed (or
-    /// no `tls` block is set). Files that cannot be read or parsed leave everything as it was.
-    pub fn reload_tls(&self) -> Result<Option<TlsCertificates>, SetupError> {
+    /// no `tls` block is set). Files that cannot be read or parsed leave everything as it was;
+    /// each distinct refusal is logged and counted once.
+    pub fn reload_tls(&self) -> Option<TlsCertificates> {
+        let outcome = self.try_reload_tls();
+        let mut refused = self.tls_refused.lock();
+        match outcome {
+            Ok(swapped) => {
+                *refused = None;
+                if swapped.is_some() {
+                    self.tls_reloads.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!("store.redis.tls files changed; new Redis connections use them");
+                }
+                swapped
+            }
+            Err(e) => {
+                let message = e.to_string();
+                if refused.as_deref() != Some(message.as_str()) {
+                    self.tls_reload_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(error = %message, "store.redis.tls files changed but cannot be used; Redis connections keep the previous ones");
+                    *refused = Some(message);
+                }
+                None
+            }
+        }
+    }
+
+    /// Rotated `store.redis.tls` files now in use.
+    pub fn tls_reloads(&self) -> u64 {
+        self.tls_reloads.load(Ordering::Relaxed)
+    }
+
+    /// Changes of the `store.redis.tls` files refused (each distinct refusal once).
+    pub fn tls_reload_failures(&self) -> u64 {
+        self.tls_reload_failures.load(Ordering::Relaxed)
+    }
+
+    fn try_reload_tls(&self) -> Result<Option<TlsCertificates>, SetupError> {
         let Some(tls) = &self.settings.tls else {
             return Ok(None);
         };

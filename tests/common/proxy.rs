@@ -18,6 +18,17 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Two free ports, bound at the same time so they differ (two `free_port` calls in a row can
+/// get the same port back once the first is released).
+pub fn free_port_pair() -> (u16, u16) {
+    let first = TcpListener::bind("127.0.0.1:0").unwrap();
+    let second = TcpListener::bind("127.0.0.1:0").unwrap();
+    (
+        first.local_addr().unwrap().port(),
+        second.local_addr().unwrap().port(),
+    )
+}
+
 /// Builds the config of a test proxy: an `orders` route on `/orders` (idempotent, POST PUT
 /// PATCH DELETE), an `optional` route on `/optional` (key optional), a `plain` route on `/plain`
 /// (no idempotency), and two upstreams so unmatched paths have no default.
@@ -142,8 +153,7 @@ impl ProxyBuilder {
 
     /// Starts the proxy and waits until it answers.
     pub async fn start(self) -> Proxy {
-        let port = free_port();
-        let admin_port = free_port();
+        let (port, admin_port) = free_port_pair();
         let dir = tempfile::tempdir().expect("tempdir");
         let config_dir = dir.path().join("config");
         std::fs::create_dir(&config_dir).expect("config dir");
