@@ -194,6 +194,7 @@ async fn a_rotated_ca_and_server_certificate_are_used_without_a_restart() {
     std::fs::copy(old.ca(), &ca).expect("copy CA");
     let proxy = ProxyBuilder::new(&backend)
         .redis(&[redis.url()])
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
         .store("  tls:")
         .store(&format!("    ca_file: \"{}\"", ca.display()))
         .start()
@@ -231,6 +232,13 @@ async fn a_rotated_ca_and_server_certificate_are_used_without_a_restart() {
         "{}",
         proxy.log()
     );
+    // The purge channel moved to the new files too: the purge is announced to every replica.
+    let purge = Request::new("DELETE", "/admin/records/default/rotation-2")
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(purge.status, 200, "{}", purge.text());
+    assert!(purge.text().contains("all replicas"), "{}", purge.text());
     let metrics = Request::get("/metrics").send(proxy.admin).await.text();
     assert!(
         metrics.contains("idemgate_redis_tls_reloads_total 1\n")
