@@ -441,12 +441,8 @@ impl Gate {
         timeout: Duration,
     ) -> std::result::Result<Bytes, Problem> {
         let req = session.req_header();
-        let declared = req
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok());
-        if declared.is_some_and(|n| n > limit as u64) {
+        let declared = req.headers.get(header::CONTENT_LENGTH).and_then(length);
+        if declared.is_some_and(|n| n > limit) {
             return Err(Problem::RequestTooLarge { limit });
         }
         let expects_continue = req
@@ -463,7 +459,7 @@ impl Gate {
                 .await
                 .map_err(|_| Problem::RequestBodyUnreadable)?;
         }
-        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit as u64) as usize);
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
         loop {
             let chunk = upstream::within(timeout, session.read_request_body()).await;
             match chunk {
@@ -558,12 +554,9 @@ impl Gate {
         };
         // Sized by the declared length when there is one, so the stored body is one allocation
         // of its own length (what the store's capacity accounting charges).
-        let declared = out
-            .header
-            .as_ref()
-            .and_then(|h| h.headers.get(header::CONTENT_LENGTH))
-            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
-            .and_then(|v| v.trim().parse::<usize>().ok())
+        let declared = exchange
+            .body_left()
+            .and_then(|n| usize::try_from(n).ok())
             .filter(|&n| n <= idem.max_response_bytes)
             .unwrap_or(0);
         let mut captured = storable.then(|| BytesMut::with_capacity(declared));
@@ -651,10 +644,7 @@ impl Gate {
         }
         let declared = match headers.get(header::CONTENT_LENGTH) {
             None => None,
-            Some(v) => match std::str::from_utf8(v.as_bytes())
-                .ok()
-                .and_then(|s| s.trim().parse::<usize>().ok())
-            {
+            Some(v) => match length(v) {
                 Some(n) if n <= upstream::FORWARD_BODY_BYTES => Some(n),
                 // Large or odd: pingora streams (or refuses) it.
                 _ => return Ok(false),
@@ -894,6 +884,15 @@ impl Downstream {
     }
 }
 
+/// A request's `Content-Length` value, if it is one number.
+fn length(value: &HeaderValue) -> Option<usize> {
+    std::str::from_utf8(value.as_bytes())
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Writes `problem` as problem+json, with `X-Idempotent-Result` when on an idempotent route.
 async fn write_problem(
     session: &mut Session,
@@ -936,21 +935,25 @@ fn is_standard_method_in_other_case(method: &http::Method) -> bool {
 /// `replay_exclude_headers`.
 fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String, Bytes)> {
     let connection_named = upstream::connection_tokens(resp.headers.get_all(header::CONNECTION));
-    let kept = |name: &HeaderName| {
-        is_replayable(name.as_str(), exclude)
-            && !connection_named
-                .iter()
-                .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
-    };
-    // Sized exactly: the list lives as long as the record, and a collected `Vec` would keep
-    // up to twice the slots it uses (charged to the store's capacity by `size_bytes`).
-    let mut headers = Vec::with_capacity(resp.headers.iter().filter(|(n, _)| kept(n)).count());
-    for (name, value) in resp.headers.iter().filter(|(name, _)| kept(name)) {
-        headers.push((
-            name.as_str().to_owned(),
-            Bytes::copy_from_slice(value.as_bytes()),
-        ));
-    }
+    let mut headers: Vec<(String, Bytes)> = resp
+        .headers
+        .iter()
+        .filter(|(name, _)| {
+            is_replayable(name.as_str(), exclude)
+                && !connection_named
+                    .iter()
+                    .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
+        })
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
+        .collect();
+    // The list lives as long as the record: no spare slots (the store's capacity is charged
+    // by capacity, see `StoredResponse::size_bytes`).
+    headers.shrink_to_fit();
     headers
 }
 

@@ -448,6 +448,17 @@ impl Exchange {
         ))
     }
 
+    /// Bytes of response body still to come, when the backend declared its length
+    /// (`Content-Length`, already checked by [`Exchange::read_head`]); `None` for chunked or
+    /// read-until-close bodies.
+    pub fn body_left(&self) -> Option<u64> {
+        match self.framing {
+            Framing::Done => Some(0),
+            Framing::Length(left) => Some(left),
+            Framing::Chunked(_) | Framing::Close => None,
+        }
+    }
+
     /// The response body has been read to its end.
     pub fn done(&self) -> bool {
         self.framing == Framing::Done

@@ -6,7 +6,8 @@
 //! two shard locks at once, so there is no global lock on the hot path and no lock ordering to
 //! get wrong. Expired records are treated as absent on every access and removed then; a
 //! background sweeper ([`MemoryStore::sweep_round`], an eighth of the shards per round) and a
-//! full sweep before refusing for lack of room collect the rest. When full the store refuses new claims rather than forget a live record.
+//! full sweep before refusing for lack of room collect the rest. When full the store refuses
+//! new claims rather than forget a live record.
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
