@@ -1157,7 +1157,7 @@ impl FileIdempotency {
 /// 64 to 4096. A shard's hash table doubles in one step while its lock is held, so the pause a
 /// growing store puts on the requests of that shard scales with the shard's size; at ~4 MiB
 /// (5–8k records) a doubling stays under a millisecond. 256 MiB gets 64 shards, 4 GiB 1024.
-pub fn default_memory_shards(capacity_bytes: usize) -> usize {
+fn default_memory_shards(capacity_bytes: usize) -> usize {
     const BYTES_PER_SHARD: usize = 4 << 20;
     (capacity_bytes / BYTES_PER_SHARD).clamp(64, 4096)
 }
@@ -1374,11 +1374,37 @@ impl FileRedis {
     }
 }
 
-/// What a PEM file given in `store.redis.tls` must hold.
+/// What a PEM file given in `store.redis.tls` must hold. Checked at load, and by the store
+/// each time it reads the files again (a rotated certificate).
 #[derive(Clone, Copy)]
-enum Pem {
+pub enum Pem {
+    /// One or more certificates (a CA bundle, a client certificate chain).
     Certificates,
+    /// One private key (PKCS#8, PKCS#1 or SEC1).
     PrivateKey,
+}
+
+impl Pem {
+    /// Whether `bytes` hold PEM of this kind.
+    pub fn holds(self, bytes: &[u8]) -> bool {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        match self {
+            Pem::Certificates => {
+                let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(bytes).collect();
+                certs.is_ok_and(|c| !c.is_empty())
+            }
+            Pem::PrivateKey => PrivateKeyDer::from_pem_slice(bytes).is_ok(),
+        }
+    }
+
+    /// What a file without it holds, for messages.
+    pub fn missing(self) -> &'static str {
+        match self {
+            Pem::Certificates => "no PEM certificate (-----BEGIN CERTIFICATE-----)",
+            Pem::PrivateKey => "no PEM private key (PKCS#8, PKCS#1 or SEC1)",
+        }
+    }
 }
 
 impl FileRedisTls {
@@ -1411,27 +1437,17 @@ impl FileRedisTls {
 /// Checks that `raw` names a readable file holding PEM of `kind`. Messages name the file, never
 /// its contents (a key file is a secret).
 fn pem_file(field: &str, raw: &str, kind: Pem) -> Result<PathBuf, ConfigError> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     if raw.trim().is_empty() {
         return Err(invalid(field, "must not be empty"));
     }
     let path = PathBuf::from(raw);
     let bytes = std::fs::read(&path)
         .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
-    let holds = match kind {
-        Pem::Certificates => {
-            let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
-            certs.is_ok_and(|c| !c.is_empty())
-        }
-        Pem::PrivateKey => PrivateKeyDer::from_pem_slice(&bytes).is_ok(),
-    };
-    if !holds {
-        let what = match kind {
-            Pem::Certificates => "no PEM certificate (-----BEGIN CERTIFICATE-----)",
-            Pem::PrivateKey => "no PEM private key (PKCS#8, PKCS#1 or SEC1)",
-        };
-        return Err(invalid(field, format!("{} holds {what}", path.display())));
+    if !kind.holds(&bytes) {
+        return Err(invalid(
+            field,
+            format!("{} holds {}", path.display(), kind.missing()),
+        ));
     }
     Ok(path)
 }

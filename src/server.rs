@@ -17,7 +17,7 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::{Admin, Readiness};
-use crate::config::{Config, OnUnavailable, RedisTopology, StoreBackend};
+use crate::config::{Config, OnUnavailable, StoreBackend};
 use crate::metrics::{Metrics, Pull};
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::reload::Reloader;
@@ -26,7 +26,6 @@ use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::purge::{OnPurge, PurgeBus};
-use crate::store::redis as redis_store;
 use crate::store::retry::{CompletionRetrier, RetryOptions};
 use crate::store::{MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 
@@ -133,26 +132,7 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     };
     let fallback = (config.store.on_unavailable == OnUnavailable::Local)
         .then(|| memory.clone() as Arc<dyn RecordStore>);
-    // The purge channel: on the server (a Cluster's first seed), or on the primary the
-    // Sentinels name.
-    let bus = settings
-        .tls
-        .as_ref()
-        .map(redis_store::tls_certificates)
-        .transpose()
-        .and_then(|certs| match settings.topology {
-            RedisTopology::Sentinel => {
-                PurgeBus::sentinel(&settings.urls, certs.as_ref(), &settings.key_prefix)
-            }
-            RedisTopology::Single | RedisTopology::Cluster => {
-                let url = settings
-                    .urls
-                    .first()
-                    .map(String::as_str)
-                    .unwrap_or_default();
-                PurgeBus::new(url, certs.as_ref(), &settings.key_prefix)
-            }
-        });
+    let bus = PurgeBus::new(settings, redis.tls_certificates().as_ref());
     let purge = match bus {
         Ok(bus) => Some((bus, forget)),
         Err(e) => {

@@ -20,38 +20,38 @@ use redis::{RedisResult, TlsCertificates};
 
 use super::redis::{sentinel_client, single_client, SetupError};
 use super::RecordKey;
+use crate::config::{RedisConfig, RedisTopology};
 
 /// Publishes and receives purge messages on one channel.
 #[derive(Clone)]
 pub struct PurgeBus {
+    /// The store's settings, which say where the channel is.
+    config: Arc<RedisConfig>,
     /// Swapped when the `store.redis.tls` files change ([`PurgeBus::use_certificates`]).
     server: Arc<ArcSwap<Server>>,
     channel: String,
 }
 
-/// Where the channel lives.
+/// Where the channel lives. One per process, behind an `Arc`: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Server {
     /// One server (the first of a Cluster's seeds: Cluster pub/sub reaches every node).
-    Direct { url: String, client: redis::Client },
+    Direct(redis::Client),
     /// The primary a set of Sentinels names at the time.
-    Sentinel {
-        urls: Vec<String>,
-        sentinel: tokio::sync::Mutex<SentinelClient>,
-    },
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
 }
 
 impl Server {
-    fn direct(url: &str, certs: Option<&TlsCertificates>) -> Result<Server, SetupError> {
-        Ok(Server::Direct {
-            url: url.to_owned(),
-            client: single_client(url, certs)?,
-        })
-    }
-
-    fn sentinel(urls: &[String], certs: Option<&TlsCertificates>) -> Result<Server, SetupError> {
-        Ok(Server::Sentinel {
-            urls: urls.to_vec(),
-            sentinel: tokio::sync::Mutex::new(sentinel_client(urls, certs)?),
+    fn new(config: &RedisConfig, certs: Option<&TlsCertificates>) -> Result<Server, SetupError> {
+        Ok(match config.topology {
+            RedisTopology::Sentinel => Server::Sentinel(tokio::sync::Mutex::new(sentinel_client(
+                &config.urls,
+                certs,
+            )?)),
+            RedisTopology::Single | RedisTopology::Cluster => {
+                let url = config.urls.first().map(String::as_str).unwrap_or_default();
+                Server::Direct(single_client(url, certs)?)
+            }
         })
     }
 }
@@ -60,39 +60,20 @@ impl Server {
 pub type OnPurge = Arc<dyn Fn(&RecordKey) + Send + Sync>;
 
 impl PurgeBus {
-    /// A bus on the server at `url` (the store's, with its TLS certificates), channel
-    /// `<prefix>:purge`.
-    pub fn new(
-        url: &str,
-        certs: Option<&TlsCertificates>,
-        key_prefix: &str,
-    ) -> Result<Self, SetupError> {
-        Ok(PurgeBus::on(Server::direct(url, certs)?, key_prefix))
-    }
-
-    /// A bus on the primary the Sentinels of `urls` name, channel `<prefix>:purge`.
-    pub fn sentinel(
-        urls: &[String],
-        certs: Option<&TlsCertificates>,
-        key_prefix: &str,
-    ) -> Result<Self, SetupError> {
-        Ok(PurgeBus::on(Server::sentinel(urls, certs)?, key_prefix))
-    }
-
-    fn on(server: Server, key_prefix: &str) -> Self {
-        PurgeBus {
-            server: Arc::new(ArcSwap::from_pointee(server)),
-            channel: format!("{key_prefix}:purge"),
-        }
+    /// A bus next to the store `config` describes, with its TLS certificates; channel
+    /// `<key_prefix>:purge`.
+    pub fn new(config: &RedisConfig, certs: Option<&TlsCertificates>) -> Result<Self, SetupError> {
+        Ok(PurgeBus {
+            server: Arc::new(ArcSwap::from_pointee(Server::new(config, certs)?)),
+            channel: format!("{}:purge", config.key_prefix),
+            config: Arc::new(config.clone()),
+        })
     }
 
     /// Connects with `certs` from now on (the `store.redis.tls` files changed). A subscription
     /// that is up stays on its connection until that drops.
     pub fn use_certificates(&self, certs: &TlsCertificates) -> Result<(), SetupError> {
-        let server = match &**self.server.load() {
-            Server::Direct { url, .. } => Server::direct(url, Some(certs))?,
-            Server::Sentinel { urls, .. } => Server::sentinel(urls, Some(certs))?,
-        };
+        let server = Server::new(&self.config, Some(certs))?;
         self.server.store(Arc::new(server));
         Ok(())
     }
@@ -101,8 +82,8 @@ impl PurgeBus {
     async fn client(&self) -> RedisResult<redis::Client> {
         let server = self.server.load_full();
         match &*server {
-            Server::Direct { client, .. } => Ok(client.clone()),
-            Server::Sentinel { sentinel, .. } => sentinel.lock().await.async_get_client().await,
+            Server::Direct(client) => Ok(client.clone()),
+            Server::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
         }
     }
 

@@ -72,7 +72,7 @@ use super::{
     RecordState, RecordStore, StoreError, WriteOutcome,
 };
 use crate::config::{
-    parse_sentinel_url, redact_url, RedisConfig, RedisTlsConfig, RedisTopology, ScriptsConfig,
+    parse_sentinel_url, redact_url, Pem, RedisConfig, RedisTlsConfig, RedisTopology, ScriptsConfig,
 };
 use crate::scripts::{self, SourceError, Sources};
 
@@ -329,65 +329,84 @@ fn build_backend(
 
 /// Reads the `store.redis.tls` files. The config checked them at load; reading again here
 /// reports a file that vanished since by its field. Errors name files, never their contents.
-pub fn tls_certificates(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+fn load_certificates(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
+    let certs = read_tls_files(tls)?;
+    check_certificates(tls, &certs)?;
+    Ok(certs)
+}
+
+/// The `store.redis.tls` files as they are now, unchecked.
+fn read_tls_files(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
     let read = |field: &str, path: &std::path::Path| {
         std::fs::read(path)
             .map_err(|e| SetupError::Tls(format!("{field}: cannot read {}: {e}", path.display())))
     };
-    // The same checks as the config's: a file caught half-written, or replaced by something
-    // else, is refused instead of leaving the connections with no trusted root.
-    let certificates = |field: &str, path: &std::path::Path| {
-        let bytes = read(field, path)?;
-        let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
-        if !certs.is_ok_and(|c| !c.is_empty()) {
-            return Err(SetupError::Tls(format!(
-                "{field}: {} holds no PEM certificate",
-                path.display()
-            )));
-        }
-        Ok(bytes)
-    };
     let root_cert = tls
         .ca_file
         .as_deref()
-        .map(|path| certificates("ca_file", path))
+        .map(|path| read("ca_file", path))
         .transpose()?;
     let client_tls = match (&tls.cert_file, &tls.key_file) {
-        (Some(cert), Some(key)) => {
-            let client_key = read("key_file", key)?;
-            if PrivateKeyDer::from_pem_slice(&client_key).is_err() {
-                return Err(SetupError::Tls(format!(
-                    "key_file: {} holds no PEM private key",
-                    key.display()
-                )));
-            }
-            Some(ClientTlsConfig {
-                client_cert: certificates("cert_file", cert)?,
-                client_key,
-            })
-        }
+        (Some(cert), Some(key)) => Some(ClientTlsConfig {
+            client_cert: read("cert_file", cert)?,
+            client_key: read("key_file", key)?,
+        }),
         _ => None,
     };
-    let certs = TlsCertificates {
+    Ok(TlsCertificates {
         client_tls,
         root_cert,
-    };
-    // Parse now (a throwaway client does it), so a bad file stops the start instead of
-    // failing every connection later.
+    })
+}
+
+/// The config loader's checks on files read again (one caught half-written, or replaced by
+/// something else, is refused rather than leave the connections with no trusted root), then a
+/// parse by redis-rs (a throwaway client), so a bad file fails here and not on every connection.
+fn check_certificates(tls: &RedisTlsConfig, certs: &TlsCertificates) -> Result<(), SetupError> {
+    let client = certs.client_tls.as_ref();
+    let files = [
+        (
+            "ca_file",
+            &tls.ca_file,
+            certs.root_cert.as_deref(),
+            Pem::Certificates,
+        ),
+        (
+            "cert_file",
+            &tls.cert_file,
+            client.map(|c| &c.client_cert[..]),
+            Pem::Certificates,
+        ),
+        (
+            "key_file",
+            &tls.key_file,
+            client.map(|c| &c.client_key[..]),
+            Pem::PrivateKey,
+        ),
+    ];
+    for (field, path, bytes, kind) in files {
+        if let (Some(path), Some(bytes)) = (path, bytes) {
+            if !kind.holds(bytes) {
+                return Err(SetupError::Tls(format!(
+                    "{field}: {} holds {}",
+                    path.display(),
+                    kind.missing()
+                )));
+            }
+        }
+    }
     redis::Client::build_with_tls("rediss://localhost", certs.clone())
         .map_err(|e| SetupError::Tls(e.to_string()))?;
-    Ok(certs)
+    Ok(())
 }
 
 /// Whether two readings of the `store.redis.tls` files found the same bytes.
 fn same_certificates(a: &TlsCertificates, b: &TlsCertificates) -> bool {
-    let client = |c: &TlsCertificates| {
+    fn client(c: &TlsCertificates) -> Option<(&[u8], &[u8])> {
         c.client_tls
             .as_ref()
-            .map(|t| (t.client_cert.clone(), t.client_key.clone()))
-    };
+            .map(|t| (&t.client_cert[..], &t.client_key[..]))
+    }
     a.root_cert == b.root_cert && client(a) == client(b)
 }
 
@@ -468,7 +487,7 @@ impl RedisStore {
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(100));
         let op_timeout = config.connect_timeout + 2 * config.response_timeout;
-        let certs = config.tls.as_ref().map(tls_certificates).transpose()?;
+        let certs = config.tls.as_ref().map(load_certificates).transpose()?;
 
         let backend = build_backend(config, &manager_config, op_timeout, certs.as_ref())?;
         let (active, canary) = find_sources(&config.scripts)?;
@@ -618,6 +637,11 @@ impl RedisStore {
         Ok(ScriptsApplied::Applied { loaded })
     }
 
+    /// The `store.redis.tls` files as the connections use them now (`None`: no `tls` block).
+    pub fn tls_certificates(&self) -> Option<TlsCertificates> {
+        self.tls_in_force.lock().clone()
+    }
+
     /// Whether a `store.redis.tls` block names files to watch ([`RedisStore::reload_tls`]).
     pub fn watches_tls(&self) -> bool {
         self.settings.tls.is_some()
@@ -667,7 +691,8 @@ impl RedisStore {
         let Some(tls) = &self.settings.tls else {
             return Ok(None);
         };
-        let certs = tls_certificates(tls)?;
+        // Compared as read; checked and parsed only when they changed.
+        let certs = read_tls_files(tls)?;
         let mut in_force = self.tls_in_force.lock();
         if in_force
             .as_ref()
@@ -675,6 +700,7 @@ impl RedisStore {
         {
             return Ok(None);
         }
+        check_certificates(tls, &certs)?;
         let backend = build_backend(
             &self.settings,
             &self.manager_config,
