@@ -298,16 +298,15 @@ fn record_json(
             v["state"] = "completed".into();
             v["replayable"] = true.into();
             v["status"] = r.status.into();
-            v["body_bytes"] = r.body.len().into();
+            v["body_bytes"] = r.body().len().into();
             if with_body {
                 let b64 = base64::engine::general_purpose::STANDARD;
                 v["headers"] = r
-                    .headers
-                    .iter()
+                    .headers()
                     .map(|(n, val)| serde_json::json!([n, String::from_utf8_lossy(val)]))
                     .collect::<Vec<_>>()
                     .into();
-                v["body_base64"] = b64.encode(&r.body).into();
+                v["body_base64"] = b64.encode(r.body()).into();
             }
         }
     }
@@ -635,11 +634,11 @@ routes:
         assert!(v.get("body_base64").is_none(), "nothing to show");
         assert_eq!(v["fingerprint_matches"], true, "hex compared without case");
 
-        let response = RecordState::Completed(Completion::Response(Arc::new(StoredResponse {
-            status: 200,
-            headers: vec![("x-a".into(), Bytes::from_static(b"1"))],
-            body: Bytes::from_static(b"\x00\xff"),
-        })));
+        let response = RecordState::Completed(Completion::Response(Arc::new(StoredResponse::new(
+            200,
+            vec![("x-a", Bytes::from_static(b"1"))],
+            Bytes::from_static(b"\x00\xff"),
+        ))));
         let v = record_json(&key, &record(response.clone()), false, Some("00"));
         assert_eq!(v["body_bytes"], 2);
         assert!(v.get("body_base64").is_none(), "no body unless asked");

@@ -31,7 +31,7 @@ use crate::snowflake::Snowflake;
 use crate::store::retry::{CompletionRetrier, PendingCompletion};
 use crate::store::{
     ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
-    StoreError, StoredResponse, WriteOutcome,
+    ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
 };
 use crate::upstream::{self, Backend, UpstreamError};
 use pingora::protocols::http::date::get_cached_date;
@@ -538,8 +538,16 @@ impl Gate {
         };
         let status = response.status.as_u16();
         let storable = claim.is_some() && idem.cache_statuses.contains(status);
-        let stored_headers =
-            storable.then(|| replay_headers(&response, &idem.replay_exclude_headers));
+        // The stored response is one buffer, headers then body, sized by the declared length
+        // when there is one: one allocation of its own length, what the store's capacity
+        // accounting charges.
+        let declared = exchange
+            .body_left()
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n <= idem.max_response_bytes)
+            .unwrap_or(0);
+        let mut captured =
+            storable.then(|| stored_response(&response, &idem.replay_exclude_headers, declared));
 
         let mut downstream = response;
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
@@ -552,23 +560,15 @@ impl Gate {
             held: None,
             gone: false,
         };
-        // Sized by the declared length when there is one, so the stored body is one allocation
-        // of its own length (what the store's capacity accounting charges).
-        let declared = exchange
-            .body_left()
-            .and_then(|n| usize::try_from(n).ok())
-            .filter(|&n| n <= idem.max_response_bytes)
-            .unwrap_or(0);
-        let mut captured = storable.then(|| BytesMut::with_capacity(declared));
         let mut too_large = false;
         let body_result: std::result::Result<(), UpstreamError> = async {
             while let Some(chunk) = exchange.next_chunk().await? {
                 if let Some(buf) = captured.as_mut() {
-                    if buf.len() + chunk.len() > idem.max_response_bytes {
+                    if buf.body_len() + chunk.len() > idem.max_response_bytes {
                         too_large = true;
                         captured = None;
                     } else {
-                        buf.extend_from_slice(&chunk);
+                        buf.push_body(&chunk);
                     }
                 }
                 out.push(session, chunk).await;
@@ -601,15 +601,7 @@ impl Gate {
         if let Some(claim) = &claim {
             if storable {
                 let completion = match captured {
-                    Some(body) if !too_large => Completion::Response(Arc::new(StoredResponse {
-                        status,
-                        headers: stored_headers.unwrap_or_default(),
-                        body: if body.capacity() == body.len() {
-                            body.freeze()
-                        } else {
-                            Bytes::copy_from_slice(&body)
-                        },
-                    })),
+                    Some(body) if !too_large => Completion::Response(Arc::new(body.finish())),
                     _ => Completion::Unreplayable { status },
                 };
                 self.complete(claim, completion, idem.ttl).await;
@@ -814,16 +806,16 @@ impl Gate {
         stored: &StoredResponse,
         exclude: &[HeaderName],
     ) -> Result<()> {
-        let mut resp = ResponseHeader::build(stored.status, Some(stored.headers.len() + 4))?;
-        for (name, value) in &stored.headers {
+        let mut resp = ResponseHeader::build(stored.status, Some(stored.header_count() + 4))?;
+        for (name, value) in stored.headers() {
             if is_excluded(name, exclude) {
                 continue;
             }
-            let value = HeaderValue::from_maybe_shared(value.clone())
+            let value = HeaderValue::from_bytes(value)
                 .map_err(|_| Error::explain(pingora::ErrorType::InternalError, "stored header"))?;
-            resp.append_header(name.clone(), value)?;
+            resp.append_header(name.to_owned(), value)?;
         }
-        resp.insert_header(header::CONTENT_LENGTH, stored.body.len())?;
+        resp.insert_header(header::CONTENT_LENGTH, stored.body().len())?;
         resp.insert_header(header::DATE, get_cached_date())?;
         resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
         resp.insert_header(REPLAYED_HEADER, "true")?;
@@ -832,7 +824,7 @@ impl Gate {
         let body = if head_only {
             Bytes::new()
         } else {
-            stored.body.clone()
+            stored.body_bytes()
         };
         session.write_response_body(Some(body), true).await?;
         Ok(())
@@ -928,33 +920,37 @@ fn is_standard_method_in_other_case(method: &http::Method) -> bool {
     m.bytes().any(|b| b.is_ascii_lowercase()) && STANDARD.iter().any(|s| s.eq_ignore_ascii_case(m))
 }
 
-/// The end-to-end headers of a response as stored for replay: no hop-by-hop headers (the
+/// Starts the stored copy of a response, ready for its body (`body_hint` bytes expected). Only
+/// end-to-end headers are kept, in the order received: no hop-by-hop headers (the
 /// listed ones, those `Connection` names, and every `Proxy-*` header: they describe one hop or
 /// one intermediary's handling of the original message, which a replay is not), no framing
 /// (`Content-Length` is set at replay), no `Date` (a replay is a new message), and none of
 /// `replay_exclude_headers`.
-fn replay_headers(resp: &ResponseHeader, exclude: &[HeaderName]) -> Vec<(String, Bytes)> {
+fn stored_response(
+    resp: &ResponseHeader,
+    exclude: &[HeaderName],
+    body_hint: usize,
+) -> ResponseBuilder {
     let connection_named = upstream::connection_tokens(resp.headers.get_all(header::CONNECTION));
-    let mut headers: Vec<(String, Bytes)> = resp
-        .headers
-        .iter()
-        .filter(|(name, _)| {
+    let kept = || {
+        resp.headers.iter().filter(|(name, _)| {
             is_replayable(name.as_str(), exclude)
                 && !connection_named
                     .iter()
                     .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
         })
-        .map(|(name, value)| {
-            (
-                name.as_str().to_owned(),
-                Bytes::copy_from_slice(value.as_bytes()),
-            )
-        })
-        .collect();
-    // The list lives as long as the record: no spare slots (the store's capacity is charged
-    // by capacity, see `StoredResponse::size_bytes`).
-    headers.shrink_to_fit();
-    headers
+    };
+    let header_bytes: usize = kept()
+        .map(|(n, v)| ResponseBuilder::header_size(n.as_str(), v.as_bytes()))
+        .sum();
+    let mut builder = ResponseBuilder::with_capacity(
+        resp.status.as_u16(),
+        header_bytes.saturating_add(body_hint),
+    );
+    for (name, value) in kept() {
+        builder.push_header(name.as_str(), value.as_bytes());
+    }
+    builder
 }
 
 /// Whether a response header (lower-case name) may be stored and replayed: not hop-by-hop (see
@@ -1120,7 +1116,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn replay_headers_drop_hop_by_hop_framing_date_and_excluded() {
+    fn stored_response_drops_hop_by_hop_framing_date_and_excluded() {
         let mut resp = ResponseHeader::build(201, None).unwrap();
         resp.append_header("content-type", "application/json")
             .unwrap();
@@ -1138,11 +1134,20 @@ mod tests {
         resp.append_header("proxy-status", "gw; error=none")
             .unwrap();
         resp.append_header("x-order", "b").unwrap();
-        let kept = replay_headers(&resp, &[HeaderName::from_static("set-cookie")]);
-        let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["content-type", "x-order", "x-order"]);
-        assert_eq!(kept[2].1, Bytes::from_static(b"b"));
-        assert_eq!(kept.capacity(), kept.len(), "no spare slots are stored");
+        let mut builder = stored_response(&resp, &[HeaderName::from_static("set-cookie")], 2);
+        builder.push_body(b"ok");
+        let kept = builder.finish();
+        let headers: Vec<(&str, &[u8])> = kept.headers().collect();
+        assert_eq!(
+            headers,
+            [
+                ("content-type", &b"application/json"[..]),
+                ("x-order", b"a"),
+                ("x-order", b"b")
+            ]
+        );
+        assert_eq!(kept.status, 201);
+        assert_eq!(kept.body(), b"ok");
     }
 
     #[test]

@@ -57,9 +57,9 @@ fn request(n: u32) -> ClaimRequest {
 
 /// A typical small API answer, built the way the proxy stores one.
 fn response(body_len: usize) -> Completion {
-    Completion::Response(Arc::new(StoredResponse {
-        status: 201,
-        headers: vec![
+    Completion::Response(Arc::new(StoredResponse::new(
+        201,
+        vec![
             (
                 "content-type".to_owned(),
                 Bytes::copy_from_slice(b"application/json"),
@@ -69,8 +69,8 @@ fn response(body_len: usize) -> Completion {
                 Bytes::copy_from_slice(b"7f3a9c1e-5b2d-4e8f"),
             ),
         ],
-        body: Bytes::copy_from_slice(&vec![b'x'; body_len]),
-    }))
+        Bytes::copy_from_slice(&vec![b'x'; body_len]),
+    )))
 }
 
 #[tokio::test(flavor = "current_thread")]

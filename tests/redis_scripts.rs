@@ -122,11 +122,11 @@ fn claim_request(key: &RecordKey) -> ClaimRequest {
 }
 
 fn response() -> Completion {
-    Completion::Response(Arc::new(StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: bytes::Bytes::from_static(b"done"),
-    }))
+    Completion::Response(Arc::new(StoredResponse::new(
+        201,
+        StoredResponse::NO_HEADERS,
+        b"done",
+    )))
 }
 
 fn hget(server: &RedisServer, key: &str, field: &str) -> Option<String> {

@@ -56,11 +56,11 @@ fn claim_request(key: &RecordKey) -> ClaimRequest {
 }
 
 fn response(body: &[u8]) -> Completion {
-    Completion::Response(Arc::new(StoredResponse {
-        status: 201,
-        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
-        body: Bytes::copy_from_slice(body),
-    }))
+    Completion::Response(Arc::new(StoredResponse::new(
+        201,
+        vec![("content-type", Bytes::from_static(b"text/plain"))],
+        Bytes::copy_from_slice(body),
+    )))
 }
 
 /// Claims `key` and completes it with `body`; returns the claim.
@@ -170,19 +170,19 @@ async fn stored_encoding_round_trips_binary_bodies_and_header_order() {
     let req = claim_request(&key);
     store.claim(&req).await.expect("claim");
     let body: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
-    let stored = StoredResponse {
-        status: 207,
-        headers: vec![
-            ("x-z".into(), Bytes::from_static(b"1")),
+    let stored = StoredResponse::new(
+        207,
+        vec![
+            ("x-z", Bytes::from_static(b"1")),
             (
-                "content-type".into(),
+                "content-type",
                 Bytes::from_static(b"application/octet-stream"),
             ),
-            ("x-a".into(), Bytes::from_static(b"\x00\xFF\r\n")),
-            ("x-z".into(), Bytes::from_static(b"2")),
+            ("x-a", Bytes::from_static(b"\x00\xFF\r\n")),
+            ("x-z", Bytes::from_static(b"2")),
         ],
-        body: Bytes::from(body),
-    };
+        Bytes::from(body),
+    );
     let completion = Completion::Response(Arc::new(stored));
     assert_eq!(
         store

@@ -400,14 +400,11 @@ mod tests {
     }
 
     fn response(body: &'static [u8]) -> Completion {
-        Completion::Response(Arc::new(StoredResponse {
-            status: 201,
-            headers: vec![(
-                "content-type".into(),
-                Bytes::from_static(b"application/json"),
-            )],
-            body: Bytes::from_static(body),
-        }))
+        Completion::Response(Arc::new(StoredResponse::new(
+            201,
+            vec![("content-type", Bytes::from_static(b"application/json"))],
+            Bytes::from_static(body),
+        )))
     }
 
     #[tokio::test]

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{Completion, StoreError, StoredResponse};
+use super::{Completion, ResponseBuilder, StoreError, StoredResponse};
 
 /// The only encoding version this build writes and reads.
 pub const VERSION: u8 = 1;
@@ -50,16 +50,17 @@ pub fn encode_response(response: &StoredResponse) -> Vec<u8> {
     out.push(VERSION);
     out.push(KIND_RESPONSE);
     out.extend_from_slice(&response.status.to_be_bytes());
-    put_varint(&mut out, response.headers.len() as u64);
-    for (name, value) in &response.headers {
+    put_varint(&mut out, response.header_count() as u64);
+    for (name, value) in response.headers() {
         put_bytes(&mut out, name.as_bytes());
         put_bytes(&mut out, value);
     }
-    put_bytes(&mut out, &response.body);
+    put_bytes(&mut out, response.body());
     out
 }
 
-/// Decodes what [`encode`] wrote. Header values and the body share `bytes`' buffer.
+/// Decodes what [`encode`] wrote into a stored response of its own (one buffer, see
+/// [`ResponseBuilder`]).
 ///
 /// Returns [`StoreError::Corrupt`] with the reason for anything else: empty input, an unknown
 /// version or kind, a truncated or overlong field, a header name that is not UTF-8, trailing
@@ -81,21 +82,28 @@ pub fn decode(bytes: &Bytes) -> Result<Completion, StoreError> {
             if count > (reader.remaining() / 2) as u64 {
                 return Err(corrupt(format!("header count {count} exceeds the record")));
             }
-            let mut headers = Vec::with_capacity(count as usize);
+            // Two passes over the headers: the first checks them and sizes the stored
+            // response's one buffer, the second copies them in.
+            let headers_at = reader.pos;
+            let mut header_bytes = 0usize;
             for _ in 0..count {
-                let name = reader.slice("header name")?;
-                let name = std::str::from_utf8(&name)
-                    .map_err(|_| corrupt("header name is not UTF-8"))?
-                    .to_owned();
-                let value = reader.slice("header value")?;
-                headers.push((name, value));
+                let name = utf8(reader.field("header name")?)?;
+                let value = reader.field("header value")?;
+                header_bytes += ResponseBuilder::header_size(name, value);
             }
-            let body = reader.slice("body")?;
-            Completion::Response(Arc::new(StoredResponse {
-                status,
-                headers,
-                body,
-            }))
+            let body = reader.field("body")?;
+            let mut builder =
+                ResponseBuilder::with_capacity(status, header_bytes.saturating_add(body.len()));
+            let mut again = Reader {
+                bytes,
+                pos: headers_at,
+            };
+            for _ in 0..count {
+                let name = utf8(again.field("header name")?)?;
+                builder.push_header(name, again.field("header value")?);
+            }
+            builder.push_body(body);
+            Completion::Response(Arc::new(builder.finish()))
         }
         other => return Err(corrupt(format!("unknown completion kind {other}"))),
     };
@@ -106,6 +114,10 @@ pub fn decode(bytes: &Bytes) -> Result<Completion, StoreError> {
         )));
     }
     Ok(completion)
+}
+
+fn utf8(name: &[u8]) -> Result<&str, StoreError> {
+    std::str::from_utf8(name).map_err(|_| corrupt("header name is not UTF-8"))
 }
 
 fn corrupt(reason: impl Into<String>) -> StoreError {
@@ -131,7 +143,7 @@ struct Reader<'a> {
     pos: usize,
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
     fn remaining(&self) -> usize {
         self.bytes.len().saturating_sub(self.pos)
     }
@@ -169,7 +181,7 @@ impl Reader<'_> {
     }
 
     /// A length-prefixed field, as a slice of the shared buffer.
-    fn slice(&mut self, what: &str) -> Result<Bytes, StoreError> {
+    fn field(&mut self, what: &str) -> Result<&'a [u8], StoreError> {
         let len = self.varint(what)?;
         if len > self.remaining() as u64 {
             return Err(corrupt(format!(
@@ -179,7 +191,7 @@ impl Reader<'_> {
         }
         // `len` fits in the remaining length, hence in usize, and `end` in the buffer.
         let end = self.pos + len as usize;
-        let field = self.bytes.slice(self.pos..end);
+        let field = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(field)
     }
@@ -192,21 +204,18 @@ mod tests {
     use super::*;
 
     fn sample() -> StoredResponse {
-        StoredResponse {
-            status: 201,
-            headers: vec![
-                ("x-zeta".into(), Bytes::from_static(b"z")),
-                (
-                    "content-type".into(),
-                    Bytes::from_static(b"application/json"),
-                ),
-                ("x-multi".into(), Bytes::from_static(b"one")),
-                ("x-empty".into(), Bytes::new()),
-                ("x-multi".into(), Bytes::from_static(b"two")),
-                ("x-bin".into(), Bytes::from_static(b"\x00\xFF\x80\r\n")),
+        StoredResponse::new(
+            201,
+            vec![
+                ("x-zeta", Bytes::from_static(b"z")),
+                ("content-type", Bytes::from_static(b"application/json")),
+                ("x-multi", Bytes::from_static(b"one")),
+                ("x-empty", Bytes::new()),
+                ("x-multi", Bytes::from_static(b"two")),
+                ("x-bin", Bytes::from_static(b"\x00\xFF\x80\r\n")),
             ],
-            body: Bytes::from((0..=255u8).cycle().take(1000).collect::<Vec<_>>()),
-        }
+            Bytes::from((0..=255u8).cycle().take(1000).collect::<Vec<_>>()),
+        )
     }
 
     fn round_trip(completion: &Completion) -> Completion {
@@ -217,16 +226,12 @@ mod tests {
     fn responses_round_trip_byte_exact() {
         let cases = [
             sample(),
-            StoredResponse {
-                status: 204,
-                headers: vec![],
-                body: Bytes::new(),
-            },
-            StoredResponse {
-                status: 599,
-                headers: vec![("a".repeat(300), Bytes::from(vec![7u8; 70_000]))],
-                body: Bytes::from(vec![0u8; 200_000]),
-            },
+            StoredResponse::new(204, StoredResponse::NO_HEADERS, b""),
+            StoredResponse::new(
+                599,
+                vec![("a".repeat(300), Bytes::from(vec![7u8; 70_000]))],
+                Bytes::from(vec![0u8; 200_000]),
+            ),
         ];
         for response in cases {
             let completion = Completion::Response(Arc::new(response));
@@ -247,11 +252,10 @@ mod tests {
     fn encoding_is_compact() {
         let response = sample();
         let payload: usize = response
-            .headers
-            .iter()
+            .headers()
             .map(|(n, v)| n.len() + v.len())
             .sum::<usize>()
-            + response.body.len();
+            + response.body().len();
         // Version, kind, status, a varint per length: a few bytes per header on top.
         let overhead = encode_response(&response).len() - payload;
         assert!(overhead <= 4 + 1 + 6 * 2 + 2, "overhead {overhead} bytes");

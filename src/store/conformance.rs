@@ -139,31 +139,27 @@ pub async fn case_completed_response_replays_byte_exact<S: RecordStore>(store: &
         .chain((0..=255u8).rev())
         .collect();
     let responses = [
-        StoredResponse {
-            status: 201,
-            headers: vec![
-                ("x-zeta".into(), Bytes::from_static(b"last-alphabetically")),
+        StoredResponse::new(
+            201,
+            vec![
+                ("x-zeta", Bytes::from_static(b"last-alphabetically")),
                 (
-                    "content-type".into(),
+                    "content-type",
                     Bytes::from_static(b"application/octet-stream"),
                 ),
-                ("x-multi".into(), Bytes::from_static(b"one")),
-                ("x-alpha".into(), Bytes::from_static(b"")),
-                ("x-multi".into(), Bytes::from_static(b"two")),
-                ("x-bytes".into(), Bytes::from_static(b"\x80\xFFopaque\t ")),
+                ("x-multi", Bytes::from_static(b"one")),
+                ("x-alpha", Bytes::from_static(b"")),
+                ("x-multi", Bytes::from_static(b"two")),
+                ("x-bytes", Bytes::from_static(b"\x80\xFFopaque\t ")),
             ],
-            body: Bytes::from(binary_body),
-        },
-        StoredResponse {
-            status: 204,
-            headers: Vec::new(),
-            body: Bytes::new(),
-        },
-        StoredResponse {
-            status: 404,
-            headers: vec![("content-length".into(), Bytes::from_static(b"0"))],
-            body: Bytes::new(),
-        },
+            Bytes::from(binary_body),
+        ),
+        StoredResponse::new(204, StoredResponse::NO_HEADERS, b""),
+        StoredResponse::new(
+            404,
+            vec![("content-length", Bytes::from_static(b"0"))],
+            Bytes::new(),
+        ),
     ];
     for response in responses {
         let key = fresh_key();
@@ -706,11 +702,7 @@ fn request(key: &RecordKey, fingerprint: Digest) -> ClaimRequest {
 }
 
 fn simple_response(status: u16, body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status,
-        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
-        body: Bytes::from_static(body),
-    }
+    StoredResponse::new(status, [("content-type", "text/plain")], body)
 }
 
 #[track_caller]

@@ -34,11 +34,22 @@ use super::{
 ///
 /// - the map slot (key and entry) plus its control byte, times 16/7: a hash table that has just
 ///   doubled holds 7/16 of its slots filled, the worst case between two doublings;
-/// - the tenant string, charged at the longest tenant allowed (128 bytes).
+/// - the tenant string (`tenant_len` bytes), rounded up to the next 16 bytes, at least 16: the
+///   allocator's size class for it.
 ///
 /// A stored response is charged on top, by [`super::StoredResponse::size_bytes`].
-pub const ENTRY_OVERHEAD_BYTES: usize =
-    (std::mem::size_of::<MapKey>() + std::mem::size_of::<Entry>() + 1) * 16 / 7 + 128;
+pub const fn record_overhead(tenant_len: usize) -> usize {
+    let tenant = if tenant_len == 0 {
+        16
+    } else {
+        tenant_len.next_multiple_of(16)
+    };
+    SLOT_BYTES + tenant
+}
+
+/// The map slot part of [`record_overhead`].
+const SLOT_BYTES: usize =
+    (std::mem::size_of::<MapKey>() + std::mem::size_of::<Entry>() + 1) * 16 / 7;
 
 /// Upper bound on the shard count; more shards than this only waste memory.
 const MAX_SHARDS: usize = 1 << 16;
@@ -110,7 +121,7 @@ enum Attempt<T> {
 // === impl MemoryStore ===
 
 impl MemoryStore {
-    /// A store holding at most `capacity_bytes` (see [`ENTRY_OVERHEAD_BYTES`] and
+    /// A store holding at most `capacity_bytes` (see [`record_overhead`] and
     /// [`super::StoredResponse::size_bytes`] for what counts), split over `shards` shards rounded
     /// up to a power of two (at least 1).
     pub fn new(capacity_bytes: usize, shards: usize) -> Self {
@@ -252,10 +263,14 @@ impl MemoryStore {
         if let Some(entry) = map.get_mut(&req.key as &dyn KeyView) {
             return Attempt::Done(entry.claim_existing(req, now));
         }
-        if !self.try_charge(ENTRY_OVERHEAD_BYTES) {
+        let charge = record_overhead(req.key.tenant.len());
+        if !self.try_charge(charge) {
             return Attempt::NeedRoom;
         }
-        map.insert(MapKey::from(&req.key), Entry::new_in_flight(req, now));
+        map.insert(
+            MapKey::from(&req.key),
+            Entry::new_in_flight(req, now, charge),
+        );
         self.records.fetch_add(1, Ordering::Relaxed);
         Attempt::Done(ClaimOutcome::Acquired {
             execution_id: req.execution_id,
@@ -454,7 +469,7 @@ impl fmt::Debug for MemoryStore {
 // === impl Entry ===
 
 impl Entry {
-    fn new_in_flight(req: &ClaimRequest, now: Instant) -> Self {
+    fn new_in_flight(req: &ClaimRequest, now: Instant, charged: usize) -> Self {
         Entry {
             fingerprint: req.fingerprint,
             execution_id: req.execution_id,
@@ -464,7 +479,7 @@ impl Entry {
             },
             // A record must outlive its lock, or it could vanish while its owner still executes.
             expires_at: deadline(now, req.ttl.max(req.lock_ttl)),
-            charged: ENTRY_OVERHEAD_BYTES,
+            charged,
             notify: None,
         }
     }
@@ -651,6 +666,9 @@ mod tests {
 
     const SECOND: Duration = Duration::from_secs(1);
 
+    /// What a record of [`key`] is charged before any response.
+    const CHARGE: usize = record_overhead(1);
+
     fn key(n: u8) -> RecordKey {
         let mut hash = [0u8; 32];
         // Vary the first byte so keys spread over shards, and the last so they differ anyway.
@@ -674,11 +692,11 @@ mod tests {
     }
 
     fn response(body_len: usize) -> Completion {
-        Completion::Response(Arc::new(StoredResponse {
-            status: 201,
-            headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
-            body: Bytes::from(vec![b'x'; body_len]),
-        }))
+        Completion::Response(Arc::new(StoredResponse::new(
+            201,
+            vec![("content-type", Bytes::from_static(b"text/plain"))],
+            Bytes::from(vec![b'x'; body_len]),
+        )))
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -696,7 +714,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn full_store_refuses_and_keeps_live_records() {
-        let store = MemoryStore::new(3 * ENTRY_OVERHEAD_BYTES, 4);
+        let store = MemoryStore::new(3 * CHARGE, 4);
         let keys: Vec<_> = (1..=3).map(key).collect();
         for k in &keys {
             let outcome = store.claim(&claim_req(k, 60 * SECOND)).await.unwrap();
@@ -705,8 +723,8 @@ mod tests {
         let err = store.claim(&claim_req(&key(4), 60 * SECOND)).await;
         match err {
             Err(StoreError::Full { used, capacity }) => {
-                assert_eq!(used, 3 * ENTRY_OVERHEAD_BYTES);
-                assert_eq!(capacity, 3 * ENTRY_OVERHEAD_BYTES);
+                assert_eq!(used, 3 * CHARGE);
+                assert_eq!(capacity, 3 * CHARGE);
             }
             other => panic!("expected Full, got {other:?}"),
         }
@@ -721,12 +739,12 @@ mod tests {
         assert!(matches!(again, ClaimOutcome::Existing(_)));
         let usage = store.usage().unwrap();
         assert_eq!(usage.records, 3);
-        assert_eq!(usage.bytes, 3 * ENTRY_OVERHEAD_BYTES);
+        assert_eq!(usage.bytes, 3 * CHARGE);
     }
 
     #[tokio::test(start_paused = true)]
     async fn full_store_sweeps_expired_records_to_make_room() {
-        let store = MemoryStore::new(3 * ENTRY_OVERHEAD_BYTES, 4);
+        let store = MemoryStore::new(3 * CHARGE, 4);
         store.claim(&claim_req(&key(1), 5 * SECOND)).await.unwrap();
         store.claim(&claim_req(&key(2), 60 * SECOND)).await.unwrap();
         store.claim(&claim_req(&key(3), 60 * SECOND)).await.unwrap();
@@ -802,7 +820,7 @@ mod tests {
         tokio::time::sleep(10 * SECOND).await;
         let usage = store.usage().unwrap();
         assert_eq!(usage.records, 1);
-        assert_eq!(usage.bytes, ENTRY_OVERHEAD_BYTES);
+        assert_eq!(usage.bytes, CHARGE);
         drop(store);
         tokio::time::timeout(5 * SECOND, sweeper)
             .await
@@ -812,7 +830,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn response_larger_than_capacity_is_kept_unreplayable() {
-        let store = MemoryStore::new(4 * ENTRY_OVERHEAD_BYTES, 1);
+        let store = MemoryStore::new(4 * CHARGE, 1);
         let k = key(1);
         let req = claim_req(&k, 60 * SECOND);
         store.claim(&req).await.unwrap();
@@ -826,12 +844,12 @@ mod tests {
             record.state,
             RecordState::Completed(Completion::Unreplayable { status: 201 })
         );
-        assert_eq!(store.usage().unwrap().bytes, ENTRY_OVERHEAD_BYTES);
+        assert_eq!(store.usage().unwrap().bytes, CHARGE);
     }
 
     #[tokio::test(start_paused = true)]
     async fn response_that_fits_after_a_sweep_is_stored() {
-        let store = MemoryStore::new(4 * ENTRY_OVERHEAD_BYTES, 2);
+        let store = MemoryStore::new(4 * CHARGE, 2);
         // Fill the store with short-lived records, then complete one long-lived record.
         for n in 2..=4 {
             store.claim(&claim_req(&key(n), 5 * SECOND)).await.unwrap();
@@ -860,7 +878,7 @@ mod tests {
             .complete(&k, req.owner, response(500), 60 * SECOND)
             .await
             .unwrap();
-        assert!(store.usage().unwrap().bytes > ENTRY_OVERHEAD_BYTES + 500);
+        assert!(store.usage().unwrap().bytes > CHARGE + 500);
         assert!(store.delete(&k).await.unwrap());
         assert_eq!(store.usage().unwrap().bytes, 0);
         assert_eq!(store.usage().unwrap().records, 0);

@@ -22,6 +22,7 @@ pub mod faulty;
 pub mod memory;
 pub mod purge;
 pub mod redis;
+pub mod response;
 pub mod retry;
 pub mod script_set;
 
@@ -29,10 +30,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 
 pub use self::memory::MemoryStore;
 pub use self::redis::{RedisStore, Scripts};
+pub use self::response::{ResponseBuilder, StoredResponse};
 
 /// SHA-256 digest used for record ids and fingerprints.
 pub type Digest = [u8; 32];
@@ -72,36 +73,6 @@ pub struct ClaimRequest {
     pub lock_ttl: Duration,
     /// How long the record (in any state) is kept once created or released.
     pub ttl: Duration,
-}
-
-/// A response as stored for replay: status, end-to-end headers and body, byte for byte.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredResponse {
-    /// HTTP status code.
-    pub status: u16,
-    /// Header names (lower-case) and raw values, in the order the backend sent them.
-    pub headers: Vec<(String, Bytes)>,
-    /// The whole response body.
-    pub body: Bytes,
-}
-
-impl StoredResponse {
-    /// Heap the response occupies, for capacity accounting: its shared allocation, the header
-    /// list (by capacity), each name (by capacity) and value, and the body. Bodies and header
-    /// values are held in allocations of their own length (see `Gate::execute`).
-    pub fn size_bytes(&self) -> usize {
-        // The `Arc` around a stored response: two counters and the response itself.
-        const SHARED: usize =
-            2 * std::mem::size_of::<usize>() + std::mem::size_of::<StoredResponse>();
-        self.body.len()
-            + self.headers.capacity() * std::mem::size_of::<(String, Bytes)>()
-            + self
-                .headers
-                .iter()
-                .map(|(n, v)| n.capacity() + v.len())
-                .sum::<usize>()
-            + SHARED
-    }
 }
 
 /// How an execution ended, as written by `complete`.

@@ -337,8 +337,8 @@ pub fn dead_letter_line(job: &PendingCompletion, attempts: u32, reason: &str) ->
     let response = match &job.completion {
         Completion::Response(r) => serde_json::json!({
             "status": r.status,
-            "headers": r.headers.iter().map(|(n, v)| serde_json::json!([n, b64.encode(v)])).collect::<Vec<_>>(),
-            "body_base64": b64.encode(&r.body),
+            "headers": r.headers().map(|(n, v)| serde_json::json!([n, b64.encode(v)])).collect::<Vec<_>>(),
+            "body_base64": b64.encode(r.body()),
         }),
         Completion::Unreplayable { status } => {
             serde_json::json!({ "status": status, "unreplayable": true })
@@ -393,11 +393,11 @@ mod tests {
         PendingCompletion {
             key: req.key,
             owner: req.owner,
-            completion: Completion::Response(Arc::new(StoredResponse {
-                status: 201,
-                headers: vec![("x".into(), Bytes::from_static(b"1"))],
-                body: Bytes::from_static(b"\x00\xffbody"),
-            })),
+            completion: Completion::Response(Arc::new(StoredResponse::new(
+                201,
+                vec![("x", Bytes::from_static(b"1"))],
+                Bytes::from_static(b"\x00\xffbody"),
+            ))),
             ttl: req.ttl,
             execution_id: 42,
             // Lapsed already: only the attempt budget keeps it (tests that need a live lock
