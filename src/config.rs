@@ -1398,6 +1398,29 @@ impl Pem {
         }
     }
 
+    /// Whether `key` (PEM) is the private key of the first certificate in `cert` (PEM): an
+    /// error saying why not, or `Ok` also when the key type cannot be compared. Redis would
+    /// otherwise refuse every handshake made with the pair, with nothing in idemgate's logs to
+    /// say which file is wrong.
+    pub fn key_pair(cert: &[u8], key: &[u8]) -> Result<(), String> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let chain = CertificateDer::pem_slice_iter(cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| Pem::Certificates.missing().to_owned())?;
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|_| Pem::PrivateKey.missing())?;
+        let provider = rustls::crypto::ring::default_provider();
+        match rustls::sign::CertifiedKey::from_der(chain, key, &provider) {
+            Ok(_) => Ok(()),
+            Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => {
+                Err("is not the private key of the certificate in cert_file".to_owned())
+            }
+            Err(e) => Err(format!(
+                "cannot be used with the certificate in cert_file: {e}"
+            )),
+        }
+    }
+
     /// What a file without it holds, for messages.
     pub fn missing(self) -> &'static str {
         match self {
@@ -1425,6 +1448,20 @@ impl FileRedisTls {
                 "store.redis.tls.cert_file",
                 "is required with key_file (the client certificate)",
             )),
+            (Some(cert), Some(key)) => {
+                let read = |path: &Path| std::fs::read(path).unwrap_or_default();
+                Pem::key_pair(&read(cert), &read(key)).map_err(|why| {
+                    invalid(
+                        "store.redis.tls.key_file",
+                        format!("{} {why} ({})", key.display(), cert.display()),
+                    )
+                })?;
+                Ok(RedisTlsConfig {
+                    ca_file,
+                    cert_file,
+                    key_file,
+                })
+            }
             _ => Ok(RedisTlsConfig {
                 ca_file,
                 cert_file,
@@ -3022,6 +3059,26 @@ routes:
             ),
             "store.redis.tls.cert_file",
         );
+        // A key that is not the certificate's: refused at load, naming both files.
+        let other_key = FIXTURE_KEY.replace("key.pem", "other-key.pem");
+        let mismatch = assert_field(
+            &with_tls(
+                "rediss://cache",
+                &format!("{{cert_file: \"{FIXTURE_CERT}\", key_file: \"{other_key}\"}}"),
+            ),
+            "store.redis.tls.key_file",
+        );
+        assert!(
+            mismatch.contains("is not the private key of the certificate")
+                && mismatch.contains("other-key.pem")
+                && mismatch.contains("cert.pem"),
+            "{mismatch}"
+        );
+        assert!(Pem::key_pair(
+            &std::fs::read(FIXTURE_CERT).unwrap(),
+            &std::fs::read(FIXTURE_KEY).unwrap()
+        )
+        .is_ok());
         // There is no switch to skip verification.
         let err = load_err(&with_tls("rediss://cache", "{insecure_skip_verify: true}"));
         assert!(err.to_string().contains("insecure_skip_verify"), "{err}");

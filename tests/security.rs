@@ -14,6 +14,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1152,4 +1153,79 @@ async fn the_log_cap_never_raises_a_level() {
             "a line below info at IDEMGATE_LOG=info: {line}"
         );
     }
+}
+
+/// A client certificate and its key replaced one file at a time (not the atomic swap of a
+/// Kubernetes Secret volume): the reading that finds the new certificate beside the old key
+/// refuses the pair without reporting it, and the next, with both new files, takes them.
+/// A mismatch that stays is reported once.
+#[tokio::test]
+async fn a_client_certificate_and_key_replaced_one_at_a_time_are_taken_together() {
+    use idemgate::config::{RedisConfig, RedisTlsConfig, RedisTopology, ScriptsConfig};
+    use idemgate::store::{RecordStore, RedisStore};
+
+    let old = Pki::generate("old");
+    let new = Pki::generate("new");
+    let mut redis = TlsRedis::start(&old, "yes");
+    let dir = tempfile::tempdir().expect("tls dir");
+    let (ca, cert, key) = (
+        dir.path().join("ca.pem"),
+        dir.path().join("client.pem"),
+        dir.path().join("client.key"),
+    );
+    // Files swapped in by rename, each one whole: only their order is in question here.
+    let put = |from: PathBuf, to: &PathBuf| {
+        let tmp = to.with_extension("tmp");
+        std::fs::copy(from, &tmp).expect("copy");
+        std::fs::rename(&tmp, to).expect("swap");
+    };
+    put(old.ca(), &ca);
+    put(old.path("client.pem"), &cert);
+    put(old.path("client.key"), &key);
+    let config = RedisConfig {
+        urls: vec![redis.url()],
+        topology: RedisTopology::Single,
+        connect_timeout: Duration::from_millis(500),
+        response_timeout: Duration::from_secs(1),
+        key_prefix: "idemgate".into(),
+        scripts: ScriptsConfig::default(),
+        tls: Some(RedisTlsConfig {
+            ca_file: Some(ca.clone()),
+            cert_file: Some(cert.clone()),
+            key_file: Some(key.clone()),
+        }),
+    };
+    let store = RedisStore::new(&config).expect("store");
+    store.ping().await.expect("mutual TLS with the old files");
+
+    redis.rotate(&new);
+    assert!(store.ping().await.is_err(), "the old files no longer do");
+    put(new.ca(), &ca);
+    put(new.path("client.pem"), &cert);
+    // The new certificate beside the old key: refused, not (yet) reported.
+    assert!(store.reload_tls().is_none());
+    assert_eq!(store.tls_reload_failures(), 0);
+    assert_eq!(store.tls_reloads(), 0);
+    put(new.path("client.key"), &key);
+    assert!(store.reload_tls().is_some(), "the whole new pair is taken");
+    assert_eq!((store.tls_reloads(), store.tls_reload_failures()), (1, 0));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = store.ping().await {
+        assert!(
+            Instant::now() < deadline,
+            "no mutual TLS with the new files: {e}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A key that stays wrong is reported, once, by the second reading that finds it.
+    put(old.path("client.key"), &key);
+    assert!(store.reload_tls().is_none());
+    assert_eq!(store.tls_reload_failures(), 0);
+    assert!(store.reload_tls().is_none());
+    assert!(store.reload_tls().is_none());
+    assert_eq!(store.tls_reload_failures(), 1);
+    // Nothing was swapped: the connections still use the matching pair.
+    store.ping().await.expect("the pair in force still works");
+    assert_eq!(store.tls_reloads(), 1);
 }

@@ -162,8 +162,9 @@ pub struct RedisStore {
     manager_config: ConnectionManagerConfig,
     /// The `store.redis.tls` files as the backend in force read them.
     tls_in_force: parking_lot::Mutex<Option<TlsCertificates>>,
-    /// Why the last changed files were refused, so one bad rotation counts and logs once.
-    tls_refused: parking_lot::Mutex<Option<String>>,
+    /// Why the last reading of changed files was refused, and whether that was reported: one
+    /// bad rotation counts and logs once, and only when two readings in a row find it.
+    tls_refused: parking_lot::Mutex<Option<(String, bool)>>,
     tls_reloads: AtomicU64,
     tls_reload_failures: AtomicU64,
     /// The versions in force; swapped whole.
@@ -394,6 +395,15 @@ fn check_certificates(tls: &RedisTlsConfig, certs: &TlsCertificates) -> Result<(
                 )));
             }
         }
+    }
+    if let (Some(client), Some(cert), Some(key)) = (client, &tls.cert_file, &tls.key_file) {
+        Pem::key_pair(&client.client_cert, &client.client_key).map_err(|why| {
+            SetupError::Tls(format!(
+                "key_file: {} {why} ({})",
+                key.display(),
+                cert.display()
+            ))
+        })?;
     }
     redis::Client::build_with_tls("rediss://localhost", certs.clone())
         .map_err(|e| SetupError::Tls(e.to_string()))?;
@@ -652,7 +662,7 @@ impl RedisStore {
     /// finish on the connections they started on; the next calls connect with the new files.
     /// Returns the certificates now in force when it swapped, `None` when nothing changed (or
     /// no `tls` block is set). Files that cannot be read or parsed leave everything as it was;
-    /// each distinct refusal is logged and counted once.
+    /// each distinct refusal is logged and counted once, when two readings in a row find it.
     pub fn reload_tls(&self) -> Option<TlsCertificates> {
         let outcome = self.try_reload_tls();
         let mut refused = self.tls_refused.lock();
@@ -666,11 +676,19 @@ impl RedisStore {
                 swapped
             }
             Err(e) => {
+                // Reported when the next reading still finds the same fault: a file caught
+                // half-written, or a certificate whose new key is not written yet (files
+                // replaced one at a time), is no fault once the writer is done.
                 let message = e.to_string();
-                if refused.as_deref() != Some(message.as_str()) {
-                    self.tls_reload_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(error = %message, "store.redis.tls files changed but cannot be used; Redis connections keep the previous ones");
-                    *refused = Some(message);
+                match refused.as_mut() {
+                    Some((seen, reported)) if *seen == message => {
+                        if !*reported {
+                            *reported = true;
+                            self.tls_reload_failures.fetch_add(1, Ordering::Relaxed);
+                            tracing::error!(error = %message, "store.redis.tls files changed but cannot be used; Redis connections keep the previous ones");
+                        }
+                    }
+                    _ => *refused = Some((message, false)),
                 }
                 None
             }
