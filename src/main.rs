@@ -75,7 +75,21 @@ fn init_logging() {
     }
 }
 
+/// Turns transparent huge pages off for this process. mimalloc asks for them on its arenas, and
+/// under the kernel's default `defrag` setting (`madvise`) the first touch of such memory may
+/// compact memory synchronously: a growing embedded store stalled the worker for milliseconds
+/// (keyed-miss p99 6.4–7.0 ms with them, 2.0–3.0 ms without, at the same throughput and CPU per
+/// request). A kernel without the call (before 3.15) keeps them; nothing else changes.
+fn no_transparent_huge_pages() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_THP_DISABLE takes plain integers and reads or writes no memory of ours.
+    unsafe {
+        libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+    }
+}
+
 fn main() -> ExitCode {
+    no_transparent_huge_pages();
     let cli = Cli::parse();
     let config = match Config::load(&cli.config) {
         Ok(c) => c,

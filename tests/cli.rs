@@ -148,3 +148,23 @@ async fn the_access_line_follows_idemgate_log_like_any_target() {
     );
     assert!(!line.contains("loud"), "{line}");
 }
+
+/// The proxy runs with transparent huge pages off (`THP_enabled: 0` in its `/proc` status):
+/// with them, a growing embedded store stalled the worker on memory compaction (see `main.rs`).
+#[tokio::test]
+async fn the_proxy_runs_without_transparent_huge_pages() {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    if !status.contains("THP_enabled:") {
+        eprintln!("this kernel does not report THP_enabled; nothing to check");
+        return;
+    }
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", proxy.pid()))
+        .expect("the proxy's /proc status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("THP_enabled:"))
+        .unwrap_or_default();
+    assert_eq!(line.split_whitespace().nth(1), Some("0"), "{line}");
+}
