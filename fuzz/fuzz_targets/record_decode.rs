@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
             "decode accepted a non-canonical record"
         );
         if let Completion::Response(response) = &completion {
-            assert!(response.size_bytes() >= response.body.len());
+            assert!(response.size_bytes() >= response.body().len());
             assert_eq!(codec::encode_response(response), data);
         }
     }

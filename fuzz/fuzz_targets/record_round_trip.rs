@@ -27,14 +27,7 @@ fuzz_target!(|input: Input| {
             status,
             headers,
             body,
-        } => Completion::Response(Arc::new(StoredResponse {
-            status,
-            headers: headers
-                .into_iter()
-                .map(|(name, value)| (name, Bytes::from(value)))
-                .collect(),
-            body: Bytes::from(body),
-        })),
+        } => Completion::Response(Arc::new(StoredResponse::new(status, headers, body))),
         Input::Unreplayable { status } => Completion::Unreplayable { status },
     };
     let encoded = codec::encode(&completion);
