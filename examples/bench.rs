@@ -44,8 +44,12 @@
 //!   and `proxy_set_header Connection ""`.
 //! - idemgate runs from its release binary with a generated config: `threads: 1`, route `plain`
 //!   on `/plain` (no idempotency block), route `orders` on `/orders` (`methods: [POST]`,
-//!   `key: required`, `ttl: 60s`, `scope_headers: []`), `store.backend: memory` with a 4 GiB
-//!   capacity. It logs at `IDEMGATE_LOG=info`, one line per request, to a file in the temporary
+//!   `key: required`, `ttl: 1h`, `scope_headers: []`), `store.backend: memory` with a 4 GiB
+//!   capacity. The TTL outlasts the whole run: with 60 s, the records of one round expired
+//!   while a later round was measured, and that work (idemgate's sweeper, and for the Redis
+//!   rows redis-server's active expiry, both competing for the same two cores) landed on
+//!   whichever row ran then — in one 3-round run the keyed-miss worker was 84% busy, against
+//!   96% in a single-round run. It logs at `IDEMGATE_LOG=info`, one line per request, to a file in the temporary
 //!   directory: logging is part of the real cost, so it stays on.
 //! - With `--redis`, the second idemgate's config is first put to `idemgate --config F --check`;
 //!   if this build rejects `store.backend: redis`, the Redis rows are skipped with idemgate's
@@ -816,7 +820,7 @@ fn idemgate_yaml_with_backend(
          \x20   upstream: backend\n\
          \x20   idempotency:\n\
          \x20     key: required\n\
-         \x20     ttl: 60s\n\
+         \x20     ttl: 1h\n\
          \x20     scope_headers: []\n"
     )
 }
