@@ -206,9 +206,9 @@ pub struct RedisConfig {
     pub tls: Option<RedisTlsConfig>,
 }
 
-/// Certificates for the TLS connections of the Redis store (`store.redis.tls`). The files were
-/// readable and held PEM of the right kind when the config was loaded; the store reads them
-/// again when it starts. Certificate verification is never turned off: a private CA is trusted
+/// Certificates for the TLS connections of the Redis store (`store.redis.tls`). The files passed
+/// [`RedisTlsConfig::check_contents`] when the config was loaded; the store reads and checks
+/// them again when it starts and every 2 s after (a rotated certificate). Certificate verification is never turned off: a private CA is trusted
 /// by naming it here.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisTlsConfig {
@@ -1374,10 +1374,10 @@ impl FileRedis {
     }
 }
 
-/// What a PEM file given in `store.redis.tls` must hold. Checked at load, and by the store
-/// each time it reads the files again (a rotated certificate).
+/// What a PEM file given in `store.redis.tls` must hold; see
+/// [`RedisTlsConfig::check_contents`].
 #[derive(Clone, Copy)]
-pub enum Pem {
+enum Pem {
     /// One or more certificates (a CA bundle, a client certificate chain).
     Certificates,
     /// One private key (PKCS#8, PKCS#1 or SEC1).
@@ -1386,7 +1386,7 @@ pub enum Pem {
 
 impl Pem {
     /// Whether `bytes` hold PEM of this kind.
-    pub fn holds(self, bytes: &[u8]) -> bool {
+    fn holds(self, bytes: &[u8]) -> bool {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         match self {
@@ -1402,7 +1402,7 @@ impl Pem {
     /// error saying why not, or `Ok` also when the key type cannot be compared. Redis would
     /// otherwise refuse every handshake made with the pair, with nothing in idemgate's logs to
     /// say which file is wrong.
-    pub fn key_pair(cert: &[u8], key: &[u8]) -> Result<(), String> {
+    fn key_pair(cert: &[u8], key: &[u8]) -> Result<(), String> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let chain = CertificateDer::pem_slice_iter(cert)
@@ -1422,7 +1422,7 @@ impl Pem {
     }
 
     /// What a file without it holds, for messages.
-    pub fn missing(self) -> &'static str {
+    fn missing(self) -> &'static str {
         match self {
             Pem::Certificates => "no PEM certificate (-----BEGIN CERTIFICATE-----)",
             Pem::PrivateKey => "no PEM private key (PKCS#8, PKCS#1 or SEC1)",
@@ -1432,61 +1432,94 @@ impl Pem {
 
 impl FileRedisTls {
     fn into_config(self) -> Result<RedisTlsConfig, ConfigError> {
-        let file = |field: &str, raw: Option<String>, kind: Pem| {
-            raw.map(|raw| pem_file(&format!("store.redis.tls.{field}"), &raw, kind))
+        let file = |field: &str, raw: Option<String>| {
+            raw.map(|raw| readable_file(&format!("store.redis.tls.{field}"), &raw))
                 .transpose()
         };
-        let ca_file = file("ca_file", self.ca_file, Pem::Certificates)?;
-        let cert_file = file("cert_file", self.cert_file, Pem::Certificates)?;
-        let key_file = file("key_file", self.key_file, Pem::PrivateKey)?;
-        match (&cert_file, &key_file) {
-            (Some(_), None) => Err(invalid(
-                "store.redis.tls.key_file",
-                "is required with cert_file (the client certificate's private key)",
-            )),
-            (None, Some(_)) => Err(invalid(
-                "store.redis.tls.cert_file",
-                "is required with key_file (the client certificate)",
-            )),
-            (Some(cert), Some(key)) => {
-                let read = |path: &Path| std::fs::read(path).unwrap_or_default();
-                Pem::key_pair(&read(cert), &read(key)).map_err(|why| {
-                    invalid(
-                        "store.redis.tls.key_file",
-                        format!("{} {why} ({})", key.display(), cert.display()),
-                    )
-                })?;
-                Ok(RedisTlsConfig {
-                    ca_file,
-                    cert_file,
-                    key_file,
-                })
+        let ca = file("ca_file", self.ca_file)?;
+        let cert = file("cert_file", self.cert_file)?;
+        let key = file("key_file", self.key_file)?;
+        match (&cert, &key) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "store.redis.tls.key_file",
+                    "is required with cert_file (the client certificate's private key)",
+                ))
             }
-            _ => Ok(RedisTlsConfig {
-                ca_file,
-                cert_file,
-                key_file,
-            }),
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "store.redis.tls.cert_file",
+                    "is required with key_file (the client certificate)",
+                ))
+            }
+            _ => {}
         }
+        fn path(file: &Option<(PathBuf, Vec<u8>)>) -> Option<PathBuf> {
+            file.as_ref().map(|(path, _)| path.clone())
+        }
+        fn bytes(file: &Option<(PathBuf, Vec<u8>)>) -> Option<&[u8]> {
+            file.as_ref().map(|(_, bytes)| &bytes[..])
+        }
+        let config = RedisTlsConfig {
+            ca_file: path(&ca),
+            cert_file: path(&cert),
+            key_file: path(&key),
+        };
+        config
+            .check_contents(bytes(&ca), bytes(&cert), bytes(&key))
+            .map_err(|(field, why)| invalid(format!("store.redis.tls.{field}"), why))?;
+        Ok(config)
     }
 }
 
-/// Checks that `raw` names a readable file holding PEM of `kind`. Messages name the file, never
-/// its contents (a key file is a secret).
-fn pem_file(field: &str, raw: &str, kind: Pem) -> Result<PathBuf, ConfigError> {
+impl RedisTlsConfig {
+    /// Checks what the files hold, as read at one moment (`None` for a file not configured): PEM
+    /// of the right kind in each, and a key that is the client certificate's. The error names
+    /// the field (`ca_file`, `cert_file` or `key_file`) and the file, never its contents (a key
+    /// file is a secret). Run at load, and by the store each time it reads the files again.
+    pub fn check_contents(
+        &self,
+        ca: Option<&[u8]>,
+        cert: Option<&[u8]>,
+        key: Option<&[u8]>,
+    ) -> Result<(), (&'static str, String)> {
+        let files = [
+            ("ca_file", &self.ca_file, ca, Pem::Certificates),
+            ("cert_file", &self.cert_file, cert, Pem::Certificates),
+            ("key_file", &self.key_file, key, Pem::PrivateKey),
+        ];
+        for (field, path, bytes, kind) in files {
+            if let (Some(path), Some(bytes)) = (path, bytes) {
+                if !kind.holds(bytes) {
+                    return Err((
+                        field,
+                        format!("{} holds {}", path.display(), kind.missing()),
+                    ));
+                }
+            }
+        }
+        if let (Some(cert_path), Some(key_path), Some(cert), Some(key)) =
+            (&self.cert_file, &self.key_file, cert, key)
+        {
+            Pem::key_pair(cert, key).map_err(|why| {
+                let (key_path, cert_path) = (key_path.display(), cert_path.display());
+                ("key_file", format!("{key_path} {why} ({cert_path})"))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads the file `raw` names, for [`RedisTlsConfig::check_contents`]. Messages name the file,
+/// never its contents.
+fn readable_file(field: &str, raw: &str) -> Result<(PathBuf, Vec<u8>), ConfigError> {
     if raw.trim().is_empty() {
         return Err(invalid(field, "must not be empty"));
     }
     let path = PathBuf::from(raw);
     let bytes = std::fs::read(&path)
         .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
-    if !kind.holds(&bytes) {
-        return Err(invalid(
-            field,
-            format!("{} holds {}", path.display(), kind.missing()),
-        ));
-    }
-    Ok(path)
+    Ok((path, bytes))
 }
 
 /// Whether a store URL is reached over TLS.

@@ -933,28 +933,21 @@ fn stored_response(
 ) -> ResponseBuilder {
     let connection_named = upstream::connection_tokens(resp.headers.get_all(header::CONNECTION));
     let kept = || {
-        resp.headers.iter().filter(|(name, _)| {
-            is_replayable(name.as_str(), exclude)
-                && !connection_named
-                    .iter()
-                    .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
-        })
+        resp.headers
+            .iter()
+            .filter(|(name, _)| {
+                is_replayable(name.as_str(), exclude)
+                    && !connection_named
+                        .iter()
+                        .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
+            })
+            .map(|(name, value)| (name.as_str(), value.as_bytes()))
     };
-    let header_bytes: usize = kept()
-        .map(|(n, v)| ResponseBuilder::header_size(n.as_str(), v.as_bytes()))
-        .sum();
-    let mut builder = ResponseBuilder::with_capacity(
-        resp.status.as_u16(),
-        header_bytes.saturating_add(body_hint),
-    );
-    for (name, value) in kept() {
-        builder.push_header(name.as_str(), value.as_bytes());
-    }
-    builder
+    ResponseBuilder::new(resp.status.as_u16(), kept, body_hint)
 }
 
 /// Whether a response header (lower-case name) may be stored and replayed: not hop-by-hop (see
-/// [`replay_headers`]), not framing or `Date`, not excluded by the route.
+/// [`stored_response`]), not framing or `Date`, not excluded by the route.
 fn is_replayable(name: &str, exclude: &[HeaderName]) -> bool {
     !upstream::HOP_BY_HOP.contains(&name)
         && !name.starts_with("proxy-")

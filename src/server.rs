@@ -536,13 +536,9 @@ struct Sweeper {
 #[async_trait]
 impl BackgroundService for Sweeper {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        loop {
-            tokio::select! {
-                _ = tick.tick() => { self.store.sweep_round(); }
-                _ = shutdown.changed() => return,
-            }
-        }
+        let sweeper = self.store.spawn_sweeper(Duration::from_secs(1));
+        let _ = shutdown.changed().await;
+        sweeper.abort();
     }
 }
 

@@ -199,7 +199,8 @@ impl MemoryStore {
         removed
     }
 
-    /// Spawns a task that calls [`MemoryStore::sweep_round`] every `every`.
+    /// Spawns a task that calls [`MemoryStore::sweep_round`] every `every` (the server's
+    /// sweeper service runs it, and aborts it at shutdown).
     ///
     /// The task holds only a `Weak` reference, so it does not keep the store alive: it ends at
     /// the first tick after the last `Arc` is dropped. Must be called within a Tokio runtime.

@@ -72,8 +72,9 @@ use super::{
     RecordState, RecordStore, StoreError, WriteOutcome,
 };
 use crate::config::{
-    parse_sentinel_url, redact_url, Pem, RedisConfig, RedisTlsConfig, RedisTopology, ScriptsConfig,
+    parse_sentinel_url, redact_url, RedisConfig, RedisTlsConfig, RedisTopology, ScriptsConfig,
 };
+use crate::key;
 use crate::scripts::{self, SourceError, Sources};
 use crate::upstream::itoa;
 
@@ -366,46 +367,12 @@ fn read_tls_files(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
 /// parse by redis-rs (a throwaway client), so a bad file fails here and not on every connection.
 fn check_certificates(tls: &RedisTlsConfig, certs: &TlsCertificates) -> Result<(), SetupError> {
     let client = certs.client_tls.as_ref();
-    let files = [
-        (
-            "ca_file",
-            &tls.ca_file,
-            certs.root_cert.as_deref(),
-            Pem::Certificates,
-        ),
-        (
-            "cert_file",
-            &tls.cert_file,
-            client.map(|c| &c.client_cert[..]),
-            Pem::Certificates,
-        ),
-        (
-            "key_file",
-            &tls.key_file,
-            client.map(|c| &c.client_key[..]),
-            Pem::PrivateKey,
-        ),
-    ];
-    for (field, path, bytes, kind) in files {
-        if let (Some(path), Some(bytes)) = (path, bytes) {
-            if !kind.holds(bytes) {
-                return Err(SetupError::Tls(format!(
-                    "{field}: {} holds {}",
-                    path.display(),
-                    kind.missing()
-                )));
-            }
-        }
-    }
-    if let (Some(client), Some(cert), Some(key)) = (client, &tls.cert_file, &tls.key_file) {
-        Pem::key_pair(&client.client_cert, &client.client_key).map_err(|why| {
-            SetupError::Tls(format!(
-                "key_file: {} {why} ({})",
-                key.display(),
-                cert.display()
-            ))
-        })?;
-    }
+    tls.check_contents(
+        certs.root_cert.as_deref(),
+        client.map(|c| &c.client_cert[..]),
+        client.map(|c| &c.client_key[..]),
+    )
+    .map_err(|(field, why)| SetupError::Tls(format!("{field}: {why}")))?;
     redis::Client::build_with_tls("rediss://localhost", certs.clone())
         .map_err(|e| SetupError::Tls(e.to_string()))?;
     Ok(())
@@ -1306,14 +1273,10 @@ fn write_id() -> String {
     out
 }
 
-/// Appends `bytes` as lower-case hex. Every Redis call formats a record key and an owner token;
-/// `format!` and `hex::encode` (a `char` iterator collected into a `String`) took about a
-/// microsecond of each keyed miss between them.
+/// Appends `bytes` as lower-case hex ([`key::hex_pair`]).
 fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     for &b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+        out.extend(key::hex_pair(b).map(char::from));
     }
 }
 

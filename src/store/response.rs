@@ -46,7 +46,7 @@ impl StoredResponse {
         V: AsRef<[u8]>,
     {
         let body = body.as_ref();
-        let mut builder = ResponseBuilder::new(status, headers, body.len());
+        let mut builder = ResponseBuilder::new(status, || headers.clone(), body.len());
         builder.push_body(body);
         builder.finish()
     }
@@ -146,24 +146,21 @@ pub struct ResponseBuilder {
 }
 
 impl ResponseBuilder {
-    /// Starts a response with these headers; `body_hint` is the body length expected (the
-    /// declared `Content-Length`, or 0 when unknown).
-    pub fn new<N, V>(
-        status: u16,
-        headers: impl IntoIterator<Item = (N, V)> + Clone,
-        body_hint: usize,
-    ) -> Self
+    /// Starts a response with the headers `headers` yields (called twice: once to size the
+    /// buffer, once to fill it); `body_hint` is the body length expected (the declared
+    /// `Content-Length`, or 0 when unknown).
+    pub fn new<I, N, V>(status: u16, headers: impl Fn() -> I, body_hint: usize) -> Self
     where
+        I: IntoIterator<Item = (N, V)>,
         N: AsRef<str>,
         V: AsRef<[u8]>,
     {
-        let header_bytes: usize = headers
-            .clone()
+        let header_bytes: usize = headers()
             .into_iter()
             .map(|(n, v)| Self::header_size(n.as_ref(), v.as_ref()))
             .sum();
         let mut builder = Self::with_capacity(status, header_bytes.saturating_add(body_hint));
-        for (name, value) in headers {
+        for (name, value) in headers() {
             builder.push_header(name.as_ref(), value.as_ref());
         }
         builder
@@ -274,7 +271,7 @@ mod tests {
     #[test]
     fn a_streamed_body_ends_in_an_exact_buffer_whatever_the_hint() {
         for hint in [0, 3, 6, 100] {
-            let mut b = ResponseBuilder::new(200, [("x", "1")], hint);
+            let mut b = ResponseBuilder::new(200, || [("x", "1")], hint);
             b.push_body(b"abc");
             assert_eq!(b.body_len(), 3);
             b.push_body(b"def");
@@ -292,7 +289,7 @@ mod tests {
     #[test]
     fn equal_contents_compare_equal() {
         let a = StoredResponse::new(200, [("a", "1")], b"x");
-        let mut b = ResponseBuilder::new(200, [("a", "1")], 0);
+        let mut b = ResponseBuilder::new(200, || [("a", "1")], 0);
         b.push_body(b"x");
         assert_eq!(a, b.finish());
         assert_ne!(a, StoredResponse::new(200, [("a", "2")], b"x"));
