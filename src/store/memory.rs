@@ -12,7 +12,7 @@
 use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::hash::{Hash, Hasher, RandomState};
 use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -69,7 +69,11 @@ pub const SWEEP_ROUNDS: usize = 8;
 /// Roughly thirty years: stands in for "never" when a deadline would overflow `Instant`.
 const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
 
-type Shard = Mutex<HashMap<MapKey, Entry, BuildHasherDefault<DigestHasher>>>;
+/// One shard's map. Its hasher is keyed with random keys per map (std's SipHash-1-3): record
+/// hashes are SHA-256 of what clients send, so a client could grind keys whose unkeyed bits
+/// collide in one table and make every lookup there walk a long probe sequence; it cannot
+/// aim at a keyed hash it does not know. The extra cost is a few nanoseconds per lookup.
+type Shard = Mutex<HashMap<MapKey, Entry, RandomState>>;
 
 /// The in-process [`RecordStore`]: sharded maps of records with TTLs and a byte capacity.
 pub struct MemoryStore {
@@ -610,7 +614,8 @@ impl<'a> Borrow<dyn KeyView + 'a> for MapKey {
 
 impl Hash for dyn KeyView + '_ {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        // Word 0 chose the shard; word 1 spreads keys within it.
+        // Word 0 chose the shard; word 1, through the shard's keyed hasher, places the key
+        // within it.
         state.write_u64(digest_word(self.digest(), 1));
     }
 }
@@ -637,30 +642,6 @@ impl PartialEq for MapKey {
 }
 
 impl Eq for MapKey {}
-
-// === impl DigestHasher ===
-
-/// A hasher for keys that are already uniformly distributed: it passes one `u64` through.
-#[derive(Default)]
-struct DigestHasher(u64);
-
-impl Hasher for DigestHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write_u64(&mut self, word: u64) {
-        self.0 = word;
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used by `MapKey`; this FNV-1a fallback keeps the hasher correct
-        // should anything else ever be fed to it.
-        for &byte in bytes {
-            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-}
 
 /// The `index`-th little-endian 64-bit word of a digest (`index` < 4).
 fn digest_word(digest: &Digest, index: usize) -> u64 {
@@ -711,6 +692,24 @@ mod tests {
         let slot = std::mem::size_of::<(MapKey, Entry)>();
         assert!(slot <= 144, "a map slot takes {slot} bytes");
         assert_eq!(CHARGE, (slot + 1) * 16 / 7 + 16);
+    }
+
+    #[test]
+    fn table_hashes_are_keyed_per_map() {
+        // A digest's words alone must not decide where it lands: the same key hashes
+        // differently in every map (each has its own random keys), so ground keys cannot be
+        // aimed at one table slot.
+        use std::hash::BuildHasher;
+        let store = MemoryStore::new(1 << 20, 4);
+        let k = MapKey::from(&key(1));
+        let hashes: std::collections::HashSet<u64> = store
+            .shards
+            .iter()
+            .map(|shard| shard.lock().hasher().hash_one(&k))
+            .collect();
+        assert_eq!(hashes.len(), 4, "every shard map hashes with its own keys");
+        let plain = digest_word(&key(1).hash, 1);
+        assert!(!hashes.contains(&plain), "the digest word is not the hash");
     }
 
     /// What a record of [`key`] is charged before any response.
