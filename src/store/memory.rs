@@ -284,9 +284,19 @@ impl MemoryStore {
     fn try_claim(&self, req: &ClaimRequest) -> Attempt<ClaimOutcome> {
         let now = self.now();
         let mut map = self.shard(&req.key).lock();
-        self.expire_if_due(&mut map, &req.key, now);
-        if let Some(entry) = map.get_mut(&req.key as &dyn KeyView) {
-            return Attempt::Done(entry.claim_existing(req, now));
+        // One lookup for a live record; an absent one (a first execution) costs the lookup and
+        // the insert, an expired one its removal too.
+        let view: &dyn KeyView = &req.key;
+        match map.get_mut(view) {
+            Some(entry) if !entry.expired(now) => {
+                return Attempt::Done(entry.claim_existing(req, now));
+            }
+            Some(_) => {
+                if let Some(entry) = map.remove(view) {
+                    self.forget(&entry);
+                }
+            }
+            None => {}
         }
         let charge = record_overhead(req.key.tenant.len());
         if !self.try_charge(charge) {
@@ -313,9 +323,16 @@ impl MemoryStore {
     ) -> Attempt<WriteOutcome> {
         let now = self.now();
         let mut map = self.shard(key).lock();
-        self.expire_if_due(&mut map, key, now);
-        let Some(entry) = map.get_mut(key as &dyn KeyView) else {
-            return Attempt::Done(WriteOutcome::NotOwner);
+        let view: &dyn KeyView = key;
+        let entry = match map.get_mut(view) {
+            Some(entry) if !entry.expired(now) => entry,
+            Some(_) => {
+                if let Some(entry) = map.remove(view) {
+                    self.forget(&entry);
+                }
+                return Attempt::Done(WriteOutcome::NotOwner);
+            }
+            None => return Attempt::Done(WriteOutcome::NotOwner),
         };
         // A lapsed lock does not matter here: until someone re-claims, the owner may still finish.
         if !entry.owned_by(owner) {
@@ -813,6 +830,44 @@ mod tests {
         let outcome = store.claim(&claim_req(&key(5), 60 * SECOND)).await.unwrap();
         assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
         assert_eq!(store.usage().unwrap().records, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn claim_and_complete_collect_an_expired_record_they_meet() {
+        let store = MemoryStore::new(1 << 20, 2);
+        let k = key(1);
+        let first = claim_req(&k, 5 * SECOND);
+        store.claim(&first).await.unwrap();
+        tokio::time::advance(5 * SECOND).await;
+        // The old owner's completion finds nothing live, and the expired record is gone.
+        let done = store
+            .complete(
+                &k,
+                first.owner,
+                Completion::Unreplayable { status: 201 },
+                SECOND,
+            )
+            .await
+            .unwrap();
+        assert_eq!(done, WriteOutcome::NotOwner);
+        assert_eq!(store.usage().unwrap().records, 0);
+        assert_eq!(store.usage().unwrap().bytes, 0);
+
+        store.claim(&first).await.unwrap();
+        tokio::time::advance(5 * SECOND).await;
+        // A new claim replaces the expired record: one record, charged once.
+        let mut second = claim_req(&k, 5 * SECOND);
+        second.owner = OwnerToken(second.owner.0 + 1);
+        second.execution_id = first.execution_id + 1;
+        let outcome = store.claim(&second).await.unwrap();
+        assert_eq!(
+            outcome,
+            ClaimOutcome::Acquired {
+                execution_id: second.execution_id
+            }
+        );
+        let usage = store.usage().unwrap();
+        assert_eq!((usage.records, usage.bytes), (1, CHARGE));
     }
 
     #[tokio::test(start_paused = true)]
