@@ -44,11 +44,11 @@
 //!   logging work, as Debian's nginx (which logs every request by default) and idemgate (one
 //!   line per request) do out of the box. Until 2026-11-30 the proxy ran with `access_log off`
 //!   while idemgate logged: by hand (four alternating 6 s pairs), the buffered log cost nginx
-//!   -0.2 to +1.05 µs per request (about 0.5 µs; 12.9-18.0 µs without). The backend runs `access_log off`: it is the fixture every
-//!   row shares, not a gateway under comparison. `keepalive_requests` is raised
-//!   from nginx's default of 1000 so no row pays for periodic reconnections that another row
-//!   does not. The proxy uses an `upstream` block with `keepalive 64`, `proxy_http_version 1.1`
-//!   and `proxy_set_header Connection ""`.
+//!   -0.2 to +1.05 µs per request (about 0.5 µs; 12.9-18.0 µs without). The backend runs
+//!   `access_log off`: it is the fixture every row shares, not a gateway under comparison.
+//!   `keepalive_requests` is raised from nginx's default of 1000 so no row pays for periodic
+//!   reconnections that another row does not. The proxy uses an `upstream` block with
+//!   `keepalive 64`, `proxy_http_version 1.1` and `proxy_set_header Connection ""`.
 //! - idemgate runs from its release binary with a generated config: `threads: 1`, route `plain`
 //!   on `/plain` (no idempotency block), route `orders` on `/orders` (`methods: [POST]`,
 //!   `key: required`, `ttl: 1h`, `scope_headers: []`), `store.backend: memory` with a 4 GiB
@@ -94,8 +94,7 @@
 //! result (`FORWARD`, `MISS` or `HIT`); and one request sent before and one after each keyed run
 //! must carry the expected `X-Idempotent-Result` header. After the rounds, the nginx proxy's
 //! access log must hold a line for every request its rows measured. A failed check is printed
-//! and makes the
-//! exit status 1, after the table.
+//! and makes the exit status 1, after the table.
 
 use std::collections::BTreeMap;
 use std::error::Error;

@@ -208,8 +208,8 @@ pub struct RedisConfig {
 
 /// Certificates for the TLS connections of the Redis store (`store.redis.tls`). The files passed
 /// [`RedisTlsConfig::check_contents`] when the config was loaded; the store reads and checks
-/// them again when it starts and every 2 s after (a rotated certificate). Certificate verification is never turned off: a private CA is trusted
-/// by naming it here.
+/// them again when it starts and every 2 s after (a rotated certificate). Certificate
+/// verification is never turned off: a private CA is trusted by naming it here.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisTlsConfig {
     /// PEM file of the CA certificate(s) the server's certificate must chain to. It replaces

@@ -807,11 +807,11 @@ impl Gate {
         exclude: &[HeaderName],
     ) -> Result<()> {
         let mut resp = ResponseHeader::build(stored.status, Some(stored.header_count() + 4))?;
-        for (name, value) in stored.headers() {
+        for (name, value) in stored.shared_headers() {
             if is_excluded(name, exclude) {
                 continue;
             }
-            let value = HeaderValue::from_bytes(value)
+            let value = HeaderValue::from_maybe_shared(value)
                 .map_err(|_| Error::explain(pingora::ErrorType::InternalError, "stored header"))?;
             resp.append_header(name.to_owned(), value)?;
         }

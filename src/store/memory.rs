@@ -274,9 +274,18 @@ impl MemoryStore {
     ) {
         let view: &dyn KeyView = key;
         if map.get(view).is_some_and(|entry| entry.expired(now)) {
-            if let Some(entry) = map.remove(view) {
-                self.forget(&entry);
-            }
+            self.collect(map, view);
+        }
+    }
+
+    /// Removes the record under `view` (one found expired) and gives back what it was charged.
+    fn collect<S: std::hash::BuildHasher>(
+        &self,
+        map: &mut HashMap<MapKey, Entry, S>,
+        view: &dyn KeyView,
+    ) {
+        if let Some(entry) = map.remove(view) {
+            self.forget(&entry);
         }
     }
 
@@ -291,11 +300,7 @@ impl MemoryStore {
             Some(entry) if !entry.expired(now) => {
                 return Attempt::Done(entry.claim_existing(req, now));
             }
-            Some(_) => {
-                if let Some(entry) = map.remove(view) {
-                    self.forget(&entry);
-                }
-            }
+            Some(_) => self.collect(&mut map, view),
             None => {}
         }
         let charge = record_overhead(req.key.tenant.len());
@@ -327,9 +332,7 @@ impl MemoryStore {
         let entry = match map.get_mut(view) {
             Some(entry) if !entry.expired(now) => entry,
             Some(_) => {
-                if let Some(entry) = map.remove(view) {
-                    self.forget(&entry);
-                }
+                self.collect(&mut map, view);
                 return Attempt::Done(WriteOutcome::NotOwner);
             }
             None => return Attempt::Done(WriteOutcome::NotOwner),

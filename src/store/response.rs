@@ -59,6 +59,13 @@ impl StoredResponse {
         }
     }
 
+    /// The headers as [`StoredResponse::headers`] yields them, each value a `Bytes` sharing this
+    /// response's buffer (no copy): what a replay hands to the response it writes.
+    pub fn shared_headers(&self) -> impl Iterator<Item = (&str, Bytes)> + '_ {
+        self.headers()
+            .map(|(name, value)| (name, self.data.slice_ref(value)))
+    }
+
     /// How many headers are stored.
     pub fn header_count(&self) -> usize {
         self.header_count
@@ -259,6 +266,13 @@ mod tests {
         );
         assert_eq!(r.body(), b"{\"id\":1}");
         assert_eq!(r.body_bytes(), Bytes::from_static(b"{\"id\":1}"));
+        // The shared values are the same bytes, in the response's own buffer.
+        for ((name, shared), (same_name, value)) in r.shared_headers().zip(r.headers()) {
+            assert_eq!((name, &shared[..]), (same_name, value));
+            if !value.is_empty() {
+                assert_eq!(shared.as_ptr(), value.as_ptr(), "{name} was copied");
+            }
+        }
     }
 
     #[test]
