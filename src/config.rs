@@ -722,7 +722,7 @@ fn default_read_timeout() -> Scalar {
 }
 
 fn default_write_timeout() -> Scalar {
-    Scalar::text("20s")
+    Scalar::text("5s")
 }
 
 fn default_idle_timeout() -> Scalar {
@@ -1848,14 +1848,17 @@ impl FileRouteIdempotency {
             ));
         }
         if let Some(upstream) = upstream {
+            // Connecting, writing the whole request, then waiting for the answer: the claim
+            // must outlast all three, or a retry re-claims while the backend still works.
             let execution = upstream
                 .connect_timeout
+                .saturating_add(upstream.write_timeout)
                 .saturating_add(upstream.read_timeout);
             if lock_ttl <= execution {
                 return Err(invalid(
                     format!("{base}.lock_ttl"),
                     format!(
-                        "{} must be longer than upstream {:?} connect_timeout + read_timeout ({}); \
+                        "{} must be longer than upstream {:?} connect_timeout + write_timeout + read_timeout ({}); \
                          otherwise a slow execution loses its lock and a retry could execute again",
                         fmt_duration(lock_ttl),
                         upstream.name,
@@ -2534,7 +2537,7 @@ routes:
                 addrs: vec!["127.0.0.1:8080".into()],
                 connect_timeout: secs(2),
                 read_timeout: secs(20),
-                write_timeout: secs(20),
+                write_timeout: secs(5),
                 idle_timeout: secs(60),
             }]
         );
@@ -3406,24 +3409,27 @@ routes:
 
     #[test]
     fn lock_ttl_must_outlast_the_upstream_timeouts() {
-        // Default connect 2s + read 20s = 22s.
+        // Default connect 2s + write 5s + read 20s = 27s.
         let message = assert_field(
-            &with_route_idempotency("lock_ttl: 22s"),
+            &with_route_idempotency("lock_ttl: 27s"),
             "routes[0].idempotency.lock_ttl",
         );
-        assert!(message.contains("22s"), "{message}");
+        assert!(message.contains("27s"), "{message}");
+        assert!(message.contains("write_timeout"), "{message}");
         assert!(message.contains("retry could execute again"), "{message}");
-        let config = load(&with_route_idempotency("lock_ttl: 22s1ms"));
+        let config = load(&with_route_idempotency("lock_ttl: 27s1ms"));
         assert_eq!(
             config.routes[0].idempotency.as_ref().unwrap().lock_ttl,
-            Duration::from_millis(22_001)
+            Duration::from_millis(27_001)
         );
-        // A slower upstream needs a longer lock.
-        let slow = MINIMAL.replace(
-            "addrs: [\"127.0.0.1:8080\"]",
-            "addrs: [\"127.0.0.1:8080\"]\n    read_timeout: 1m",
-        );
-        assert_field(&slow, "routes[0].idempotency.lock_ttl");
+        // A slower upstream needs a longer lock, whether it is slow to answer or to read.
+        for slow in ["read_timeout: 1m", "write_timeout: 1m"] {
+            let slow = MINIMAL.replace(
+                "addrs: [\"127.0.0.1:8080\"]",
+                &format!("addrs: [\"127.0.0.1:8080\"]\n    {slow}"),
+            );
+            assert_field(&slow, "routes[0].idempotency.lock_ttl");
+        }
     }
 
     #[test]

@@ -85,6 +85,9 @@ pub enum Problem {
     UpstreamConnect,
     /// The request was sent but no complete answer came back; the key stays locked.
     UpstreamOutcomeUnknown,
+    /// A request forwarded without a key reached the backend (whole or in part) and no answer
+    /// came back: it may have been executed, and there is no key to make a retry safe.
+    UpstreamAnswerLost,
 }
 
 /// Base of every problem `type` URI.
@@ -105,6 +108,7 @@ impl Problem {
             Problem::MethodCase => 400,
             Problem::UpstreamConnect => 502,
             Problem::UpstreamOutcomeUnknown => 504,
+            Problem::UpstreamAnswerLost => 502,
         }
     }
 
@@ -126,6 +130,7 @@ impl Problem {
             Problem::MethodCase => "method-case",
             Problem::UpstreamConnect => "upstream-unreachable",
             Problem::UpstreamOutcomeUnknown => "upstream-outcome-unknown",
+            Problem::UpstreamAnswerLost => "upstream-answer-lost",
         }
     }
 
@@ -147,6 +152,7 @@ impl Problem {
             Problem::MethodCase => "Request method in the wrong case",
             Problem::UpstreamConnect => "Backend unreachable",
             Problem::UpstreamOutcomeUnknown => "Backend outcome unknown",
+            Problem::UpstreamAnswerLost => "Backend answer lost",
         }
     }
 
@@ -185,6 +191,9 @@ impl Problem {
             Problem::UpstreamOutcomeUnknown => "The request was sent but the backend's answer \
                 was lost; retries with this key are refused until the lock expires."
                 .into(),
+            Problem::UpstreamAnswerLost => "The request reached the backend but no answer came \
+                back; it may have been executed. Send an Idempotency-Key to make retries safe."
+                .into(),
         }
     }
 
@@ -201,7 +210,9 @@ impl Problem {
             Problem::FingerprintMismatch => Outcome::Mismatch,
             Problem::StoreUnavailable | Problem::StoreFull => Outcome::Unavailable,
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
-            Problem::UpstreamConnect | Problem::UpstreamOutcomeUnknown => Outcome::Miss,
+            Problem::UpstreamConnect
+            | Problem::UpstreamOutcomeUnknown
+            | Problem::UpstreamAnswerLost => Outcome::Miss,
         }
     }
 
@@ -267,5 +278,21 @@ mod tests {
             .slug()
         );
         assert_eq!(Problem::NotReplayable.status(), 409);
+    }
+
+    #[test]
+    fn a_lost_answer_is_never_called_not_sent() {
+        // "Not sent" invites a retry; a request that reached the backend must not claim it.
+        let json = |p: Problem| -> serde_json::Value {
+            serde_json::from_slice(&p.body()).expect("problem body is JSON")
+        };
+        let unreachable = json(Problem::UpstreamConnect);
+        let lost = json(Problem::UpstreamAnswerLost);
+        assert_ne!(unreachable["type"], lost["type"]);
+        assert!(unreachable["detail"].as_str().unwrap().contains("not sent"));
+        let detail = lost["detail"].as_str().unwrap();
+        assert!(!detail.contains("not sent"), "{detail}");
+        assert!(detail.contains("may have been executed"), "{detail}");
+        assert_eq!(Problem::UpstreamAnswerLost.status(), 502);
     }
 }

@@ -696,7 +696,7 @@ impl Gate {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
-                    write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
+                    write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;
                     return Ok(true);
                 }
             }
@@ -723,7 +723,7 @@ impl Gate {
                 Err(e) => {
                     tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
                     if out.header.is_some() {
-                        write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
+                        write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;
                         return Ok(true);
                     }
                     session.set_keepalive(None);
@@ -961,6 +961,27 @@ fn is_excluded(name: &str, exclude: &[HeaderName]) -> bool {
     exclude.iter().any(|e| e.as_str() == name)
 }
 
+/// A pingora upstream error from which the backend can have received nothing: the connection
+/// (or its TLS handshake) never came up.
+fn is_connect_failure(etype: &pingora::ErrorType) -> bool {
+    use pingora::ErrorType::*;
+    matches!(
+        etype,
+        ConnectTimedout
+            | ConnectRefused
+            | ConnectNoRoute
+            | TLSWantX509Lookup
+            | TLSHandshakeFailure
+            | TLSHandshakeTimedout
+            | InvalidCert
+            | HandshakeError
+            | ConnectError
+            | BindError
+            | SocketError
+            | ConnectProxyFailure
+    )
+}
+
 fn label(ctx: &RequestCtx) -> &str {
     ctx.route
         .and_then(|i| ctx.gen.config.routes.get(i))
@@ -1061,7 +1082,11 @@ impl ProxyHttp for Gate {
         ctx: &mut Self::CTX,
     ) -> FailToProxy {
         let problem = match e.esource() {
-            pingora::ErrorSource::Upstream => Some(Problem::UpstreamConnect),
+            // Only a failure to connect proves that nothing was sent.
+            pingora::ErrorSource::Upstream if is_connect_failure(&e.etype) => {
+                Some(Problem::UpstreamConnect)
+            }
+            pingora::ErrorSource::Upstream => Some(Problem::UpstreamAnswerLost),
             pingora::ErrorSource::Downstream => None,
             _ => Some(Problem::UpstreamConnect),
         };

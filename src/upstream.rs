@@ -15,8 +15,9 @@
 //!   it), newest first, dropped after `idle_timeout`. A pooled connection is checked before use
 //!   without a system call in the usual case: the backend closing it shows as read readiness.
 //!
-//! Every read and write is bounded by the upstream's `read_timeout` / `write_timeout`, the
-//! connect by `connect_timeout`.
+//! Every read is bounded by the upstream's `read_timeout`, the connect by `connect_timeout`, and
+//! the whole write of a request by `write_timeout` (a write cut short after part of the request
+//! went out is an unknown outcome unless the backend answers; see [`send`]).
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -93,7 +94,7 @@ pub enum UpstreamError {
     /// Nothing was sent: the backend never saw the request.
     #[error("connecting to {addr}: {source}")]
     Connect { addr: SocketAddr, source: io::Error },
-    /// The request could not be written whole; a partial request is never processed.
+    /// Not one byte of the request could be written: the backend got nothing.
     #[error("writing the request: {0}")]
     Write(io::Error),
     /// The request went out; no complete answer came back.
@@ -273,52 +274,91 @@ pub fn itoa(mut n: u64, out: &mut [u8; 20]) -> &[u8] {
 
 /// Sends `head` and `body` (one `writev`) on a pooled connection, or a new one. `started` is
 /// when the request started (a recent instant; the pool's idle times are measured from it). A pooled
-/// connection the backend closed in the meantime fails on write, before the backend could have
-/// read a whole request; that case is sent again once on a new connection.
+/// connection the backend closed in the meantime fails on its first write, before any byte of
+/// the request went out; that case is sent again once on a new connection.
+///
+/// A write that fails after some of the request went out is not an error here: the backend has
+/// part of the request (it may have answered early, say a 413, or acted on the head alone), so
+/// the exchange is returned to read whatever answer came back, and a missing answer is an
+/// unknown outcome, never "not sent". [`UpstreamError::Write`] means nothing went out.
 pub async fn send(
     backend: &Backend,
     head: &[u8],
     body: &[u8],
     started: Instant,
 ) -> Result<Exchange, UpstreamError> {
-    if let Some(stream) = take_idle(backend, started) {
-        match write_request(backend, stream, head, body).await {
-            Ok(stream) => return Ok(Exchange::new(backend, stream, true, started)),
-            Err(e) => {
+    if let Some(mut stream) = take_idle(backend, started) {
+        match write_request(backend, &mut stream, head, body).await {
+            (_, Ok(())) => return Ok(Exchange::new(backend, stream, true, started, false)),
+            (0, Err(e)) => {
                 tracing::debug!(error = %e, "pooled backend connection was closed; reconnecting")
+            }
+            (sent, Err(e)) => {
+                return Ok(cut_off(backend, stream, true, started, sent, head, body, e))
             }
         }
     }
-    let stream = connect(backend).await?;
-    let stream = write_request(backend, stream, head, body)
-        .await
-        .map_err(UpstreamError::Write)?;
-    Ok(Exchange::new(backend, stream, false, started))
+    let mut stream = connect(backend).await?;
+    match write_request(backend, &mut stream, head, body).await {
+        (_, Ok(())) => Ok(Exchange::new(backend, stream, false, started, false)),
+        (0, Err(e)) => Err(UpstreamError::Write(e)),
+        (sent, Err(e)) => Ok(cut_off(
+            backend, stream, false, started, sent, head, body, e,
+        )),
+    }
 }
 
-async fn write_request(
+/// The exchange of a request whose write failed after `sent` bytes went out.
+#[allow(clippy::too_many_arguments)]
+fn cut_off(
     backend: &Backend,
-    mut stream: TcpStream,
+    stream: TcpStream,
+    reused: bool,
+    started: Instant,
+    sent: usize,
     head: &[u8],
     body: &[u8],
-) -> io::Result<TcpStream> {
+    error: io::Error,
+) -> Exchange {
+    tracing::warn!(
+        backend = %backend.addr,
+        sent,
+        request_bytes = head.len() + body.len(),
+        %error,
+        "request cut off after part of it went out; reading what the backend answered"
+    );
+    Exchange::new(backend, stream, reused, started, true)
+}
+
+/// Writes `head` and `body` within the backend's write timeout. Returns how many bytes went
+/// out, and why it stopped short, if it did.
+async fn write_request(
+    backend: &Backend,
+    stream: &mut TcpStream,
+    head: &[u8],
+    body: &[u8],
+) -> (usize, io::Result<()>) {
+    let total = head.len() + body.len();
+    let mut sent = 0;
     let write = async {
-        if body.is_empty() {
-            return stream.write_all(head).await;
+        while sent < total {
+            let n = if sent < head.len() {
+                let slices = [io::IoSlice::new(&head[sent..]), io::IoSlice::new(body)];
+                stream.write_vectored(&slices).await?
+            } else {
+                stream.write(&body[sent - head.len()..]).await?
+            };
+            if n == 0 {
+                return Err(io::Error::from(io::ErrorKind::WriteZero));
+            }
+            sent += n;
         }
-        let slices = [io::IoSlice::new(head), io::IoSlice::new(body)];
-        let n = stream.write_vectored(&slices).await?;
-        if n < head.len() {
-            stream.write_all(&head[n..]).await?;
-            stream.write_all(body).await
-        } else {
-            stream.write_all(&body[n - head.len()..]).await
-        }
+        Ok(())
     };
-    within(backend.write_timeout, write)
+    let written = within(backend.write_timeout, write)
         .await
-        .unwrap_or_else(|_| Err(timed_out("write")))?;
-    Ok(stream)
+        .unwrap_or_else(|_| Err(timed_out("write")));
+    (sent, written)
 }
 
 // === response ===
@@ -359,14 +399,23 @@ pub struct Exchange {
     reused: bool,
     /// Bytes of response received so far (head included).
     received: usize,
+    /// The request did not go out whole: the connection can never carry another one.
+    request_cut: bool,
     backend: Backend,
     started: Instant,
 }
 
 impl Exchange {
-    fn new(backend: &Backend, stream: TcpStream, reused: bool, started: Instant) -> Self {
+    fn new(
+        backend: &Backend,
+        stream: TcpStream,
+        reused: bool,
+        started: Instant,
+        request_cut: bool,
+    ) -> Self {
         Exchange {
             started,
+            request_cut,
             stream,
             buf: BytesMut::new(),
             framing: Framing::Close,
@@ -432,7 +481,7 @@ impl Exchange {
             if status < 200 {
                 continue;
             }
-            self.keep_alive = parsed.keep_alive;
+            self.keep_alive = parsed.keep_alive && !self.request_cut;
             self.framing = if head_request || status == 204 || status == 304 {
                 Framing::Done
             } else {

@@ -483,6 +483,7 @@ async fn completed_record_expires_after_ttl() {
         .idem("ttl: 1s")
         .idem("lock_ttl: 1s")
         .upstream("connect_timeout: 100ms")
+        .upstream("write_timeout: 100ms")
         .upstream("read_timeout: 500ms")
         .start()
         .await;
@@ -508,6 +509,7 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
     let proxy = ProxyBuilder::new(&backend)
         .idem("lock_ttl: 1500ms")
         .upstream("connect_timeout: 100ms")
+        .upstream("write_timeout: 100ms")
         .upstream("read_timeout: 400ms")
         .start()
         .await;

@@ -208,6 +208,7 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
             dead.display()
         ))
         .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 200ms")
         .upstream("read_timeout: 1s")
         .idem("lock_ttl: 2s")
         .start()
@@ -347,6 +348,7 @@ async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_
                 "completion_retry: {{ attempts: 2, base_delay: 20ms, max_delay: 40ms, dead_letter_path: \"{}\" }}",
                 dead.display()
             ))
+            .upstream("write_timeout: 1s")
             .upstream("read_timeout: 2s")
             .idem("lock_ttl: 6s")
     };

@@ -75,6 +75,7 @@ const LOCK_TTL: Duration = Duration::from_secs(5);
 /// Upstream timeouts: `lock_ttl` must exceed their sum (the config enforces it).
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
 const UPSTREAM_READ_TIMEOUT: Duration = Duration::from_secs(1);
+const UPSTREAM_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
 /// A late answer comes this long after the request: past the read timeout.
 const LATE_BY: Duration = Duration::from_millis(1500);
 /// Upper bound on the time from a claim (when its lock starts) to the backend reading the
@@ -775,6 +776,10 @@ fn builder(
         .upstream(&format!(
             "read_timeout: {}ms",
             UPSTREAM_READ_TIMEOUT.as_millis()
+        ))
+        .upstream(&format!(
+            "write_timeout: {}ms",
+            UPSTREAM_WRITE_TIMEOUT.as_millis()
         ))
         .idem(&format!("lock_ttl: {}ms", LOCK_TTL.as_millis()))
         .env("IDEMGATE_LOG", "warn");

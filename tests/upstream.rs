@@ -20,6 +20,7 @@ async fn proxy(backend: &RawBackend) -> Proxy {
         .threads(1)
         .idem("lock_ttl: 1s")
         .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 200ms")
         .upstream("read_timeout: 500ms")
         .start()
         .await
@@ -266,7 +267,7 @@ async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_closes_
     // A POST may have been executed: it is never sent twice, the client is told.
     let post = Request::post("/plain/c").json("{}").send(proxy.addr).await;
     assert_eq!(post.status, 502, "{}", post.text());
-    assert_eq!(post.problem_type(), "upstream-unreachable");
+    assert_eq!(post.problem_type(), "upstream-answer-lost");
     assert_eq!(backend.count(), 4);
 }
 
@@ -360,7 +361,7 @@ async fn a_malformed_answer_to_a_forwarded_request_is_a_502() {
     let proxy = proxy(&backend).await;
     let r = Request::get("/plain/x").send(proxy.addr).await;
     assert_eq!(r.status, 502, "{}", r.text());
-    assert_eq!(r.problem_type(), "upstream-unreachable");
+    assert_eq!(r.problem_type(), "upstream-answer-lost");
     // On a keyed request the same answer is an unknown outcome: the request was executed.
     let keyed = order("conflicting-length").send(proxy.addr).await;
     assert_eq!(keyed.status, 504, "{}", keyed.text());
@@ -398,5 +399,190 @@ async fn a_connection_idle_past_idle_timeout_is_not_reused() {
         backend.connections(),
         2,
         "a new connection after idle_timeout"
+    );
+}
+
+/// A backend that reads only the head of each request, never its body: it answers `answer`
+/// (if any) at once, then holds the connection open without reading for `hold`. Counts heads.
+async fn head_only_backend(
+    answer: Option<&'static [u8]>,
+    hold: Duration,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::AsyncReadExt;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    // A small receive buffer: a large body cannot hide in the backend's kernel buffers.
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(16).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                counted.fetch_add(1, Ordering::SeqCst);
+                if let Some(answer) = answer {
+                    let _ = stream.write_all(answer).await;
+                }
+                tokio::time::sleep(hold).await;
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// An 8 MiB keyed request: more than the backend's and the proxy's socket buffers hold, so it
+/// only goes out whole if the backend reads it.
+fn large_order(key: &str) -> Request {
+    let mut body = b"{\"blob\":\"".to_vec();
+    body.extend(vec![b'x'; 8 << 20]);
+    body.extend_from_slice(b"\"}");
+    Request::post("/orders").key(key).body(body)
+}
+
+async fn large_body_proxy(backend: std::net::SocketAddr) -> Proxy {
+    ProxyBuilder::at(backend)
+        .threads(1)
+        .idem("lock_ttl: 2s")
+        .idem("max_request_bytes: 16MiB")
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 300ms")
+        .upstream("read_timeout: 500ms")
+        .start()
+        .await
+}
+
+#[tokio::test]
+async fn an_answer_given_before_the_body_was_read_is_relayed_and_stored() {
+    // A backend may answer without reading the body (a 413, or a handler that ignores it):
+    // that answer is the outcome, not a failure to reach the backend.
+    let (addr, heads) = head_only_backend(
+        Some(b"HTTP/1.1 413 Content Too Large\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{\"error\":\"big\"}"),
+        Duration::from_secs(3),
+    )
+    .await;
+    let proxy = large_body_proxy(addr).await;
+    let first = large_order("early-answer").send(proxy.addr).await;
+    assert_eq!(
+        (first.status, first.result()),
+        (413, Some("MISS")),
+        "{}",
+        first.text()
+    );
+    assert_eq!(first.body, b"{\"error\":\"big\"}");
+    let again = large_order("early-answer").send(proxy.addr).await;
+    assert_eq!(
+        (again.status, again.result()),
+        (413, Some("HIT")),
+        "{}",
+        again.text()
+    );
+    assert_eq!(again.body, b"{\"error\":\"big\"}");
+    assert_eq!(heads.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_request_cut_off_mid_body_keeps_the_key_locked() {
+    // The backend has the head and part of the body, and says nothing: it may act on what it
+    // has. The outcome is unknown, so the claim is kept, never released for a second execution.
+    let (addr, heads) = head_only_backend(None, Duration::from_secs(3)).await;
+    let proxy = large_body_proxy(addr).await;
+    let first = large_order("cut-request").send(proxy.addr).await;
+    assert_eq!(first.status, 504, "{}", first.text());
+    assert_eq!(first.problem_type(), "upstream-outcome-unknown");
+    let retry = large_order("cut-request").send(proxy.addr).await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert_eq!(retry.problem_type(), "request-in-flight");
+    assert_eq!(heads.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(
+        proxy.log().contains("request cut off"),
+        "the cut is logged:\n{}",
+        proxy.log()
+    );
+}
+
+#[tokio::test]
+async fn an_early_answer_followed_by_a_reset_is_still_relayed() {
+    // Closing with the body unread makes the backend's kernel reset the connection; the
+    // answer it wrote first is already in the proxy's receive buffer and still counts.
+    let (addr, heads) = head_only_backend(
+        Some(
+            b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\nConnection: close\r\n\r\nbig",
+        ),
+        Duration::ZERO,
+    )
+    .await;
+    let proxy = large_body_proxy(addr).await;
+    let first = large_order("early-reset").send(proxy.addr).await;
+    assert_eq!(
+        (first.status, first.result()),
+        (413, Some("MISS")),
+        "{}",
+        first.text()
+    );
+    let again = large_order("early-reset").send(proxy.addr).await;
+    assert_eq!(
+        (again.status, again.result()),
+        (413, Some("HIT")),
+        "{}",
+        again.text()
+    );
+    assert_eq!(heads.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_forwarded_request_says_whether_it_reached_the_backend() {
+    // Forwarded without a key, nothing protects a retry: the client must not be told "not
+    // sent" about a request the backend received. Both forwarding paths: idemgate's client
+    // (a small body) and pingora's (a chunked body, streamed).
+    let backend = RawBackend::start(vec![Step::Close]).await;
+    let proxy = proxy(&backend).await;
+    let small = Request::post("/plain/x").json("{}").send(proxy.addr).await;
+    assert_eq!(small.status, 502, "{}", small.text());
+    assert_eq!(small.problem_type(), "upstream-answer-lost");
+    let streamed = Request::post("/plain/x")
+        .body(vec![b'a'; 3000])
+        .chunked(1000)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(streamed.status, 502, "{}", streamed.text());
+    assert_eq!(streamed.problem_type(), "upstream-answer-lost");
+    assert!(backend.count() >= 2, "both reached the backend");
+
+    // A backend nobody listens on: nothing was sent, on either path.
+    let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let proxy = ProxyBuilder::at(dead_addr).threads(1).start().await;
+    let small = Request::post("/plain/x").json("{}").send(proxy.addr).await;
+    assert_eq!(
+        small.problem_type(),
+        "upstream-unreachable",
+        "{}",
+        small.text()
+    );
+    let streamed = Request::post("/plain/x")
+        .body(vec![b'a'; 3000])
+        .chunked(1000)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(
+        streamed.problem_type(),
+        "upstream-unreachable",
+        "{}",
+        streamed.text()
     );
 }
