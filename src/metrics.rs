@@ -34,6 +34,9 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// Completions or releases refused because the caller's lock had been taken over.
     pub fenced_writes: IntCounter,
+    /// Responses stored as not replayable because they were still streaming as their lock was
+    /// about to lapse.
+    pub settled_streaming: IntCounter,
 }
 
 impl Metrics {
@@ -88,6 +91,12 @@ impl Metrics {
             "Completions or releases refused because another request took over the lock",
         )
         .expect("static metric definition");
+        let settled_streaming = IntCounter::new(
+            "idemgate_settled_streaming_total",
+            "Responses stored as executed but not replayable because they were still streaming \
+             when the lock was about to lapse",
+        )
+        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -102,6 +111,7 @@ impl Metrics {
             Box::new(store_duration.clone()),
             Box::new(store_errors.clone()),
             Box::new(fenced_writes.clone()),
+            Box::new(settled_streaming.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -114,6 +124,7 @@ impl Metrics {
             store_duration,
             store_errors,
             fenced_writes,
+            settled_streaming,
         }
     }
 

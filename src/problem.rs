@@ -173,7 +173,8 @@ impl Problem {
                 path, body or fingerprinted headers; use a new key for a new request."
                 .into(),
             Problem::NotReplayable => "The request was executed, but its response was larger \
-                than the replay limit; it will not be executed again."
+                than the replay limit or still streaming when its lock was about to lapse; it \
+                will not be executed again."
                 .into(),
             Problem::StoreUnavailable => {
                 "The request was not forwarded because duplicates could not be detected.".into()

@@ -8,6 +8,7 @@
 //! when their body is known and small; an `Upgrade`, `Expect: 100-continue`, `CONNECT`, a chunked
 //! or larger body takes pingora's own proxy path, which streams both ways.
 
+use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -561,8 +562,19 @@ impl Gate {
             gone: false,
         };
         let mut too_large = false;
-        let body_result: std::result::Result<(), UpstreamError> = async {
-            while let Some(chunk) = exchange.next_chunk().await? {
+        // A response still streaming (a slow backend, a slow client) when the lock is three
+        // quarters gone is settled first: stored as executed but not replayable, so a retry
+        // after the lock would have lapsed gets 409, never a second execution.
+        let settle_at = claim
+            .as_ref()
+            .filter(|_| storable)
+            .map(|c| c.lock_deadline - idem.lock_ttl / 4);
+        let mut settled = false;
+        let body_result: std::result::Result<(), UpstreamError> = loop {
+            let step = async {
+                let Some(chunk) = exchange.next_chunk().await? else {
+                    return Ok(false);
+                };
                 if let Some(buf) = captured.as_mut() {
                     if buf.body_len() + chunk.len() > idem.max_response_bytes {
                         too_large = true;
@@ -572,10 +584,28 @@ impl Gate {
                     }
                 }
                 out.push(session, chunk).await;
+                Ok(true)
+            };
+            let stepped = match (settle_at, &claim) {
+                (Some(at), Some(c)) if !settled => {
+                    let mut step = pin!(step);
+                    match upstream::until(at, step.as_mut()).await {
+                        Ok(stepped) => stepped,
+                        Err(_) => {
+                            settled = true;
+                            self.settle(c, status, idem.ttl).await;
+                            step.await
+                        }
+                    }
+                }
+                _ => step.await,
+            };
+            match stepped {
+                Ok(true) => {}
+                Ok(false) => break Ok(()),
+                Err(e) => break Err(e),
             }
-            Ok(())
-        }
-        .await;
+        };
         ctx.gen
             .route_metrics(ctx.route)
             .observe_upstream(started.elapsed().as_secs_f64());
@@ -598,7 +628,7 @@ impl Gate {
         }
         exchange.finish();
 
-        if let Some(claim) = &claim {
+        if let Some(claim) = claim.as_ref().filter(|_| !settled) {
             if storable {
                 let completion = match captured {
                     Some(body) if !too_large => Completion::Response(Arc::new(body.finish())),
@@ -773,6 +803,19 @@ impl Gate {
                 });
             }
         }
+    }
+
+    /// Stores a response that is still streaming as executed but not replayable, before the
+    /// claim's lock lapses.
+    async fn settle(&self, claim: &Claim<'_>, status: u16, ttl: Duration) {
+        tracing::warn!(
+            record = %key::hash_label(&claim.key.hash),
+            status,
+            "response still streaming as the lock runs out; stored as executed, not replayable"
+        );
+        self.metrics.settled_streaming.inc();
+        self.complete(claim, Completion::Unreplayable { status }, ttl)
+            .await;
     }
 
     async fn release(&self, claim: &Claim<'_>) {

@@ -119,6 +119,19 @@ pub async fn within<F: Future>(limit: Duration, fut: F) -> Result<F::Output, Ela
     }
 }
 
+/// `fut`, or [`Elapsed`] if `deadline` comes first. Like [`within`], the clock is read and a
+/// timer armed only when `fut` is not ready at its first poll.
+pub async fn until<F: Future>(deadline: Instant, fut: F) -> Result<F::Output, Elapsed> {
+    let mut fut = pin!(fut);
+    match poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+        Poll::Ready(output) => Ok(output),
+        Poll::Pending => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            fast_timeout(left, fut).await
+        }
+    }
+}
+
 fn timed_out(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, format!("{what} timed out"))
 }

@@ -586,3 +586,33 @@ async fn a_forwarded_request_says_whether_it_reached_the_backend() {
         streamed.text()
     );
 }
+
+#[tokio::test]
+async fn a_response_still_streaming_as_the_lock_runs_out_is_never_executed_twice() {
+    // The head comes at once, the body over 1.6 s: longer than the 1 s lock. Before the lock
+    // lapses the outcome is stored as executed but not replayable, so a retry past the lock's
+    // end is refused instead of executed again.
+    let mut script = vec![send(b"HTTP/1.1 201 Created\r\nContent-Length: 40\r\n\r\n")];
+    for _ in 0..4 {
+        script.push(Step::Pause(Duration::from_millis(400)));
+        script.push(send(b"0123456789"));
+    }
+    let backend = RawBackend::start(script).await;
+    let proxy = proxy(&backend).await;
+    let addr = proxy.addr;
+    let first = tokio::spawn(async move { order("slow-body").send(addr).await });
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let retry = order("slow-body").send(proxy.addr).await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert_eq!(retry.problem_type(), "response-not-replayable");
+    assert_eq!(retry.result(), Some("CONFLICT"));
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(first.body, b"0123456789".repeat(4));
+    let later = order("slow-body").send(proxy.addr).await;
+    assert_eq!(later.problem_type(), "response-not-replayable");
+    assert_eq!(backend.count(), 1, "executed once");
+    proxy
+        .metrics_containing("idemgate_settled_streaming_total 1")
+        .await;
+}
