@@ -611,7 +611,11 @@ impl Gate {
             .observe_upstream(started.elapsed().as_secs_f64());
 
         if let Err(e) = body_result {
-            tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
+            if settled {
+                tracing::warn!(error = %e, route = %route.name, "backend answer cut off; already stored as executed, not replayable");
+            } else {
+                tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
+            }
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
                 return self

@@ -300,6 +300,7 @@ pub async fn send(
     body: &[u8],
     started: Instant,
 ) -> Result<Exchange, UpstreamError> {
+    let total = head.len() + body.len();
     if let Some(mut stream) = take_idle(backend, started) {
         match write_request(backend, &mut stream, head, body).await {
             (_, Ok(())) => return Ok(Exchange::new(backend, stream, true, started, false)),
@@ -307,7 +308,8 @@ pub async fn send(
                 tracing::debug!(error = %e, "pooled backend connection was closed; reconnecting")
             }
             (sent, Err(e)) => {
-                return Ok(cut_off(backend, stream, true, started, sent, head, body, e))
+                log_cut_off(backend, sent, total, &e);
+                return Ok(Exchange::new(backend, stream, true, started, true));
             }
         }
     }
@@ -315,32 +317,21 @@ pub async fn send(
     match write_request(backend, &mut stream, head, body).await {
         (_, Ok(())) => Ok(Exchange::new(backend, stream, false, started, false)),
         (0, Err(e)) => Err(UpstreamError::Write(e)),
-        (sent, Err(e)) => Ok(cut_off(
-            backend, stream, false, started, sent, head, body, e,
-        )),
+        (sent, Err(e)) => {
+            log_cut_off(backend, sent, total, &e);
+            Ok(Exchange::new(backend, stream, false, started, true))
+        }
     }
 }
 
-/// The exchange of a request whose write failed after `sent` bytes went out.
-#[allow(clippy::too_many_arguments)]
-fn cut_off(
-    backend: &Backend,
-    stream: TcpStream,
-    reused: bool,
-    started: Instant,
-    sent: usize,
-    head: &[u8],
-    body: &[u8],
-    error: io::Error,
-) -> Exchange {
+fn log_cut_off(backend: &Backend, sent: usize, total: usize, error: &io::Error) {
     tracing::warn!(
         backend = %backend.addr,
         sent,
-        request_bytes = head.len() + body.len(),
+        request_bytes = total,
         %error,
         "request cut off after part of it went out; reading what the backend answered"
     );
-    Exchange::new(backend, stream, reused, started, true)
 }
 
 /// Writes `head` and `body` within the backend's write timeout. Returns how many bytes went
