@@ -31,6 +31,9 @@ pub struct Config {
     pub work_stealing: bool,
     /// Longest pause allowed between two reads of a request body.
     pub request_body_timeout: Duration,
+    /// Longest a write of a response may wait for the client to take it (a client that stopped
+    /// reading); then the client's connection is closed.
+    pub response_send_timeout: Duration,
     /// Graceful shutdown budget.
     pub shutdown: ShutdownConfig,
     /// The admin listener (`/healthz`, `/readyz`, `/metrics`).
@@ -462,6 +465,8 @@ struct FileConfig {
     work_stealing: bool,
     #[serde(default = "default_request_body_timeout")]
     request_body_timeout: Scalar,
+    #[serde(default = "default_response_send_timeout")]
+    response_send_timeout: Scalar,
     #[serde(default)]
     shutdown: FileShutdown,
     #[serde(default)]
@@ -711,6 +716,10 @@ fn default_threads() -> i64 {
 
 fn default_request_body_timeout() -> Scalar {
     Scalar::text("10s")
+}
+
+fn default_response_send_timeout() -> Scalar {
+    Scalar::text("60s")
 }
 
 fn default_connect_timeout() -> Scalar {
@@ -1013,6 +1022,8 @@ impl FileConfig {
         let threads = int_in_range("threads", self.threads, 1, 256)?;
         let request_body_timeout =
             positive_duration("request_body_timeout".into(), &self.request_body_timeout)?;
+        let response_send_timeout =
+            positive_duration("response_send_timeout".into(), &self.response_send_timeout)?;
 
         let shutdown = ShutdownConfig {
             grace_period: duration("shutdown.grace_period".into(), &self.shutdown.grace_period)?,
@@ -1079,6 +1090,7 @@ impl FileConfig {
             threads,
             work_stealing: self.work_stealing,
             request_body_timeout,
+            response_send_timeout,
             shutdown,
             admin,
             upstreams,
@@ -2443,8 +2455,16 @@ routes:
         assert_eq!(config.store.redis, redis_defaults.store.redis);
         assert_eq!(config.upstreams[0], minimal.upstreams[0]);
         assert_eq!(
-            (config.threads, config.request_body_timeout),
-            (minimal.threads, minimal.request_body_timeout)
+            (
+                config.threads,
+                config.request_body_timeout,
+                config.response_send_timeout
+            ),
+            (
+                minimal.threads,
+                minimal.request_body_timeout,
+                minimal.response_send_timeout
+            )
         );
     }
 
@@ -2522,6 +2542,7 @@ routes:
         assert_eq!(config.listen, "0.0.0.0:6180".parse().unwrap());
         assert_eq!(config.threads, 2);
         assert_eq!(config.request_body_timeout, secs(10));
+        assert_eq!(config.response_send_timeout, secs(60));
         assert_eq!(
             config.shutdown,
             ShutdownConfig {
@@ -2749,6 +2770,14 @@ routes:
         assert_field(
             &format!("request_body_timeout: 0s\n{MINIMAL}"),
             "request_body_timeout",
+        );
+        assert_field(
+            &format!("response_send_timeout: 0s\n{MINIMAL}"),
+            "response_send_timeout",
+        );
+        assert_eq!(
+            load(&format!("response_send_timeout: 250ms\n{MINIMAL}")).response_send_timeout,
+            Duration::from_millis(250)
         );
         assert_field(
             &format!("shutdown: {{grace_period: soon}}\n{MINIMAL}"),

@@ -1060,6 +1060,9 @@ impl ProxyHttp for Gate {
     /// to let pingora forward the request untouched.
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
         let gen = ctx.gen.clone();
+        // Every write to this client (answers of all kinds, replays, pingora's forwarding) gives
+        // up once the client has taken nothing for this long; no timer unless a write waits.
+        session.set_write_timeout(Some(gen.config.response_send_timeout));
         let req = session.req_header();
         if is_standard_method_in_other_case(&req.method) {
             let problem = Problem::MethodCase;

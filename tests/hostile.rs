@@ -267,3 +267,39 @@ async fn query_order_and_absolute_form_are_fingerprinted_as_sent() {
     assert_eq!(abs.result(), Some("MISS"), "{}", abs.text());
     assert_eq!(backend.count(), 2);
 }
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off_and_the_outcome_is_still_stored() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const LEN: usize = 16 << 20;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("response_send_timeout: 300ms")
+        .idem("max_response_bytes: 32MiB")
+        .start()
+        .await;
+    let order = || {
+        Request::post(&format!("/orders/large/{LEN}"))
+            .key("stalled")
+            .body("{}")
+    };
+    // A 16 MiB answer to a client that reads nothing, with a small receive buffer: far more
+    // than the kernel buffers between them hold.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(proxy.addr).await.unwrap();
+    stalled.write_all(&order().to_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The proxy gave up on this client: what it had sent is all there is, and the connection
+    // is closed rather than waiting for the client to read on.
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stalled.read_to_end(&mut got))
+        .await
+        .expect("the proxy closed the stalled connection");
+    assert!(got.len() < LEN, "cut off, got {} bytes", got.len());
+    // The execution's outcome was stored all the same: a retry is replayed whole.
+    let retry = order().send(proxy.addr).await;
+    assert_eq!((retry.status, retry.result()), (200, Some("HIT")));
+    assert_eq!(retry.body.len(), LEN);
+    assert_eq!(backend.count(), 1);
+}
