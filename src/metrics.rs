@@ -37,6 +37,8 @@ pub struct Metrics {
     /// Responses stored as not replayable because they were still streaming as their lock was
     /// about to lapse.
     pub settled_streaming: IntCounter,
+    /// Locks renewed while a backend's answer was still awaited.
+    pub lock_renewals: IntCounter,
 }
 
 impl Metrics {
@@ -97,6 +99,12 @@ impl Metrics {
              when the lock was about to lapse",
         )
         .expect("static metric definition");
+        let lock_renewals = IntCounter::new(
+            "idemgate_lock_renewals_total",
+            "Locks renewed because the backend's answer was still awaited at three quarters of \
+             lock_ttl",
+        )
+        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -112,6 +120,7 @@ impl Metrics {
             Box::new(store_errors.clone()),
             Box::new(fenced_writes.clone()),
             Box::new(settled_streaming.clone()),
+            Box::new(lock_renewals.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -125,6 +134,7 @@ impl Metrics {
             store_errors,
             fenced_writes,
             settled_streaming,
+            lock_renewals,
         }
     }
 

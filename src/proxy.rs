@@ -31,8 +31,8 @@ use crate::problem::{Outcome, Problem};
 use crate::snowflake::Snowflake;
 use crate::store::retry::{CompletionRetrier, PendingCompletion};
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
-    ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
+    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, RecordKey, RecordState,
+    RecordStore, ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
 };
 use crate::upstream::{self, Backend, UpstreamError};
 use pingora::protocols::http::date::get_cached_date;
@@ -229,6 +229,8 @@ struct Claim<'a> {
     store: &'a dyn RecordStore,
     key: RecordKey,
     owner: OwnerToken,
+    /// The claimed request's fingerprint: a renewal claims with it again.
+    fingerprint: Digest,
     execution_id: u64,
     /// The claim was sent, plus `lock_ttl`: the store's lock lapses no earlier than this.
     lock_deadline: Instant,
@@ -348,6 +350,7 @@ impl Gate {
                         store,
                         key: claim_req.key.clone(),
                         owner: claim_req.owner,
+                        fingerprint: claim_req.fingerprint,
                         execution_id,
                         lock_deadline: started + idem.lock_ttl,
                     };
@@ -488,7 +491,7 @@ impl Gate {
         route: &Route,
         idem: &RouteIdempotency,
         body: Bytes,
-        claim: Option<Claim<'_>>,
+        mut claim: Option<Claim<'_>>,
         outcome: Outcome,
     ) -> Result<Handled> {
         let pool = &ctx.gen.pools[route.upstream];
@@ -526,8 +529,32 @@ impl Gate {
         };
 
         // The request is on the wire: from here on the outcome is unknown until a complete
-        // response arrives, and the claim is kept unless one does.
-        let response = match exchange.read_head(head_request).await {
+        // response arrives, and the claim is kept unless one does. Nothing can be stored
+        // before the answer's head, so while the backend is still being waited for (1xx
+        // answers each restart the read timeout) the lock is renewed at three quarters of its
+        // life: no retry can take the key over while the original may still be answered.
+        let head = {
+            let mut head = pin!(exchange.read_head(head_request));
+            let mut renewing = claim.is_some();
+            loop {
+                let renew_at = claim
+                    .as_ref()
+                    .filter(|_| renewing)
+                    .map(|c| c.lock_deadline - idem.lock_ttl / 4);
+                let Some(at) = renew_at else {
+                    break head.await;
+                };
+                match upstream::until(at, head.as_mut()).await {
+                    Ok(head) => break head,
+                    Err(_) => {
+                        if let Some(c) = claim.as_mut() {
+                            renewing = self.renew(c, idem).await;
+                        }
+                    }
+                }
+            }
+        };
+        let response = match head {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
@@ -805,6 +832,39 @@ impl Gate {
                     execution_id: claim.execution_id,
                     lock_deadline: tokio::time::Instant::from_std(claim.lock_deadline),
                 });
+            }
+        }
+    }
+
+    /// Extends the claim's lock by claiming the record again as its owner, which the stores
+    /// treat as a renewal. Returns whether the lock is still this request's.
+    async fn renew(&self, claim: &mut Claim<'_>, idem: &RouteIdempotency) -> bool {
+        let req = ClaimRequest {
+            key: claim.key.clone(),
+            fingerprint: claim.fingerprint,
+            owner: claim.owner,
+            execution_id: claim.execution_id,
+            lock_ttl: idem.lock_ttl,
+            ttl: idem.ttl,
+        };
+        let started = Instant::now();
+        let answer = claim.store.claim(&req).await;
+        self.observe_store(StoreOp::Claim, started, answer.is_err());
+        let record = key::hash_label(&claim.key.hash);
+        match answer {
+            Ok(ClaimOutcome::Acquired { .. }) => {
+                claim.lock_deadline = started + idem.lock_ttl;
+                self.metrics.lock_renewals.inc();
+                tracing::info!(%record, "still waiting for the backend's answer; lock renewed");
+                true
+            }
+            Ok(ClaimOutcome::Existing(_)) => {
+                tracing::warn!(%record, "lock taken over while waiting for the backend's answer");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(%record, error = %e, "renewing the lock failed; it lapses at lock_ttl");
+                false
             }
         }
     }

@@ -616,3 +616,42 @@ async fn a_response_still_streaming_as_the_lock_runs_out_is_never_executed_twice
         .metrics_containing("idemgate_settled_streaming_total 1")
         .await;
 }
+
+#[tokio::test]
+async fn a_backend_still_answering_keeps_its_lock_renewed() {
+    // 102 Processing every 400 ms for 2 s, then the answer: each interim answer restarts the
+    // read timeout, so the wait outlasts the 1 s lock. The proxy renews the lock while it
+    // waits, and a retry past the first lock's end is told to wait (409), not executed again.
+    let mut script = Vec::new();
+    for _ in 0..4 {
+        script.push(Step::Pause(Duration::from_millis(400)));
+        script.push(send(b"HTTP/1.1 102 Processing\r\n\r\n"));
+    }
+    script.push(Step::Pause(Duration::from_millis(400)));
+    script.push(created("{\"id\":\"slow\"}"));
+    let backend = RawBackend::start(script).await;
+    let proxy = proxy(&backend).await;
+    let addr = proxy.addr;
+    let first = tokio::spawn(async move { order("still-answering").send(addr).await });
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let retry = order("still-answering").send(proxy.addr).await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert_eq!(retry.problem_type(), "request-in-flight");
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    let later = order("still-answering").send(proxy.addr).await;
+    assert_eq!((later.status, later.result()), (201, Some("HIT")));
+    assert_eq!(later.body, b"{\"id\":\"slow\"}");
+    assert_eq!(backend.count(), 1, "executed once");
+    let metrics = proxy.metrics().await;
+    let renewals: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_lock_renewals_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    // At 0.75 s and 1.5 s after the claim; a slow machine may add one more.
+    assert!(
+        (2..=3).contains(&renewals),
+        "renewals: {renewals}\n{metrics}"
+    );
+}

@@ -44,6 +44,7 @@ where
     case_release_then_claim_keeps_execution_id(&make().await).await;
     case_release_by_non_owner_is_refused(&make().await).await;
     case_lapsed_lock_is_taken_over_and_fenced(&make().await).await;
+    case_owner_reclaim_renews_the_lock(&make().await).await;
     case_unreplayable_completion_reads_back(&make().await).await;
     case_record_expires_after_ttl(&make().await).await;
     case_reclaim_extends_record_life(&make().await).await;
@@ -321,6 +322,45 @@ pub async fn case_lapsed_lock_is_taken_over_and_fenced<S: RecordStore>(store: &A
     );
     let record = ok(store.get(&key).await).expect("record must exist");
     assert_eq!(record.state, RecordState::Completed(fresh));
+    assert_eq!(record.execution_id, first.execution_id);
+}
+
+/// A claim repeated by the lock's owner (same owner token and fingerprint) renews the lock:
+/// it answers `Acquired` with the record's execution id, and nobody else can take the record
+/// over until the renewed lock lapses. The proxy renews a lock this way while it still waits
+/// for the backend's answer.
+pub async fn case_owner_reclaim_renews_the_lock<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+    tokio::time::sleep(LOCK_TTL * 2 / 3).await;
+    let renewal = ClaimRequest {
+        execution_id: rand::random(),
+        ..first.clone()
+    };
+    assert_eq!(
+        ok(store.claim(&renewal).await),
+        ClaimOutcome::Acquired {
+            execution_id: first.execution_id
+        }
+    );
+    // Past the first lock's end, within the renewed one.
+    tokio::time::sleep(LOCK_TTL * 2 / 3).await;
+    let other = request(&key, fingerprint(1));
+    match ok(store.claim(&other).await) {
+        ClaimOutcome::Existing(Record {
+            state: RecordState::InFlight { lock_remaining },
+            ..
+        }) => assert!(lock_remaining > Duration::ZERO),
+        other => panic!("the renewed lock was taken over: {other:?}"),
+    }
+    let done = Completion::Response(Arc::new(simple_response(201, b"renewed")));
+    assert_eq!(
+        ok(store.complete(&key, first.owner, done.clone(), TTL).await),
+        WriteOutcome::Applied
+    );
+    let record = ok(store.get(&key).await).expect("record must exist");
+    assert_eq!(record.state, RecordState::Completed(done));
     assert_eq!(record.execution_id, first.execution_id);
 }
 

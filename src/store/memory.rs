@@ -537,12 +537,15 @@ impl Entry {
         matches!(self.state, EntryState::InFlight { owner: holder, .. } if holder == owner_words(owner))
     }
 
-    /// Claim on a live record: take it over if it is free and the request is the same one,
-    /// otherwise report it unchanged.
+    /// Claim on a live record: take it over if it is free (released, its lock lapsed, or held
+    /// by this very owner: a renewal) and the request is the same one, otherwise report it
+    /// unchanged.
     fn claim_existing(&mut self, req: &ClaimRequest, now: Moment) -> ClaimOutcome {
         let free = match self.state {
             EntryState::Released => true,
-            EntryState::InFlight { lock_until, .. } => now >= lock_until,
+            EntryState::InFlight { lock_until, owner } => {
+                now >= lock_until || owner == owner_words(req.owner)
+            }
             EntryState::Completed(_) => false,
         };
         // A different request under the same key must not take the record over: the caller

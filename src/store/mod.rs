@@ -156,7 +156,9 @@ pub enum StoreError {
 /// The record store: atomic claim, fenced completion and release, and waiting for a change.
 #[async_trait]
 pub trait RecordStore: Send + Sync + 'static {
-    /// Claims the record if absent, released, or its lock lapsed; otherwise reads it.
+    /// Claims the record if absent, released, or its lock lapsed; otherwise reads it. A claim
+    /// by the lock's own owner (same owner token and fingerprint) renews the lock: a re-send
+    /// after a lost connection, or the proxy keeping the lock while it waits for an answer.
     /// One atomic step: two concurrent claims never both acquire.
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError>;
 
