@@ -31,8 +31,8 @@ use crate::problem::{Outcome, Problem};
 use crate::snowflake::Snowflake;
 use crate::store::retry::{CompletionRetrier, PendingCompletion};
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, RecordKey, RecordState,
-    RecordStore, ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
+    ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
+    ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
 };
 use crate::upstream::{self, Backend, UpstreamError};
 use pingora::protocols::http::date::get_cached_date;
@@ -227,13 +227,20 @@ struct Handled {
 /// Where the claim was made, so completion goes to the same store.
 struct Claim<'a> {
     store: &'a dyn RecordStore,
-    key: RecordKey,
-    owner: OwnerToken,
-    /// The claimed request's fingerprint: a renewal claims with it again.
-    fingerprint: Digest,
+    /// The claim as sent: key, owner, fingerprint and TTLs. Sent again, it renews the lock.
+    req: &'a ClaimRequest,
+    /// The record's execution id (an earlier claim's, when the record was re-claimed).
     execution_id: u64,
     /// The claim was sent, plus `lock_ttl`: the store's lock lapses no earlier than this.
     lock_deadline: Instant,
+}
+
+impl Claim<'_> {
+    /// When the lock is three quarters gone: the last moment to renew it, or to store an
+    /// outcome, with a quarter of the lock left for the store's round trip.
+    fn alarm(&self) -> Instant {
+        self.lock_deadline - self.req.lock_ttl / 4
+    }
 }
 
 // === impl Gate ===
@@ -348,9 +355,7 @@ impl Gate {
                 Ok(ClaimOutcome::Acquired { execution_id }) => {
                     let claim = Claim {
                         store,
-                        key: claim_req.key.clone(),
-                        owner: claim_req.owner,
-                        fingerprint: claim_req.fingerprint,
+                        req: &claim_req,
                         execution_id,
                         lock_deadline: started + idem.lock_ttl,
                     };
@@ -533,23 +538,15 @@ impl Gate {
         // before the answer's head, so while the backend is still being waited for (1xx
         // answers each restart the read timeout) the lock is renewed at three quarters of its
         // life: no retry can take the key over while the original may still be answered.
-        let head = {
-            let mut head = pin!(exchange.read_head(head_request));
-            let mut renewing = claim.is_some();
-            loop {
-                let renew_at = claim
-                    .as_ref()
-                    .filter(|_| renewing)
-                    .map(|c| c.lock_deadline - idem.lock_ttl / 4);
-                let Some(at) = renew_at else {
-                    break head.await;
-                };
-                match upstream::until(at, head.as_mut()).await {
-                    Ok(head) => break head,
-                    Err(_) => {
-                        if let Some(c) = claim.as_mut() {
-                            renewing = self.renew(c, idem).await;
-                        }
+        let head = match claim.as_mut() {
+            None => exchange.read_head(head_request).await,
+            Some(c) => {
+                let mut head = pin!(exchange.read_head(head_request));
+                loop {
+                    match upstream::until(c.alarm(), head.as_mut()).await {
+                        Ok(head) => break head,
+                        Err(_) if self.renew(c).await => {}
+                        Err(_) => break head.await,
                     }
                 }
             }
@@ -592,10 +589,7 @@ impl Gate {
         // A response still streaming (a slow backend, a slow client) when the lock is three
         // quarters gone is settled first: stored as executed but not replayable, so a retry
         // after the lock would have lapsed gets 409, never a second execution.
-        let settle_at = claim
-            .as_ref()
-            .filter(|_| storable)
-            .map(|c| c.lock_deadline - idem.lock_ttl / 4);
+        let mut to_settle = claim.as_ref().filter(|_| storable);
         let mut settled = false;
         let body_result: std::result::Result<(), UpstreamError> = loop {
             let step = async {
@@ -613,19 +607,19 @@ impl Gate {
                 out.push(session, chunk).await;
                 Ok(true)
             };
-            let stepped = match (settle_at, &claim) {
-                (Some(at), Some(c)) if !settled => {
+            let stepped = match to_settle {
+                None => step.await,
+                Some(c) => {
                     let mut step = pin!(step);
-                    match upstream::until(at, step.as_mut()).await {
+                    match upstream::until(c.alarm(), step.as_mut()).await {
                         Ok(stepped) => stepped,
                         Err(_) => {
-                            settled = true;
-                            self.settle(c, status, idem.ttl).await;
+                            self.settle(c, status).await;
+                            (to_settle, settled) = (None, true);
                             step.await
                         }
                     }
                 }
-                _ => step.await,
             };
             match stepped {
                 Ok(true) => {}
@@ -638,11 +632,12 @@ impl Gate {
             .observe_upstream(started.elapsed().as_secs_f64());
 
         if let Err(e) = body_result {
-            if settled {
-                tracing::warn!(error = %e, route = %route.name, "backend answer cut off; already stored as executed, not replayable");
+            let kept = if settled {
+                "already stored as executed, not replayable"
             } else {
-                tracing::warn!(error = %e, route = %route.name, "backend answer cut off; claim kept until lock_ttl");
-            }
+                "claim kept until lock_ttl"
+            };
+            tracing::warn!(error = %e, route = %route.name, "backend answer cut off; {kept}");
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
                 return self
@@ -665,7 +660,7 @@ impl Gate {
                     Some(body) if !too_large => Completion::Response(Arc::new(body.finish())),
                     _ => Completion::Unreplayable { status },
                 };
-                self.complete(claim, completion, idem.ttl).await;
+                self.complete(claim, completion).await;
             } else {
                 self.release(claim).await;
             }
@@ -808,14 +803,15 @@ impl Gate {
         Ok(true)
     }
 
-    async fn complete(&self, claim: &Claim<'_>, completion: Completion, ttl: Duration) {
+    async fn complete(&self, claim: &Claim<'_>, completion: Completion) {
+        let (req, ttl) = (claim.req, claim.req.ttl);
         let started = Instant::now();
         let written = claim
             .store
-            .complete(&claim.key, claim.owner, completion.clone(), ttl)
+            .complete(&req.key, req.owner, completion.clone(), ttl)
             .await;
         self.observe_store(StoreOp::Complete, started, written.is_err());
-        let record = key::hash_label(&claim.key.hash);
+        let record = key::hash_label(&req.key.hash);
         match written {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::NotOwner) => {
@@ -825,8 +821,8 @@ impl Gate {
             Err(e) => {
                 tracing::warn!(%record, error = %e, "storing the response failed; retrying");
                 self.retrier.submit(PendingCompletion {
-                    key: claim.key.clone(),
-                    owner: claim.owner,
+                    key: req.key.clone(),
+                    owner: req.owner,
                     completion,
                     ttl,
                     execution_id: claim.execution_id,
@@ -838,22 +834,14 @@ impl Gate {
 
     /// Extends the claim's lock by claiming the record again as its owner, which the stores
     /// treat as a renewal. Returns whether the lock is still this request's.
-    async fn renew(&self, claim: &mut Claim<'_>, idem: &RouteIdempotency) -> bool {
-        let req = ClaimRequest {
-            key: claim.key.clone(),
-            fingerprint: claim.fingerprint,
-            owner: claim.owner,
-            execution_id: claim.execution_id,
-            lock_ttl: idem.lock_ttl,
-            ttl: idem.ttl,
-        };
+    async fn renew(&self, claim: &mut Claim<'_>) -> bool {
         let started = Instant::now();
-        let answer = claim.store.claim(&req).await;
+        let answer = claim.store.claim(claim.req).await;
         self.observe_store(StoreOp::Claim, started, answer.is_err());
-        let record = key::hash_label(&claim.key.hash);
+        let record = key::hash_label(&claim.req.key.hash);
         match answer {
             Ok(ClaimOutcome::Acquired { .. }) => {
-                claim.lock_deadline = started + idem.lock_ttl;
+                claim.lock_deadline = started + claim.req.lock_ttl;
                 self.metrics.lock_renewals.inc();
                 tracing::info!(%record, "still waiting for the backend's answer; lock renewed");
                 true
@@ -871,26 +859,26 @@ impl Gate {
 
     /// Stores a response that is still streaming as executed but not replayable, before the
     /// claim's lock lapses.
-    async fn settle(&self, claim: &Claim<'_>, status: u16, ttl: Duration) {
+    async fn settle(&self, claim: &Claim<'_>, status: u16) {
         tracing::warn!(
-            record = %key::hash_label(&claim.key.hash),
+            record = %key::hash_label(&claim.req.key.hash),
             status,
             "response still streaming as the lock runs out; stored as executed, not replayable"
         );
         self.metrics.settled_streaming.inc();
-        self.complete(claim, Completion::Unreplayable { status }, ttl)
+        self.complete(claim, Completion::Unreplayable { status })
             .await;
     }
 
     async fn release(&self, claim: &Claim<'_>) {
         let started = Instant::now();
-        let written = claim.store.release(&claim.key, claim.owner).await;
+        let written = claim.store.release(&claim.req.key, claim.req.owner).await;
         self.observe_store(StoreOp::Release, started, written.is_err());
         match written {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::NotOwner) => self.metrics.fenced_writes.inc(),
             Err(e) => {
-                tracing::warn!(record = %key::hash_label(&claim.key.hash), error = %e, "releasing the claim failed; it lapses at lock_ttl");
+                tracing::warn!(record = %key::hash_label(&claim.req.key.hash), error = %e, "releasing the claim failed; it lapses at lock_ttl");
             }
         }
     }

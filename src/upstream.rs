@@ -112,23 +112,24 @@ pub enum UpstreamError {
 /// into a socket with room, or bytes that are already in the kernel's buffer. That is most I/O
 /// on this path, and a timer costs a clock read and a registration each time.
 pub async fn within<F: Future>(limit: Duration, fut: F) -> Result<F::Output, Elapsed> {
-    let mut fut = pin!(fut);
-    match poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
-        Poll::Ready(output) => Ok(output),
-        Poll::Pending => fast_timeout(limit, fut).await,
-    }
+    bounded(fut, || limit).await
 }
 
 /// `fut`, or [`Elapsed`] if `deadline` comes first. Like [`within`], the clock is read and a
 /// timer armed only when `fut` is not ready at its first poll.
 pub async fn until<F: Future>(deadline: Instant, fut: F) -> Result<F::Output, Elapsed> {
+    bounded(fut, || deadline.saturating_duration_since(Instant::now())).await
+}
+
+/// Polls `fut` once; only if it is pending is `limit` asked for and a timer armed.
+async fn bounded<F: Future>(
+    fut: F,
+    limit: impl FnOnce() -> Duration,
+) -> Result<F::Output, Elapsed> {
     let mut fut = pin!(fut);
     match poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
         Poll::Ready(output) => Ok(output),
-        Poll::Pending => {
-            let left = deadline.saturating_duration_since(Instant::now());
-            fast_timeout(left, fut).await
-        }
+        Poll::Pending => fast_timeout(limit(), fut).await,
     }
 }
 
@@ -300,48 +301,31 @@ pub async fn send(
     body: &[u8],
     started: Instant,
 ) -> Result<Exchange, UpstreamError> {
-    let total = head.len() + body.len();
     if let Some(mut stream) = take_idle(backend, started) {
         match write_request(backend, &mut stream, head, body).await {
-            (_, Ok(())) => return Ok(Exchange::new(backend, stream, true, started, false)),
-            (0, Err(e)) => {
+            Written {
+                sent: 0,
+                result: Err(e),
+                ..
+            } => {
                 tracing::debug!(error = %e, "pooled backend connection was closed; reconnecting")
             }
-            (sent, Err(e)) => {
-                log_cut_off(backend, sent, total, &e);
-                return Ok(Exchange::new(backend, stream, true, started, true));
-            }
+            written => return Exchange::after_write(backend, stream, true, started, written),
         }
     }
     let mut stream = connect(backend).await?;
-    match write_request(backend, &mut stream, head, body).await {
-        (_, Ok(())) => Ok(Exchange::new(backend, stream, false, started, false)),
-        (0, Err(e)) => Err(UpstreamError::Write(e)),
-        (sent, Err(e)) => {
-            log_cut_off(backend, sent, total, &e);
-            Ok(Exchange::new(backend, stream, false, started, true))
-        }
-    }
-}
-
-fn log_cut_off(backend: &Backend, sent: usize, total: usize, error: &io::Error) {
-    tracing::warn!(
-        backend = %backend.addr,
-        sent,
-        request_bytes = total,
-        %error,
-        "request cut off after part of it went out; reading what the backend answered"
-    );
+    let written = write_request(backend, &mut stream, head, body).await;
+    Exchange::after_write(backend, stream, false, started, written)
 }
 
 /// Writes `head` and `body` within the backend's write timeout. Returns how many bytes went
-/// out, and why it stopped short, if it did.
+/// out, of how many, and why it stopped short, if it did.
 async fn write_request(
     backend: &Backend,
     stream: &mut TcpStream,
     head: &[u8],
     body: &[u8],
-) -> (usize, io::Result<()>) {
+) -> Written {
     let total = head.len() + body.len();
     let mut sent = 0;
     let write = async {
@@ -362,7 +346,18 @@ async fn write_request(
     let written = within(backend.write_timeout, write)
         .await
         .unwrap_or_else(|_| Err(timed_out("write")));
-    (sent, written)
+    Written {
+        sent,
+        total,
+        result: written,
+    }
+}
+
+/// How a request write ended: `sent` of `total` bytes went out.
+struct Written {
+    sent: usize,
+    total: usize,
+    result: io::Result<()>,
 }
 
 // === response ===
@@ -427,6 +422,36 @@ impl Exchange {
             reused,
             received: 0,
             backend: backend.clone(),
+        }
+    }
+
+    /// The exchange of a request written (wholly or in part, see [`send`]) on `stream`, or
+    /// [`UpstreamError::Write`] if not one byte of it went out.
+    fn after_write(
+        backend: &Backend,
+        stream: TcpStream,
+        reused: bool,
+        started: Instant,
+        written: Written,
+    ) -> Result<Exchange, UpstreamError> {
+        let Written {
+            sent,
+            total,
+            result,
+        } = written;
+        match result {
+            Ok(()) => Ok(Exchange::new(backend, stream, reused, started, false)),
+            Err(e) if sent == 0 => Err(UpstreamError::Write(e)),
+            Err(error) => {
+                tracing::warn!(
+                    backend = %backend.addr,
+                    sent,
+                    request_bytes = total,
+                    %error,
+                    "request cut off after part of it went out; reading what the backend answered"
+                );
+                Ok(Exchange::new(backend, stream, reused, started, true))
+            }
         }
     }
 

@@ -402,48 +402,6 @@ async fn a_connection_idle_past_idle_timeout_is_not_reused() {
     );
 }
 
-/// A backend that reads only the head of each request, never its body: it answers `answer`
-/// (if any) at once, then holds the connection open without reading for `hold`. Counts heads.
-async fn head_only_backend(
-    answer: Option<&'static [u8]>,
-    hold: Duration,
-) -> (
-    std::net::SocketAddr,
-    std::sync::Arc<std::sync::atomic::AtomicUsize>,
-) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::io::AsyncReadExt;
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    // A small receive buffer: a large body cannot hide in the backend's kernel buffers.
-    socket.set_recv_buffer_size(4096).unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let listener = socket.listen(16).unwrap();
-    let addr = listener.local_addr().unwrap();
-    let heads = std::sync::Arc::new(AtomicUsize::new(0));
-    let counted = heads.clone();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let counted = counted.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                counted.fetch_add(1, Ordering::SeqCst);
-                if let Some(answer) = answer {
-                    let _ = stream.write_all(answer).await;
-                }
-                tokio::time::sleep(hold).await;
-            });
-        }
-    });
-    (addr, heads)
-}
-
 /// An 8 MiB keyed request: more than the backend's and the proxy's socket buffers hold, so it
 /// only goes out whole if the backend reads it.
 fn large_order(key: &str) -> Request {
@@ -469,12 +427,12 @@ async fn large_body_proxy(backend: std::net::SocketAddr) -> Proxy {
 async fn an_answer_given_before_the_body_was_read_is_relayed_and_stored() {
     // A backend may answer without reading the body (a 413, or a handler that ignores it):
     // that answer is the outcome, not a failure to reach the backend.
-    let (addr, heads) = head_only_backend(
-        Some(b"HTTP/1.1 413 Content Too Large\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{\"error\":\"big\"}"),
-        Duration::from_secs(3),
-    )
+    let backend = RawBackend::start_head_only(vec![
+        send(b"HTTP/1.1 413 Content Too Large\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{\"error\":\"big\"}"),
+        Step::Pause(Duration::from_secs(3)),
+    ])
     .await;
-    let proxy = large_body_proxy(addr).await;
+    let proxy = large_body_proxy(backend.addr).await;
     let first = large_order("early-answer").send(proxy.addr).await;
     assert_eq!(
         (first.status, first.result()),
@@ -491,22 +449,22 @@ async fn an_answer_given_before_the_body_was_read_is_relayed_and_stored() {
         again.text()
     );
     assert_eq!(again.body, b"{\"error\":\"big\"}");
-    assert_eq!(heads.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(backend.count(), 1);
 }
 
 #[tokio::test]
 async fn a_request_cut_off_mid_body_keeps_the_key_locked() {
     // The backend has the head and part of the body, and says nothing: it may act on what it
     // has. The outcome is unknown, so the claim is kept, never released for a second execution.
-    let (addr, heads) = head_only_backend(None, Duration::from_secs(3)).await;
-    let proxy = large_body_proxy(addr).await;
+    let backend = RawBackend::start_head_only(vec![Step::Pause(Duration::from_secs(3))]).await;
+    let proxy = large_body_proxy(backend.addr).await;
     let first = large_order("cut-request").send(proxy.addr).await;
     assert_eq!(first.status, 504, "{}", first.text());
     assert_eq!(first.problem_type(), "upstream-outcome-unknown");
     let retry = large_order("cut-request").send(proxy.addr).await;
     assert_eq!(retry.status, 409, "{}", retry.text());
     assert_eq!(retry.problem_type(), "request-in-flight");
-    assert_eq!(heads.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(backend.count(), 1);
     assert!(
         proxy.log().contains("request cut off"),
         "the cut is logged:\n{}",
@@ -518,14 +476,11 @@ async fn a_request_cut_off_mid_body_keeps_the_key_locked() {
 async fn an_early_answer_followed_by_a_reset_is_still_relayed() {
     // Closing with the body unread makes the backend's kernel reset the connection; the
     // answer it wrote first is already in the proxy's receive buffer and still counts.
-    let (addr, heads) = head_only_backend(
-        Some(
-            b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\nConnection: close\r\n\r\nbig",
-        ),
-        Duration::ZERO,
-    )
+    let backend = RawBackend::start_head_only(vec![send(
+        b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\nConnection: close\r\n\r\nbig",
+    )])
     .await;
-    let proxy = large_body_proxy(addr).await;
+    let proxy = large_body_proxy(backend.addr).await;
     let first = large_order("early-reset").send(proxy.addr).await;
     assert_eq!(
         (first.status, first.result()),
@@ -540,7 +495,7 @@ async fn an_early_answer_followed_by_a_reset_is_still_relayed() {
         "{}",
         again.text()
     );
-    assert_eq!(heads.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(backend.count(), 1);
 }
 
 #[tokio::test]

@@ -315,14 +315,7 @@ pub async fn case_lapsed_lock_is_taken_over_and_fenced<S: RecordStore>(store: &A
         "lapsed owner overwrote the new claim: {record:?}"
     );
 
-    let fresh = Completion::Response(Arc::new(simple_response(201, b"new owner")));
-    assert_eq!(
-        ok(store.complete(&key, second.owner, fresh.clone(), TTL).await),
-        WriteOutcome::Applied
-    );
-    let record = ok(store.get(&key).await).expect("record must exist");
-    assert_eq!(record.state, RecordState::Completed(fresh));
-    assert_eq!(record.execution_id, first.execution_id);
+    completes_as_owner(store, &key, second.owner, first.execution_id, b"new owner").await;
 }
 
 /// A claim repeated by the lock's owner (same owner token and fingerprint) renews the lock:
@@ -354,14 +347,26 @@ pub async fn case_owner_reclaim_renews_the_lock<S: RecordStore>(store: &Arc<S>) 
         }) => assert!(lock_remaining > Duration::ZERO),
         other => panic!("the renewed lock was taken over: {other:?}"),
     }
-    let done = Completion::Response(Arc::new(simple_response(201, b"renewed")));
+    completes_as_owner(store, &key, first.owner, first.execution_id, b"renewed").await;
+}
+
+/// `owner` completes the record with a 201 of `body`; it reads back completed, with
+/// `execution_id`.
+async fn completes_as_owner<S: RecordStore>(
+    store: &Arc<S>,
+    key: &RecordKey,
+    owner: OwnerToken,
+    execution_id: u64,
+    body: &'static [u8],
+) {
+    let done = Completion::Response(Arc::new(simple_response(201, body)));
     assert_eq!(
-        ok(store.complete(&key, first.owner, done.clone(), TTL).await),
+        ok(store.complete(key, owner, done.clone(), TTL).await),
         WriteOutcome::Applied
     );
-    let record = ok(store.get(&key).await).expect("record must exist");
+    let record = ok(store.get(key).await).expect("record must exist");
     assert_eq!(record.state, RecordState::Completed(done));
-    assert_eq!(record.execution_id, first.execution_id);
+    assert_eq!(record.execution_id, execution_id);
 }
 
 /// An unreplayable completion reads back as such, and keeps the key spent.

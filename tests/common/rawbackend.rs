@@ -41,6 +41,23 @@ impl RawBackend {
     /// `scripts[n]` (the last script for every request after).
     pub async fn start_sequence(scripts: Vec<Vec<Step>>) -> RawBackend {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        RawBackend::serve_on(listener, scripts, false)
+    }
+
+    /// A backend that reads only the head of the one request on each connection, never its
+    /// body, answers with `script`, then drops the connection (with the body unread, its kernel
+    /// resets it). Its receive buffer is small, so a large body cannot hide in it: the request
+    /// goes out whole only if the backend reads it.
+    pub async fn start_head_only(script: Vec<Step>) -> RawBackend {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("receive buffer");
+        socket
+            .bind("127.0.0.1:0".parse().expect("addr"))
+            .expect("bind");
+        RawBackend::serve_on(socket.listen(16).expect("listen"), vec![script], true)
+    }
+
+    fn serve_on(listener: TcpListener, scripts: Vec<Vec<Step>>, head_only: bool) -> RawBackend {
         let addr = listener.local_addr().expect("addr");
         let backend = RawBackend {
             addr,
@@ -52,7 +69,7 @@ impl RawBackend {
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 b.connections.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(serve(stream, scripts.clone(), b.clone()));
+                tokio::spawn(serve(stream, scripts.clone(), b.clone(), head_only));
             }
         });
         backend
@@ -74,10 +91,25 @@ impl RawBackend {
     }
 }
 
-async fn serve(mut stream: TcpStream, scripts: Vec<Vec<Step>>, backend: RawBackend) {
+async fn serve(
+    mut stream: TcpStream,
+    scripts: Vec<Vec<Step>>,
+    backend: RawBackend,
+    head_only: bool,
+) {
     let mut buf = Vec::new();
     for n in 0.. {
-        let Some((head, _)) = read_raw_request(&mut stream, &mut buf).await else {
+        let head = if head_only {
+            if n > 0 {
+                return;
+            }
+            read_head(&mut stream, &mut buf).await.map(|(head, _)| head)
+        } else {
+            read_raw_request(&mut stream, &mut buf)
+                .await
+                .map(|(head, _)| head)
+        };
+        let Some(head) = head else {
             return;
         };
         backend.heads.lock().expect("heads").push(head);
@@ -117,16 +149,7 @@ pub async fn read_raw_request(
     stream: &mut TcpStream,
     buf: &mut Vec<u8>,
 ) -> Option<(String, Vec<(String, String)>)> {
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        if buf.len() > 64 * 1024 {
-            return None;
-        }
-        read_more(stream, buf).await?;
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let (head, head_end) = read_head(stream, buf).await?;
     let headers: Vec<(String, String)> = head
         .split("\r\n")
         .skip(1)
@@ -143,6 +166,23 @@ pub async fn read_raw_request(
     }
     buf.drain(..head_end + length);
     Some((head, headers))
+}
+
+/// Reads until `buf` holds a whole request head; returns it and where it ends in `buf`.
+async fn read_head(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(String, usize)> {
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        if buf.len() > 64 * 1024 {
+            return None;
+        }
+        read_more(stream, buf).await?;
+    };
+    Some((
+        String::from_utf8_lossy(&buf[..head_end]).into_owned(),
+        head_end,
+    ))
 }
 
 async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<()> {
