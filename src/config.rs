@@ -29,6 +29,9 @@ pub struct Config {
     /// thread runs its own connections (less cross-thread waking, better for many short
     /// requests).
     pub work_stealing: bool,
+    /// Longest a request header may take to arrive, from its first byte to its last; then the
+    /// connection is closed (with a 408 when the client takes it).
+    pub request_header_timeout: Duration,
     /// Longest pause allowed between two reads of a request body.
     pub request_body_timeout: Duration,
     /// Longest a write of a response may wait for the client to take it (a client that stopped
@@ -463,6 +466,8 @@ struct FileConfig {
     threads: i64,
     #[serde(default = "default_work_stealing")]
     work_stealing: bool,
+    #[serde(default = "default_request_header_timeout")]
+    request_header_timeout: Scalar,
     #[serde(default = "default_request_body_timeout")]
     request_body_timeout: Scalar,
     #[serde(default = "default_response_send_timeout")]
@@ -712,6 +717,10 @@ fn default_work_stealing() -> bool {
 
 fn default_threads() -> i64 {
     2
+}
+
+fn default_request_header_timeout() -> Scalar {
+    Scalar::text("10s")
 }
 
 fn default_request_body_timeout() -> Scalar {
@@ -1020,6 +1029,10 @@ impl FileConfig {
     fn into_config(self, source_hash: String, lookup: Lookup) -> Result<Config, ConfigError> {
         let listen = socket_addr("listen", &self.listen)?;
         let threads = int_in_range("threads", self.threads, 1, 256)?;
+        let request_header_timeout = positive_duration(
+            "request_header_timeout".into(),
+            &self.request_header_timeout,
+        )?;
         let request_body_timeout =
             positive_duration("request_body_timeout".into(), &self.request_body_timeout)?;
         let response_send_timeout =
@@ -1089,6 +1102,7 @@ impl FileConfig {
             listen,
             threads,
             work_stealing: self.work_stealing,
+            request_header_timeout,
             request_body_timeout,
             response_send_timeout,
             shutdown,
@@ -2457,11 +2471,13 @@ routes:
         assert_eq!(
             (
                 config.threads,
+                config.request_header_timeout,
                 config.request_body_timeout,
                 config.response_send_timeout
             ),
             (
                 minimal.threads,
+                minimal.request_header_timeout,
                 minimal.request_body_timeout,
                 minimal.response_send_timeout
             )
@@ -2541,6 +2557,7 @@ routes:
         let config = load(MINIMAL);
         assert_eq!(config.listen, "0.0.0.0:6180".parse().unwrap());
         assert_eq!(config.threads, 2);
+        assert_eq!(config.request_header_timeout, secs(10));
         assert_eq!(config.request_body_timeout, secs(10));
         assert_eq!(config.response_send_timeout, secs(60));
         assert_eq!(
@@ -2774,6 +2791,18 @@ routes:
         assert_field(
             &format!("response_send_timeout: 0s\n{MINIMAL}"),
             "response_send_timeout",
+        );
+        assert_field(
+            &format!("request_header_timeout: 0s\n{MINIMAL}"),
+            "request_header_timeout",
+        );
+        assert_field(
+            &format!("request_header_timeout: soon\n{MINIMAL}"),
+            "request_header_timeout",
+        );
+        assert_eq!(
+            load(&format!("request_header_timeout: 1500ms\n{MINIMAL}")).request_header_timeout,
+            Duration::from_millis(1500)
         );
         assert_eq!(
             load(&format!("response_send_timeout: 250ms\n{MINIMAL}")).response_send_timeout,

@@ -16,6 +16,7 @@
 //! - [`proxy`]: the pingora `ProxyHttp` implementation: the request flow.
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/...`.
 //! - [`reload`]: live config reload; [`script_reload`]: live Lua script versions.
+//! - [`headguard`]: the deadline on a whole request header (`request_header_timeout`).
 //! - [`server`]: wires pingora services, logging and graceful shutdown.
 
 pub mod accesslog;
@@ -23,6 +24,7 @@ pub mod admin;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod headguard;
 pub mod key;
 pub mod logwriter;
 pub mod metrics;

@@ -39,6 +39,9 @@ pub struct Metrics {
     pub settled_streaming: IntCounter,
     /// Locks renewed while a backend's answer was still awaited.
     pub lock_renewals: IntCounter,
+    /// Connections closed because a request header did not arrive within
+    /// `request_header_timeout`.
+    pub header_timeouts: IntCounter,
 }
 
 impl Metrics {
@@ -105,6 +108,12 @@ impl Metrics {
              lock_ttl",
         )
         .expect("static metric definition");
+        let header_timeouts = IntCounter::new(
+            "idemgate_request_header_timeouts_total",
+            "Connections closed because a request header was not received within \
+             request_header_timeout",
+        )
+        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -121,6 +130,7 @@ impl Metrics {
             Box::new(fenced_writes.clone()),
             Box::new(settled_streaming.clone()),
             Box::new(lock_renewals.clone()),
+            Box::new(header_timeouts.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -135,6 +145,7 @@ impl Metrics {
             fenced_writes,
             settled_streaming,
             lock_renewals,
+            header_timeouts,
         }
     }
 

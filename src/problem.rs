@@ -61,6 +61,8 @@ pub enum Problem {
     },
     /// The client stopped sending the body for longer than `request_body_timeout`.
     RequestTimeout,
+    /// The client did not send a whole request header within `request_header_timeout`.
+    RequestHeaderTimeout,
     /// The request body could not be read (client error or framing).
     RequestBodyUnreadable,
     /// Another request with the same key is executing.
@@ -100,7 +102,7 @@ impl Problem {
             Problem::KeyMissing | Problem::KeyInvalid(_) | Problem::TenantInvalid(_) => 400,
             Problem::RequestBodyUnreadable => 400,
             Problem::RequestTooLarge { .. } => 413,
-            Problem::RequestTimeout => 408,
+            Problem::RequestTimeout | Problem::RequestHeaderTimeout => 408,
             Problem::InFlight { .. } | Problem::NotReplayable => 409,
             Problem::FingerprintMismatch => 422,
             Problem::StoreUnavailable | Problem::StoreFull => 503,
@@ -120,6 +122,7 @@ impl Problem {
             Problem::TenantInvalid(_) => "tenant-invalid",
             Problem::RequestTooLarge { .. } => "request-too-large",
             Problem::RequestTimeout => "request-timeout",
+            Problem::RequestHeaderTimeout => "request-header-timeout",
             Problem::RequestBodyUnreadable => "request-body-unreadable",
             Problem::InFlight { .. } => "request-in-flight",
             Problem::FingerprintMismatch => "fingerprint-mismatch",
@@ -142,6 +145,7 @@ impl Problem {
             Problem::TenantInvalid(_) => "Tenant header is malformed",
             Problem::RequestTooLarge { .. } => "Request body too large",
             Problem::RequestTimeout => "Request body not received in time",
+            Problem::RequestHeaderTimeout => "Request header not received in time",
             Problem::RequestBodyUnreadable => "Request body could not be read",
             Problem::InFlight { .. } => "A request with this idempotency key is in progress",
             Problem::FingerprintMismatch => "Idempotency key reused with a different request",
@@ -164,6 +168,11 @@ impl Problem {
                 format!("The request body exceeds the limit of {limit} bytes.")
             }
             Problem::RequestTimeout => "The client stopped sending the request body.".into(),
+            Problem::RequestHeaderTimeout => {
+                "The client did not send the whole request header in time; the connection is \
+                 closed."
+                    .into()
+            }
             Problem::RequestBodyUnreadable => "The request body was malformed or cut off.".into(),
             Problem::InFlight { .. } => {
                 "The first request with this key has not finished; retry later to get its result."
@@ -206,6 +215,7 @@ impl Problem {
             | Problem::TenantInvalid(_)
             | Problem::RequestTooLarge { .. }
             | Problem::RequestTimeout
+            | Problem::RequestHeaderTimeout
             | Problem::RequestBodyUnreadable => Outcome::Invalid,
             Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
             Problem::FingerprintMismatch => Outcome::Mismatch,

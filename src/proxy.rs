@@ -1107,6 +1107,7 @@ impl ProxyHttp for Gate {
     /// refused or executed). Returns `Ok(true)` when the response has been written, `Ok(false)`
     /// to let pingora forward the request untouched.
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
+        crate::headguard::request_started(session);
         let gen = ctx.gen.clone();
         // Every write to this client (answers of all kinds, replays, pingora's forwarding) gives
         // up once the client has taken nothing for this long; no timer unless a write waits.
@@ -1204,6 +1205,7 @@ impl ProxyHttp for Gate {
 
     /// One structured line and the metrics for every request.
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
+        crate::headguard::request_ended(session);
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let index = result_index(ctx.outcome);
         let result = RESULT_LABELS[index];

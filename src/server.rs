@@ -18,6 +18,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::{Admin, Readiness};
 use crate::config::{Config, OnUnavailable, StoreBackend};
+use crate::headguard::Guarded;
 use crate::metrics::{Metrics, Pull};
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::reload::Reloader;
@@ -348,8 +349,14 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         in_flight.clone(),
         retrier.clone(),
     );
-    let mut proxy =
-        pingora::proxy::http_proxy_service_with_name(&server.configuration, gate, "idemgate");
+    // Every accepted connection is wrapped so its request headers must arrive within
+    // request_header_timeout (pingora alone times only each read of a header).
+    let guarded = Guarded::new(
+        pingora::proxy::http_proxy(&server.configuration, gate),
+        current.clone(),
+        metrics.header_timeouts.clone(),
+    );
+    let mut proxy = Service::new("idemgate".to_string(), guarded);
     proxy.add_tcp(&listen);
 
     let mut admin_app = Admin::new(

@@ -303,3 +303,138 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_outcome_is_still_stored(
     assert_eq!(retry.body.len(), LEN);
     assert_eq!(backend.count(), 1);
 }
+
+/// Reads what the proxy sends while the request header is trickled a byte every 100 ms (40 at
+/// most), until the proxy closes. Returns the bytes, how long after the first header byte the
+/// connection closed, and how many trickled bytes went out.
+async fn trickle_header(proxy: &Proxy, start: &[u8]) -> (Vec<u8>, Duration, usize) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(start).await.unwrap();
+    let started = std::time::Instant::now();
+    let (mut got, mut buf, mut sent) = (Vec::new(), [0u8; 4096], 0);
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still open after 10 s and {sent} trickled bytes"
+        );
+        tokio::select! {
+            n = s.read(&mut buf) => match n {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            },
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                if sent < 40 && s.write_all(b"a").await.is_ok() {
+                    sent += 1;
+                }
+            }
+        }
+    }
+    (got, started.elapsed(), sent)
+}
+
+#[tokio::test]
+async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("request_header_timeout: 500ms")
+        .start()
+        .await;
+    // Each byte comes well inside pingora's per-read timeout; only the whole header is late.
+    let (got, elapsed, sent) =
+        trickle_header(&proxy, b"POST /orders HTTP/1.1\r\nHost: t\r\nX-Slow: ").await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408 "), "{text}");
+    assert!(text.contains("application/problem+json"), "{text}");
+    assert!(text.contains("/problems/request-header-timeout"), "{text}");
+    assert!(elapsed >= Duration::from_millis(500), "{elapsed:?}");
+    assert!(
+        sent < 40,
+        "cut off after {sent} trickled bytes, {elapsed:?}"
+    );
+    assert_eq!(backend.count(), 0);
+    proxy
+        .metrics_containing("idemgate_request_header_timeouts_total 1")
+        .await;
+    // The same on a reused connection: its next header is timed from its own first byte.
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(&Request::post("/plain").body("{}").to_bytes())
+        .await
+        .unwrap();
+    let first = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(first.status, 201);
+    s.write_all(b"POST /plain HTTP/1.1\r\nHost: t\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        use tokio::io::AsyncReadExt;
+        s.read_to_end(&mut rest).await
+    })
+    .await
+    .expect("the proxy closed the reused connection");
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    assert!(String::from_utf8_lossy(&rest).starts_with("HTTP/1.1 408 "));
+    proxy
+        .metrics_containing("idemgate_request_header_timeouts_total 2")
+        .await;
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
+async fn request_header_timeout_spares_idle_connections_split_headers_and_slow_bodies() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("request_header_timeout: 500ms")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let send = async |s: &mut tokio::net::TcpStream, pieces: &[&[u8]]| {
+        for (i, piece) in pieces.iter().enumerate() {
+            if i > 0 {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            s.write_all(piece).await.unwrap();
+        }
+        let r = common::client::read_response(s, false).await.unwrap();
+        assert_eq!(r.status, 201, "{}", r.text());
+        r
+    };
+    // Idle between requests for longer than the header timeout: the idle wait is not the
+    // header's.
+    send(&mut s, &[&Request::post("/plain").body("{}").to_bytes()]).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    send(&mut s, &[&Request::post("/plain").body("{}").to_bytes()]).await;
+    // A header in two pieces, 250 ms apart: late for one read, inside the whole-header limit.
+    send(
+        &mut s,
+        &[
+            b"POST /orders HTTP/1.1\r\nHost: t\r\n",
+            b"Idempotency-Key: split\r\nContent-Length: 2\r\n\r\n{}",
+        ],
+    )
+    .await;
+    // A body sent over a second, four pieces 250 ms apart: only the header is timed.
+    let slow = send(
+        &mut s,
+        &[
+            b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow-body\r\nContent-Length: 7\r\n\r\n{\"",
+            b"a\"",
+            b":",
+            b"1}",
+        ],
+    )
+    .await;
+    assert_eq!(slow.result(), Some("MISS"));
+    // And the connection still serves the next request.
+    send(&mut s, &[&Request::post("/plain").body("{}").to_bytes()]).await;
+    assert_eq!(backend.count(), 5);
+    let m = proxy.metrics().await;
+    assert!(
+        m.contains("idemgate_request_header_timeouts_total 0"),
+        "{m}"
+    );
+}

@@ -1,0 +1,330 @@
+//! A deadline on receiving a whole request header (`request_header_timeout`).
+//!
+//! pingora times each read of a request header on its own (60 s on a new connection, the
+//! keep-alive timeout on a reused one), so a client that trickles a header a byte at a time,
+//! each byte just inside that timeout, holds its connection and task for as long as it likes: the
+//! slow-header attack. nginx bounds the whole header (`client_header_timeout`); this module does
+//! the same for idemgate.
+//!
+//! [`Guarded`] wraps the proxy's pingora application and every accepted connection in a
+//! [`HeadGuard`] stream. The guard knows where a connection is between requests from two marks
+//! the proxy makes: [`request_started`] once pingora has parsed a header (the first thing
+//! `request_filter` does) and [`request_ended`] when the request is logged. Between the end of
+//! one request and the start of the next, the first bytes read begin a header and start its
+//! clock; the idle wait before them is the keep-alive timeout's business, not this one's. A header
+//! still incomplete when the clock runs out gets a 408 `request-header-timeout` (best effort: the
+//! client may not be reading) and the connection is closed.
+//!
+//! Costs on the hot path: a header that arrives in one read (nearly all of them) takes one clock
+//! reading and no timer; a timer is armed only when a header needs a second read that has to wait.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora::apps::ServerApp;
+use pingora::protocols::raw_connect::ProxyDigest;
+use pingora::protocols::Stream;
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
+    TimingDigest, UniqueID, UniqueIDType, ALPN,
+};
+use pingora::proxy::Session;
+use pingora::server::ShutdownWatch;
+use prometheus::IntCounter;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+use crate::problem::Problem;
+use crate::proxy::Generation;
+
+/// Between requests: the next bytes read begin a header.
+const BETWEEN: u8 = 0;
+/// Reading a header whose first bytes arrived at `HeadGuard::deadline - timeout`.
+const HEADER: u8 = 1;
+/// The header was parsed (or the guard gave up): reads are the request body's or a drain's.
+const REQUEST: u8 = 2;
+
+/// A downstream connection whose request headers must each arrive within a deadline.
+pub struct HeadGuard {
+    inner: Stream,
+    /// Where the connection is: [`BETWEEN`], [`HEADER`] or [`REQUEST`]. Atomic only because the
+    /// proxy's marks reach the guard through a shared reference; one task drives a connection.
+    phase: AtomicU8,
+    timeout: Duration,
+    /// When the current header's time is up (meaningful in [`HEADER`]).
+    deadline: Instant,
+    /// Armed only when a header's second read has to wait.
+    alarm: Option<Pin<Box<Sleep>>>,
+    timeouts: IntCounter,
+}
+
+impl HeadGuard {
+    fn new(inner: Stream, timeout: Duration, timeouts: IntCounter) -> Self {
+        HeadGuard {
+            inner,
+            phase: AtomicU8::new(BETWEEN),
+            timeout,
+            deadline: Instant::now(),
+            alarm: None,
+            timeouts,
+        }
+    }
+
+    /// The header's time ran out: answer 408 if the client's socket takes it at once, then fail
+    /// the read, which makes pingora close the connection.
+    fn expire(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.phase.store(REQUEST, Ordering::Relaxed);
+        self.alarm = None;
+        self.timeouts.inc();
+        let answer = timeout_answer();
+        let mut inner = Pin::new(&mut self.inner);
+        if let Poll::Ready(Ok(n)) = inner.as_mut().poll_write(cx, &answer) {
+            if n == answer.len() {
+                let _ = inner.poll_flush(cx);
+            }
+        }
+        tracing::debug!(
+            timeout_ms = self.timeout.as_millis() as u64,
+            "request header not received in time; connection closed"
+        );
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "request header not received within request_header_timeout",
+        )))
+    }
+}
+
+/// The raw 408 a timed-out header gets: no request was parsed, so it is written below pingora.
+fn timeout_answer() -> Vec<u8> {
+    let problem = Problem::RequestHeaderTimeout;
+    let body = problem.body();
+    let mut out = format!(
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The guard of the connection a session runs on, if it has one (HTTP/1 connections accepted
+/// by [`Guarded`] do).
+fn guard_of(session: &Session) -> Option<&HeadGuard> {
+    let stream = session.stream()?;
+    (**stream).as_any().downcast_ref::<HeadGuard>()
+}
+
+/// Marks the connection's header as received: its reads are no longer timed as a header's.
+pub fn request_started(session: &Session) {
+    if let Some(g) = guard_of(session) {
+        g.phase.store(REQUEST, Ordering::Relaxed);
+    }
+}
+
+/// Marks the connection's request as over: the next bytes read begin the next header. A request
+/// whose body was not read to its end closes the connection instead (pingora would otherwise
+/// drain the rest of the body, and those reads are no header's).
+pub fn request_ended(session: &mut Session) {
+    let body_done = session.is_body_done();
+    let Some(g) = guard_of(session) else {
+        return;
+    };
+    if body_done {
+        g.phase.store(BETWEEN, Ordering::Relaxed);
+    } else {
+        session.set_keepalive(None);
+    }
+}
+
+impl AsyncRead for HeadGuard {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match this.phase.load(Ordering::Relaxed) {
+            BETWEEN => {
+                let before = buf.filled().len();
+                let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+                if matches!(read, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+                    this.phase.store(HEADER, Ordering::Relaxed);
+                    this.deadline = Instant::now() + this.timeout;
+                    this.alarm = None;
+                }
+                read
+            }
+            HEADER => {
+                if Instant::now() >= this.deadline {
+                    return this.expire(cx);
+                }
+                let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+                if read.is_pending() {
+                    let deadline = this.deadline;
+                    let alarm = this
+                        .alarm
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                    if alarm.as_mut().poll(cx).is_ready() {
+                        return this.expire(cx);
+                    }
+                }
+                read
+            }
+            _ => Pin::new(&mut this.inner).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for HeadGuard {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[async_trait]
+impl Shutdown for HeadGuard {
+    async fn shutdown(&mut self) {
+        self.inner.shutdown().await
+    }
+}
+
+impl UniqueID for HeadGuard {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for HeadGuard {
+    fn get_ssl_digest(&self) -> Option<Arc<pingora::protocols::tls::SslDigest>> {
+        self.inner.get_ssl_digest()
+    }
+
+    fn selected_alpn_proto(&self) -> Option<ALPN> {
+        self.inner.selected_alpn_proto()
+    }
+}
+
+impl GetTimingDigest for HeadGuard {
+    fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+
+    fn get_read_pending_time(&self) -> Duration {
+        self.inner.get_read_pending_time()
+    }
+
+    fn get_write_pending_time(&self) -> Duration {
+        self.inner.get_write_pending_time()
+    }
+}
+
+impl GetProxyDigest for HeadGuard {
+    fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+
+    fn set_proxy_digest(&mut self, digest: ProxyDigest) {
+        self.inner.set_proxy_digest(digest)
+    }
+}
+
+impl GetSocketDigest for HeadGuard {
+    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+
+    fn set_socket_digest(&mut self, digest: SocketDigest) {
+        self.inner.set_socket_digest(digest)
+    }
+}
+
+#[async_trait]
+impl Peek for HeadGuard {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
+
+impl std::fmt::Debug for HeadGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeadGuard")
+            .field("inner", &self.inner)
+            .field("phase", &self.phase.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+/// The proxy's pingora application with every accepted connection wrapped in a [`HeadGuard`]
+/// whose timeout is the live config's `request_header_timeout` when the connection is accepted.
+pub struct Guarded<A> {
+    inner: Arc<A>,
+    current: Arc<ArcSwap<Generation>>,
+    timeouts: IntCounter,
+}
+
+impl<A> Guarded<A> {
+    /// Wraps `inner`; `timeouts` counts the headers cut off.
+    pub fn new(inner: A, current: Arc<ArcSwap<Generation>>, timeouts: IntCounter) -> Self {
+        Guarded {
+            inner: Arc::new(inner),
+            current,
+            timeouts,
+        }
+    }
+}
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
+    async fn process_new(
+        self: &Arc<Self>,
+        session: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let timeout = self.current.load().config.request_header_timeout;
+        let guarded: Stream = Box::new(HeadGuard::new(session, timeout, self.timeouts.clone()));
+        let reused = self.inner.process_new(guarded, shutdown).await?;
+        // Handed back for another round: unwrap it, the next round wraps it afresh. Only the
+        // guard went in, so only the guard can come back.
+        reused
+            .into_any()
+            .downcast::<HeadGuard>()
+            .ok()
+            .map(|g| g.inner)
+    }
+
+    async fn cleanup(&self) {
+        self.inner.cleanup().await
+    }
+}
