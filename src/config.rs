@@ -32,6 +32,9 @@ pub struct Config {
     /// Longest a request header may take to arrive, from its first byte to its last; then the
     /// connection is closed (with a 408 when the client takes it).
     pub request_header_timeout: Duration,
+    /// Largest request header accepted, in bytes (request line and header fields); a larger
+    /// one gets 431 and the connection is closed.
+    pub max_request_header_bytes: usize,
     /// Longest pause allowed between two reads of a request body.
     pub request_body_timeout: Duration,
     /// Longest a write of a response may wait for the client to take it (a client that stopped
@@ -468,6 +471,8 @@ struct FileConfig {
     work_stealing: bool,
     #[serde(default = "default_request_header_timeout")]
     request_header_timeout: Scalar,
+    #[serde(default = "default_max_request_header_bytes")]
+    max_request_header_bytes: Scalar,
     #[serde(default = "default_request_body_timeout")]
     request_body_timeout: Scalar,
     #[serde(default = "default_response_send_timeout")]
@@ -721,6 +726,10 @@ fn default_threads() -> i64 {
 
 fn default_request_header_timeout() -> Scalar {
     Scalar::text("10s")
+}
+
+fn default_max_request_header_bytes() -> Scalar {
+    Scalar::text("64KiB")
 }
 
 fn default_request_body_timeout() -> Scalar {
@@ -1033,6 +1042,11 @@ impl FileConfig {
             "request_header_timeout".into(),
             &self.request_header_timeout,
         )?;
+        let max_request_header_bytes = {
+            let field = "max_request_header_bytes".to_string();
+            let bytes = byte_size(field.clone(), &self.max_request_header_bytes)?;
+            bytes_in_range(field, bytes, 1 << 10, 1 << 20)?
+        };
         let request_body_timeout =
             positive_duration("request_body_timeout".into(), &self.request_body_timeout)?;
         let response_send_timeout =
@@ -1103,6 +1117,7 @@ impl FileConfig {
             threads,
             work_stealing: self.work_stealing,
             request_header_timeout,
+            max_request_header_bytes,
             request_body_timeout,
             response_send_timeout,
             shutdown,
@@ -2558,6 +2573,7 @@ routes:
         assert_eq!(config.listen, "0.0.0.0:6180".parse().unwrap());
         assert_eq!(config.threads, 2);
         assert_eq!(config.request_header_timeout, secs(10));
+        assert_eq!(config.max_request_header_bytes, 64 << 10);
         assert_eq!(config.request_body_timeout, secs(10));
         assert_eq!(config.response_send_timeout, secs(60));
         assert_eq!(
@@ -2803,6 +2819,16 @@ routes:
         assert_eq!(
             load(&format!("request_header_timeout: 1500ms\n{MINIMAL}")).request_header_timeout,
             Duration::from_millis(1500)
+        );
+        for bad in ["512", "2MiB", "lots", "-1"] {
+            assert_field(
+                &format!("max_request_header_bytes: {bad}\n{MINIMAL}"),
+                "max_request_header_bytes",
+            );
+        }
+        assert_eq!(
+            load(&format!("max_request_header_bytes: 8KiB\n{MINIMAL}")).max_request_header_bytes,
+            8192
         );
         assert_eq!(
             load(&format!("response_send_timeout: 250ms\n{MINIMAL}")).response_send_timeout,

@@ -1,10 +1,12 @@
-//! A deadline on receiving a whole request header (`request_header_timeout`).
+//! Limits on receiving a request header: a deadline for the whole header
+//! (`request_header_timeout`) and a size (`max_request_header_bytes`).
 //!
 //! pingora times each read of a request header on its own (60 s on a new connection, the
 //! keep-alive timeout on a reused one), so a client that trickles a header a byte at a time,
 //! each byte just inside that timeout, holds its connection and task for as long as it likes: the
-//! slow-header attack. nginx bounds the whole header (`client_header_timeout`); this module does
-//! the same for idemgate.
+//! slow-header attack. And it buffers a header of up to 1 MiB, so every connection can make the
+//! proxy hold a megabyte. nginx bounds both (`client_header_timeout`,
+//! `large_client_header_buffers`); this module does the same for idemgate.
 //!
 //! [`Guarded`] wraps the proxy's pingora application and every accepted connection in a
 //! [`HeadGuard`] stream. The guard knows where a connection is between requests from two marks
@@ -12,8 +14,14 @@
 //! `request_filter` does) and [`request_ended`] when the request is logged. Between the end of
 //! one request and the start of the next, the first bytes read begin a header and start its
 //! clock; the idle wait before them is the keep-alive timeout's business, not this one's. A header
-//! still incomplete when the clock runs out gets a 408 `request-header-timeout` (best effort: the
-//! client may not be reading) and the connection is closed.
+//! still incomplete when the clock runs out gets a 408 `request-header-timeout`, one that has
+//! grown past the size limit a 431 `request-header-too-large` (best effort: the client may not be
+//! reading), and the connection is closed.
+//!
+//! The size is checked before each further read of a header, against the bytes read for it so
+//! far. Those are all header bytes (a header that was complete would not be read further), so a
+//! header within the limit is never refused; one above it is refused at most one read (a few KiB,
+//! pingora's buffer growth) past the limit.
 //!
 //! Costs on the hot path: a header that arrives in one read (nearly all of them) takes one clock
 //! reading and no timer; a timer is armed only when a header needs a second read that has to wait.
@@ -58,32 +66,51 @@ pub struct HeadGuard {
     /// proxy's marks reach the guard through a shared reference; one task drives a connection.
     phase: AtomicU8,
     timeout: Duration,
+    /// Most bytes a header may take.
+    limit: usize,
+    /// Bytes read for the current header so far (meaningful in [`HEADER`]).
+    read: usize,
     /// When the current header's time is up (meaningful in [`HEADER`]).
     deadline: Instant,
     /// Armed only when a header's second read has to wait.
     alarm: Option<Pin<Box<Sleep>>>,
-    timeouts: IntCounter,
+    refused: HeaderRefusals,
+}
+
+/// The counters of refused headers, by reason.
+#[derive(Clone)]
+pub struct HeaderRefusals {
+    /// Headers cut off by `request_header_timeout`.
+    pub timeout: IntCounter,
+    /// Headers refused by `max_request_header_bytes`.
+    pub too_large: IntCounter,
 }
 
 impl HeadGuard {
-    fn new(inner: Stream, timeout: Duration, timeouts: IntCounter) -> Self {
+    fn new(inner: Stream, limits: Limits, refused: HeaderRefusals) -> Self {
         HeadGuard {
             inner,
             phase: AtomicU8::new(BETWEEN),
-            timeout,
+            timeout: limits.timeout,
+            limit: limits.bytes,
+            read: 0,
             deadline: Instant::now(),
             alarm: None,
-            timeouts,
+            refused,
         }
     }
 
-    /// The header's time ran out: answer 408 if the client's socket takes it at once, then fail
+    /// Refuses the header: answers if the client's socket takes the answer at once, then fails
     /// the read, which makes pingora close the connection.
-    fn expire(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    fn refuse(&mut self, cx: &mut Context<'_>, problem: Problem) -> Poll<io::Result<()>> {
         self.phase.store(REQUEST, Ordering::Relaxed);
         self.alarm = None;
-        self.timeouts.inc();
-        let answer = timeout_answer();
+        let (counter, kind) = match problem {
+            Problem::RequestHeaderTimeout => (&self.refused.timeout, io::ErrorKind::TimedOut),
+            _ => (&self.refused.too_large, io::ErrorKind::InvalidData),
+        };
+        counter.inc();
+        let answer = raw_answer(&problem);
         let mut inner = Pin::new(&mut self.inner);
         if let Poll::Ready(Ok(n)) = inner.as_mut().poll_write(cx, &answer) {
             if n == answer.len() {
@@ -91,28 +118,37 @@ impl HeadGuard {
             }
         }
         tracing::debug!(
-            timeout_ms = self.timeout.as_millis() as u64,
-            "request header not received in time; connection closed"
+            problem = problem.slug(),
+            "request header refused; connection closed"
         );
-        Poll::Ready(Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            "request header not received within request_header_timeout",
-        )))
+        Poll::Ready(Err(io::Error::new(kind, problem.title())))
     }
 }
 
-/// The raw 408 a timed-out header gets: no request was parsed, so it is written below pingora.
-fn timeout_answer() -> Vec<u8> {
-    let problem = Problem::RequestHeaderTimeout;
+/// The whole HTTP/1.1 answer to a refused header: no request was parsed, so it is written below
+/// pingora, and it closes the connection.
+fn raw_answer(problem: &Problem) -> Vec<u8> {
+    let status = problem.status();
+    let reason = http::StatusCode::from_u16(status)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .unwrap_or("");
     let body = problem.body();
     let mut out = format!(
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\n\
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/problem+json\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
     )
     .into_bytes();
     out.extend_from_slice(&body);
     out
+}
+
+/// The limits a connection's headers are held to, read from the live config at accept.
+#[derive(Clone, Copy)]
+struct Limits {
+    timeout: Duration,
+    bytes: usize,
 }
 
 /// The guard of the connection a session runs on, if it has one (HTTP/1 connections accepted
@@ -155,25 +191,33 @@ impl AsyncRead for HeadGuard {
             BETWEEN => {
                 let before = buf.filled().len();
                 let read = Pin::new(&mut this.inner).poll_read(cx, buf);
-                if matches!(read, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+                let got = buf.filled().len() - before;
+                if matches!(read, Poll::Ready(Ok(()))) && got > 0 {
                     this.phase.store(HEADER, Ordering::Relaxed);
                     this.deadline = Instant::now() + this.timeout;
+                    this.read = got;
                     this.alarm = None;
                 }
                 read
             }
             HEADER => {
-                if Instant::now() >= this.deadline {
-                    return this.expire(cx);
+                if this.read > this.limit {
+                    let limit = this.limit;
+                    return this.refuse(cx, Problem::RequestHeaderTooLarge { limit });
                 }
+                if Instant::now() >= this.deadline {
+                    return this.refuse(cx, Problem::RequestHeaderTimeout);
+                }
+                let before = buf.filled().len();
                 let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+                this.read += buf.filled().len() - before;
                 if read.is_pending() {
                     let deadline = this.deadline;
                     let alarm = this
                         .alarm
                         .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
                     if alarm.as_mut().poll(cx).is_ready() {
-                        return this.expire(cx);
+                        return this.refuse(cx, Problem::RequestHeaderTimeout);
                     }
                 }
                 read
@@ -287,20 +331,21 @@ impl std::fmt::Debug for HeadGuard {
 }
 
 /// The proxy's pingora application with every accepted connection wrapped in a [`HeadGuard`]
-/// whose timeout is the live config's `request_header_timeout` when the connection is accepted.
+/// held to the live config's `request_header_timeout` and `max_request_header_bytes` as they are
+/// when the connection is accepted.
 pub struct Guarded<A> {
     inner: Arc<A>,
     current: Arc<ArcSwap<Generation>>,
-    timeouts: IntCounter,
+    refused: HeaderRefusals,
 }
 
 impl<A> Guarded<A> {
-    /// Wraps `inner`; `timeouts` counts the headers cut off.
-    pub fn new(inner: A, current: Arc<ArcSwap<Generation>>, timeouts: IntCounter) -> Self {
+    /// Wraps `inner`; `refused` counts the headers refused.
+    pub fn new(inner: A, current: Arc<ArcSwap<Generation>>, refused: HeaderRefusals) -> Self {
         Guarded {
             inner: Arc::new(inner),
             current,
-            timeouts,
+            refused,
         }
     }
 }
@@ -312,8 +357,14 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         session: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
-        let timeout = self.current.load().config.request_header_timeout;
-        let guarded: Stream = Box::new(HeadGuard::new(session, timeout, self.timeouts.clone()));
+        let limits = {
+            let gen = self.current.load();
+            Limits {
+                timeout: gen.config.request_header_timeout,
+                bytes: gen.config.max_request_header_bytes,
+            }
+        };
+        let guarded: Stream = Box::new(HeadGuard::new(session, limits, self.refused.clone()));
         let reused = self.inner.process_new(guarded, shutdown).await?;
         // Handed back for another round: unwrap it, the next round wraps it afresh. Only the
         // guard went in, so only the guard can come back.

@@ -39,9 +39,9 @@ pub struct Metrics {
     pub settled_streaming: IntCounter,
     /// Locks renewed while a backend's answer was still awaited.
     pub lock_renewals: IntCounter,
-    /// Connections closed because a request header did not arrive within
-    /// `request_header_timeout`.
-    pub header_timeouts: IntCounter,
+    /// Connections closed because a request header came too slowly (`reason="timeout"`) or
+    /// was too large (`reason="too_large"`).
+    pub headers_refused: IntCounterVec,
 }
 
 impl Metrics {
@@ -108,12 +108,18 @@ impl Metrics {
              lock_ttl",
         )
         .expect("static metric definition");
-        let header_timeouts = IntCounter::new(
-            "idemgate_request_header_timeouts_total",
-            "Connections closed because a request header was not received within \
-             request_header_timeout",
+        let headers_refused = IntCounterVec::new(
+            Opts::new(
+                "idemgate_request_headers_refused_total",
+                "Connections closed because a request header took longer than \
+                 request_header_timeout (timeout) or exceeded max_request_header_bytes (too_large)",
+            ),
+            &["reason"],
         )
         .expect("static metric definition");
+        for reason in ["timeout", "too_large"] {
+            headers_refused.with_label_values(&[reason]);
+        }
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -130,7 +136,7 @@ impl Metrics {
             Box::new(fenced_writes.clone()),
             Box::new(settled_streaming.clone()),
             Box::new(lock_renewals.clone()),
-            Box::new(header_timeouts.clone()),
+            Box::new(headers_refused.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -145,7 +151,7 @@ impl Metrics {
             fenced_writes,
             settled_streaming,
             lock_renewals,
-            header_timeouts,
+            headers_refused,
         }
     }
 

@@ -63,6 +63,11 @@ pub enum Problem {
     RequestTimeout,
     /// The client did not send a whole request header within `request_header_timeout`.
     RequestHeaderTimeout,
+    /// The request header is larger than `max_request_header_bytes`.
+    RequestHeaderTooLarge {
+        /// The configured limit.
+        limit: usize,
+    },
     /// The request body could not be read (client error or framing).
     RequestBodyUnreadable,
     /// Another request with the same key is executing.
@@ -103,6 +108,7 @@ impl Problem {
             Problem::RequestBodyUnreadable => 400,
             Problem::RequestTooLarge { .. } => 413,
             Problem::RequestTimeout | Problem::RequestHeaderTimeout => 408,
+            Problem::RequestHeaderTooLarge { .. } => 431,
             Problem::InFlight { .. } | Problem::NotReplayable => 409,
             Problem::FingerprintMismatch => 422,
             Problem::StoreUnavailable | Problem::StoreFull => 503,
@@ -123,6 +129,7 @@ impl Problem {
             Problem::RequestTooLarge { .. } => "request-too-large",
             Problem::RequestTimeout => "request-timeout",
             Problem::RequestHeaderTimeout => "request-header-timeout",
+            Problem::RequestHeaderTooLarge { .. } => "request-header-too-large",
             Problem::RequestBodyUnreadable => "request-body-unreadable",
             Problem::InFlight { .. } => "request-in-flight",
             Problem::FingerprintMismatch => "fingerprint-mismatch",
@@ -146,6 +153,7 @@ impl Problem {
             Problem::RequestTooLarge { .. } => "Request body too large",
             Problem::RequestTimeout => "Request body not received in time",
             Problem::RequestHeaderTimeout => "Request header not received in time",
+            Problem::RequestHeaderTooLarge { .. } => "Request header too large",
             Problem::RequestBodyUnreadable => "Request body could not be read",
             Problem::InFlight { .. } => "A request with this idempotency key is in progress",
             Problem::FingerprintMismatch => "Idempotency key reused with a different request",
@@ -168,6 +176,10 @@ impl Problem {
                 format!("The request body exceeds the limit of {limit} bytes.")
             }
             Problem::RequestTimeout => "The client stopped sending the request body.".into(),
+            Problem::RequestHeaderTooLarge { limit } => format!(
+                "The request line and header fields exceed the limit of {limit} bytes; the \
+                 connection is closed."
+            ),
             Problem::RequestHeaderTimeout => {
                 "The client did not send the whole request header in time; the connection is \
                  closed."
@@ -216,6 +228,7 @@ impl Problem {
             | Problem::RequestTooLarge { .. }
             | Problem::RequestTimeout
             | Problem::RequestHeaderTimeout
+            | Problem::RequestHeaderTooLarge { .. }
             | Problem::RequestBodyUnreadable => Outcome::Invalid,
             Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
             Problem::FingerprintMismatch => Outcome::Mismatch,

@@ -18,7 +18,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::{Admin, Readiness};
 use crate::config::{Config, OnUnavailable, StoreBackend};
-use crate::headguard::Guarded;
+use crate::headguard::{Guarded, HeaderRefusals};
 use crate::metrics::{Metrics, Pull};
 use crate::proxy::{Gate, Generation, InFlightCounter};
 use crate::reload::Reloader;
@@ -354,7 +354,10 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     let guarded = Guarded::new(
         pingora::proxy::http_proxy(&server.configuration, gate),
         current.clone(),
-        metrics.header_timeouts.clone(),
+        HeaderRefusals {
+            timeout: metrics.headers_refused.with_label_values(&["timeout"]),
+            too_large: metrics.headers_refused.with_label_values(&["too_large"]),
+        },
     );
     let mut proxy = Service::new("idemgate".to_string(), guarded);
     proxy.add_tcp(&listen);

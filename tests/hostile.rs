@@ -354,7 +354,7 @@ async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
     );
     assert_eq!(backend.count(), 0);
     proxy
-        .metrics_containing("idemgate_request_header_timeouts_total 1")
+        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="timeout"} 1"#)
         .await;
     // The same on a reused connection: its next header is timed from its own first byte.
     use tokio::io::AsyncWriteExt;
@@ -378,7 +378,7 @@ async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
     assert!(started.elapsed() >= Duration::from_millis(500));
     assert!(String::from_utf8_lossy(&rest).starts_with("HTTP/1.1 408 "));
     proxy
-        .metrics_containing("idemgate_request_header_timeouts_total 2")
+        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="timeout"} 2"#)
         .await;
     assert_eq!(backend.count(), 1);
 }
@@ -434,7 +434,51 @@ async fn request_header_timeout_spares_idle_connections_split_headers_and_slow_b
     assert_eq!(backend.count(), 5);
     let m = proxy.metrics().await;
     assert!(
-        m.contains("idemgate_request_header_timeouts_total 0"),
+        m.contains(r#"idemgate_request_headers_refused_total{reason="timeout"} 0"#),
         "{m}"
     );
+}
+
+#[tokio::test]
+async fn a_request_header_over_max_request_header_bytes_is_refused_with_431() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("max_request_header_bytes: 4KiB")
+        .start()
+        .await;
+    let head = |pad: usize| {
+        format!(
+            "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k{pad}\r\nX-Pad: {}\r\nContent-Length: 2\r\n\r\n{{}}",
+            "p".repeat(pad)
+        )
+        .into_bytes()
+    };
+    // Just under the limit, in 512-byte pieces so it takes many reads: served.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let under = head(3800);
+    assert!(under.len() < 4096);
+    for piece in under.chunks(512) {
+        s.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.status, 201, "{}", r.text());
+    // Four times over it, at once: 431 and the connection closed, nothing forwarded.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let _ = s.write_all(&head(16 << 10)).await;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
+        .await
+        .expect("the proxy closed the connection");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
+    assert!(
+        text.contains("/problems/request-header-too-large"),
+        "{text}"
+    );
+    assert_eq!(backend.count(), 1);
+    proxy
+        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="too_large"} 1"#)
+        .await;
 }
