@@ -18,6 +18,11 @@
 //! grown past the size limit a 431 `request-header-too-large` (best effort: the client may not be
 //! reading), and the connection is closed.
 //!
+//! pingora refuses some headers itself, before the proxy sees them: one it cannot parse (400) and
+//! `CONNECT` (405), each with a bare answer of its own. A write while a header is being read can
+//! only be that answer, so the guard writes the problem+json (`request-malformed`,
+//! `connect-not-supported`) in its place: every answer the proxy makes is problem+json.
+//!
 //! The size is checked before each further read of a header, against the bytes read for it so
 //! far. Those are all header bytes (a header that was complete would not be read further), so a
 //! header within the limit is never refused; one above it is refused at most one read (a few KiB,
@@ -58,6 +63,9 @@ const BETWEEN: u8 = 0;
 const HEADER: u8 = 1;
 /// The header was parsed (or the guard gave up): reads are the request body's or a drain's.
 const REQUEST: u8 = 2;
+/// pingora refused the header itself; the guard writes its problem+json answer instead and
+/// swallows pingora's.
+const ANSWERED: u8 = 3;
 
 /// A downstream connection whose request headers must each arrive within a deadline.
 pub struct HeadGuard {
@@ -74,6 +82,9 @@ pub struct HeadGuard {
     deadline: Instant,
     /// Armed only when a header's second read has to wait.
     alarm: Option<Pin<Box<Sleep>>>,
+    /// In [`ANSWERED`]: the answer written in place of pingora's, and how much of it is out.
+    answer: Vec<u8>,
+    answer_sent: usize,
     refused: HeaderRefusals,
 }
 
@@ -84,6 +95,8 @@ pub struct HeaderRefusals {
     pub timeout: IntCounter,
     /// Headers refused by `max_request_header_bytes`.
     pub too_large: IntCounter,
+    /// Headers pingora could not parse.
+    pub malformed: IntCounter,
 }
 
 impl HeadGuard {
@@ -96,7 +109,53 @@ impl HeadGuard {
             read: 0,
             deadline: Instant::now(),
             alarm: None,
+            answer: Vec::new(),
+            answer_sent: 0,
             refused,
+        }
+    }
+
+    /// A write while a header is being read: pingora is refusing a header it could not take (a
+    /// malformed one, 400; `CONNECT`, 405) with a bare answer of its own. Answers with the
+    /// problem+json instead, from here on swallowing what pingora writes. Returns false for any
+    /// other write, which goes out as it is.
+    fn take_over(&mut self, first: &[u8]) -> bool {
+        let problem = match status_of(first) {
+            Some(400) => Problem::RequestMalformed,
+            Some(405) => Problem::ConnectNotSupported,
+            _ => return false,
+        };
+        if problem == Problem::RequestMalformed {
+            self.refused.malformed.inc();
+        }
+        self.phase.store(ANSWERED, Ordering::Relaxed);
+        self.alarm = None;
+        self.answer = raw_answer(&problem);
+        self.answer_sent = 0;
+        true
+    }
+
+    /// Writes what is left of the answer that replaced pingora's.
+    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.answer_sent < self.answer.len() {
+            let rest = &self.answer[self.answer_sent..];
+            match Pin::new(&mut self.inner).poll_write(cx, rest) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => self.answer_sent += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Whether a write is pingora's answer being replaced, after taking the answer over if this
+    /// write starts it.
+    fn answering(&mut self, first: &[u8]) -> bool {
+        match self.phase.load(Ordering::Relaxed) {
+            ANSWERED => true,
+            HEADER => self.take_over(first),
+            _ => false,
         }
     }
 
@@ -123,6 +182,12 @@ impl HeadGuard {
         );
         Poll::Ready(Err(io::Error::new(kind, problem.title())))
     }
+}
+
+/// The status code of a serialized HTTP/1.x response head, from its status line.
+fn status_of(head: &[u8]) -> Option<u16> {
+    let line = head.strip_prefix(b"HTTP/1.")?.get(2..5)?;
+    std::str::from_utf8(line).ok()?.parse().ok()
 }
 
 /// The whole HTTP/1.1 answer to a refused header: no request was parsed, so it is written below
@@ -233,7 +298,11 @@ impl AsyncWrite for HeadGuard {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        if this.answering(buf) {
+            return this.poll_answer(cx).map_ok(|()| buf.len());
+        }
+        Pin::new(&mut this.inner).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -241,7 +310,16 @@ impl AsyncWrite for HeadGuard {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &b[..]);
+        if this.answering(first) {
+            let len = bufs.iter().map(|b| b.len()).sum();
+            return this.poll_answer(cx).map_ok(|()| len);
+        }
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -249,11 +327,19 @@ impl AsyncWrite for HeadGuard {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        if this.phase.load(Ordering::Relaxed) == ANSWERED {
+            std::task::ready!(this.poll_answer(cx))?;
+        }
+        Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let this = self.get_mut();
+        if this.phase.load(Ordering::Relaxed) == ANSWERED {
+            std::task::ready!(this.poll_answer(cx))?;
+        }
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
 

@@ -39,8 +39,8 @@ pub struct Metrics {
     pub settled_streaming: IntCounter,
     /// Locks renewed while a backend's answer was still awaited.
     pub lock_renewals: IntCounter,
-    /// Connections closed because a request header came too slowly (`reason="timeout"`) or
-    /// was too large (`reason="too_large"`).
+    /// Connections closed because a request header came too slowly (`reason="timeout"`), was
+    /// too large (`reason="too_large"`) or could not be parsed (`reason="malformed"`).
     pub headers_refused: IntCounterVec,
 }
 
@@ -112,12 +112,13 @@ impl Metrics {
             Opts::new(
                 "idemgate_request_headers_refused_total",
                 "Connections closed because a request header took longer than \
-                 request_header_timeout (timeout) or exceeded max_request_header_bytes (too_large)",
+                 request_header_timeout (timeout), exceeded max_request_header_bytes (too_large) \
+                 or could not be parsed (malformed)",
             ),
             &["reason"],
         )
         .expect("static metric definition");
-        for reason in ["timeout", "too_large"] {
+        for reason in ["timeout", "too_large", "malformed"] {
             headers_refused.with_label_values(&[reason]);
         }
         let build_info = IntGauge::with_opts(

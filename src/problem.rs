@@ -63,6 +63,10 @@ pub enum Problem {
     RequestTimeout,
     /// The client did not send a whole request header within `request_header_timeout`.
     RequestHeaderTimeout,
+    /// The request line or a header field is not valid HTTP/1.1.
+    RequestMalformed,
+    /// A `CONNECT` request: idemgate does not tunnel.
+    ConnectNotSupported,
     /// The request header is larger than `max_request_header_bytes`.
     RequestHeaderTooLarge {
         /// The configured limit.
@@ -109,6 +113,8 @@ impl Problem {
             Problem::RequestTooLarge { .. } => 413,
             Problem::RequestTimeout | Problem::RequestHeaderTimeout => 408,
             Problem::RequestHeaderTooLarge { .. } => 431,
+            Problem::RequestMalformed => 400,
+            Problem::ConnectNotSupported => 405,
             Problem::InFlight { .. } | Problem::NotReplayable => 409,
             Problem::FingerprintMismatch => 422,
             Problem::StoreUnavailable | Problem::StoreFull => 503,
@@ -130,6 +136,8 @@ impl Problem {
             Problem::RequestTimeout => "request-timeout",
             Problem::RequestHeaderTimeout => "request-header-timeout",
             Problem::RequestHeaderTooLarge { .. } => "request-header-too-large",
+            Problem::RequestMalformed => "request-malformed",
+            Problem::ConnectNotSupported => "connect-not-supported",
             Problem::RequestBodyUnreadable => "request-body-unreadable",
             Problem::InFlight { .. } => "request-in-flight",
             Problem::FingerprintMismatch => "fingerprint-mismatch",
@@ -154,6 +162,8 @@ impl Problem {
             Problem::RequestTimeout => "Request body not received in time",
             Problem::RequestHeaderTimeout => "Request header not received in time",
             Problem::RequestHeaderTooLarge { .. } => "Request header too large",
+            Problem::RequestMalformed => "Request is not valid HTTP/1.1",
+            Problem::ConnectNotSupported => "CONNECT is not supported",
             Problem::RequestBodyUnreadable => "Request body could not be read",
             Problem::InFlight { .. } => "A request with this idempotency key is in progress",
             Problem::FingerprintMismatch => "Idempotency key reused with a different request",
@@ -180,6 +190,12 @@ impl Problem {
                 "The request line and header fields exceed the limit of {limit} bytes; the \
                  connection is closed."
             ),
+            Problem::RequestMalformed => "The request line or a header field could not be \
+                parsed; the connection is closed."
+                .into(),
+            Problem::ConnectNotSupported => {
+                "idemgate proxies requests, it does not open tunnels.".into()
+            }
             Problem::RequestHeaderTimeout => {
                 "The client did not send the whole request header in time; the connection is \
                  closed."
@@ -229,6 +245,8 @@ impl Problem {
             | Problem::RequestTimeout
             | Problem::RequestHeaderTimeout
             | Problem::RequestHeaderTooLarge { .. }
+            | Problem::RequestMalformed
+            | Problem::ConnectNotSupported
             | Problem::RequestBodyUnreadable => Outcome::Invalid,
             Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
             Problem::FingerprintMismatch => Outcome::Mismatch,

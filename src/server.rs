@@ -357,6 +357,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         HeaderRefusals {
             timeout: metrics.headers_refused.with_label_values(&["timeout"]),
             too_large: metrics.headers_refused.with_label_values(&["too_large"]),
+            malformed: metrics.headers_refused.with_label_values(&["malformed"]),
         },
     );
     let mut proxy = Service::new("idemgate".to_string(), guarded);

@@ -168,6 +168,7 @@ async fn every_bad_input_gets_its_answer_and_nothing_is_stored() {
     let cases = cases();
     assert!(cases.len() >= 30);
     let mut forwarded = 0;
+    let mut parser_refusals = 0;
     for case in &cases {
         let resp = case.req.send(proxy.addr).await;
         assert_eq!(resp.status, case.status, "{}: {}", case.name, resp.text());
@@ -184,7 +185,12 @@ async fn every_bad_input_gets_its_answer_and_nothing_is_stored() {
                         case.name
                     );
                 }
-                None => assert_eq!(resp.status, 400, "{}: rejected by the parser", case.name),
+                // pingora's parser refused it; the answer is still problem+json.
+                None => {
+                    assert_eq!(resp.status, 400, "{}: rejected by the parser", case.name);
+                    assert_eq!(resp.problem_type(), "request-malformed", "{}", case.name);
+                    parser_refusals += 1;
+                }
             }
         }
         if case.forwarded {
@@ -201,6 +207,12 @@ async fn every_bad_input_gets_its_answer_and_nothing_is_stored() {
         assert_eq!(probe.status, 201, "after {}", case.name);
         forwarded += 1;
     }
+    assert!(parser_refusals > 0, "some case reaches pingora's parser");
+    proxy
+        .metrics_containing(&format!(
+            r#"idemgate_request_headers_refused_total{{reason="malformed"}} {parser_refusals}"#
+        ))
+        .await;
     // A method in the wrong case is refused before any route: counted as INVALID, unrouted.
     let method_case = cases.iter().filter(|c| c.name.contains("-case ")).count();
     assert_eq!(method_case, 3);
@@ -480,5 +492,56 @@ async fn a_request_header_over_max_request_header_bytes_is_refused_with_431() {
     assert_eq!(backend.count(), 1);
     proxy
         .metrics_containing(r#"idemgate_request_headers_refused_total{reason="too_large"} 1"#)
+        .await;
+}
+
+#[tokio::test]
+async fn connect_and_unparseable_requests_get_problem_json() {
+    let backend = Backend::start().await;
+    let proxy = proxy(&backend).await;
+    // Sends raw bytes and reads until the proxy closes the connection.
+    let exchange = async |raw: &[u8]| {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(raw).await.unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
+            .await
+            .expect("the proxy closed the connection");
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let connect =
+        exchange(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n").await;
+    assert!(
+        connect.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"),
+        "{connect}"
+    );
+    assert!(
+        connect.contains("content-type: application/problem+json"),
+        "{connect}"
+    );
+    assert!(
+        connect.contains("/problems/connect-not-supported"),
+        "{connect}"
+    );
+    for raw in [
+        &b"POST /orders HTTP/1.1\r\nHost: t\r\nBad Header: x\r\n\r\n"[..],
+        b"GARBAGE\r\n\r\n",
+        b"POST /orders HTTP/9.9\r\nHost: t\r\n\r\n",
+        b"CONNECT example.com:443 HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n",
+    ] {
+        let text = exchange(raw).await;
+        assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{text}");
+        assert!(
+            text.contains("content-type: application/problem+json"),
+            "{text}"
+        );
+        assert!(text.contains("/problems/request-malformed"), "{text}");
+        // Exactly one answer: pingora's own bare 400 was swallowed.
+        assert_eq!(text.matches("HTTP/1.1 4").count(), 1, "{text}");
+    }
+    assert_eq!(backend.count(), 0);
+    proxy
+        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="malformed"} 4"#)
         .await;
 }
