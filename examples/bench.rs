@@ -33,7 +33,10 @@
 //! - **keyed miss (redis)** / **keyed hit (redis)** (only with `--redis`): the same against a
 //!   second idemgate whose store is a `redis-server` started for the run. The Redis round trips
 //!   per request are the Redis commands clients sent during the run (`INFO commandstats`, our own
-//!   `INFO` excluded) divided by the requests idemgate counted.
+//!   `INFO` excluded) divided by the requests idemgate counted. After the last round the report
+//!   gives Redis's memory per record: `used_memory` over an empty server's, divided by `DBSIZE`
+//!   (the keyed-miss rows' records, plus the one hit key). `--redis-arg NAME=VALUE` starts
+//!   redis-server with `--NAME VALUE`, to compare settings such as `hash-max-listpack-value`.
 //!
 //! # Setup details
 //!
@@ -124,7 +127,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 const HELP: &str = "\
 bench: idemgate load harness (see the top of examples/bench.rs)
 
-usage: bench [--duration 10s] [--connections 32] [--warmup 2s] [--rounds 1] [--redis] [--keep]
+usage: bench [--duration 10s] [--connections 32] [--warmup 2s] [--rounds 1] [--redis]
+             [--redis-arg NAME=VALUE]... [--keep]
 
   -d, --duration D     measured wrk run per row (env BENCH_DURATION), e.g. 10s, 1m
   -c, --connections N  wrk connections (env BENCH_CONNECTIONS)
@@ -132,6 +136,8 @@ usage: bench [--duration 10s] [--connections 32] [--warmup 2s] [--rounds 1] [--r
                        (env BENCH_ROUNDS)
       --warmup D       unreported wrk run before each row (env BENCH_WARMUP)
       --redis          add keyed miss/hit rows on a Redis store (env BENCH_REDIS=1)
+      --redis-arg N=V  start redis-server with `--N V` (repeatable), e.g.
+                       hash-max-listpack-value=1024
       --keep           keep the temporary directory with configs and logs (env BENCH_KEEP=1)
 ";
 
@@ -169,6 +175,8 @@ struct Options {
     connections: u32,
     rounds: u32,
     redis: bool,
+    /// Extra `redis-server` settings, `(name, value)`.
+    redis_args: Vec<(String, String)>,
     keep: bool,
 }
 
@@ -183,6 +191,7 @@ impl Options {
             connections: parse_count(&env("BENCH_CONNECTIONS").unwrap_or_else(|| "32".into()))?,
             rounds: parse_count(&env("BENCH_ROUNDS").unwrap_or_else(|| "1".into()))?,
             redis: truthy(env("BENCH_REDIS")),
+            redis_args: Vec::new(),
             keep: truthy(env("BENCH_KEEP")),
         };
         let mut args = std::env::args().skip(1);
@@ -203,6 +212,14 @@ impl Options {
                 "-c" | "--connections" => opts.connections = parse_count(&value()?)?,
                 "-r" | "--rounds" => opts.rounds = parse_count(&value()?)?,
                 "--redis" => opts.redis = true,
+                "--redis-arg" => {
+                    let arg = value()?;
+                    let (n, v) = arg
+                        .split_once('=')
+                        .filter(|(n, _)| !n.is_empty() && !n.starts_with('-'))
+                        .ok_or_else(|| format!("--redis-arg wants NAME=VALUE, got {arg:?}"))?;
+                    opts.redis_args.push((n.to_owned(), v.to_owned()));
+                }
                 "--keep" => opts.keep = true,
                 "-h" | "--help" => return Ok(None),
                 _ => return Err(format!("unknown argument {arg:?}").into()),
@@ -375,13 +392,16 @@ fn run(opts: &Options) -> BoxResult<bool> {
     ];
 
     let mut notes = Vec::new();
+    // The Redis server and its memory before any record, for the memory per record.
+    let mut redis_empty: Option<(u16, u64)> = None;
     if opts.redis {
-        match start_redis_instance(&mut lab, &idemgate_bin, backend)? {
+        match start_redis_instance(&mut lab, &idemgate_bin, backend, &opts.redis_args)? {
             RedisSetup::Ready {
                 proxy,
                 admin,
                 redis_port,
             } => {
+                redis_empty = Some((redis_port, redis_used_memory(redis_port)?.0));
                 scenarios.push(Scenario {
                     name: "keyed miss (redis)",
                     addr: proxy,
@@ -483,11 +503,36 @@ fn run(opts: &Options) -> BoxResult<bool> {
                 .collect()
         })
         .collect();
+    let redis_memory = match redis_empty {
+        Some((port, empty)) => {
+            let (used, records) = redis_used_memory(port)?;
+            let settings = if opts.redis_args.is_empty() {
+                "redis-server defaults".to_owned()
+            } else {
+                let set: Vec<String> = opts
+                    .redis_args
+                    .iter()
+                    .map(|(n, v)| format!("{n} {v}"))
+                    .collect();
+                set.join(", ")
+            };
+            (records > 0).then(|| {
+                format!(
+                    "Redis memory per record: {:.0} bytes ({records} records, used_memory {:.1} MiB \
+                     over an empty server's; {settings})",
+                    used.saturating_sub(empty) as f64 / records as f64,
+                    used.saturating_sub(empty) as f64 / (1 << 20) as f64,
+                )
+            })
+        }
+        None => None,
+    };
     let outcome = Outcome {
         rows: rounds.into_iter().filter_map(median_round).collect(),
         per_round,
         failures,
         notes,
+        redis_memory,
     };
 
     println!();
@@ -503,6 +548,8 @@ struct Outcome {
     per_round: Vec<BTreeMap<&'static str, f64>>,
     failures: Vec<String>,
     notes: Vec<String>,
+    /// Memory the Redis rows' records take in redis-server, when they ran.
+    redis_memory: Option<String>,
 }
 
 /// The round with the median req/s (the lower middle one for an even count).
@@ -661,6 +708,7 @@ fn start_redis_instance(
     lab: &mut Lab,
     idemgate_bin: &Path,
     backend: SocketAddr,
+    extra: &[(String, String)],
 ) -> BoxResult<RedisSetup> {
     let ports = free_ports(3)?;
     let [redis_port, proxy_port, admin_port] = ports[..] else {
@@ -692,6 +740,9 @@ fn start_redis_instance(
         .arg(&dir)
         .arg("--logfile")
         .arg(&log);
+    for (name, value) in extra {
+        cmd.arg(format!("--{name}")).arg(value);
+    }
     lab.spawn("redis", cmd, &dir.join("redis.out"))?;
     wait_for_tcp(lab, loopback(redis_port))?;
     lab.start_idemgate("idemgate-redis", idemgate_bin, &cfg)?;
@@ -701,6 +752,31 @@ fn start_redis_instance(
         admin,
         redis_port,
     })
+}
+
+/// Redis's `used_memory` and its number of keys.
+fn redis_used_memory(port: u16) -> BoxResult<(u64, u64)> {
+    let cli = |args: &[&str]| -> BoxResult<String> {
+        let out = Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args(args)
+            .output()?;
+        if !out.status.success() {
+            return Err(format!("redis-cli {args:?} failed").into());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let info = cli(&["INFO", "memory"])?;
+    let used = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or("no used_memory in INFO memory")?;
+    let keys = cli(&["DBSIZE"])?
+        .trim()
+        .parse()
+        .map_err(|_| "DBSIZE is not a number")?;
+    Ok((used, keys))
 }
 
 /// Commands Redis has executed so far, excluding the `INFO` calls this harness makes.
@@ -1497,6 +1573,9 @@ fn report(
         if let Some(rt) = r.redis_per_request {
             let _ = writeln!(out, "{}: {rt:.2} Redis round trips per request", r.name);
         }
+    }
+    if let Some(m) = &outcome.redis_memory {
+        let _ = writeln!(out, "{m}");
     }
     for n in &outcome.notes {
         let _ = writeln!(out, "note: {n}");
