@@ -504,27 +504,7 @@ fn run(opts: &Options) -> BoxResult<bool> {
         })
         .collect();
     let redis_memory = match redis_empty {
-        Some((port, empty)) => {
-            let (used, records) = redis_used_memory(port)?;
-            let settings = if opts.redis_args.is_empty() {
-                "redis-server defaults".to_owned()
-            } else {
-                let set: Vec<String> = opts
-                    .redis_args
-                    .iter()
-                    .map(|(n, v)| format!("{n} {v}"))
-                    .collect();
-                set.join(", ")
-            };
-            (records > 0).then(|| {
-                format!(
-                    "Redis memory per record: {:.0} bytes ({records} records, used_memory {:.1} MiB \
-                     over an empty server's; {settings})",
-                    used.saturating_sub(empty) as f64 / records as f64,
-                    used.saturating_sub(empty) as f64 / (1 << 20) as f64,
-                )
-            })
-        }
+        Some((port, empty)) => redis_memory_line(port, empty, &opts.redis_args)?,
         None => None,
     };
     let outcome = Outcome {
@@ -754,25 +734,41 @@ fn start_redis_instance(
     })
 }
 
+/// The report's line on Redis's memory per record: `used_memory` over `empty` (an empty
+/// server's) divided by the keys, under the `settings` redis-server was started with. None
+/// when Redis holds no record.
+fn redis_memory_line(
+    port: u16,
+    empty: u64,
+    settings: &[(String, String)],
+) -> BoxResult<Option<String>> {
+    let (used, records) = redis_used_memory(port)?;
+    if records == 0 {
+        return Ok(None);
+    }
+    let settings = if settings.is_empty() {
+        "redis-server defaults".to_owned()
+    } else {
+        let set: Vec<String> = settings.iter().map(|(n, v)| format!("{n} {v}")).collect();
+        set.join(", ")
+    };
+    let grown = used.saturating_sub(empty) as f64;
+    Ok(Some(format!(
+        "Redis memory per record: {:.0} bytes ({records} records, used_memory {:.1} MiB over an \
+         empty server's; {settings})",
+        grown / records as f64,
+        grown / (1 << 20) as f64,
+    )))
+}
+
 /// Redis's `used_memory` and its number of keys.
 fn redis_used_memory(port: u16) -> BoxResult<(u64, u64)> {
-    let cli = |args: &[&str]| -> BoxResult<String> {
-        let out = Command::new("redis-cli")
-            .args(["-p", &port.to_string()])
-            .args(args)
-            .output()?;
-        if !out.status.success() {
-            return Err(format!("redis-cli {args:?} failed").into());
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    };
-    let info = cli(&["INFO", "memory"])?;
-    let used = info
+    let used = redis_cli(port, &["INFO", "memory"])?
         .lines()
         .find_map(|l| l.strip_prefix("used_memory:"))
         .and_then(|v| v.trim().parse().ok())
         .ok_or("no used_memory in INFO memory")?;
-    let keys = cli(&["DBSIZE"])?
+    let keys = redis_cli(port, &["DBSIZE"])?
         .trim()
         .parse()
         .map_err(|_| "DBSIZE is not a number")?;
@@ -781,17 +777,27 @@ fn redis_used_memory(port: u16) -> BoxResult<(u64, u64)> {
 
 /// Commands Redis has executed so far, excluding the `INFO` calls this harness makes.
 fn redis_calls(port: u16) -> BoxResult<u64> {
+    Ok(sum_commandstats(&redis_cli(
+        port,
+        &["INFO", "commandstats"],
+    )?))
+}
+
+/// What `redis-cli -p port args...` prints.
+fn redis_cli(port: u16, args: &[&str]) -> BoxResult<String> {
     let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "INFO", "commandstats"])
+        .args(["-p", &port.to_string()])
+        .args(args)
         .output()?;
     if !out.status.success() {
         return Err(format!(
-            "redis-cli INFO failed: {}",
+            "redis-cli {} failed: {}",
+            args.join(" "),
             String::from_utf8_lossy(&out.stderr)
         )
         .into());
     }
-    Ok(sum_commandstats(&String::from_utf8_lossy(&out.stdout)))
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Commands a client sends itself. `INFO commandstats` also counts the commands a Lua script

@@ -1042,11 +1042,12 @@ impl FileConfig {
             "request_header_timeout".into(),
             &self.request_header_timeout,
         )?;
-        let max_request_header_bytes = {
-            let field = "max_request_header_bytes".to_string();
-            let bytes = byte_size(field.clone(), &self.max_request_header_bytes)?;
-            bytes_in_range(field, bytes, 1 << 10, 1 << 20)?
-        };
+        let max_request_header_bytes = byte_size_in_range(
+            "max_request_header_bytes".into(),
+            &self.max_request_header_bytes,
+            1 << 10,
+            1 << 20,
+        )?;
         let request_body_timeout =
             positive_duration("request_body_timeout".into(), &self.request_body_timeout)?;
         let response_send_timeout =
@@ -1205,8 +1206,12 @@ fn default_memory_shards(capacity_bytes: usize) -> usize {
 
 impl FileStore {
     fn into_config(self) -> Result<StoreConfig, ConfigError> {
-        let capacity = byte_size("store.memory.capacity".into(), &self.memory.capacity)?;
-        let capacity_bytes = bytes_in_range("store.memory.capacity".into(), capacity, 1, u64::MAX)?;
+        let capacity_bytes = byte_size_in_range(
+            "store.memory.capacity".into(),
+            &self.memory.capacity,
+            1,
+            u64::MAX,
+        )?;
         let memory = MemoryStoreConfig {
             capacity_bytes,
             shards: match self.memory.shards {
@@ -1922,16 +1927,18 @@ impl FileRouteIdempotency {
         let cache_statuses =
             StatusSet::from_entries(&format!("{base}.cache_statuses"), &self.cache_statuses)?;
 
-        let max_request_bytes = {
-            let field = format!("{base}.max_request_bytes");
-            let bytes = byte_size(field.clone(), &self.max_request_bytes)?;
-            bytes_in_range(field, bytes, 1, MAX_BODY_BYTES)?
-        };
-        let max_response_bytes = {
-            let field = format!("{base}.max_response_bytes");
-            let bytes = byte_size(field.clone(), &self.max_response_bytes)?;
-            bytes_in_range(field, bytes, 1, MAX_BODY_BYTES)?
-        };
+        let max_request_bytes = byte_size_in_range(
+            format!("{base}.max_request_bytes"),
+            &self.max_request_bytes,
+            1,
+            MAX_BODY_BYTES,
+        )?;
+        let max_response_bytes = byte_size_in_range(
+            format!("{base}.max_response_bytes"),
+            &self.max_response_bytes,
+            1,
+            MAX_BODY_BYTES,
+        )?;
 
         Ok(RouteIdempotency {
             key: self.key,
@@ -2043,6 +2050,17 @@ fn positive_duration(field: String, raw: &Scalar) -> Result<Duration, ConfigErro
 
 fn byte_size(field: String, raw: &Scalar) -> Result<u64, ConfigError> {
     parse_byte_size(raw).map_err(|message| invalid(field, message))
+}
+
+/// A byte size (`64KiB`, `1048576`) within `min..=max`.
+fn byte_size_in_range(
+    field: String,
+    raw: &Scalar,
+    min: u64,
+    max: u64,
+) -> Result<usize, ConfigError> {
+    let bytes = byte_size(field.clone(), raw)?;
+    bytes_in_range(field, bytes, min, max)
 }
 
 fn bytes_in_range(field: String, value: u64, min: u64, max: u64) -> Result<usize, ConfigError> {

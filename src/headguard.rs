@@ -70,19 +70,18 @@ const ANSWERED: u8 = 3;
 /// A downstream connection whose request headers must each arrive within a deadline.
 pub struct HeadGuard {
     inner: Stream,
-    /// Where the connection is: [`BETWEEN`], [`HEADER`] or [`REQUEST`]. Atomic only because the
-    /// proxy's marks reach the guard through a shared reference; one task drives a connection.
+    /// Where the connection is: [`BETWEEN`], [`HEADER`], [`REQUEST`] or [`ANSWERED`]. Atomic
+    /// only because the proxy's marks reach the guard through a shared reference; one task
+    /// drives a connection.
     phase: AtomicU8,
-    timeout: Duration,
-    /// Most bytes a header may take.
-    limit: usize,
+    limits: Limits,
     /// Bytes read for the current header so far (meaningful in [`HEADER`]).
     read: usize,
     /// When the current header's time is up (meaningful in [`HEADER`]).
     deadline: Instant,
     /// Armed only when a header's second read has to wait.
     alarm: Option<Pin<Box<Sleep>>>,
-    /// In [`ANSWERED`]: the answer written in place of pingora's, and how much of it is out.
+    /// The guard's own answer to a refused header, and how much of it is out.
     answer: Vec<u8>,
     answer_sent: usize,
     refused: HeaderRefusals,
@@ -99,13 +98,25 @@ pub struct HeaderRefusals {
     pub malformed: IntCounter,
 }
 
+impl HeaderRefusals {
+    /// The counter of a refusal, if it counts as one (`CONNECT` is a request refused by
+    /// policy, not a bad header).
+    fn of(&self, problem: &Problem) -> Option<&IntCounter> {
+        match problem {
+            Problem::RequestHeaderTimeout => Some(&self.timeout),
+            Problem::RequestHeaderTooLarge { .. } => Some(&self.too_large),
+            Problem::RequestMalformed => Some(&self.malformed),
+            _ => None,
+        }
+    }
+}
+
 impl HeadGuard {
     fn new(inner: Stream, limits: Limits, refused: HeaderRefusals) -> Self {
         HeadGuard {
             inner,
             phase: AtomicU8::new(BETWEEN),
-            timeout: limits.timeout,
-            limit: limits.bytes,
+            limits,
             read: 0,
             deadline: Instant::now(),
             alarm: None,
@@ -125,17 +136,26 @@ impl HeadGuard {
             Some(405) => Problem::ConnectNotSupported,
             _ => return false,
         };
-        if problem == Problem::RequestMalformed {
-            self.refused.malformed.inc();
-        }
-        self.phase.store(ANSWERED, Ordering::Relaxed);
-        self.alarm = None;
-        self.answer = raw_answer(&problem);
-        self.answer_sent = 0;
+        self.answer_with(&problem, ANSWERED);
         true
     }
 
-    /// Writes what is left of the answer that replaced pingora's.
+    /// Counts `problem` and makes its problem+json the guard's answer, moving to `phase`.
+    fn answer_with(&mut self, problem: &Problem, phase: u8) {
+        if let Some(counter) = self.refused.of(problem) {
+            counter.inc();
+        }
+        self.phase.store(phase, Ordering::Relaxed);
+        self.alarm = None;
+        self.answer = raw_answer(problem);
+        self.answer_sent = 0;
+        tracing::debug!(
+            problem = problem.slug(),
+            "request header refused; connection closed"
+        );
+    }
+
+    /// Writes what is left of the guard's answer.
     fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.answer_sent < self.answer.len() {
             let rest = &self.answer[self.answer_sent..];
@@ -159,27 +179,17 @@ impl HeadGuard {
         }
     }
 
-    /// Refuses the header: answers if the client's socket takes the answer at once, then fails
-    /// the read, which makes pingora close the connection.
+    /// Refuses the header: answers as far as the client's socket takes the answer at once,
+    /// then fails the read, which makes pingora close the connection.
     fn refuse(&mut self, cx: &mut Context<'_>, problem: Problem) -> Poll<io::Result<()>> {
-        self.phase.store(REQUEST, Ordering::Relaxed);
-        self.alarm = None;
-        let (counter, kind) = match problem {
-            Problem::RequestHeaderTimeout => (&self.refused.timeout, io::ErrorKind::TimedOut),
-            _ => (&self.refused.too_large, io::ErrorKind::InvalidData),
-        };
-        counter.inc();
-        let answer = raw_answer(&problem);
-        let mut inner = Pin::new(&mut self.inner);
-        if let Poll::Ready(Ok(n)) = inner.as_mut().poll_write(cx, &answer) {
-            if n == answer.len() {
-                let _ = inner.poll_flush(cx);
-            }
+        self.answer_with(&problem, REQUEST);
+        if let Poll::Ready(Ok(())) = self.poll_answer(cx) {
+            let _ = Pin::new(&mut self.inner).poll_flush(cx);
         }
-        tracing::debug!(
-            problem = problem.slug(),
-            "request header refused; connection closed"
-        );
+        let kind = match problem {
+            Problem::RequestHeaderTimeout => io::ErrorKind::TimedOut,
+            _ => io::ErrorKind::InvalidData,
+        };
         Poll::Ready(Err(io::Error::new(kind, problem.title())))
     }
 }
@@ -212,7 +222,9 @@ fn raw_answer(problem: &Problem) -> Vec<u8> {
 /// The limits a connection's headers are held to, read from the live config at accept.
 #[derive(Clone, Copy)]
 struct Limits {
+    /// `request_header_timeout`.
     timeout: Duration,
+    /// `max_request_header_bytes`.
     bytes: usize,
 }
 
@@ -259,15 +271,15 @@ impl AsyncRead for HeadGuard {
                 let got = buf.filled().len() - before;
                 if matches!(read, Poll::Ready(Ok(()))) && got > 0 {
                     this.phase.store(HEADER, Ordering::Relaxed);
-                    this.deadline = Instant::now() + this.timeout;
+                    this.deadline = Instant::now() + this.limits.timeout;
                     this.read = got;
                     this.alarm = None;
                 }
                 read
             }
             HEADER => {
-                if this.read > this.limit {
-                    let limit = this.limit;
+                if this.read > this.limits.bytes {
+                    let limit = this.limits.bytes;
                     return this.refuse(cx, Problem::RequestHeaderTooLarge { limit });
                 }
                 if Instant::now() >= this.deadline {

@@ -589,7 +589,6 @@ impl Gate {
         // A response still streaming (a slow backend, a slow client) when the lock is three
         // quarters gone is settled first: stored as executed but not replayable, so a retry
         // after the lock would have lapsed gets 409, never a second execution.
-        let mut to_settle = claim.as_ref().filter(|_| storable);
         let mut settled = false;
         let body_result: std::result::Result<(), UpstreamError> = loop {
             let step = async {
@@ -607,7 +606,7 @@ impl Gate {
                 out.push(session, chunk).await;
                 Ok(true)
             };
-            let stepped = match to_settle {
+            let stepped = match claim.as_ref().filter(|_| storable && !settled) {
                 None => step.await,
                 Some(c) => {
                     let mut step = pin!(step);
@@ -615,7 +614,7 @@ impl Gate {
                         Ok(stepped) => stepped,
                         Err(_) => {
                             self.settle(c, status).await;
-                            (to_settle, settled) = (None, true);
+                            settled = true;
                             step.await
                         }
                     }

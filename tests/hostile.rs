@@ -209,9 +209,7 @@ async fn every_bad_input_gets_its_answer_and_nothing_is_stored() {
     }
     assert!(parser_refusals > 0, "some case reaches pingora's parser");
     proxy
-        .metrics_containing(&format!(
-            r#"idemgate_request_headers_refused_total{{reason="malformed"}} {parser_refusals}"#
-        ))
+        .metrics_containing(&refused("malformed", parser_refusals))
         .await;
     // A method in the wrong case is refused before any route: counted as INVALID, unrouted.
     let method_case = cases.iter().filter(|c| c.name.contains("-case ")).count();
@@ -282,7 +280,7 @@ async fn query_order_and_absolute_form_are_fingerprinted_as_sent() {
 
 #[tokio::test]
 async fn a_client_that_stops_reading_is_cut_off_and_the_outcome_is_still_stored() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     const LEN: usize = 16 << 20;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
@@ -304,16 +302,42 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_outcome_is_still_stored(
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // The proxy gave up on this client: what it had sent is all there is, and the connection
     // is closed rather than waiting for the client to read on.
-    let mut got = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), stalled.read_to_end(&mut got))
-        .await
-        .expect("the proxy closed the stalled connection");
+    let got = until_closed(&mut stalled).await;
     assert!(got.len() < LEN, "cut off, got {} bytes", got.len());
     // The execution's outcome was stored all the same: a retry is replayed whole.
     let retry = order().send(proxy.addr).await;
     assert_eq!((retry.status, retry.result()), (200, Some("HIT")));
     assert_eq!(retry.body.len(), LEN);
     assert_eq!(backend.count(), 1);
+}
+
+/// Everything the proxy sends on `s` until it closes the connection, which it must within 5 s.
+async fn until_closed(s: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
+        .await
+        .expect("the proxy closed the connection");
+    got
+}
+
+/// `raw` is one whole problem+json answer with `status` and problem type `slug`: the answers to
+/// refused headers are written below pingora.
+fn assert_raw_problem(raw: &[u8], status: u16, slug: &str) {
+    let text = String::from_utf8_lossy(raw);
+    assert!(text.starts_with(&format!("HTTP/1.1 {status} ")), "{text}");
+    assert!(
+        text.contains("content-type: application/problem+json"),
+        "{text}"
+    );
+    assert!(text.contains(&format!("/problems/{slug}\"")), "{text}");
+    // Exactly one answer: nothing of pingora's own went out beside it.
+    assert_eq!(text.matches("HTTP/1.1 4").count(), 1, "{text}");
+}
+
+/// The refusal counter line for `reason` at `n`.
+fn refused(reason: &str, n: u32) -> String {
+    format!(r#"idemgate_request_headers_refused_total{{reason="{reason}"}} {n}"#)
 }
 
 /// Reads what the proxy sends while the request header is trickled a byte every 100 ms (40 at
@@ -355,19 +379,14 @@ async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
     // Each byte comes well inside pingora's per-read timeout; only the whole header is late.
     let (got, elapsed, sent) =
         trickle_header(&proxy, b"POST /orders HTTP/1.1\r\nHost: t\r\nX-Slow: ").await;
-    let text = String::from_utf8_lossy(&got);
-    assert!(text.starts_with("HTTP/1.1 408 "), "{text}");
-    assert!(text.contains("application/problem+json"), "{text}");
-    assert!(text.contains("/problems/request-header-timeout"), "{text}");
+    assert_raw_problem(&got, 408, "request-header-timeout");
     assert!(elapsed >= Duration::from_millis(500), "{elapsed:?}");
     assert!(
         sent < 40,
         "cut off after {sent} trickled bytes, {elapsed:?}"
     );
     assert_eq!(backend.count(), 0);
-    proxy
-        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="timeout"} 1"#)
-        .await;
+    proxy.metrics_containing(&refused("timeout", 1)).await;
     // The same on a reused connection: its next header is timed from its own first byte.
     use tokio::io::AsyncWriteExt;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
@@ -380,18 +399,10 @@ async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
         .await
         .unwrap();
     let started = std::time::Instant::now();
-    let mut rest = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        use tokio::io::AsyncReadExt;
-        s.read_to_end(&mut rest).await
-    })
-    .await
-    .expect("the proxy closed the reused connection");
+    let rest = until_closed(&mut s).await;
     assert!(started.elapsed() >= Duration::from_millis(500));
-    assert!(String::from_utf8_lossy(&rest).starts_with("HTTP/1.1 408 "));
-    proxy
-        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="timeout"} 2"#)
-        .await;
+    assert_raw_problem(&rest, 408, "request-header-timeout");
+    proxy.metrics_containing(&refused("timeout", 2)).await;
     assert_eq!(backend.count(), 1);
 }
 
@@ -445,15 +456,12 @@ async fn request_header_timeout_spares_idle_connections_split_headers_and_slow_b
     send(&mut s, &[&Request::post("/plain").body("{}").to_bytes()]).await;
     assert_eq!(backend.count(), 5);
     let m = proxy.metrics().await;
-    assert!(
-        m.contains(r#"idemgate_request_headers_refused_total{reason="timeout"} 0"#),
-        "{m}"
-    );
+    assert!(m.contains(&refused("timeout", 0)), "{m}");
 }
 
 #[tokio::test]
 async fn a_request_header_over_max_request_header_bytes_is_refused_with_431() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
         .top("max_request_header_bytes: 4KiB")
@@ -479,20 +487,9 @@ async fn a_request_header_over_max_request_header_bytes_is_refused_with_431() {
     // Four times over it, at once: 431 and the connection closed, nothing forwarded.
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let _ = s.write_all(&head(16 << 10)).await;
-    let mut got = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
-        .await
-        .expect("the proxy closed the connection");
-    let text = String::from_utf8_lossy(&got);
-    assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
-    assert!(
-        text.contains("/problems/request-header-too-large"),
-        "{text}"
-    );
+    assert_raw_problem(&until_closed(&mut s).await, 431, "request-header-too-large");
     assert_eq!(backend.count(), 1);
-    proxy
-        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="too_large"} 1"#)
-        .await;
+    proxy.metrics_containing(&refused("too_large", 1)).await;
 }
 
 #[tokio::test]
@@ -501,47 +498,26 @@ async fn connect_and_unparseable_requests_get_problem_json() {
     let proxy = proxy(&backend).await;
     // Sends raw bytes and reads until the proxy closes the connection.
     let exchange = async |raw: &[u8]| {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
         s.write_all(raw).await.unwrap();
-        let mut got = Vec::new();
-        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
-            .await
-            .expect("the proxy closed the connection");
-        String::from_utf8_lossy(&got).into_owned()
+        until_closed(&mut s).await
     };
     let connect =
         exchange(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n").await;
-    assert!(
-        connect.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"),
-        "{connect}"
-    );
-    assert!(
-        connect.contains("content-type: application/problem+json"),
-        "{connect}"
-    );
-    assert!(
-        connect.contains("/problems/connect-not-supported"),
-        "{connect}"
-    );
+    assert!(connect.starts_with(b"HTTP/1.1 405 Method Not Allowed\r\n"));
+    assert_raw_problem(&connect, 405, "connect-not-supported");
     for raw in [
         &b"POST /orders HTTP/1.1\r\nHost: t\r\nBad Header: x\r\n\r\n"[..],
         b"GARBAGE\r\n\r\n",
         b"POST /orders HTTP/9.9\r\nHost: t\r\n\r\n",
         b"CONNECT example.com:443 HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n",
     ] {
-        let text = exchange(raw).await;
-        assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{text}");
-        assert!(
-            text.contains("content-type: application/problem+json"),
-            "{text}"
-        );
-        assert!(text.contains("/problems/request-malformed"), "{text}");
-        // Exactly one answer: pingora's own bare 400 was swallowed.
-        assert_eq!(text.matches("HTTP/1.1 4").count(), 1, "{text}");
+        let answer = exchange(raw).await;
+        assert!(answer.starts_with(b"HTTP/1.1 400 Bad Request\r\n"));
+        // One answer only: pingora's own bare 400 was swallowed.
+        assert_raw_problem(&answer, 400, "request-malformed");
     }
     assert_eq!(backend.count(), 0);
-    proxy
-        .metrics_containing(r#"idemgate_request_headers_refused_total{reason="malformed"} 4"#)
-        .await;
+    proxy.metrics_containing(&refused("malformed", 4)).await;
 }

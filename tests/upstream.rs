@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::rawbackend::{RawBackend, Step};
-use common::{Proxy, ProxyBuilder, Request};
+use common::{Proxy, ProxyBuilder, Request, Response};
 use tokio::io::AsyncWriteExt;
 
 fn send(bytes: &[u8]) -> Step {
@@ -423,33 +423,44 @@ async fn large_body_proxy(backend: std::net::SocketAddr) -> Proxy {
         .await
 }
 
-#[tokio::test]
-async fn an_answer_given_before_the_body_was_read_is_relayed_and_stored() {
-    // A backend may answer without reading the body (a 413, or a handler that ignores it):
-    // that answer is the outcome, not a failure to reach the backend.
-    let backend = RawBackend::start_head_only(vec![
-        send(b"HTTP/1.1 413 Content Too Large\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{\"error\":\"big\"}"),
-        Step::Pause(Duration::from_secs(3)),
-    ])
-    .await;
+/// A large keyed order to a backend that reads only its head and answers `script`: the answer
+/// is relayed as a MISS, stored, and replayed as a HIT; the backend ran once. Returns the first
+/// answer.
+async fn early_answer_is_relayed_and_stored(script: Vec<Step>, key: &str) -> Response {
+    let backend = RawBackend::start_head_only(script).await;
     let proxy = large_body_proxy(backend.addr).await;
-    let first = large_order("early-answer").send(proxy.addr).await;
+    let first = large_order(key).send(proxy.addr).await;
     assert_eq!(
         (first.status, first.result()),
         (413, Some("MISS")),
         "{}",
         first.text()
     );
-    assert_eq!(first.body, b"{\"error\":\"big\"}");
-    let again = large_order("early-answer").send(proxy.addr).await;
+    let again = large_order(key).send(proxy.addr).await;
     assert_eq!(
         (again.status, again.result()),
         (413, Some("HIT")),
         "{}",
         again.text()
     );
-    assert_eq!(again.body, b"{\"error\":\"big\"}");
+    assert_eq!(again.body, first.body);
     assert_eq!(backend.count(), 1);
+    first
+}
+
+#[tokio::test]
+async fn an_answer_given_before_the_body_was_read_is_relayed_and_stored() {
+    // A backend may answer without reading the body (a 413, or a handler that ignores it):
+    // that answer is the outcome, not a failure to reach the backend.
+    let first = early_answer_is_relayed_and_stored(
+        vec![
+            send(b"HTTP/1.1 413 Content Too Large\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{\"error\":\"big\"}"),
+            Step::Pause(Duration::from_secs(3)),
+        ],
+        "early-answer",
+    )
+    .await;
+    assert_eq!(first.body, b"{\"error\":\"big\"}");
 }
 
 #[tokio::test]
@@ -476,45 +487,37 @@ async fn a_request_cut_off_mid_body_keeps_the_key_locked() {
 async fn an_early_answer_followed_by_a_reset_is_still_relayed() {
     // Closing with the body unread makes the backend's kernel reset the connection; the
     // answer it wrote first is already in the proxy's receive buffer and still counts.
-    let backend = RawBackend::start_head_only(vec![send(
-        b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\nConnection: close\r\n\r\nbig",
-    )])
+    early_answer_is_relayed_and_stored(
+        vec![send(
+            b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\nConnection: close\r\n\r\nbig",
+        )],
+        "early-reset",
+    )
     .await;
-    let proxy = large_body_proxy(backend.addr).await;
-    let first = large_order("early-reset").send(proxy.addr).await;
-    assert_eq!(
-        (first.status, first.result()),
-        (413, Some("MISS")),
-        "{}",
-        first.text()
-    );
-    let again = large_order("early-reset").send(proxy.addr).await;
-    assert_eq!(
-        (again.status, again.result()),
-        (413, Some("HIT")),
-        "{}",
-        again.text()
-    );
-    assert_eq!(backend.count(), 1);
 }
 
-#[tokio::test]
-async fn a_forwarded_request_says_whether_it_reached_the_backend() {
-    // Forwarded without a key, nothing protects a retry: the client must not be told "not
-    // sent" about a request the backend received. Both forwarding paths: idemgate's client
-    // (a small body) and pingora's (a chunked body, streamed).
-    let backend = RawBackend::start(vec![Step::Close]).await;
-    let proxy = proxy(&backend).await;
+/// A request forwarded without a key over each forwarding path: idemgate's client (a small
+/// body) and pingora's (a chunked body, streamed).
+async fn forward_both_ways(proxy: &Proxy) -> [Response; 2] {
     let small = Request::post("/plain/x").json("{}").send(proxy.addr).await;
-    assert_eq!(small.status, 502, "{}", small.text());
-    assert_eq!(small.problem_type(), "upstream-answer-lost");
     let streamed = Request::post("/plain/x")
         .body(vec![b'a'; 3000])
         .chunked(1000)
         .send(proxy.addr)
         .await;
-    assert_eq!(streamed.status, 502, "{}", streamed.text());
-    assert_eq!(streamed.problem_type(), "upstream-answer-lost");
+    [small, streamed]
+}
+
+#[tokio::test]
+async fn a_forwarded_request_says_whether_it_reached_the_backend() {
+    // Forwarded without a key, nothing protects a retry: the client must not be told "not
+    // sent" about a request the backend received, on either forwarding path.
+    let backend = RawBackend::start(vec![Step::Close]).await;
+    let proxy = proxy(&backend).await;
+    for r in forward_both_ways(&proxy).await {
+        assert_eq!(r.status, 502, "{}", r.text());
+        assert_eq!(r.problem_type(), "upstream-answer-lost");
+    }
     assert!(backend.count() >= 2, "both reached the backend");
 
     // A backend nobody listens on: nothing was sent, on either path.
@@ -522,24 +525,9 @@ async fn a_forwarded_request_says_whether_it_reached_the_backend() {
     let dead_addr = dead.local_addr().unwrap();
     drop(dead);
     let proxy = ProxyBuilder::at(dead_addr).threads(1).start().await;
-    let small = Request::post("/plain/x").json("{}").send(proxy.addr).await;
-    assert_eq!(
-        small.problem_type(),
-        "upstream-unreachable",
-        "{}",
-        small.text()
-    );
-    let streamed = Request::post("/plain/x")
-        .body(vec![b'a'; 3000])
-        .chunked(1000)
-        .send(proxy.addr)
-        .await;
-    assert_eq!(
-        streamed.problem_type(),
-        "upstream-unreachable",
-        "{}",
-        streamed.text()
-    );
+    for r in forward_both_ways(&proxy).await {
+        assert_eq!(r.problem_type(), "upstream-unreachable", "{}", r.text());
+    }
 }
 
 #[tokio::test]
