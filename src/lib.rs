@@ -16,7 +16,8 @@
 //! - [`proxy`]: the pingora `ProxyHttp` implementation: the request flow.
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/...`.
 //! - [`reload`]: live config reload; [`script_reload`]: live Lua script versions.
-//! - [`headguard`]: the deadline on a whole request header (`request_header_timeout`).
+//! - [`headguard`]: limits on request headers (deadline, size) and problem+json for the ones
+//!   pingora refuses itself.
 //! - [`server`]: wires pingora services, logging and graceful shutdown.
 
 pub mod accesslog;
