@@ -18,6 +18,10 @@ use crate::store::purge::PurgeBus;
 use crate::store::{Completion, Record, RecordKey, RecordState};
 use crate::store::{RecordStore, RedisStore};
 
+/// Longest `/readyz` waits on the store's ping when `store.on_unavailable` lets requests through
+/// without the store (`pass`, `local`): well inside a Kubernetes probe's default 1 s timeout.
+const PERMISSIVE_PING_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Readiness latches shared with the server: flipped once, read on every probe.
 #[derive(Default)]
 pub struct Readiness {
@@ -131,7 +135,9 @@ impl Admin {
                 Ok(existed) => {
                     let announced = match &self.purge {
                         Some(bus) => match bus.publish(&record_key).await {
-                            Ok(()) => "all replicas".to_string(),
+                            // Pub/sub is best effort: a replica reconnecting right now misses
+                            // it, so the answer says how many were listening, not "all".
+                            Ok(n) => format!("{n} replicas listening"),
                             Err(e) => format!("this replica only ({e})"),
                         },
                         None => "this replica".to_string(),
@@ -227,19 +233,43 @@ impl Admin {
         json(StatusCode::OK, body)
     }
 
+    /// `GET /readyz`. Under `on_unavailable: reject` the answer waits for the store's ping,
+    /// since a replica that cannot reach its store refuses every idempotent request. Under
+    /// `pass` or `local` it is ready whatever the ping says, so it waits at most
+    /// [`PERMISSIVE_PING_WAIT`]: a blackholed Redis takes connect_timeout + 2 × response_timeout
+    /// to fail, longer than a Kubernetes probe's 1 s default, and every replica would go unready
+    /// in exactly the outage the policy is there to ride out.
     async fn ready(&self) -> (StatusCode, String) {
         if self.readiness.is_draining() {
             return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
         }
         let policy = self.current.load().config.store.on_unavailable;
-        match self.store.ping().await {
-            Ok(()) => (StatusCode::OK, "ready\n".into()),
-            Err(e) if policy != OnUnavailable::Reject => {
-                (StatusCode::OK, format!("ready (store degraded: {e})\n"))
-            }
-            Err(e) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("store unavailable: {e}\n"),
+        if policy == OnUnavailable::Reject {
+            return match self.store.ping().await {
+                Ok(()) => (StatusCode::OK, "ready\n".into()),
+                Err(e) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("store unavailable: {e}\n"),
+                ),
+            };
+        }
+        // Spawned rather than dropped at the deadline: the ping runs to its end, so the circuit
+        // breaker still counts its outcome as it always has.
+        let store = self.store.clone();
+        let ping = tokio::spawn(async move { store.ping().await });
+        match tokio::time::timeout(PERMISSIVE_PING_WAIT, ping).await {
+            Ok(Ok(Ok(()))) => (StatusCode::OK, "ready\n".into()),
+            Ok(Ok(Err(e))) => (StatusCode::OK, format!("ready (store degraded: {e})\n")),
+            Ok(Err(e)) => (
+                StatusCode::OK,
+                format!("ready (store degraded: ping failed: {e})\n"),
+            ),
+            Err(_) => (
+                StatusCode::OK,
+                format!(
+                    "ready (store degraded: no answer within {}ms)\n",
+                    PERMISSIVE_PING_WAIT.as_millis()
+                ),
             ),
         }
     }

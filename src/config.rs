@@ -7,6 +7,7 @@
 //! Every validation error names the offending field by its path, e.g.
 //! `routes[1].idempotency.ttl: invalid duration "3 parsecs" (use e.g. 250ms, 30s, 5m, 24h)`.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -73,7 +74,8 @@ pub struct AdminConfig {
     /// Address of the admin HTTP server.
     pub listen: SocketAddr,
     /// Bearer token required by mutating admin endpoints (`admin.token`, or the
-    /// `IDEMGATE_ADMIN_TOKEN` environment variable, which wins). None: mutations are refused.
+    /// `IDEMGATE_ADMIN_TOKEN` environment variable, which wins unless empty). None: mutations
+    /// are refused.
     pub token: Option<String>,
 }
 
@@ -326,7 +328,8 @@ pub struct Route {
     pub name: String,
     /// Upper-case methods this route applies to; empty means every method.
     pub methods: Vec<Method>,
-    /// Path prefix, starting with `/`, matched on segment boundaries.
+    /// Path prefix, starting with `/`, matched on segment boundaries against the
+    /// [`route_path`] form of the request path; itself in that form.
     pub path_prefix: String,
     /// Index into [`Config::upstreams`].
     pub upstream: usize,
@@ -459,6 +462,10 @@ const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const DEFAULT_SCRIPTS_VERSION: &str = "v1";
 const DEFAULT_SENTINEL_PORT: u16 = 26379;
 const MAX_BODY_BYTES: u64 = 1 << 30;
+/// Both generations of the local-cache Bloom filter together, at most.
+const MAX_BLOOM_BYTES: u64 = 1 << 30;
+const ADMIN_TOKEN_ENV: &str = "IDEMGATE_ADMIN_TOKEN";
+const MIN_ADMIN_TOKEN_LEN: usize = 16;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -985,16 +992,20 @@ impl Config {
         file.into_config(source_hash, lookup)
     }
 
-    /// Finds where a request goes. `path` is the request path without the query.
+    /// Finds where a request goes. `path` is the request path without the query, as the client
+    /// sent it: it is matched in its [`route_path`] form, so spellings a backend resolves to the
+    /// same resource (`//orders`, `/x/../orders`, `/%6Frders`, `/orders;v=1`) match the same
+    /// route, while the request itself is forwarded untouched.
     ///
     /// The first route whose prefix and methods match wins: [`RouteMatch::Idempotent`] if it has
     /// an idempotency block, else [`RouteMatch::Forward`]. Failing that, the first route whose
     /// prefix matches under any method forwards untouched; then `default_upstream`; then
-    /// [`RouteMatch::NoRoute`]. On the hot path: no allocation.
+    /// [`RouteMatch::NoRoute`]. On the hot path (a path already in normal form) no allocation.
     pub fn match_route(&self, method: &Method, path: &str) -> RouteMatch {
+        let path = route_path(path);
         let mut prefix_only = None;
         for (i, route) in self.routes.iter().enumerate() {
-            if !prefix_matches(&route.path_prefix, path) {
+            if !prefix_matches(&route.path_prefix, &path) {
                 continue;
             }
             if route.methods.is_empty() || route.methods.contains(method) {
@@ -1032,6 +1043,118 @@ fn prefix_matches(prefix: &str, path: &str) -> bool {
             || path.as_bytes().get(prefix.len()) == Some(&b'/'))
 }
 
+// === Route paths ===
+//
+// Routes decide which requests need a key, so they must see a path the way the backend will.
+// Backends normalise before they route: Kestrel and Tomcat remove dot-segments, nginx and Go
+// merge slashes and percent-decode, Tomcat and Jetty drop `;params`. Were routes matched on the
+// raw path, `POST /x/../orders` would miss an idempotent `/orders` route, be forwarded with no
+// key check, and run the orders handler all the same: a retry would execute twice.
+
+/// The form of a request path that routes are matched against (RFC 3986 §6.2.2, plus the
+/// path-parameter rule of servlet containers):
+///
+/// - `%XX` escapes of unreserved characters (`A-Z a-z 0-9 - . _ ~`, hex in either case) are
+///   decoded; every other escape stays encoded, with its hex in upper case. `%2F` in particular
+///   stays `%2F`: a backend that decodes it into a `/` splits segments where the client did not.
+/// - `;params` are dropped from every segment (`/orders;v=1` is `/orders`, `/..;/` is `/../`).
+/// - `\\` counts as `/` (IIS and WHATWG URL parsers read it so), and runs of `/` become one.
+/// - Dot-segments are removed (RFC 3986 §5.2.4), also where they were written `%2E`; `..`
+///   never climbs above the root.
+///
+/// Case is kept: routes `/Orders` and `/orders` are distinct, and folding them would make
+/// distinct routes collide. A backend that folds case itself needs its idempotent routes
+/// listed in every case clients may send, or under a prefix that covers them.
+///
+/// Borrows `path` unchanged, without allocating, when it has no `%`, no `;`, no `\\`, no `//`
+/// and no `/.`: the common case costs one scan. A path that does not start with `/` is returned as it
+/// is (no prefix matches it).
+pub fn route_path(path: &str) -> Cow<'_, str> {
+    if !path.starts_with('/') || !may_need_normalising(path) {
+        return Cow::Borrowed(path);
+    }
+    Cow::Owned(normalise_path(path))
+}
+
+/// Whether `path` holds anything [`route_path`] could change.
+fn may_need_normalising(path: &str) -> bool {
+    let bytes = path.as_bytes();
+    bytes.iter().enumerate().any(|(i, &b)| match b {
+        b'%' | b';' | b'\\' => true,
+        b'/' => matches!(bytes.get(i + 1), Some(b'/' | b'.')),
+        _ => false,
+    })
+}
+
+/// [`route_path`] for a path starting with `/`, built segment by segment in one buffer.
+fn normalise_path(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    // Whether the last segment named a directory (`/a/`, `/a/.`, `/a/..`): the result then
+    // keeps its trailing slash, which decides whether a prefix such as `/pay/` matches.
+    let mut ends_in_slash = false;
+    for segment in path[1..].split(['/', '\\']) {
+        // Parameters first: `..;x` is a dot-segment to Tomcat. `;` is not unreserved, so an
+        // escaped `%3B` is never decoded into a separator.
+        let segment = segment.split_once(';').map_or(segment, |(name, _)| name);
+        let start = out.len();
+        out.push('/');
+        push_decoded(&mut out, segment);
+        ends_in_slash = true;
+        match &out[start + 1..] {
+            // An empty segment is a repeated slash: merged.
+            "" | "." => out.truncate(start),
+            ".." => {
+                out.truncate(start);
+                let parent = out.rfind('/').unwrap_or(0);
+                out.truncate(parent);
+            }
+            _ => ends_in_slash = false,
+        }
+    }
+    if ends_in_slash || out.is_empty() {
+        out.push('/');
+    }
+    out
+}
+
+/// Appends `segment` with escapes of unreserved characters decoded and the rest upper-cased.
+/// A `%` not followed by two hex digits is kept as it is.
+fn push_decoded(out: &mut String, segment: &str) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let bytes = segment.as_bytes();
+    let hex = |i: usize| {
+        bytes
+            .get(i)
+            .and_then(|&b| char::from(b).to_digit(16))
+            .map(|d| d as u8)
+    };
+    let mut copied = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'%' {
+            i += 1;
+            continue;
+        }
+        let (Some(high), Some(low)) = (hex(i + 1), hex(i + 2)) else {
+            i += 1;
+            continue;
+        };
+        // `i` is at an ASCII `%`, so it is a char boundary.
+        out.push_str(&segment[copied..i]);
+        let byte = high << 4 | low;
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push('%');
+            out.push(char::from(HEX[usize::from(high)]));
+            out.push(char::from(HEX[usize::from(low)]));
+        }
+        i += 3;
+        copied = i;
+    }
+    out.push_str(&segment[copied..]);
+}
+
 // === Validating conversion ===
 
 impl FileConfig {
@@ -1054,23 +1177,31 @@ impl FileConfig {
             positive_duration("response_send_timeout".into(), &self.response_send_timeout)?;
 
         let shutdown = ShutdownConfig {
-            grace_period: duration("shutdown.grace_period".into(), &self.shutdown.grace_period)?,
-            graceful_shutdown_timeout: duration(
-                "shutdown.graceful_shutdown_timeout".into(),
+            // Zero would skip the drain: in-flight requests cut off at once.
+            grace_period: whole_seconds(
+                "shutdown.grace_period",
+                &self.shutdown.grace_period,
+                false,
+            )?,
+            // Zero is allowed: the grace period was the whole budget, stop the runtimes at
+            // once (completions still waiting are dead-lettered after the server stops).
+            graceful_shutdown_timeout: whole_seconds(
+                "shutdown.graceful_shutdown_timeout",
                 &self.shutdown.graceful_shutdown_timeout,
+                true,
             )?,
         };
 
-        let token = std::env::var("IDEMGATE_ADMIN_TOKEN")
-            .ok()
-            .or(self.admin.token)
-            .filter(|t| !t.is_empty());
-        if token.as_ref().is_some_and(|t| t.len() < 16) {
-            return Err(invalid("admin.token", "must be at least 16 characters"));
-        }
+        let env_token = match std::env::var(ADMIN_TOKEN_ENV) {
+            Ok(token) => Some(token),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(invalid(ADMIN_TOKEN_ENV, "is not valid UTF-8"));
+            }
+        };
         let admin = AdminConfig {
             listen: socket_addr("admin.listen", &self.admin.listen)?,
-            token,
+            token: admin_token(env_token, self.admin.token)?,
         };
         if listeners_overlap(listen, admin.listen) {
             return Err(invalid(
@@ -1195,6 +1326,40 @@ impl FileIdempotency {
     }
 }
 
+/// The admin token in force: `IDEMGATE_ADMIN_TOKEN` when it is set and not empty, else
+/// `admin.token` when that is not empty, else none. An empty variable counts as unset: a
+/// manifest that declares it with no value must not silently disable the file's token. A token
+/// shorter than 16 characters is refused, naming where it came from.
+fn admin_token(env: Option<String>, file: Option<String>) -> Result<Option<String>, ConfigError> {
+    let (token, source) = match env.filter(|t| !t.is_empty()) {
+        Some(token) => (Some(token), ADMIN_TOKEN_ENV),
+        None => (file.filter(|t| !t.is_empty()), "admin.token"),
+    };
+    if token
+        .as_ref()
+        .is_some_and(|t| t.len() < MIN_ADMIN_TOKEN_LEN)
+    {
+        let message = if source == ADMIN_TOKEN_ENV {
+            format!(
+                "must be at least {MIN_ADMIN_TOKEN_LEN} characters (this environment variable \
+                 overrides admin.token)"
+            )
+        } else {
+            format!("must be at least {MIN_ADMIN_TOKEN_LEN} characters")
+        };
+        return Err(invalid(source, message));
+    }
+    Ok(token)
+}
+
+/// Bytes of one generation of the local-cache Bloom filter, computed as the `bloomfilter`
+/// crate's `new_for_fp_rate` sizes it: m = ceil(-n ln p / (ln 2)^2) bits, in bytes. As f64,
+/// so an absurd setting is measured rather than overflowed.
+fn bloom_generation_bytes(expected_items: usize, false_positive_rate: f64) -> f64 {
+    let ln2 = std::f64::consts::LN_2;
+    (expected_items as f64 * -false_positive_rate.ln() / (8.0 * ln2 * ln2)).ceil()
+}
+
 /// Shards of an embedded store when `store.memory.shards` is unset: one per 4 MiB of capacity,
 /// 64 to 4096. A shard's hash table doubles in one step while its lock is held, so the pause a
 /// growing store puts on the requests of that shard scales with the shard's size; at ~4 MiB
@@ -1252,6 +1417,25 @@ impl FileStore {
             )?,
             false_positive_rate: c.false_positive_rate,
         };
+        // The filter keeps two generations, allocated whole at start: a setting that asks for
+        // gigabytes would abort the process rather than fail a check.
+        let generation =
+            bloom_generation_bytes(local_cache.expected_items, local_cache.false_positive_rate);
+        if 2.0 * generation > MAX_BLOOM_BYTES as f64 {
+            return Err(invalid(
+                "store.local_cache.expected_items",
+                format!(
+                    "{} items at store.local_cache.false_positive_rate {:?} need a Bloom filter of \
+                     {} per generation, {} for its two generations; at most {} in total: \
+                     lower expected_items or raise false_positive_rate",
+                    local_cache.expected_items,
+                    local_cache.false_positive_rate,
+                    fmt_approx_bytes(generation),
+                    fmt_approx_bytes(2.0 * generation),
+                    fmt_approx_bytes(MAX_BLOOM_BYTES as f64),
+                ),
+            ));
+        }
         let b = &self.circuit_breaker;
         let circuit_breaker = BreakerConfig {
             failure_threshold: int_in_range(
@@ -1850,6 +2034,19 @@ impl FileRoute {
                 ),
             ));
         }
+        // Request paths are matched in their route_path form, so a prefix in any other
+        // spelling could never match: say which spelling it should be.
+        let normal = route_path(&self.path_prefix);
+        if normal != self.path_prefix {
+            return Err(invalid(
+                format!("{base}.path_prefix"),
+                format!(
+                    "{:?} is not in the form request paths are matched in (no `//`, `.` or `..` \
+                     segments, `;params` or escaped unreserved characters): write {normal:?}",
+                    self.path_prefix
+                ),
+            ));
+        }
 
         let upstream = upstream_index(upstreams, &self.upstream).ok_or_else(|| {
             invalid(
@@ -2048,6 +2245,28 @@ fn positive_duration(field: String, raw: &Scalar) -> Result<Duration, ConfigErro
     Ok(value)
 }
 
+/// A duration the server takes in whole seconds (pingora's `ServerConf`), so that a value it
+/// would truncate (`500ms` to nothing, `1500ms` to `1s`) is refused rather than shortened.
+fn whole_seconds(field: &str, raw: &Scalar, zero_allowed: bool) -> Result<Duration, ConfigError> {
+    let value = duration(field.into(), raw)?;
+    if value.subsec_nanos() != 0 {
+        let floor = Duration::from_secs(value.as_secs());
+        return Err(invalid(
+            field,
+            format!(
+                "{raw} is not a whole number of seconds: the server counts this budget in \
+                 seconds and would cut it to {} (use e.g. {}s)",
+                fmt_duration(floor),
+                value.as_secs() + 1
+            ),
+        ));
+    }
+    if value.is_zero() && !zero_allowed {
+        return Err(invalid(field, "must be at least 1s"));
+    }
+    Ok(value)
+}
+
 fn byte_size(field: String, raw: &Scalar) -> Result<u64, ConfigError> {
     parse_byte_size(raw).map_err(|message| invalid(field, message))
 }
@@ -2177,6 +2396,17 @@ fn fmt_duration(d: Duration) -> String {
         }
     }
     out
+}
+
+/// Formats a byte count for an error message: `512.0 MiB`, `3.4 GiB`.
+fn fmt_approx_bytes(bytes: f64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    const MIB: f64 = (1u64 << 20) as f64;
+    if bytes >= GIB {
+        format!("{:.1} GiB", bytes / GIB)
+    } else {
+        format!("{:.1} MiB", bytes / MIB)
+    }
 }
 
 /// Parses an integer byte count or a string such as `512KiB`, `256 MiB`, `1GB`.
@@ -2860,8 +3090,11 @@ routes:
             &format!("shutdown: {{graceful_shutdown_timeout: 5}}\n{MINIMAL}"),
             "shutdown.graceful_shutdown_timeout",
         );
-        let config = load(&format!("shutdown: {{grace_period: 0s}}\n{MINIMAL}"));
-        assert_eq!(config.shutdown.grace_period, Duration::ZERO);
+        // No drain at all is refused (see shutdown_budgets_are_whole_seconds).
+        assert_field(
+            &format!("shutdown: {{grace_period: 0s}}\n{MINIMAL}"),
+            "shutdown.grace_period",
+        );
     }
 
     #[test]
@@ -3919,6 +4152,274 @@ routes:
         assert_eq!(
             no_default.match_route(&Method::POST, ""),
             RouteMatch::NoRoute
+        );
+    }
+
+    #[test]
+    fn route_paths_are_normalised_like_backends_do() {
+        for (raw, normal) in [
+            // Merged slashes.
+            ("//orders", "/orders"),
+            ("/orders//1", "/orders/1"),
+            ("///", "/"),
+            ("/pay//", "/pay/"),
+            // Dot-segments (RFC 3986 §5.2.4), never above the root.
+            ("/x/../orders", "/orders"),
+            ("/./orders", "/orders"),
+            ("/orders/.", "/orders/"),
+            ("/orders/1/..", "/orders/"),
+            ("/a/b/../../orders/./1", "/orders/1"),
+            ("/../../orders", "/orders"),
+            ("/..", "/"),
+            ("/.", "/"),
+            ("/a//..", "/"),
+            // Escaped unreserved characters, hex in either case.
+            ("/%6Frders", "/orders"),
+            ("/%6frders", "/orders"),
+            ("/%4F%52%44%45%52%53", "/ORDERS"),
+            ("/%7Euser/%2d%5F", "/~user/-_"),
+            // ...including escaped dot-segments.
+            ("/x/%2E%2E/orders", "/orders"),
+            ("/x/%2e%2e/orders", "/orders"),
+            ("/x/.%2E/orders", "/orders"),
+            ("/%2E/orders", "/orders"),
+            // Other escapes stay encoded, upper-cased; a broken escape stays as it is.
+            ("/a%2fb", "/a%2Fb"),
+            ("/orders%2F..%2Fx", "/orders%2F..%2Fx"),
+            ("/caf%c3%a9", "/caf%C3%A9"),
+            ("/100%", "/100%"),
+            ("/%zz/%4", "/%zz/%4"),
+            ("/%%6Frders", "/%orders"),
+            ("/%3B/orders", "/%3B/orders"),
+            // Path parameters dropped from every segment, before dot-segments are resolved.
+            ("/orders;v=1", "/orders"),
+            ("/orders;v=1/2;x", "/orders/2"),
+            ("/x/..;/orders", "/orders"),
+            ("/x/.;a=b/orders", "/x/orders"),
+            ("/;jsessionid=1/orders", "/orders"),
+            ("/orders;", "/orders"),
+            // Non-ASCII text passes through.
+            ("/caf\u{e9}//x", "/caf\u{e9}/x"),
+        ] {
+            assert_eq!(route_path(raw), normal, "{raw}");
+            // Normalising twice changes nothing.
+            assert_eq!(route_path(normal), normal, "{raw} -> {normal}");
+        }
+    }
+
+    #[test]
+    fn ordinary_route_paths_are_borrowed_not_copied() {
+        for path in [
+            "/",
+            "/orders",
+            "/orders/1",
+            "/pay/",
+            "/a.b/c..d",
+            "/~x-y_z",
+            "/Orders",
+        ] {
+            assert!(matches!(route_path(path), Cow::Borrowed(_)), "{path}");
+        }
+        // Not origin-form: nothing to normalise, and no prefix matches it.
+        for path in ["", "*", "orders/../x"] {
+            assert!(
+                matches!(route_path(path), Cow::Borrowed(p) if p == path),
+                "{path}"
+            );
+        }
+        // Only a path that might change is copied.
+        assert!(matches!(route_path("/.well-known/x"), Cow::Owned(p) if p == "/.well-known/x"));
+    }
+
+    #[test]
+    fn bypass_spellings_match_the_idempotent_route() {
+        let config = routing_config();
+        for path in [
+            "/x/../orders",
+            "//orders",
+            "/%6Frders",
+            "/%6frders/1",
+            "/orders;v=1",
+            "/./orders",
+            "/orders/./1",
+            "/orders/1/%2e%2E/.",
+            "/x/%2E%2E/orders",
+            "/x/..;/orders",
+            "/pay/../orders",
+        ] {
+            assert_eq!(
+                config.match_route(&Method::POST, path),
+                RouteMatch::Idempotent(0),
+                "{path}"
+            );
+        }
+        // `/pay/` matches only below it, in any spelling.
+        assert_eq!(
+            config.match_route(&Method::PUT, "/pay//1"),
+            RouteMatch::Idempotent(2)
+        );
+        assert_eq!(
+            config.match_route(&Method::PUT, "/pay/x/.."),
+            RouteMatch::Idempotent(2)
+        );
+        let elsewhere = RouteMatch::Forward {
+            route: None,
+            upstream: 1,
+        };
+        for path in ["/pay;x", "/pay/..", "/orders/../elsewhere", "/ordersx;/"] {
+            assert_eq!(config.match_route(&Method::PUT, path), elsewhere, "{path}");
+        }
+        // Case is not folded: distinct routes must not collide.
+        assert_eq!(config.match_route(&Method::POST, "/Orders"), elsewhere);
+        assert_eq!(config.match_route(&Method::POST, "/%4Frders"), elsewhere);
+        // An escaped slash is not a segment boundary.
+        assert_eq!(config.match_route(&Method::POST, "/orders%2F1"), elsewhere);
+    }
+
+    #[test]
+    fn path_prefixes_must_be_in_route_path_form() {
+        let base = "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n";
+        for (prefix, normal) in [
+            ("//orders", "/orders"),
+            ("/x/../orders", "/orders"),
+            ("/orders/.", "/orders/"),
+            ("/%6Frders", "/orders"),
+            ("/orders;v=1", "/orders"),
+            ("/caf%c3%a9", "/caf%C3%A9"),
+        ] {
+            let message = assert_field(
+                &format!("{base}  - {{name: r, path_prefix: \"{prefix}\", upstream: a}}\n"),
+                "routes[0].path_prefix",
+            );
+            assert!(message.contains(&format!("write {normal:?}")), "{message}");
+        }
+        for prefix in ["/", "/orders/", "/caf%C3%A9", "/.well-known/x", "/a%2Fb"] {
+            load(&format!(
+                "{base}  - {{name: r, path_prefix: \"{prefix}\", upstream: a}}\n"
+            ));
+        }
+    }
+
+    #[test]
+    fn shutdown_budgets_are_whole_seconds() {
+        let shutdown = |block: &str| format!("shutdown: {{{block}}}\n{MINIMAL}");
+        for (block, field, needle) in [
+            (
+                "grace_period: 500ms",
+                "shutdown.grace_period",
+                "cut it to 0s",
+            ),
+            (
+                "grace_period: 1500ms",
+                "shutdown.grace_period",
+                "cut it to 1s",
+            ),
+            ("grace_period: 0s", "shutdown.grace_period", "at least 1s"),
+            (
+                "graceful_shutdown_timeout: 500ms",
+                "shutdown.graceful_shutdown_timeout",
+                "cut it to 0s",
+            ),
+            (
+                "graceful_shutdown_timeout: 2s250ms",
+                "shutdown.graceful_shutdown_timeout",
+                "cut it to 2s",
+            ),
+            (
+                "grace_period: 20",
+                "shutdown.grace_period",
+                "unit is required",
+            ),
+        ] {
+            let message = assert_field(&shutdown(block), field);
+            assert!(message.contains(needle), "{block}: {message}");
+        }
+        let config = load(&shutdown("grace_period: 1m, graceful_shutdown_timeout: 0s"));
+        assert_eq!(
+            config.shutdown,
+            ShutdownConfig {
+                grace_period: Duration::from_secs(60),
+                graceful_shutdown_timeout: Duration::ZERO,
+            }
+        );
+        let config = load(&shutdown(
+            "grace_period: 1000ms, graceful_shutdown_timeout: 1s",
+        ));
+        assert_eq!(config.shutdown.grace_period, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn bloom_filter_size_is_bounded() {
+        // The formula agrees with the crate that allocates the filter.
+        for (items, rate) in [(1_000_000, 0.01), (10, 0.25), (123_457, 1e-6), (1, 1e-300)] {
+            assert_eq!(
+                bloom_generation_bytes(items, rate),
+                bloomfilter::Bloom::<[u8]>::compute_bitmap_size(items, rate) as f64,
+                "{items} at {rate}"
+            );
+        }
+        let cache = |block: &str| format!("store: {{local_cache: {{{block}}}}}\n{MINIMAL}");
+        for block in [
+            "expected_items: 1000000000, false_positive_rate: 0.000001",
+            "expected_items: 1000000000, false_positive_rate: 0.01",
+            "expected_items: 10000000, false_positive_rate: 1e-300",
+            "expected_items: 500000000, false_positive_rate: 0.01",
+        ] {
+            let message = assert_field(&cache(block), "store.local_cache.expected_items");
+            assert!(
+                message.contains("store.local_cache.false_positive_rate")
+                    && message.contains("per generation")
+                    && message.contains("at most 1.0 GiB"),
+                "{block}: {message}"
+            );
+        }
+        let message = assert_field(
+            &cache("expected_items: 1000000000, false_positive_rate: 0.000001"),
+            "store.local_cache.expected_items",
+        );
+        assert!(
+            message.contains("3.3 GiB per generation, 6.7 GiB"),
+            "{message}"
+        );
+        // Up to the bound is fine, and a disabled cache is checked all the same (enabling it
+        // later must not abort the process).
+        for block in [
+            "expected_items: 400000000, false_positive_rate: 0.01",
+            "expected_items: 140000000, false_positive_rate: 0.000001",
+            "expected_items: 1, false_positive_rate: 1e-300",
+        ] {
+            load(&cache(block));
+        }
+        assert_field(
+            &cache("enabled: false, expected_items: 1000000000, false_positive_rate: 0.001"),
+            "store.local_cache.expected_items",
+        );
+    }
+
+    #[test]
+    fn admin_token_from_env_or_file() {
+        let long = || Some("0123456789abcdef".to_owned());
+        let other = || Some("fedcba9876543210-env".to_owned());
+        assert_eq!(admin_token(None, None).unwrap(), None);
+        assert_eq!(admin_token(None, long()).unwrap(), long());
+        assert_eq!(admin_token(other(), long()).unwrap(), other());
+        assert_eq!(admin_token(other(), None).unwrap(), other());
+        // An empty variable is unset: it does not disable the file's token.
+        assert_eq!(admin_token(Some(String::new()), long()).unwrap(), long());
+        assert_eq!(admin_token(Some(String::new()), None).unwrap(), None);
+        assert_eq!(admin_token(None, Some(String::new())).unwrap(), None);
+        // A short token is blamed on where it came from.
+        let err = admin_token(Some("short".into()), long()).unwrap_err();
+        assert_eq!(err.field(), Some("IDEMGATE_ADMIN_TOKEN"));
+        assert!(err.to_string().contains("overrides admin.token"), "{err}");
+        let err = admin_token(None, Some("short".into())).unwrap_err();
+        assert_eq!(err.field(), Some("admin.token"));
+        let err = admin_token(Some(String::new()), Some("short".into())).unwrap_err();
+        assert_eq!(err.field(), Some("admin.token"));
+        // The file path still checks the file's token.
+        assert_field(
+            &format!("admin: {{token: short}}\n{MINIMAL}"),
+            "admin.token",
         );
     }
 

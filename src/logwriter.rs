@@ -5,21 +5,33 @@
 //! formatting the line; batching makes logging a few `write(2)`s a second. Lines are delayed by
 //! at most one interval, and [`BatchWriter::flush_now`] empties the buffer on exit. If the
 //! buffer reaches its hard cap because the sink is stuck, new lines are dropped and counted, so
-//! a blocked stderr never stalls requests.
+//! a blocked stderr never stalls requests; nor does it stall exit, which waits for the last
+//! flush only [`EXIT_FLUSH_WAIT`].
 
 use std::io::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const FLUSH_EVERY: Duration = Duration::from_millis(50);
 const SOON: usize = 64 * 1024;
 const HARD_CAP: usize = 16 * 1024 * 1024;
+/// Longest [`BatchWriter::flush_now`] waits for the sink. On exit after a SIGTERM drain, a
+/// stderr nobody reads must not keep the process alive: what is not written by then is lost.
+pub const EXIT_FLUSH_WAIT: Duration = Duration::from_millis(500);
 
 struct Shared {
     buf: Mutex<Vec<u8>>,
     wake: Condvar,
     dropped: AtomicU64,
+    /// Flushes asked for by [`BatchWriter::flush_now`]; changed only under `buf`'s lock, so the
+    /// writer thread knows which asks the buffer it takes covers.
+    asked: AtomicU64,
+    /// The last ask the writer thread has written out; `written` is signalled when it moves.
+    done: Mutex<u64>,
+    written: Condvar,
+    /// No writer thread could be started: every line goes to the sink as it is written.
+    inline: AtomicBool,
 }
 
 /// The handle given to the tracing subscriber; cheap to clone.
@@ -32,45 +44,76 @@ pub struct BatchWriter {
 impl BatchWriter {
     /// Starts the flushing thread over `sink`.
     pub fn new(sink: Box<dyn Write + Send>) -> Self {
-        let shared = Arc::new(Shared {
-            buf: Mutex::new(Vec::with_capacity(SOON)),
-            wake: Condvar::new(),
-            dropped: AtomicU64::new(0),
-        });
-        let writer = BatchWriter {
-            shared,
-            sink: Arc::new(Mutex::new(sink)),
-        };
+        let writer = Self::unstarted(sink);
         let w = writer.clone();
         let spawned = std::thread::Builder::new()
             .name("log writer".into())
-            .spawn(move || loop {
-                let full = {
-                    let guard = w.shared.buf.lock().unwrap_or_else(|e| e.into_inner());
-                    let (guard, _) = w
-                        .shared
-                        .wake
-                        .wait_timeout(guard, FLUSH_EVERY)
-                        .unwrap_or_else(|e| e.into_inner());
-                    !guard.is_empty()
-                };
-                if full {
-                    w.flush_now();
-                }
-            });
-        if spawned.is_err() {
-            eprintln!("idemgate: cannot start the log writer thread; logs are written inline");
+            .spawn(move || w.run());
+        if let Err(e) = spawned {
+            // Buffered lines would otherwise wait for exit, or be dropped at the cap, unseen.
+            writer.shared.inline.store(true, Ordering::Release);
+            eprintln!(
+                "idemgate: cannot start the log writer thread ({e}); logs are written inline, \
+                 unbatched (a stalled stderr now stalls the requests that log)"
+            );
         }
         writer
     }
 
-    /// Writes out everything buffered so far.
-    pub fn flush_now(&self) {
-        let pending = {
-            let mut guard = self.shared.buf.lock().unwrap_or_else(|e| e.into_inner());
-            std::mem::replace(&mut *guard, Vec::with_capacity(SOON))
-        };
-        let mut sink = self.sink.lock().unwrap_or_else(|e| e.into_inner());
+    /// The writer over `sink` with no thread behind it yet.
+    fn unstarted(sink: Box<dyn Write + Send>) -> Self {
+        BatchWriter {
+            shared: Arc::new(Shared {
+                buf: Mutex::new(Vec::with_capacity(SOON)),
+                wake: Condvar::new(),
+                dropped: AtomicU64::new(0),
+                asked: AtomicU64::new(0),
+                done: Mutex::new(0),
+                written: Condvar::new(),
+                inline: AtomicBool::new(false),
+            }),
+            sink: Arc::new(Mutex::new(sink)),
+        }
+    }
+
+    /// The writer thread: writes the buffer out every interval, when it grows past [`SOON`],
+    /// and when a flush is asked for.
+    fn run(&self) {
+        let mut covered = 0;
+        loop {
+            let (pending, asked) = {
+                let mut guard = self.shared.buf.lock().unwrap_or_else(|e| e.into_inner());
+                // An ask made while the last batch was being written has already notified.
+                if self.shared.asked.load(Ordering::Relaxed) == covered {
+                    guard = self
+                        .shared
+                        .wake
+                        .wait_timeout(guard, FLUSH_EVERY)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                let asked = self.shared.asked.load(Ordering::Relaxed);
+                let pending = if guard.is_empty() {
+                    Vec::new()
+                } else {
+                    std::mem::replace(&mut *guard, Vec::with_capacity(SOON))
+                };
+                (pending, asked)
+            };
+            if !pending.is_empty() {
+                let mut sink = self.sink.lock().unwrap_or_else(|e| e.into_inner());
+                self.write_out(&mut **sink, &pending);
+            }
+            if asked != covered {
+                covered = asked;
+                *self.shared.done.lock().unwrap_or_else(|e| e.into_inner()) = asked;
+                self.shared.written.notify_all();
+            }
+        }
+    }
+
+    /// Writes the count of dropped lines, if any, then `pending`, to the locked sink.
+    fn write_out(&self, sink: &mut dyn Write, pending: &[u8]) {
         let dropped = self.shared.dropped.swap(0, Ordering::Relaxed);
         if dropped > 0 {
             let _ = writeln!(
@@ -78,13 +121,48 @@ impl BatchWriter {
                 "idemgate: {dropped} log lines dropped (log sink too slow)"
             );
         }
-        let _ = sink.write_all(&pending);
+        let _ = sink.write_all(pending);
         let _ = sink.flush();
+    }
+
+    /// Writes out everything buffered so far, waiting at most [`EXIT_FLUSH_WAIT`]. The writing
+    /// is the writer thread's, so a sink that blocks holds that thread, never the caller: past
+    /// the wait, what is still buffered is given up (it is lost if the process then exits).
+    pub fn flush_now(&self) {
+        if self.shared.inline.load(Ordering::Acquire) {
+            // Every line was written and flushed as it came.
+            return;
+        }
+        let deadline = Instant::now() + EXIT_FLUSH_WAIT;
+        let ticket = {
+            let _guard = self.shared.buf.lock().unwrap_or_else(|e| e.into_inner());
+            let ticket = self.shared.asked.fetch_add(1, Ordering::Relaxed) + 1;
+            self.shared.wake.notify_one();
+            ticket
+        };
+        let mut done = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
+        while *done < ticket {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            done = self
+                .shared
+                .written
+                .wait_timeout(done, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 }
 
 impl Write for BatchWriter {
     fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.shared.inline.load(Ordering::Relaxed) {
+            let mut sink = self.sink.lock().unwrap_or_else(|e| e.into_inner());
+            self.write_out(&mut **sink, data);
+            return Ok(data.len());
+        }
         let mut guard = self.shared.buf.lock().unwrap_or_else(|e| e.into_inner());
         if guard.len() + data.len() > HARD_CAP {
             self.shared.dropped.fetch_add(1, Ordering::Relaxed);
@@ -207,6 +285,48 @@ mod tests {
             notices,
             ["idemgate: 500 log lines dropped (log sink too slow)"]
         );
+    }
+
+    #[test]
+    fn an_exit_flush_gives_up_on_a_stuck_sink() {
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let (entered, entered_rx) = std::sync::mpsc::sync_channel(1);
+        let sink = StuckSink {
+            out: Sink::default(),
+            gate: gate.clone(),
+            entered,
+        };
+        let mut w = BatchWriter::new(Box::new(sink));
+        writeln!(w, "first").unwrap();
+        // The writer thread now hangs in the sink, holding it, as on a stderr nobody reads.
+        entered_rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the writer thread reached the sink");
+        writeln!(w, "last words").unwrap();
+
+        let (took_tx, took_rx) = std::sync::mpsc::channel();
+        let exiting = w.clone();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            exiting.flush_now();
+            let _ = took_tx.send(started.elapsed());
+        });
+        let took = took_rx.recv_timeout(Duration::from_secs(5));
+        // Unstick the sink whatever happened, so no thread is left hanging.
+        StuckSink::open(&gate);
+        let took = took.expect("flush_now waited on the stuck sink");
+        assert!(took < Duration::from_secs(1), "flush_now took {took:?}");
+    }
+
+    #[test]
+    fn without_a_writer_thread_lines_are_written_inline() {
+        let sink = Sink::default();
+        let mut w = BatchWriter::unstarted(Box::new(sink.clone()));
+        w.shared.inline.store(true, Ordering::Release);
+        writeln!(w, "at once").unwrap();
+        assert_eq!(sink.0.lock().unwrap().as_slice(), b"at once\n");
+        w.flush_now();
+        assert_eq!(sink.0.lock().unwrap().as_slice(), b"at once\n");
     }
 
     #[test]

@@ -14,6 +14,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Exit status for a config that cannot be run (EX_USAGE), as sidecar supervisors expect.
 const EXIT_BAD_CONFIG: u8 = 64;
+/// Exit status for a listen address that cannot be bound (EX_UNAVAILABLE).
+const EXIT_CANNOT_LISTEN: u8 = 69;
 
 /// A reverse proxy that makes non-idempotent HTTP APIs safe to retry.
 #[derive(Parser, Debug)]
@@ -112,7 +114,10 @@ fn main() -> ExitCode {
             tracing::error!(error = %e, "cannot start");
             flush_logs();
             eprintln!("idemgate: {e}");
-            ExitCode::from(EXIT_BAD_CONFIG)
+            ExitCode::from(match e {
+                idemgate::server::StartError::Listen { .. } => EXIT_CANNOT_LISTEN,
+                idemgate::server::StartError::Config(_) => EXIT_BAD_CONFIG,
+            })
         }
     }
 }

@@ -87,6 +87,9 @@ pub enum Problem {
     StoreUnavailable,
     /// The record store is full of live records.
     StoreFull,
+    /// The store holds a record for the key that this proxy cannot read (written by a newer
+    /// version, or damaged): the request is refused, never executed again.
+    StoreRecordUnreadable,
     /// No route and no default upstream.
     NoRoute,
     /// A standard method sent in another case (`post`): methods are case-sensitive, and a
@@ -96,8 +99,9 @@ pub enum Problem {
     UpstreamConnect,
     /// The request was sent but no complete answer came back; the key stays locked.
     UpstreamOutcomeUnknown,
-    /// A request forwarded without a key reached the backend (whole or in part) and no answer
-    /// came back: it may have been executed, and there is no key to make a retry safe.
+    /// A request forwarded without a claim (no key, or `on_unavailable: pass`) reached the
+    /// backend (whole or in part) and no answer came back: it may have been executed, and no
+    /// lock makes a retry safe.
     UpstreamAnswerLost,
 }
 
@@ -118,6 +122,7 @@ impl Problem {
             Problem::InFlight { .. } | Problem::NotReplayable => 409,
             Problem::FingerprintMismatch => 422,
             Problem::StoreUnavailable | Problem::StoreFull => 503,
+            Problem::StoreRecordUnreadable => 503,
             Problem::NoRoute => 404,
             Problem::MethodCase => 400,
             Problem::UpstreamConnect => 502,
@@ -144,6 +149,7 @@ impl Problem {
             Problem::NotReplayable => "response-not-replayable",
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
+            Problem::StoreRecordUnreadable => "store-record-unreadable",
             Problem::NoRoute => "no-route",
             Problem::MethodCase => "method-case",
             Problem::UpstreamConnect => "upstream-unreachable",
@@ -170,6 +176,7 @@ impl Problem {
             Problem::NotReplayable => "Stored response for this idempotency key is not replayable",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
+            Problem::StoreRecordUnreadable => "Stored record for this idempotency key unreadable",
             Problem::NoRoute => "No route for this request",
             Problem::MethodCase => "Request method in the wrong case",
             Problem::UpstreamConnect => "Backend unreachable",
@@ -219,6 +226,10 @@ impl Problem {
             Problem::StoreFull => "The request was not forwarded because the store is full of \
                 live records."
                 .into(),
+            Problem::StoreRecordUnreadable => "The store holds a record for this key that this \
+                proxy cannot read; the request was not forwarded, so it cannot run twice. A \
+                retry may reach a proxy that can read it."
+                .into(),
             Problem::NoRoute => "No configured route matches this request.".into(),
             Problem::MethodCase => "HTTP methods are case-sensitive; send the standard method \
                 in upper case."
@@ -230,7 +241,7 @@ impl Problem {
                 was lost; retries with this key are refused until the lock expires."
                 .into(),
             Problem::UpstreamAnswerLost => "The request reached the backend but no answer came \
-                back; it may have been executed. Send an Idempotency-Key to make retries safe."
+                back; it may have been executed, and no idempotency lock guards a retry."
                 .into(),
         }
     }
@@ -250,7 +261,9 @@ impl Problem {
             | Problem::RequestBodyUnreadable => Outcome::Invalid,
             Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
             Problem::FingerprintMismatch => Outcome::Mismatch,
-            Problem::StoreUnavailable | Problem::StoreFull => Outcome::Unavailable,
+            Problem::StoreUnavailable | Problem::StoreFull | Problem::StoreRecordUnreadable => {
+                Outcome::Unavailable
+            }
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect
             | Problem::UpstreamOutcomeUnknown
@@ -264,7 +277,9 @@ impl Problem {
             Problem::InFlight { retry_after } => {
                 Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
             }
-            Problem::StoreUnavailable | Problem::StoreFull => Some(1),
+            Problem::StoreUnavailable | Problem::StoreFull | Problem::StoreRecordUnreadable => {
+                Some(1)
+            }
             _ => None,
         }
     }

@@ -17,7 +17,7 @@ use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName, HeaderValue};
-use pingora::http::ResponseHeader;
+use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{Error, Result};
@@ -373,6 +373,12 @@ impl Gate {
                 Err(StoreError::Full { .. }) => {
                     return self.refuse(session, Problem::StoreFull).await
                 }
+                // The store answered: a record exists that this proxy cannot read. That is no
+                // outage, so the outage policy does not apply — executing could run the key twice.
+                Err(StoreError::Corrupt(e)) => {
+                    tracing::error!(error = %e, "record store returned a record this proxy cannot read");
+                    return self.refuse(session, Problem::StoreRecordUnreadable).await;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "record store failed on claim");
                     match config.store.on_unavailable {
@@ -401,8 +407,11 @@ impl Gate {
             }
             match existing.state {
                 RecordState::Completed(Completion::Response(stored)) => {
-                    self.replay(session, &stored, &idem.replay_exclude_headers)
-                        .await?;
+                    let Some(head) = replay_head(&stored, &idem.replay_exclude_headers) else {
+                        tracing::error!("stored response cannot be written as HTTP");
+                        return self.refuse(session, Problem::StoreRecordUnreadable).await;
+                    };
+                    self.replay(session, head, &stored).await?;
                     return Ok(Some(Handled {
                         outcome: Outcome::Hit,
                     }));
@@ -527,9 +536,8 @@ impl Gate {
                     self.release(c).await;
                 }
                 return self
-                    .refuse(session, Problem::UpstreamConnect)
-                    .await
-                    .map(|_| Handled { outcome });
+                    .refuse_executed(session, Problem::UpstreamConnect, outcome)
+                    .await;
             }
         };
 
@@ -542,11 +550,19 @@ impl Gate {
             None => exchange.read_head(head_request).await,
             Some(c) => {
                 let mut head = pin!(exchange.read_head(head_request));
+                let mut next = c.alarm();
                 loop {
-                    match upstream::until(c.alarm(), head.as_mut()).await {
+                    match upstream::until(next, head.as_mut()).await {
                         Ok(head) => break head,
-                        Err(_) if self.renew(c).await => {}
-                        Err(_) => break head.await,
+                        Err(_) => match self.renew(c).await {
+                            Renewal::Renewed => next = c.alarm(),
+                            // A store that failed once may answer the next try: keep trying
+                            // while the lock still holds.
+                            Renewal::Failed if Instant::now() < c.lock_deadline => {
+                                next = Instant::now() + renewal_pause(c.lock_deadline);
+                            }
+                            Renewal::Failed | Renewal::TakenOver => break head.await,
+                        },
                     }
                 }
             }
@@ -555,10 +571,8 @@ impl Gate {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
-                return self
-                    .refuse(session, Problem::UpstreamOutcomeUnknown)
-                    .await
-                    .map(|_| Handled { outcome });
+                let problem = unknown_outcome(claim.is_some());
+                return self.refuse_executed(session, problem, outcome).await;
             }
         };
         let status = response.status.as_u16();
@@ -571,8 +585,10 @@ impl Gate {
             .and_then(|n| usize::try_from(n).ok())
             .filter(|&n| n <= idem.max_response_bytes)
             .unwrap_or(0);
-        let mut captured =
-            storable.then(|| stored_response(&response, &idem.replay_exclude_headers, declared));
+        let mut captured = storable.then(|| {
+            let bodiless = head_request || has_no_body(status);
+            stored_response(&response, &idem.replay_exclude_headers, declared, bodiless)
+        });
 
         let mut downstream = response;
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
@@ -639,10 +655,8 @@ impl Gate {
             tracing::warn!(error = %e, route = %route.name, "backend answer cut off; {kept}");
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
-                return self
-                    .refuse(session, Problem::UpstreamOutcomeUnknown)
-                    .await
-                    .map(|_| Handled { outcome });
+                let problem = unknown_outcome(claim.is_some());
+                return self.refuse_executed(session, problem, outcome).await;
             }
             // The client saw a partial response; closing is the only honest signal left.
             session.set_keepalive(None);
@@ -811,29 +825,33 @@ impl Gate {
             .await;
         self.observe_store(StoreOp::Complete, started, written.is_err());
         let record = key::hash_label(&req.key.hash);
+        let pending = || PendingCompletion {
+            key: req.key.clone(),
+            owner: req.owner,
+            completion: completion.clone(),
+            ttl,
+            execution_id: claim.execution_id,
+            lock_deadline: tokio::time::Instant::from_std(claim.lock_deadline),
+        };
         match written {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::NotOwner) => {
+                // The record belongs to a newer execution now; this one's answer, which its
+                // client already has, goes where an operator can reconcile it.
                 self.metrics.fenced_writes.inc();
                 tracing::warn!(%record, "lock lapsed and was taken over; response not stored");
+                self.retrier.dead_letter(&pending(), 1, "lock taken over");
             }
             Err(e) => {
                 tracing::warn!(%record, error = %e, "storing the response failed; retrying");
-                self.retrier.submit(PendingCompletion {
-                    key: req.key.clone(),
-                    owner: req.owner,
-                    completion,
-                    ttl,
-                    execution_id: claim.execution_id,
-                    lock_deadline: tokio::time::Instant::from_std(claim.lock_deadline),
-                });
+                self.retrier.submit(pending());
             }
         }
     }
 
     /// Extends the claim's lock by claiming the record again as its owner, which the stores
     /// treat as a renewal. Returns whether the lock is still this request's.
-    async fn renew(&self, claim: &mut Claim<'_>) -> bool {
+    async fn renew(&self, claim: &mut Claim<'_>) -> Renewal {
         let started = Instant::now();
         let answer = claim.store.claim(claim.req).await;
         self.observe_store(StoreOp::Claim, started, answer.is_err());
@@ -843,15 +861,15 @@ impl Gate {
                 claim.lock_deadline = started + claim.req.lock_ttl;
                 self.metrics.lock_renewals.inc();
                 tracing::info!(%record, "still waiting for the backend's answer; lock renewed");
-                true
+                Renewal::Renewed
             }
             Ok(ClaimOutcome::Existing(_)) => {
                 tracing::warn!(%record, "lock taken over while waiting for the backend's answer");
-                false
+                Renewal::TakenOver
             }
             Err(e) => {
-                tracing::warn!(%record, error = %e, "renewing the lock failed; it lapses at lock_ttl");
-                false
+                tracing::warn!(%record, error = %e, "renewing the lock failed; trying again while it holds");
+                Renewal::Failed
             }
         }
     }
@@ -890,30 +908,23 @@ impl Gate {
         }
     }
 
-    /// Writes a stored response back byte for byte, plus the replay markers. Hop-by-hop and
-    /// framing headers were dropped when the record was stored; only the route's exclusions are
-    /// checked again, since they can change: the running config's hold even for records stored
-    /// under an older one (e.g. before `Set-Cookie` was excluded again).
+    /// Writes a replay: `head` (from [`replay_head`]), then the stored body unless the request
+    /// is a `HEAD`.
     async fn replay(
         &self,
         session: &mut Session,
+        mut resp: ResponseHeader,
         stored: &StoredResponse,
-        exclude: &[HeaderName],
     ) -> Result<()> {
-        let mut resp = ResponseHeader::build(stored.status, Some(stored.header_count() + 4))?;
-        for (name, value) in stored.shared_headers() {
-            if is_excluded(name, exclude) {
-                continue;
-            }
-            let value = HeaderValue::from_maybe_shared(value)
-                .map_err(|_| Error::explain(pingora::ErrorType::InternalError, "stored header"))?;
-            resp.append_header(name.to_owned(), value)?;
+        let head_only = session.req_header().method == http::Method::HEAD;
+        // A response with no body by definition replays the Content-Length it was stored with
+        // (a HEAD's is the length of what a GET would get; a 204 has none).
+        if !(head_only || has_no_body(stored.status)) {
+            resp.insert_header(header::CONTENT_LENGTH, stored.body().len())?;
         }
-        resp.insert_header(header::CONTENT_LENGTH, stored.body().len())?;
         resp.insert_header(header::DATE, get_cached_date())?;
         resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
         resp.insert_header(REPLAYED_HEADER, "true")?;
-        let head_only = session.req_header().method == http::Method::HEAD;
         session.write_response_header(Box::new(resp), false).await?;
         let body = if head_only {
             Bytes::new()
@@ -930,6 +941,45 @@ impl Gate {
         Ok(Some(Handled {
             outcome: problem.outcome(),
         }))
+    }
+
+    /// Answers a problem of an execution (`MISS`, or `DEGRADED` when the store could not
+    /// protect it), marked with that execution's outcome rather than the problem's own.
+    async fn refuse_executed(
+        &self,
+        session: &mut Session,
+        problem: Problem,
+        outcome: Outcome,
+    ) -> Result<Handled> {
+        write_problem(session, &problem, Some(outcome)).await?;
+        Ok(Handled { outcome })
+    }
+}
+
+/// What became of an attempt to renew a claim's lock.
+enum Renewal {
+    /// The lock holds for another `lock_ttl`.
+    Renewed,
+    /// Another request holds the key now.
+    TakenOver,
+    /// The store did not answer; the lock holds until its deadline as before.
+    Failed,
+}
+
+/// The pause before trying a failed renewal again: a quarter of what is left of the lock,
+/// between 50 ms and 1 s, so a store back within the lock's life is tried in time.
+fn renewal_pause(lock_deadline: Instant) -> Duration {
+    let left = lock_deadline.saturating_duration_since(Instant::now());
+    (left / 4).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// The problem for a request sent whose answer was lost: with a claim the key stays locked;
+/// without one (forwarded unprotected by `on_unavailable: pass`) nothing stops a retry.
+fn unknown_outcome(claimed: bool) -> Problem {
+    if claimed {
+        Problem::UpstreamOutcomeUnknown
+    } else {
+        Problem::UpstreamAnswerLost
     }
 }
 
@@ -1004,6 +1054,26 @@ async fn write_problem(
     Ok(())
 }
 
+/// Whether the request target is one routes can be matched against: origin-form (`/orders`),
+/// absolute-form (`http://host/orders`), or `*` (`OPTIONS *`). pingora reads any other target
+/// (`orders`, `x/../orders`) as the path `/` yet forwards its bytes as sent, so a backend that
+/// resolves them could run an idempotent route's handler past its key check.
+fn is_routable_target(req: &RequestHeader) -> bool {
+    let raw = req.raw_path();
+    if raw.first() == Some(&b'/') || raw == b"*" {
+        return true;
+    }
+    // Absolute-form: `scheme://`, whose path pingora does read.
+    let Some(colon) = raw.windows(3).position(|w| w == b"://") else {
+        return false;
+    };
+    let scheme = &raw[..colon];
+    scheme.first().is_some_and(u8::is_ascii_alphabetic)
+        && scheme
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+}
+
 /// `post`, `Get`, …: an extension method as far as HTTP goes (methods are case-sensitive), but one
 /// a case-folding backend would run as the standard method, past every route that lists it.
 fn is_standard_method_in_other_case(method: &http::Method) -> bool {
@@ -1018,19 +1088,22 @@ fn is_standard_method_in_other_case(method: &http::Method) -> bool {
 /// end-to-end headers are kept, in the order received: no hop-by-hop headers (the
 /// listed ones, those `Connection` names, and every `Proxy-*` header: they describe one hop or
 /// one intermediary's handling of the original message, which a replay is not), no framing
-/// (`Content-Length` is set at replay), no `Date` (a replay is a new message), and none of
-/// `replay_exclude_headers`.
+/// (`Content-Length` is set at replay, except on a response that has no body by definition —
+/// to a `HEAD`, or a 204 or 304 — whose own `Content-Length`, if any, is kept as sent), no
+/// `Date` (a replay is a new message), and none of `replay_exclude_headers`.
 fn stored_response(
     resp: &ResponseHeader,
     exclude: &[HeaderName],
     body_hint: usize,
+    bodiless: bool,
 ) -> ResponseBuilder {
     let connection_named = upstream::connection_tokens(resp.headers.get_all(header::CONNECTION));
     let kept = || {
         resp.headers
             .iter()
             .filter(|(name, _)| {
-                is_replayable(name.as_str(), exclude)
+                (is_replayable(name.as_str(), exclude)
+                    || (bodiless && *name == header::CONTENT_LENGTH))
                     && !connection_named
                         .iter()
                         .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
@@ -1038,6 +1111,31 @@ fn stored_response(
             .map(|(name, value)| (name.as_str(), value.as_bytes()))
     };
     ResponseBuilder::new(resp.status.as_u16(), kept, body_hint)
+}
+
+/// The head of a replay of `stored`: its status and stored headers, byte for byte. Hop-by-hop
+/// and framing headers were dropped when the record was stored; only the route's exclusions are
+/// checked again, since they can change: the running config's hold even for records stored
+/// under an older one (e.g. before `Set-Cookie` was excluded again). `None` when the record
+/// cannot be written as HTTP (damaged in the store, or written by something else): the caller
+/// refuses rather than answer with a broken message.
+fn replay_head(stored: &StoredResponse, exclude: &[HeaderName]) -> Option<ResponseHeader> {
+    let mut resp = ResponseHeader::build(stored.status, Some(stored.header_count() + 4)).ok()?;
+    for (name, value) in stored.shared_headers() {
+        if is_excluded(name, exclude) {
+            continue;
+        }
+        let name = HeaderName::from_bytes(name.as_bytes()).ok()?;
+        let value = HeaderValue::from_maybe_shared(value).ok()?;
+        resp.append_header(name, value).ok()?;
+    }
+    Some(resp)
+}
+
+/// Whether a response with this status has no body whatever its headers say (RFC 9110 §6.4.1;
+/// 1xx answers are never stored).
+fn has_no_body(status: u16) -> bool {
+    status == 204 || status == 304
 }
 
 /// Whether a response header (lower-case name) may be stored and replayed: not hop-by-hop (see
@@ -1118,6 +1216,12 @@ impl ProxyHttp for Gate {
             write_problem(session, &problem, ctx.outcome).await?;
             return Ok(true);
         }
+        if !is_routable_target(req) {
+            let problem = Problem::RequestMalformed;
+            ctx.outcome = Some(problem.outcome());
+            write_problem(session, &problem, ctx.outcome).await?;
+            return Ok(true);
+        }
         match gen.config.match_route(&req.method, req.uri.path()) {
             RouteMatch::NoRoute => {
                 write_problem(session, &Problem::NoRoute, None).await?;
@@ -1144,6 +1248,19 @@ impl ProxyHttp for Gate {
                 }
             }
         }
+    }
+
+    /// Removes a client's own `X-Idempotency-Id` from the requests pingora forwards (upgrades,
+    /// streamed bodies): only the proxy sets that header, on claimed requests, which never
+    /// take this path. A backend's unique index on it is the last line of defence.
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        _ctx: &mut Self::CTX,
+    ) -> Result<()> {
+        upstream_request.remove_header(EXECUTION_ID_HEADER);
+        Ok(())
     }
 
     /// Picks the next address of the matched route's upstream (round robin).
@@ -1233,6 +1350,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_stored_response_that_is_no_http_is_not_replayed() {
+        let stored = |status: u16, value: &'static [u8]| {
+            StoredResponse::new(
+                status,
+                vec![("x-a", Bytes::from_static(value))],
+                Bytes::from_static(b"{}"),
+            )
+        };
+        let head = replay_head(&stored(201, b"fine"), &[]).unwrap();
+        assert_eq!(head.status.as_u16(), 201);
+        assert_eq!(head.headers["x-a"], "fine");
+        assert!(replay_head(&stored(201, b"split\r\nx-b: 1"), &[]).is_none());
+        assert!(replay_head(&stored(1000, b"fine"), &[]).is_none());
+        let bad_name = StoredResponse::new(201, vec![("x a", Bytes::new())], Bytes::new());
+        assert!(replay_head(&bad_name, &[]).is_none());
+    }
+
+    #[test]
     fn stored_response_drops_hop_by_hop_framing_date_and_excluded() {
         let mut resp = ResponseHeader::build(201, None).unwrap();
         resp.append_header("content-type", "application/json")
@@ -1251,7 +1386,8 @@ mod tests {
         resp.append_header("proxy-status", "gw; error=none")
             .unwrap();
         resp.append_header("x-order", "b").unwrap();
-        let mut builder = stored_response(&resp, &[HeaderName::from_static("set-cookie")], 2);
+        let mut builder =
+            stored_response(&resp, &[HeaderName::from_static("set-cookie")], 2, false);
         builder.push_body(b"ok");
         let kept = builder.finish();
         let headers: Vec<(&str, &[u8])> = kept.headers().collect();

@@ -6,11 +6,14 @@
 //! visible path, debounces bursts, ignores access events (reading the file fires them), and a
 //! content-hash poll on a timer catches whatever the watcher misses (e.g. `subPath`-free mounts on
 //! filesystems without inotify). In-flight requests keep the generation they started with.
+//! An edit refused for something outside the file (a name that does not resolve yet, a script
+//! version or TLS file not there yet) is tried again by the poll, so it goes live once that is
+//! fixed; the same bytes failing the same way are logged and counted once.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use notify::{EventKind, RecursiveMode, Watcher};
@@ -46,6 +49,23 @@ pub struct ReloadStats {
     pub failures: AtomicU64,
 }
 
+/// How soon the poll tries content that was refused again. A refusal can come from outside the
+/// file (an upstream name that does not resolve yet, a script version directory or a TLS file
+/// not there yet), so the same bytes may load later without anyone touching the file; trying
+/// them at most this often keeps a file that is truly broken from being parsed (and its names
+/// resolved) on every tick. With the 2 s poll that is every other tick.
+const RETRY_REFUSED_EVERY: Duration = Duration::from_secs(3);
+
+/// The last file content that failed to load, and how.
+struct Refused {
+    /// Hex SHA-256 of the file's bytes.
+    hash: String,
+    /// Why it failed: the same bytes failing another way are reported again.
+    error: String,
+    /// When it was last tried.
+    at: Instant,
+}
+
 /// Called with every config swapped in, after the swap (e.g. to hand script settings to the
 /// Redis store). Runs on the reloading thread: it must not block.
 type SwapHook = Box<dyn Fn(&Config) + Send + Sync>;
@@ -60,8 +80,9 @@ pub struct Reloader {
     lock: Mutex<()>,
     /// Unix seconds at which the running config was loaded.
     loaded_at: AtomicU64,
-    /// Hash of the last file content that failed to load, so the poll does not repeat the error.
-    failed_hash: Mutex<Option<String>>,
+    /// The last file content that failed to load: the poll tries it again now and then (see
+    /// [`RETRY_REFUSED_EVERY`]) but reports it again only when it fails another way.
+    refused: Mutex<Option<Refused>>,
     /// Told about every swapped-in config.
     on_swap: Mutex<Vec<SwapHook>>,
 }
@@ -91,7 +112,7 @@ impl Reloader {
             stats: stats.clone(),
             lock: Mutex::new(()),
             loaded_at: AtomicU64::new(now_unix()),
-            failed_hash: Mutex::new(None),
+            refused: Mutex::new(None),
             on_swap: Mutex::new(Vec::new()),
         });
         metrics.pull_from(
@@ -160,13 +181,16 @@ impl Reloader {
                 if config.source_hash == running.config.source_hash {
                     return Ok(None);
                 }
-                warn_restart_only(&running.config, &config);
-                Generation::new(config, &self.metrics).map(Some)
+                let generation = Generation::new(config, &self.metrics)?;
+                // Only for a config that goes live: refused content is tried again by the poll,
+                // and each try would repeat the warning.
+                warn_restart_only(&running.config, &generation.config);
+                Ok(Some(generation))
             });
         match result {
             Ok(None) => {
                 self.stats.last_successful.store(1, Ordering::Relaxed);
-                *self.failed_hash.lock() = None;
+                *self.refused.lock() = None;
                 Ok(ReloadOutcome::Unchanged)
             }
             Ok(Some(generation)) => {
@@ -182,17 +206,26 @@ impl Reloader {
                     .store(now_unix(), Ordering::Relaxed);
                 self.stats.reloads.fetch_add(1, Ordering::Relaxed);
                 self.loaded_at.store(now_unix(), Ordering::Relaxed);
-                *self.failed_hash.lock() = None;
+                *self.refused.lock() = None;
                 tracing::info!(trigger, hash = %&hash[..12.min(hash.len())], "config reloaded");
                 Ok(ReloadOutcome::Applied { hash })
             }
             Err(e) => {
-                // A watcher event for content already refused is not a new error.
-                let mut failed = self.failed_hash.lock();
-                let repeat =
-                    trigger == "file change" && text_hash.is_some() && *failed == text_hash;
-                *failed = text_hash;
-                drop(failed);
+                // A watcher event or a poll retry of content already refused the same way is not
+                // a new error: neither logged nor counted again. SIGHUP and the admin endpoint
+                // are asked for by someone who wants the answer, so they always report it.
+                let automatic = matches!(trigger, "file change" | "poll");
+                let mut refused = self.refused.lock();
+                let repeat = automatic
+                    && refused.as_ref().is_some_and(|r| {
+                        text_hash.as_deref() == Some(r.hash.as_str()) && r.error == e
+                    });
+                *refused = text_hash.map(|hash| Refused {
+                    hash,
+                    error: e.clone(),
+                    at: Instant::now(),
+                });
+                drop(refused);
                 if repeat {
                     return Err(e);
                 }
@@ -238,15 +271,23 @@ impl Reloader {
         }
     }
 
-    /// The poll fallback: reload only when the bytes differ from the running config's.
+    /// The poll fallback: reload when the bytes differ from the running config's. Bytes already
+    /// refused are tried again once [`RETRY_REFUSED_EVERY`] has passed, since what refused them
+    /// may have been outside the file (DNS, a script directory, TLS files) and be there now.
     fn reload_if_changed(&self) {
         let Ok(text) = std::fs::read(&self.path) else {
             return;
         };
         // Same formula as `Config::source_hash`: hex SHA-256 of the file's bytes.
         let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&text));
-        let known_bad = self.failed_hash.lock().as_deref() == Some(hash.as_str());
-        if hash != self.current.load().config.source_hash && !known_bad {
+        if hash == self.current.load().config.source_hash {
+            return;
+        }
+        let due = match &*self.refused.lock() {
+            Some(refused) if refused.hash == hash => refused.at.elapsed() >= RETRY_REFUSED_EVERY,
+            _ => true,
+        };
+        if due {
             let _ = self.reload("poll");
         }
     }
@@ -303,18 +344,23 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if old.threads != new.threads {
         changed.push("threads");
     }
+    if old.work_stealing != new.work_stealing {
+        changed.push("work_stealing");
+    }
     if old.shutdown != new.shutdown {
         changed.push("shutdown");
     }
-    // Script versions and the canary are applied live (see `script_reload`).
-    let without_scripts = |config: &Config| {
+    // Applied live: script versions and the canary (see `script_reload`), and the
+    // on_unavailable policy, read per request (the in-process fallback store always exists).
+    let read_at_start_up = |config: &Config| {
         let mut store = config.store.clone();
         if let Some(redis) = &mut store.redis {
             redis.scripts = ScriptsConfig::default();
         }
+        store.on_unavailable = old.store.on_unavailable;
         store
     };
-    if without_scripts(old) != without_scripts(new) {
+    if read_at_start_up(old) != read_at_start_up(new) {
         changed.push("store");
     }
     if old.idempotency.worker_id != new.idempotency.worker_id {
@@ -330,6 +376,7 @@ mod tests {
     const BASE: &str = r#"
 listen: "127.0.0.1:6180"
 threads: 2
+work_stealing: false
 admin: {listen: "127.0.0.1:6181"}
 shutdown: {grace_period: 20s}
 upstreams: {app: {addrs: ["127.0.0.1:8080"]}}
@@ -337,6 +384,7 @@ idempotency: {worker_id: 1}
 store:
   backend: redis
   redis: {url: "redis://127.0.0.1:6379", scripts: {version: v1}}
+  on_unavailable: reject
 routes:
   - {name: orders, path_prefix: /orders, upstream: app, idempotency: {ttl: 1h}}
 "#;
@@ -351,15 +399,30 @@ routes:
 
     #[test]
     fn settings_read_at_start_up_are_named() {
-        let cases: [((&str, &str), &[&str]); 8] = [
+        let cases: [((&str, &str), &[&str]); 12] = [
             (("127.0.0.1:6180", "127.0.0.1:7180"), &["listen"]),
             (("127.0.0.1:6181", "127.0.0.1:7181"), &["admin.listen"]),
             (("threads: 2", "threads: 3"), &["threads"]),
+            (
+                ("work_stealing: false", "work_stealing: true"),
+                &["work_stealing"],
+            ),
             (("grace_period: 20s", "grace_period: 5s"), &["shutdown"]),
             (("worker_id: 1", "worker_id: 2"), &["idempotency.worker_id"]),
             (("6379", "6380"), &["store"]),
-            // Applied live: scripts (by the script reloader), routes and upstreams.
+            // Another store setting still needs a restart when on_unavailable changes with it.
+            (
+                (
+                    "on_unavailable: reject",
+                    "on_unavailable: pass\n  circuit_breaker: {failure_threshold: 5}",
+                ),
+                &["store"],
+            ),
+            // Applied live: scripts (by the script reloader), the on_unavailable policy, routes
+            // and upstreams.
             (("version: v1", "version: v2"), &[]),
+            (("on_unavailable: reject", "on_unavailable: pass"), &[]),
+            (("on_unavailable: reject", "on_unavailable: local"), &[]),
             (("ttl: 1h", "ttl: 2h"), &[]),
         ];
         for (edit, want) in cases {
@@ -367,9 +430,92 @@ routes:
         }
         let both = BASE
             .replace("threads: 2", "threads: 3")
-            .replace("version: v1", "version: v2");
+            .replace("version: v1", "version: v2")
+            .replace("on_unavailable: reject", "on_unavailable: local");
         let old = Config::from_yaml_str(BASE).expect("base config");
         let new = Config::from_yaml_str(&both).expect("edited config");
         assert_eq!(restart_only_changes(&old, &new), ["threads"]);
+    }
+
+    /// A config whose script version `version` must be found in `dir`.
+    fn with_scripts(dir: &Path, version: &str) -> String {
+        format!(
+            "upstreams: {{app: {{addrs: [\"127.0.0.1:8080\"]}}}}\n\
+             store:\n  backend: memory\n  redis: {{scripts: {{dir: \"{}\", version: {version}}}}}\n\
+             routes:\n  - {{name: orders, path_prefix: /orders, upstream: app, idempotency: {{}}}}\n",
+            dir.display()
+        )
+    }
+
+    /// Makes the poll's next look at refused content due, as if the backoff had passed.
+    fn backoff_passed(reloader: &Reloader) {
+        if let Some(refused) = reloader.refused.lock().as_mut() {
+            refused.at = Instant::now()
+                .checked_sub(RETRY_REFUSED_EVERY)
+                .expect("the clock is past the backoff");
+        }
+    }
+
+    #[test]
+    fn refused_content_is_tried_again_and_reported_only_when_it_fails_another_way() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let scripts = dir.path().join("lua");
+        std::fs::create_dir(&scripts).expect("scripts dir");
+        let path = dir.path().join("idemgate.yaml");
+        std::fs::write(&path, with_scripts(&scripts, "v1")).expect("write config");
+        let metrics = Arc::new(Metrics::new());
+        let config = Config::load(&path).expect("initial config");
+        let generation = Generation::new(config, &metrics).expect("generation");
+        let current = Arc::new(ArcSwap::from_pointee(generation));
+        let reloader = Reloader::new(path.clone(), current.clone(), metrics);
+        let stats = reloader.stats();
+        let failures = || stats.failures.load(Ordering::Relaxed);
+        let tried_at = || reloader.refused.lock().as_ref().map(|r| r.at);
+
+        // v9 is neither built in nor in the directory (yet): refused, counted once.
+        std::fs::write(&path, with_scripts(&scripts, "v9")).expect("edit");
+        reloader.reload_if_changed();
+        assert_eq!(failures(), 1);
+        assert_eq!(stats.last_successful.load(Ordering::Relaxed), 0);
+        let first = tried_at().expect("refusal remembered");
+        // Within the backoff the poll leaves the same bytes alone.
+        reloader.reload_if_changed();
+        assert_eq!(tried_at(), Some(first), "tried again within the backoff");
+
+        // Past it they are tried again; failing another way (a half-written version) is news.
+        let v9 = scripts.join("v9");
+        std::fs::create_dir(&v9).expect("v9 dir");
+        std::fs::write(v9.join("claim.lua"), "return 1").expect("claim.lua");
+        backoff_passed(&reloader);
+        reloader.reload_if_changed();
+        assert_ne!(tried_at(), Some(first), "not tried again after the backoff");
+        assert_eq!(failures(), 2);
+        // The same failure again, from the poll or the watcher, is neither counted nor logged...
+        backoff_passed(&reloader);
+        reloader.reload_if_changed();
+        assert!(reloader.reload("file change").is_err());
+        assert_eq!(failures(), 2);
+        // ...but asked for by hand it is reported.
+        assert!(reloader.reload("admin").is_err());
+        assert_eq!(failures(), 3);
+
+        // The missing files appear; the untouched edit goes live on the next due poll.
+        for name in crate::scripts::SCRIPT_NAMES {
+            std::fs::write(v9.join(format!("{name}.lua")), "return 1").expect("script");
+        }
+        backoff_passed(&reloader);
+        reloader.reload_if_changed();
+        let live = current.load();
+        let scripts_version = live
+            .config
+            .store
+            .redis
+            .as_ref()
+            .map(|r| r.scripts.version.as_str());
+        assert_eq!(scripts_version, Some("v9"));
+        assert_eq!(stats.reloads.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.last_successful.load(Ordering::Relaxed), 1);
+        assert_eq!(failures(), 3);
+        assert!(tried_at().is_none(), "a success forgets the refusal");
     }
 }

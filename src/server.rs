@@ -17,7 +17,7 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::{Admin, Readiness};
-use crate::config::{Config, OnUnavailable, StoreBackend};
+use crate::config::{Config, StoreBackend};
 use crate::headguard::{Guarded, HeaderRefusals};
 use crate::metrics::{Metrics, Pull};
 use crate::proxy::{Gate, Generation, InFlightCounter};
@@ -36,11 +36,40 @@ pub enum StartError {
     /// The config is valid YAML but cannot be run (an upstream does not resolve, ...).
     #[error("{0}")]
     Config(String),
+    /// A listener's address cannot be bound (in use, not this host's, a privileged port).
+    #[error("{field}: cannot listen on {addr}: {error}")]
+    Listen {
+        /// The config key naming the address.
+        field: &'static str,
+        /// The address.
+        addr: String,
+        /// Why the bind failed.
+        error: std::io::Error,
+    },
+}
+
+/// Binds `addr` and lets it go again, so an address that cannot be listened on stops the start
+/// with a message naming its key. pingora binds its listeners only inside their services'
+/// tasks, where a failure ends that task and nothing else: the process would run on with no
+/// proxy listener (or no admin one) and report itself ready.
+fn check_bindable(field: &'static str, addr: &str) -> Result<(), StartError> {
+    std::net::TcpListener::bind(addr)
+        .map(drop)
+        .map_err(|error| StartError::Listen {
+            field,
+            addr: addr.to_string(),
+            error,
+        })
 }
 
 /// The record store as the proxy uses it, with the handles metrics and background work need.
 struct StoreStack {
     store: Arc<dyn RecordStore>,
+    /// The store beneath the local cache (the same as `store` when there is no cache): what the
+    /// completion retrier writes to and checks.
+    shared: Arc<dyn RecordStore>,
+    /// Drops this replica's local copy of a record (nothing without a local cache).
+    forget_local: OnPurge,
     memory: Arc<MemoryStore>,
     fallback: Option<Arc<dyn RecordStore>>,
     redis: Option<Arc<RedisStore>>,
@@ -58,6 +87,8 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         (StoreBackend::Memory, _) => {
             return Ok(StoreStack {
                 store: memory.clone(),
+                shared: memory.clone(),
+                forget_local: Arc::new(|_: &RecordKey| {}),
                 memory,
                 fallback: None,
                 redis: None,
@@ -79,13 +110,13 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     register_script_metrics(metrics, &redis);
 
     let b = &config.store.circuit_breaker;
-    let breaker = Breaker::new(
+    let breaker = Arc::new(Breaker::new(
         redis.clone(),
         BreakerOptions {
             failure_threshold: b.failure_threshold,
             open_for: b.open_for,
         },
-    );
+    ));
     metrics.pull_from(
         &breaker.view(),
         &[
@@ -119,7 +150,8 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
             false_positive_rate: c.false_positive_rate,
             window,
         };
-        let cached = Arc::new(CachedStore::new(breaker, options).map_err(StartError::Config)?);
+        let cached =
+            Arc::new(CachedStore::new(breaker.clone(), options).map_err(StartError::Config)?);
         register_cache_metrics(metrics, &cached);
         let weak = Arc::downgrade(&cached);
         forget = Arc::new(move |key: &RecordKey| {
@@ -129,13 +161,14 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         });
         cached
     } else {
-        Arc::new(breaker)
+        breaker.clone()
     };
-    let fallback = (config.store.on_unavailable == OnUnavailable::Local)
-        .then(|| memory.clone() as Arc<dyn RecordStore>);
+    // Built whatever the policy at start: `on_unavailable` applies live, and a switch to
+    // `local` by reload needs somewhere to fall back to.
+    let fallback = Some(memory.clone() as Arc<dyn RecordStore>);
     let bus = PurgeBus::new(settings, redis.tls_certificates().as_ref());
     let purge = match bus {
-        Ok(bus) => Some((bus, forget)),
+        Ok(bus) => Some((bus, forget.clone())),
         Err(e) => {
             tracing::warn!(error = %e, "purges will not reach other replicas");
             None
@@ -143,6 +176,8 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     };
     Ok(StoreStack {
         store,
+        shared: breaker,
+        forget_local: forget.clone(),
         memory,
         fallback,
         redis: Some(redis),
@@ -241,10 +276,21 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     let stack = build_store(&config, &metrics)?;
     // IDEMGATE_WORKER_ID lets each pod of one Deployment get its own id (e.g. from a
     // StatefulSet ordinal) without rendering a config per pod.
-    let from_env = std::env::var("IDEMGATE_WORKER_ID")
-        .ok()
-        .and_then(|v| v.trim().parse::<u16>().ok())
-        .filter(|id| *id <= snowflake::MAX_WORKER_ID);
+    // A value that is set but not an id is an error, not a fallback: the hashed host name could
+    // give two replicas the same id. Empty counts as unset.
+    let from_env = match std::env::var("IDEMGATE_WORKER_ID") {
+        Err(_) => None,
+        Ok(v) if v.trim().is_empty() => None,
+        Ok(v) => match v.trim().parse::<u16>() {
+            Ok(id) if id <= snowflake::MAX_WORKER_ID => Some(id),
+            _ => {
+                return Err(StartError::Config(format!(
+                    "IDEMGATE_WORKER_ID: {v:?} is not a worker id (0-{})",
+                    snowflake::MAX_WORKER_ID
+                )))
+            }
+        },
+    };
     let worker_id = config
         .idempotency
         .worker_id
@@ -272,6 +318,8 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         .to_string();
     let listen = config.listen.to_string();
     let admin_listen = config.admin.listen.to_string();
+    check_bindable("listen", &listen)?;
+    check_bindable("admin.listen", &admin_listen)?;
     let r = &config.store.completion_retry;
     let retry_options = RetryOptions {
         attempts: r.attempts,
@@ -325,7 +373,11 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             ],
         );
     }
-    let (retrier, retry_worker) = CompletionRetrier::new(stack.store.clone(), retry_options);
+    let (retrier, retry_worker) = CompletionRetrier::new(
+        stack.shared.clone(),
+        stack.forget_local.clone(),
+        retry_options,
+    );
     register_store_metrics(&metrics, &retrier);
     metrics.pull_from(
         &in_flight,

@@ -66,7 +66,14 @@ pub const HOP_BY_HOP: &[&str] = &[
 ];
 
 /// Request headers this client writes itself (framing) or answers itself (`Expect`).
-const WRITTEN_HERE: &[&str] = &["content-length", "expect"];
+///
+/// `X-Idempotency-Id` is the proxy's alone: a client's own would reach the backend first and
+/// let the client choose the id a backend's unique index is checked against.
+const WRITTEN_HERE: &[&str] = &[
+    "content-length",
+    "expect",
+    crate::proxy::EXECUTION_ID_HEADER,
+];
 
 /// Headers of a response that belong to its connection, not to the response.
 const RESPONSE_HOP_BY_HOP: &[&str] = &[

@@ -69,6 +69,69 @@ fn run_with_a_bad_config_exits_64() {
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/idemgate.yaml"));
 }
 
+/// Runs idemgate on `yaml` (with the environment `env`) and returns its exit code and stderr,
+/// failing the test if it is still running after 10 s.
+fn run_to_exit(yaml: &str, env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let mut child = idemgate()
+        .arg("--config")
+        .arg(&path)
+        .envs(env.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("still running");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (status.code(), err)
+}
+
+fn minimal_config(listen: &str, admin: &str) -> String {
+    format!(
+        "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nupstreams:\n  a:\n    \
+         addrs: [\"127.0.0.1:1\"]\nroutes:\n  - name: r\n    path_prefix: /\n    upstream: a\n"
+    )
+}
+
+#[test]
+fn an_address_that_cannot_be_listened_on_stops_the_start_naming_its_key() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap().to_string();
+    let free = format!("127.0.0.1:{}", common::proxy::free_port());
+    let (code, err) = run_to_exit(&minimal_config(&taken_addr, &free), &[]);
+    assert_eq!(code, Some(69), "{err}");
+    assert!(err.contains("listen: cannot listen on"), "{err}");
+    let (code, err) = run_to_exit(&minimal_config(&free, &taken_addr), &[]);
+    assert_eq!(code, Some(69), "{err}");
+    assert!(err.contains("admin.listen: cannot listen on"), "{err}");
+    // An address this host does not have (TEST-NET-1).
+    let (code, err) = run_to_exit(&minimal_config("192.0.2.1:6180", &free), &[]);
+    assert_eq!(code, Some(69), "{err}");
+}
+
+#[test]
+fn a_worker_id_from_the_environment_that_is_no_id_stops_the_start() {
+    let (a, b) = common::proxy::free_port_pair();
+    let yaml = minimal_config(&format!("127.0.0.1:{a}"), &format!("127.0.0.1:{b}"));
+    for bad in ["1024", "idemgate-3"] {
+        let (code, err) = run_to_exit(&yaml, &[("IDEMGATE_WORKER_ID", bad)]);
+        assert_eq!(code, Some(64), "{bad:?}: {err}");
+        assert!(err.contains("IDEMGATE_WORKER_ID"), "{err}");
+    }
+}
+
 #[test]
 fn version_prints_the_crate_version() {
     let out = idemgate().arg("--version").output().unwrap();

@@ -477,6 +477,70 @@ async fn execution_ids_are_snowflakes_distinct_per_key() {
 }
 
 #[tokio::test]
+async fn a_client_cannot_choose_the_execution_id_the_backend_sees() {
+    let (backend, proxy) = setup().await;
+    let keyed = Request::post("/orders")
+        .key("own-id")
+        .header("X-Idempotency-Id", "1")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(keyed.result(), Some("MISS"));
+    // Unprotected paths: an optional key absent, a plain route, and pingora's streaming path
+    // (a chunked body).
+    Request::post("/optional")
+        .header("x-idempotency-id", "2")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    Request::post("/plain")
+        .header("X-IDEMPOTENCY-ID", "3")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    Request::post("/plain")
+        .header("X-Idempotency-Id", "4")
+        .body("{\"chunked\":true}")
+        .chunked(4)
+        .send(proxy.addr)
+        .await;
+    let ex = backend.executions();
+    assert_eq!(ex.len(), 4);
+    let ids = |e: &common::backend::Execution| -> Vec<Vec<u8>> {
+        e.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("x-idempotency-id"))
+            .map(|(_, v)| v.clone())
+            .collect()
+    };
+    let own = ids(&ex[0]);
+    assert_eq!(own.len(), 1, "exactly one id: {own:?}");
+    let id: u64 = std::str::from_utf8(&own[0]).unwrap().parse().unwrap();
+    assert_eq!(
+        idemgate::snowflake::decode(id).worker_id,
+        1,
+        "the proxy's own"
+    );
+    for e in &ex[1..] {
+        assert!(ids(e).is_empty(), "{} {:?}", e.path, ids(e));
+    }
+}
+
+#[tokio::test]
+async fn a_replayed_no_content_answer_has_no_content_length() {
+    let (backend, proxy) = setup().await;
+    let req = Request::new("DELETE", "/orders/status/204").key("gone");
+    let first = req.send(proxy.addr).await;
+    assert_eq!((first.status, first.result()), (204, Some("MISS")));
+    let again = req.send(proxy.addr).await;
+    assert_eq!((again.status, again.result()), (204, Some("HIT")));
+    assert_eq!(first.header("content-length"), None);
+    assert_eq!(again.header("content-length"), None, "RFC 9110 §8.6");
+    assert!(again.body.is_empty());
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
 async fn completed_record_expires_after_ttl() {
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)

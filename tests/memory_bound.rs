@@ -1,6 +1,7 @@
 //! The embedded store's `capacity` bounds the memory its records really take: every byte the
 //! heap gives the store for a record (map slot with the table's slack, tenant, stored response)
 //! is charged against the capacity. Measured with a counting allocator around the real store.
+//! The same holds for the local cache of completed records in front of a shared store.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -8,9 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use idemgate::store::cached::{CachedStore, LocalCacheOptions};
 use idemgate::store::memory::MemoryStore;
 use idemgate::store::{
-    ClaimRequest, Completion, OwnerToken, RecordKey, RecordStore, StoredResponse,
+    ClaimOutcome, ClaimRequest, Completion, OwnerToken, Record, RecordKey, RecordStore, StoreError,
+    StoredResponse, WriteOutcome,
 };
 use sha2::Digest as _;
 
@@ -38,6 +41,9 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
+
+/// The count is the whole process's: the tests take turns.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn request(n: u32) -> ClaimRequest {
     // Record hashes are SHA-256 digests in the proxy; the store relies on them being uniform.
@@ -75,6 +81,7 @@ fn response(body_len: usize) -> Completion {
 
 #[tokio::test(flavor = "current_thread")]
 async fn the_capacity_bounds_the_heap_the_records_take() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     for (shards, body_len) in [(64, 33), (1, 33), (64, 0), (8, 2000)] {
         let store = MemoryStore::new(1 << 30, shards);
         let base = LIVE.load(Ordering::Relaxed);
@@ -104,6 +111,87 @@ async fn the_capacity_bounds_the_heap_the_records_take() {
             }
         }
         println!("{shards} shards, {body_len}-byte bodies: heap / charged at most {worst:.2} from 5000 records on");
+        drop(store);
+    }
+}
+
+/// A shared store that keeps nothing: every claim acquires and every write applies, so all the
+/// heap a cached store grows by is the cache's own.
+struct Nothing;
+
+#[async_trait::async_trait]
+impl RecordStore for Nothing {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        Ok(ClaimOutcome::Acquired {
+            execution_id: req.execution_id,
+        })
+    }
+    async fn complete(
+        &self,
+        _: &RecordKey,
+        _: OwnerToken,
+        _: Completion,
+        _: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        Ok(WriteOutcome::Applied)
+    }
+    async fn release(&self, _: &RecordKey, _: OwnerToken) -> Result<WriteOutcome, StoreError> {
+        Ok(WriteOutcome::Applied)
+    }
+    async fn wait_for_change(
+        &self,
+        _: &RecordKey,
+        _: Duration,
+    ) -> Result<Option<Record>, StoreError> {
+        Ok(None)
+    }
+    async fn get(&self, _: &RecordKey) -> Result<Option<Record>, StoreError> {
+        Ok(None)
+    }
+    async fn delete(&self, _: &RecordKey) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_local_cache_capacity_bounds_the_heap_its_entries_take() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    for body_len in [0, 20, 2000] {
+        let capacity = 4 << 20;
+        let store = CachedStore::new(
+            Nothing,
+            LocalCacheOptions {
+                capacity_bytes: capacity,
+                expected_items: 1000,
+                false_positive_rate: 0.01,
+                window: Duration::from_secs(3600),
+            },
+        )
+        .unwrap();
+        // The Bloom filters and the shard array are allocated already.
+        let base = LIVE.load(Ordering::Relaxed);
+        for n in 0..100_000u32 {
+            let req = request(n);
+            store.claim(&req).await.unwrap();
+            store
+                .complete(&req.key, req.owner, response(body_len), req.ttl)
+                .await
+                .unwrap();
+            if n % 997 == 0 {
+                let real = LIVE.load(Ordering::Relaxed) - base;
+                // Beyond the entries: each shard's empty table and queue.
+                let fixed = 4 * 4096;
+                assert!(
+                    real <= (capacity + fixed) as isize,
+                    "{body_len}-byte bodies, {n} completions: heap {real} > capacity {capacity}"
+                );
+            }
+        }
+        let (records, bytes) = store.cache_usage();
+        assert!(
+            records > 1000 && bytes <= capacity,
+            "{records} records, {bytes} bytes"
+        );
         drop(store);
     }
 }

@@ -261,7 +261,15 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
 async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let a = builder(&backend, &redis).start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    let a = builder(&backend, &redis)
+        .store(&format!(
+            "completion_retry: {{ dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .start()
+        .await;
     let b = builder(&backend, &redis).start().await;
     let addr = a.addr;
     let slow = tokio::spawn(async move {
@@ -298,6 +306,17 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     );
     let m = a.metrics().await;
     assert_eq!(metric(&m, "idemgate_store_fenced_writes_total"), 1.0, "{m}");
+    // The fenced answer, which its client has, is kept where an operator can reconcile it.
+    assert_eq!(metric(&m, "idemgate_dead_letters_total"), 1.0, "{m}");
+    let text = std::fs::read_to_string(&dead).unwrap();
+    let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    assert_eq!(line["reason"], "lock taken over");
+    let body = base64::Engine::decode(
+        &base64::engine::general_purpose::STANDARD,
+        line["response"]["body_base64"].as_str().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(body, first.body);
 }
 
 #[tokio::test]
@@ -385,4 +404,172 @@ async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_
         .await;
     assert_eq!(metric(&m, "idemgate_dead_letters_total"), 0.0, "{m}");
     assert!(!dead.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_completion_that_lost_its_key_is_dead_lettered_not_taken_from_the_local_cache() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    // Retries go on for several seconds after the 2 s lock has lapsed.
+    let a = ProxyBuilder::new(&backend)
+        .redis(&[link.redis_url()])
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 200ms")
+        .store(&format!(
+            "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 100ms, dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 500ms")
+        .upstream("read_timeout: 1s")
+        .idem("lock_ttl: 2s")
+        .start()
+        .await;
+    let b = builder(&backend, &redis)
+        .worker_id(2)
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 500ms")
+        .upstream("read_timeout: 1s")
+        .idem("lock_ttl: 2s")
+        .start()
+        .await;
+    let req = Request::post("/orders/slow/500").key("taken").body("{}");
+    let first = tokio::spawn({
+        let (req, addr) = (req.clone(), a.addr);
+        async move { req.send(addr).await }
+    });
+    // Claimed; A's completion cannot reach Redis, so it waits in A's retry queue (and A's local
+    // cache keeps the answer meanwhile).
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    link.set(Fault::Reset);
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    // Past the lock, B takes the key over and completes it.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let second = req.send(b.addr).await;
+    assert_eq!(
+        (second.status, second.result()),
+        (201, Some("MISS")),
+        "{}",
+        b.log()
+    );
+    assert_ne!(second.body, first.body);
+    link.set(Fault::Pass);
+    // A's retry is fenced: the store holds B's answer, so A's goes to the dead-letter file.
+    let m = a.metrics_containing("idemgate_dead_letters_total 1").await;
+    assert_eq!(
+        metric(&m, "idemgate_completion_retry_recovered_total"),
+        0.0,
+        "{m}"
+    );
+    let text = std::fs::read_to_string(&dead).unwrap();
+    assert!(text.contains("lock taken over"), "{text}");
+    // And A replays what the store holds, like every other replica.
+    let r = req.send(a.addr).await;
+    assert_eq!(r.result(), Some("HIT"));
+    assert_eq!(r.body, second.body);
+    assert_eq!(backend.count(), 2);
+}
+
+#[tokio::test]
+async fn a_record_the_proxy_cannot_read_is_refused_whatever_the_outage_policy() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    for policy in ["pass", "local"] {
+        let proxy = builder(&backend, &redis)
+            .store(&format!("on_unavailable: {policy}"))
+            .store("local_cache: { enabled: false }")
+            .start()
+            .await;
+        let req = Request::post("/orders").key(policy).body("{}");
+        let first = req.send(proxy.addr).await;
+        assert_eq!(first.result(), Some("MISS"));
+        let executed = backend.count();
+        // A payload this version cannot decode (a newer encoding, or damage).
+        let keys = redis.keys();
+        for key in &keys {
+            let _: i64 = redis.cmd(&["HSET", key, "p", "\u{9}junk"]);
+        }
+        let again = req.send(proxy.addr).await;
+        assert_eq!(again.status, 503, "{policy}: {}", again.text());
+        assert_eq!(again.problem_type(), "store-record-unreadable");
+        assert_eq!(again.result(), Some("UNAVAILABLE"));
+        assert_eq!(backend.count(), executed, "{policy}: never executed again");
+        let _: String = redis.cmd(&["FLUSHALL"]);
+    }
+}
+
+#[tokio::test]
+async fn an_unprotected_execution_that_fails_is_marked_degraded() {
+    let port = RedisServer::unused_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    // Nothing listens at the backend either.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let backend_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let proxy = ProxyBuilder::at(backend_addr)
+        .redis(&[url])
+        .store("  connect_timeout: 100ms")
+        .store("on_unavailable: pass")
+        .upstream("connect_timeout: 200ms")
+        .start()
+        .await;
+    let r = Request::post("/orders")
+        .key("d")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.result(), Some("DEGRADED"));
+}
+
+#[tokio::test]
+async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    // The lock (8 s) is renewed at three quarters of its life (6 s); the backend answers at 7 s.
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[link.redis_url()])
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 200ms")
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 300ms")
+        .upstream("read_timeout: 7s")
+        .idem("lock_ttl: 8s")
+        .start()
+        .await;
+    let req = Request::post("/orders/slow/7000").key("renew").body("{}");
+    let first = tokio::spawn({
+        let (req, addr) = (req.clone(), proxy.addr);
+        async move { req.send(addr).await }
+    });
+    // Redis is cut off over the first renewal (6 s) and back well before the answer.
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    link.set(Fault::Reset);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    link.set(Fault::Pass);
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    let again = req.send(proxy.addr).await;
+    assert_eq!(
+        again.result(),
+        Some("HIT"),
+        "{}\n{}",
+        again.text(),
+        proxy.log()
+    );
+    assert_eq!(again.body, first.body);
+    // The renewal that met the cut-off failed; a later try, with Redis back and the lock still
+    // holding, renewed it (one failure used to leave the lock to lapse).
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_lock_renewals_total"), 1.0, "{m}");
+    assert!(
+        proxy.log().contains("renewing the lock failed"),
+        "{}",
+        proxy.log()
+    );
 }

@@ -74,15 +74,27 @@ struct CacheEntry {
     record: Record,
     expires_at: Instant,
     size: usize,
+    /// When the entry was inserted, in its shard's count: tells its place in `order` from a
+    /// stale place left by an earlier entry of the same record.
+    seq: u64,
 }
 
 /// One shard of the cache: its own map, completion order and byte budget.
 #[derive(Default)]
 struct Cache {
     map: HashMap<Digest, CacheEntry>,
-    order: VecDeque<Digest>,
+    /// Record hashes in insertion order, with the `seq` they were inserted under.
+    order: VecDeque<(Digest, u64)>,
     bytes: usize,
+    next_seq: u64,
 }
+
+/// What an entry costs beyond its response and tenant: its map slot (twice, for the slack a hash
+/// table carries after it doubles) and its places in `order` (which may hold stale places and
+/// spare capacity up to about four per entry). Charged so the byte budget bounds the memory the
+/// cache really takes, not only the responses in it.
+const ENTRY_OVERHEAD: usize = 2 * (std::mem::size_of::<(Digest, CacheEntry)>() + 1)
+    + 4 * std::mem::size_of::<(Digest, u64)>();
 
 /// Byte budget per cache shard the shard count aims at. One map holding a whole 64 MiB cache
 /// (~200k records) stalled its worker thread for ~250 ms each time churn made it grow or
@@ -215,42 +227,49 @@ impl<S: RecordStore> CachedStore<S> {
 
     /// Remembers a completion this replica wrote (or read) for `ttl`.
     fn remember(&self, key: &RecordKey, record: Record, ttl: Duration) {
-        let size = match &record.state {
-            RecordState::Completed(Completion::Response(r)) => r.size_bytes() + 128,
-            _ => 128,
-        };
+        let size = ENTRY_OVERHEAD
+            + key.tenant.len()
+            + match &record.state {
+                RecordState::Completed(Completion::Response(r)) => r.size_bytes(),
+                _ => 0,
+            };
         let budget = self.shard_budget();
         if size > budget {
             return;
         }
         self.filters.lock().current.set(&key.hash);
         let mut cache = self.shard(&key.hash).lock();
+        let seq = cache.next_seq;
+        cache.next_seq += 1;
         let entry = CacheEntry {
             tenant: key.tenant.clone(),
             record,
             expires_at: Instant::now() + ttl,
             size,
+            seq,
         };
         if let Some(old) = cache.map.insert(key.hash, entry) {
             cache.bytes -= old.size;
-        } else {
-            cache.order.push_back(key.hash);
         }
+        cache.order.push_back((key.hash, seq));
         cache.bytes += size;
         // Oldest first: entries are evicted in completion order, which approximates expiry order
         // (per shard; records spread evenly over the shards).
         while cache.bytes > budget {
-            let Some(oldest) = cache.order.pop_front() else {
+            let Some((oldest, seq)) = cache.order.pop_front() else {
                 break;
             };
-            if let Some(e) = cache.map.remove(&oldest) {
-                cache.bytes -= e.size;
+            // A stale place (the entry was dropped, or cached again later) evicts nothing.
+            if cache.map.get(&oldest).is_some_and(|e| e.seq == seq) {
+                if let Some(e) = cache.map.remove(&oldest) {
+                    cache.bytes -= e.size;
+                }
             }
         }
         // Keep the order queue from growing without bound after removals.
         if cache.order.len() > cache.map.len() * 2 + 1024 {
             let Cache { map, order, .. } = &mut *cache;
-            order.retain(|h| map.contains_key(h));
+            order.retain(|(h, seq)| map.get(h).is_some_and(|e| e.seq == *seq));
         }
     }
 
@@ -450,6 +469,42 @@ mod tests {
                 .len(),
             1
         );
+    }
+
+    #[test]
+    fn an_entry_cached_again_is_not_evicted_by_the_place_of_its_dropped_predecessor() {
+        let store = CachedStore::new(MemoryStore::new(1 << 20, 1), options()).unwrap();
+        let key = |n: u32| RecordKey {
+            tenant: "t".into(),
+            hash: {
+                let mut h = [0u8; 32];
+                h[..4].copy_from_slice(&n.to_le_bytes());
+                h
+            },
+        };
+        let record = |n: u32| Record {
+            fingerprint: [7; 32],
+            execution_id: u64::from(n),
+            state: RecordState::Completed(response(&[1u8; 1000])),
+        };
+        let ttl = Duration::from_secs(60);
+        // A is cached, dropped (a purge) and cached again after B: A's first place is stale.
+        store.remember(&key(0), record(0), ttl);
+        store.forget(&key(0));
+        store.remember(&key(1), record(1), ttl);
+        store.remember(&key(0), record(0), ttl);
+        // Fill until the oldest live entry goes: that is B, not the fresh A.
+        for n in 2.. {
+            store.remember(&key(n), record(n), ttl);
+            let (a, b) = (store.cached(&key(0)), store.cached(&key(1)));
+            assert!(
+                a.is_some(),
+                "the fresh A was evicted first (after {n} more)"
+            );
+            if b.is_none() {
+                break;
+            }
+        }
     }
 
     #[tokio::test]

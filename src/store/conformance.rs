@@ -54,6 +54,14 @@ where
     case_wait_returns_when_lock_lapses(&make().await).await;
     case_wait_times_out_while_in_flight(&make().await).await;
     case_concurrent_claims_have_one_winner(&make().await).await;
+    case_concurrent_claims_of_a_released_record_have_one_winner(&make().await).await;
+    case_concurrent_claims_of_a_lapsed_lock_have_one_winner(&make().await).await;
+    case_lapsed_owner_cannot_renew_after_a_takeover(&make().await).await;
+    case_wait_returns_when_the_record_is_deleted(&make().await).await;
+    case_wait_returns_when_the_record_expires(&make().await).await;
+    case_complete_after_own_release_is_refused(&make().await).await;
+    case_lapsed_owner_may_finish_until_someone_reclaims(&make().await).await;
+    case_different_fingerprint_does_not_take_over_a_lapsed_lock(&make().await).await;
     case_delete_removes(&make().await).await;
     case_tenants_are_distinct(&make().await).await;
 }
@@ -602,39 +610,249 @@ pub async fn case_wait_times_out_while_in_flight<S: RecordStore>(store: &Arc<S>)
 /// Of many concurrent claims of one key exactly one acquires; all others see its record.
 pub async fn case_concurrent_claims_have_one_winner<S: RecordStore>(store: &Arc<S>) {
     let key = fresh_key();
-    let start = Arc::new(Barrier::new(RACERS));
-    let racers: Vec<_> = (0..RACERS)
-        .map(|_| {
-            let (store, start) = (Arc::clone(store), Arc::clone(&start));
-            let req = request(&key, fingerprint(1));
-            tokio::spawn(async move {
-                start.wait().await;
-                let outcome = store.claim(&req).await;
-                (req.execution_id, outcome)
-            })
-        })
-        .collect();
-    let mut winners = Vec::new();
-    let mut losers = Vec::new();
-    for racer in racers {
-        let (execution_id, outcome) = joined(racer.await);
-        match ok(outcome) {
-            ClaimOutcome::Acquired { execution_id: got } => {
-                assert_eq!(got, execution_id, "winner must keep its own execution id");
-                winners.push(got);
-            }
-            ClaimOutcome::Existing(record) => losers.push(record),
-        }
-    }
+    let race = race_to_claim(store, &key).await;
     assert_eq!(
-        winners.len(),
-        1,
-        "exactly one claim must acquire: {winners:?}"
+        race.execution_id, race.winner.execution_id,
+        "the winner of a fresh key must keep its own execution id"
     );
-    for record in losers {
-        assert_eq!(record.execution_id, winners[0]);
-        assert!(matches!(record.state, RecordState::InFlight { .. }));
+}
+
+/// Of many concurrent claims of a released record exactly one acquires, under the record's
+/// execution id; the others see it in flight and cannot write over it.
+pub async fn case_concurrent_claims_of_a_released_record_have_one_winner<S: RecordStore>(
+    store: &Arc<S>,
+) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+    assert_eq!(
+        ok(store.release(&key, first.owner).await),
+        WriteOutcome::Applied
+    );
+    let race = race_to_claim(store, &key).await;
+    assert_eq!(race.execution_id, first.execution_id);
+    race.only_the_winner_completes(store, &key).await;
+}
+
+/// Of many concurrent claims of a record whose lock lapsed exactly one takes it over, under the
+/// record's execution id; the others see it in flight and cannot write over it.
+pub async fn case_concurrent_claims_of_a_lapsed_lock_have_one_winner<S: RecordStore>(
+    store: &Arc<S>,
+) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
+    let race = race_to_claim(store, &key).await;
+    assert_eq!(race.execution_id, first.execution_id);
+    race.only_the_winner_completes(store, &key).await;
+    assert_eq!(
+        ok(store.release(&key, first.owner).await),
+        WriteOutcome::NotOwner,
+        "the lapsed owner released a completed record"
+    );
+}
+
+/// A lapsed owner renews (re-claims with its own token) only while nobody else took over: before
+/// a takeover it acquires again, after one it gets the new owner's record and changes nothing.
+/// The proxy renews its lock this way, so a renewal after a takeover must not steal it back.
+pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(store: &Arc<S>) {
+    // Two keys lapse in the same sleep: one renewed by its owner, one taken over first.
+    let kept = fresh_key();
+    let kept_owner = request(&kept, fingerprint(1));
+    ok(store.claim(&kept_owner).await);
+    let taken = fresh_key();
+    let old_owner = request(&taken, fingerprint(1));
+    ok(store.claim(&old_owner).await);
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
+
+    let renewal = ClaimRequest {
+        execution_id: rand::random(),
+        ..kept_owner.clone()
+    };
+    assert_eq!(
+        ok(store.claim(&renewal).await),
+        ClaimOutcome::Acquired {
+            execution_id: kept_owner.execution_id
+        },
+        "a lapsed owner nobody replaced may renew"
+    );
+
+    let new_owner = ClaimRequest {
+        lock_ttl: LONG_LOCK,
+        ..request(&taken, fingerprint(1))
+    };
+    assert_eq!(
+        ok(store.claim(&new_owner).await),
+        ClaimOutcome::Acquired {
+            execution_id: old_owner.execution_id
+        }
+    );
+    let late_renewal = ClaimRequest {
+        execution_id: rand::random(),
+        ..old_owner.clone()
+    };
+    let record = existing(ok(store.claim(&late_renewal).await));
+    assert_eq!(record.execution_id, old_owner.execution_id);
+    assert_in_flight(&record, LONG_LOCK);
+    // Still the new owner's: the old one cannot write, the new one can.
+    assert_eq!(
+        ok(store.release(&taken, old_owner.owner).await),
+        WriteOutcome::NotOwner
+    );
+    completes_as_owner(
+        store,
+        &taken,
+        new_owner.owner,
+        old_owner.execution_id,
+        b"new owner",
+    )
+    .await;
+    completes_as_owner(
+        store,
+        &kept,
+        kept_owner.owner,
+        kept_owner.execution_id,
+        b"renewed late",
+    )
+    .await;
+}
+
+/// `wait_for_change` returns promptly, with nothing, when the record is deleted mid-wait.
+pub async fn case_wait_returns_when_the_record_is_deleted<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = ClaimRequest {
+        lock_ttl: LONG_LOCK,
+        ..request(&key, fingerprint(1))
+    };
+    ok(store.claim(&req).await);
+    let deleter = {
+        let (store, key) = (Arc::clone(store), key.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            store.delete(&key).await
+        })
+    };
+    let started = Instant::now();
+    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
+    let waited = started.elapsed();
+    assert!(ok(joined(deleter.await)), "the delete found no record");
+    assert_eq!(record, None, "a deleted record was read back");
+    assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+}
+
+/// `wait_for_change` returns when an in-flight record expires mid-wait rather than at its
+/// timeout. A record outlives its lock, so expiry can only meet a waiter when both end together
+/// (ttl equal to the lock ttl); the wait then reads the record gone or its lock lapsed.
+pub async fn case_wait_returns_when_the_record_expires<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = ClaimRequest {
+        ttl: LOCK_TTL,
+        ..request(&key, fingerprint(1))
+    };
+    ok(store.claim(&req).await);
+    let started = Instant::now();
+    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
+    let waited = started.elapsed();
+    match record {
+        None => {}
+        Some(Record {
+            state: RecordState::InFlight { lock_remaining },
+            execution_id,
+            ..
+        }) if lock_remaining.is_zero() && execution_id == req.execution_id => {}
+        other => panic!("expected the record gone or its lock lapsed, got {other:?}"),
     }
+    assert!(
+        waited >= LOCK_TTL - Duration::from_millis(50),
+        "returned before the record expired: {waited:?}"
+    );
+    assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(ok(store.get(&key).await), None, "record outlived its ttl");
+}
+
+/// An owner that released its claim no longer holds it: its completion is refused and the
+/// record stays released.
+pub async fn case_complete_after_own_release_is_refused<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let req = request(&key, fingerprint(1));
+    ok(store.claim(&req).await);
+    assert_eq!(
+        ok(store.release(&key, req.owner).await),
+        WriteOutcome::Applied
+    );
+    let late = Completion::Response(Arc::new(simple_response(200, b"after release")));
+    assert_eq!(
+        ok(store.complete(&key, req.owner, late, TTL).await),
+        WriteOutcome::NotOwner
+    );
+    let record = ok(store.get(&key).await).expect("released record must be kept");
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(record.execution_id, req.execution_id);
+}
+
+/// An owner whose lock lapsed still holds the claim until someone re-claims it (`NotOwner`
+/// means "lock lapsed and another request claimed it, or the record expired"): it may complete,
+/// or release.
+pub async fn case_lapsed_owner_may_finish_until_someone_reclaims<S: RecordStore>(store: &Arc<S>) {
+    let completed = fresh_key();
+    let completer = request(&completed, fingerprint(1));
+    ok(store.claim(&completer).await);
+    let released = fresh_key();
+    let releaser = request(&released, fingerprint(1));
+    ok(store.claim(&releaser).await);
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
+
+    completes_as_owner(
+        store,
+        &completed,
+        completer.owner,
+        completer.execution_id,
+        b"lapsed but unreplaced",
+    )
+    .await;
+    assert_eq!(
+        ok(store.release(&released, releaser.owner).await),
+        WriteOutcome::Applied
+    );
+    let record = ok(store.get(&released).await).expect("released record must be kept");
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(record.execution_id, releaser.execution_id);
+}
+
+/// A claim with another fingerprint does not take over a lapsed lock: it reads the record,
+/// which keeps its fingerprint, and the lapsed owner can still complete.
+pub async fn case_different_fingerprint_does_not_take_over_a_lapsed_lock<S: RecordStore>(
+    store: &Arc<S>,
+) {
+    let key = fresh_key();
+    let first = request(&key, fingerprint(1));
+    ok(store.claim(&first).await);
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
+
+    let other = request(&key, fingerprint(2));
+    let record = existing(ok(store.claim(&other).await));
+    assert_eq!(record.fingerprint, first.fingerprint);
+    assert_eq!(record.execution_id, first.execution_id);
+    assert!(
+        matches!(record.state, RecordState::InFlight { .. }),
+        "unexpected state {:?}",
+        record.state
+    );
+    assert_eq!(
+        ok(store.release(&key, other.owner).await),
+        WriteOutcome::NotOwner,
+        "the other request got the claim"
+    );
+    completes_as_owner(
+        store,
+        &key,
+        first.owner,
+        first.execution_id,
+        b"not taken over",
+    )
+    .await;
 }
 
 /// Delete removes a record in any state; the key is then claimable afresh.
@@ -722,6 +940,60 @@ pub async fn case_tenants_are_distinct<S: RecordStore>(store: &Arc<S>) {
 
 // === helpers ===
 
+/// The outcome of [`race_to_claim`]: the one claim that acquired, and those that did not.
+struct Race {
+    winner: ClaimRequest,
+    /// The execution id the winner was given.
+    execution_id: u64,
+    losers: Vec<ClaimRequest>,
+}
+
+/// Sends [`RACERS`] claims of `key` (same fingerprint, each its own owner, long locks so the
+/// winner's cannot lapse mid-race) at once, and checks that exactly one acquires and every
+/// other reads the winner's record in flight.
+async fn race_to_claim<S: RecordStore>(store: &Arc<S>, key: &RecordKey) -> Race {
+    let start = Arc::new(Barrier::new(RACERS));
+    let racers: Vec<_> = (0..RACERS)
+        .map(|_| {
+            let (store, start) = (Arc::clone(store), Arc::clone(&start));
+            let req = ClaimRequest {
+                lock_ttl: LONG_LOCK,
+                ..request(key, fingerprint(1))
+            };
+            tokio::spawn(async move {
+                start.wait().await;
+                let outcome = store.claim(&req).await;
+                (req, outcome)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut losers = Vec::new();
+    for racer in racers {
+        let (req, outcome) = joined(racer.await);
+        match ok(outcome) {
+            ClaimOutcome::Acquired { execution_id } => winners.push((req, execution_id)),
+            ClaimOutcome::Existing(record) => losers.push((req, record)),
+        }
+    }
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one claim must acquire: {:?}",
+        winners.iter().map(|(_, id)| id).collect::<Vec<_>>()
+    );
+    let (winner, execution_id) = winners.swap_remove(0);
+    for (_, record) in &losers {
+        assert_eq!(record.execution_id, execution_id);
+        assert_in_flight(record, LONG_LOCK);
+    }
+    Race {
+        winner,
+        execution_id,
+        losers: losers.into_iter().map(|(req, _)| req).collect(),
+    }
+}
+
 /// A key no other case (or earlier run against the same server) uses.
 fn fresh_key() -> RecordKey {
     RecordKey {
@@ -784,5 +1056,29 @@ fn assert_in_flight(record: &Record, lock_ttl: Duration) {
             );
         }
         ref other => panic!("expected in flight, got {other:?}"),
+    }
+}
+
+// === impl Race ===
+
+impl Race {
+    /// No loser can complete or release the record; the winner completes it.
+    async fn only_the_winner_completes<S: RecordStore>(&self, store: &Arc<S>, key: &RecordKey) {
+        let intruder = Completion::Response(Arc::new(simple_response(200, b"a loser")));
+        for loser in &self.losers {
+            assert_eq!(
+                ok(store
+                    .complete(key, loser.owner, intruder.clone(), TTL)
+                    .await),
+                WriteOutcome::NotOwner,
+                "a losing claimer completed"
+            );
+            assert_eq!(
+                ok(store.release(key, loser.owner).await),
+                WriteOutcome::NotOwner,
+                "a losing claimer released"
+            );
+        }
+        completes_as_owner(store, key, self.winner.owner, self.execution_id, b"winner").await;
     }
 }

@@ -54,10 +54,12 @@ const SLOT_BYTES: usize =
 /// Upper bound on the shard count; more shards than this only waste memory.
 const MAX_SHARDS: usize = 1 << 16;
 
-/// Minimum spacing of the sweeps a full store runs to make room. While full, every refused
-/// claim would otherwise walk every shard; a flood of new keys must not turn into a flood of
-/// full sweeps. The price: a record that expired within this window may not be collected in time
-/// for a claim, which is then refused as if the store were full of live records.
+/// Minimum time from the end of one sweep a full store runs to make room to the start of the
+/// next. While full, every refused claim would otherwise walk every shard; a flood of new keys
+/// must not turn into a flood of full sweeps. Timed from the end, so a sweep of a large store
+/// that takes longer than this still leaves the shards alone in between. The price: a record
+/// that expired within this window may not be collected in time for a claim, which is then
+/// refused as if the store were full of live records.
 const ROOM_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
 
 /// A background round sweeps `1 / SWEEP_ROUNDS` of the shards, so each second's sweep costs an
@@ -85,7 +87,8 @@ pub struct MemoryStore {
     used: AtomicUsize,
     /// Records held, including expired ones not yet collected.
     records: AtomicUsize,
-    /// When the last make-room sweep started; see [`ROOM_SWEEP_INTERVAL`].
+    /// When the last make-room sweep ended; see [`ROOM_SWEEP_INTERVAL`]. Locked for the whole
+    /// of a sweep, so a write that finds it locked knows one is running.
     last_room_sweep: Mutex<Option<Instant>>,
     /// The first shard the next [`MemoryStore::sweep_round`] visits (modulo the shard count).
     sweep_cursor: AtomicUsize,
@@ -102,8 +105,9 @@ struct Entry {
     expires_at: Moment,
     /// Bytes this entry charged against the capacity, returned when it is removed.
     charged: usize,
-    /// Wakes `wait_for_change` callers; created by the first waiter, so records nobody waits on
-    /// cost no allocation for it.
+    /// Wakes `wait_for_change` callers; created by the first waiter and dropped by the wake
+    /// that settles the record (see [`Entry::wake`]), so only a record someone waits on while
+    /// it is in flight holds one. It is not charged against the capacity.
     notify: Option<Arc<Notify>>,
 }
 
@@ -226,18 +230,30 @@ impl MemoryStore {
         })
     }
 
-    /// Sweeps to make room for a write that did not fit, unless another sweep started within
-    /// [`ROOM_SWEEP_INTERVAL`] (which also keeps concurrent refused writes from all sweeping).
+    /// Sweeps to make room for a write that did not fit, unless a sweep is running or the last
+    /// one ended within [`ROOM_SWEEP_INTERVAL`]. A write that does not sweep goes on as if the
+    /// sweep had found nothing: it retries once and is refused if there is still no room.
     fn sweep_for_room(&self) {
-        let now = Instant::now();
-        {
-            let mut last = self.last_room_sweep.lock();
-            if last.is_some_and(|at| now < at + ROOM_SWEEP_INTERVAL) {
-                return;
-            }
-            *last = Some(now);
+        self.sweep_for_room_with(|| {
+            self.sweep_expired();
+        });
+    }
+
+    /// [`MemoryStore::sweep_for_room`] with the sweep given (tests make it slow); returns whether
+    /// it ran.
+    fn sweep_for_room_with(&self, sweep: impl FnOnce()) -> bool {
+        // `try_lock`: a write that finds a sweep running must not queue behind it and then
+        // sweep again. The guard is held across the sweep, which locks shards one at a time;
+        // no path takes this lock while holding a shard lock, and `try_lock` never waits.
+        let Some(mut last_end) = self.last_room_sweep.try_lock() else {
+            return false;
+        };
+        if last_end.is_some_and(|end| Instant::now() < end + ROOM_SWEEP_INTERVAL) {
+            return false;
         }
-        self.sweep_expired();
+        sweep();
+        *last_end = Some(Instant::now());
+        true
     }
 
     fn shard(&self, key: &RecordKey) -> &Shard {
@@ -259,7 +275,7 @@ impl MemoryStore {
 
     /// Books out an entry that has just been removed from its map, and wakes its waiters so they
     /// re-read (and find it gone).
-    fn forget(&self, entry: &Entry) {
+    fn forget(&self, entry: &mut Entry) {
         self.used.fetch_sub(entry.charged, Ordering::Relaxed);
         self.records.fetch_sub(1, Ordering::Relaxed);
         entry.wake();
@@ -284,8 +300,8 @@ impl MemoryStore {
         map: &mut HashMap<MapKey, Entry, S>,
         view: &dyn KeyView,
     ) {
-        if let Some(entry) = map.remove(view) {
-            self.forget(&entry);
+        if let Some(mut entry) = map.remove(view) {
+            self.forget(&mut entry);
         }
     }
 
@@ -455,7 +471,11 @@ impl RecordStore for MemoryStore {
                 notify = Arc::clone(entry.notify.get_or_insert_with(|| Arc::new(Notify::new())));
                 wake_at = lock_until.min(give_up_at);
                 // Created under the shard lock: `notify_waiters` reaches a `Notified` from the
-                // moment it exists, so a write between unlocking and polling is not lost.
+                // moment it exists, so a write between unlocking and polling is not lost. The
+                // wake takes the handle out of the entry under this same lock, so a waiter
+                // either registered before the wake, on the very `Notify` the wake notifies, or
+                // locks after it and reads the settled record above (or a newer claim, for
+                // which it makes a new handle).
                 notify.notified()
             };
             let mut notified = pin!(notified);
@@ -483,8 +503,8 @@ impl RecordStore for MemoryStore {
         let mut map = self.shard(key).lock();
         self.expire_if_due(&mut map, key, now);
         match map.remove(key as &dyn KeyView) {
-            Some(entry) => {
-                self.forget(&entry);
+            Some(mut entry) => {
+                self.forget(&mut entry);
                 Ok(true)
             }
             None => Ok(false),
@@ -579,8 +599,12 @@ impl Entry {
         }
     }
 
-    fn wake(&self) {
-        if let Some(notify) = &self.notify {
+    /// Wakes every waiter and drops the record's handle. Called under the shard lock whenever
+    /// the record stops being in flight (completed, released, removed), which ends every
+    /// current wait; each waiter holds its own reference, so taking the handle strands none
+    /// (see `wait_for_change`).
+    fn wake(&mut self) {
+        if let Some(notify) = self.notify.take() {
             notify.notify_waiters();
         }
     }
@@ -1021,5 +1045,154 @@ mod tests {
         assert_eq!(store.wait_for_change(&k, 30 * SECOND).await.unwrap(), None);
         assert_eq!(started.elapsed(), SECOND);
         assert!(deleter.await.unwrap());
+    }
+
+    #[test]
+    fn room_sweeps_run_one_at_a_time_and_are_spaced_from_their_end() {
+        let store = MemoryStore::new(0, 1);
+        let mut nested = None;
+        let mut about_to_end = None;
+        let ran = store.sweep_for_room_with(|| {
+            // Outlast the spacing: timed from this sweep's start, a second one would be let in.
+            std::thread::sleep(ROOM_SWEEP_INTERVAL + Duration::from_millis(20));
+            nested = Some(store.sweep_for_room_with(|| {}));
+            about_to_end = Some(Instant::now());
+        });
+        assert!(ran);
+        assert_eq!(nested, Some(false), "a second sweep started while one ran");
+        let again = store.sweep_for_room_with(|| {});
+        // Real time: the check only holds if this thread was not stalled for a whole interval
+        // since the sweep ended.
+        if about_to_end.is_some_and(|at| at.elapsed() < ROOM_SWEEP_INTERVAL) {
+            assert!(
+                !again,
+                "a sweep started within the interval after the last one ended"
+            );
+        }
+        std::thread::sleep(ROOM_SWEEP_INTERVAL + Duration::from_millis(10));
+        assert!(
+            store.sweep_for_room_with(|| {}),
+            "no sweep once the interval had passed"
+        );
+    }
+
+    /// The wake-up handle for `wait_for_change` the record under `key` holds, if any.
+    fn wake_handle(store: &MemoryStore, key: &RecordKey) -> Option<Arc<Notify>> {
+        store
+            .shard(key)
+            .lock()
+            .get(key as &dyn KeyView)
+            .and_then(|entry| entry.notify.clone())
+    }
+
+    /// Spawns `count` tasks waiting on `key` for up to a minute, and lets them all register.
+    async fn spawn_waiters(
+        store: &Arc<MemoryStore>,
+        key: &RecordKey,
+        count: usize,
+    ) -> Vec<JoinHandle<Option<Record>>> {
+        let waiters = (0..count)
+            .map(|_| {
+                let (store, key) = (Arc::clone(store), key.clone());
+                tokio::spawn(async move { store.wait_for_change(&key, 60 * SECOND).await.unwrap() })
+            })
+            .collect();
+        // Paused time: the runtime idles (every waiter parked on its handle) before the clock
+        // moves on to this sleep's end.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let handle = wake_handle(store, key).expect("a waiter creates the handle");
+        // The record's reference, one per waiter, and `handle` itself.
+        assert_eq!(Arc::strong_count(&handle), count + 2);
+        waiters
+    }
+
+    /// Every waiter returns at once (well before its minute) with `state`.
+    async fn woken_with(waiters: Vec<JoinHandle<Option<Record>>>, state: &RecordState) {
+        for waiter in waiters {
+            let record = tokio::time::timeout(SECOND, waiter)
+                .await
+                .expect("a waiter was stranded")
+                .unwrap();
+            assert_eq!(record.map(|r| r.state).as_ref(), Some(state));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn settling_a_record_drops_its_wake_handle_and_wakes_every_waiter() {
+        let store = Arc::new(MemoryStore::new(1 << 20, 2));
+        let k = key(1);
+        let first = claim_req(&k, 60 * SECOND);
+        store.claim(&first).await.unwrap();
+        let waiters = spawn_waiters(&store, &k, 3).await;
+        assert_eq!(
+            store.release(&k, first.owner).await.unwrap(),
+            WriteOutcome::Applied
+        );
+        assert!(wake_handle(&store, &k).is_none(), "release kept the handle");
+        woken_with(waiters, &RecordState::Released).await;
+
+        // Re-claimed: a new waiter makes a new handle, and completion drops that one.
+        let second = ClaimRequest {
+            owner: OwnerToken(first.owner.0 ^ 1),
+            ..first.clone()
+        };
+        store.claim(&second).await.unwrap();
+        let waiters = spawn_waiters(&store, &k, 2).await;
+        let done = response(10);
+        assert_eq!(
+            store
+                .complete(&k, second.owner, done.clone(), 60 * SECOND)
+                .await
+                .unwrap(),
+            WriteOutcome::Applied
+        );
+        assert!(
+            wake_handle(&store, &k).is_none(),
+            "completion kept the handle"
+        );
+        woken_with(waiters, &RecordState::Completed(done)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiters_racing_a_settle_are_never_stranded() {
+        // Real threads: the waiter registers on one while the owner settles on the other, in
+        // either order. Taking the handle in the wake must never leave a waiter on a handle
+        // nobody will notify.
+        let store = Arc::new(MemoryStore::new(1 << 24, 1));
+        for n in 0..300 {
+            let k = RecordKey {
+                tenant: "t".into(),
+                hash: rand::random(),
+            };
+            let req = claim_req(&k, 60 * SECOND);
+            store.claim(&req).await.unwrap();
+            let waiter = {
+                let (store, k) = (Arc::clone(&store), k.clone());
+                tokio::spawn(async move { store.wait_for_change(&k, 60 * SECOND).await.unwrap() })
+            };
+            if n % 3 == 0 {
+                tokio::task::yield_now().await;
+            }
+            let settled = if n % 2 == 0 {
+                store.release(&k, req.owner).await.unwrap()
+            } else {
+                let done = Completion::Unreplayable { status: 201 };
+                store
+                    .complete(&k, req.owner, done, 60 * SECOND)
+                    .await
+                    .unwrap()
+            };
+            assert_eq!(settled, WriteOutcome::Applied);
+            let record = tokio::time::timeout(5 * SECOND, waiter)
+                .await
+                .unwrap_or_else(|_| panic!("waiter {n} was stranded"))
+                .unwrap()
+                .expect("the record is kept");
+            assert!(!matches!(record.state, RecordState::InFlight { .. }));
+            assert!(
+                wake_handle(&store, &k).is_none(),
+                "round {n} kept the handle"
+            );
+        }
     }
 }

@@ -87,8 +87,9 @@ impl PurgeBus {
         }
     }
 
-    /// Announces that `key` was purged.
-    pub async fn publish(&self, key: &RecordKey) -> Result<(), String> {
+    /// Announces that `key` was purged. Returns how many replicas were listening (Redis counts
+    /// the subscribers it delivered to; one that was reconnecting at that moment missed it).
+    pub async fn publish(&self, key: &RecordKey) -> Result<u64, String> {
         let message = format!("{}:{}", key.tenant, hex::encode(key.hash));
         let connect = async {
             self.client()
@@ -100,13 +101,12 @@ impl PurgeBus {
             .await
             .map_err(|_| "purge channel: connect timed out".to_string())?
             .map_err(|e| format!("purge channel: {e}"))?;
-        let _: i64 = redis::cmd("PUBLISH")
+        redis::cmd("PUBLISH")
             .arg(&self.channel)
             .arg(message)
             .query_async(&mut conn)
             .await
-            .map_err(|e| format!("purge channel: {e}"))?;
-        Ok(())
+            .map_err(|e| format!("purge channel: {e}"))
     }
 
     /// Listens until `shutdown` fires, reconnecting after errors, calling `on_purge` per message.
@@ -121,6 +121,8 @@ impl PurgeBus {
                 let mut pubsub = self.client().await?.get_async_pubsub().await?;
                 pubsub.subscribe(&self.channel).await?;
                 tracing::debug!(channel = %self.channel, "listening for purges");
+                // Subscribed: the next loss starts its backoff afresh.
+                pause = Duration::from_millis(100);
                 let mut messages = pubsub.into_on_message();
                 while let Some(msg) = messages.next().await {
                     let Ok(payload) = msg.get_payload::<String>() else {

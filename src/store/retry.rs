@@ -14,7 +14,16 @@
 //! The dead-letter file is JSON lines, one record per line, body in base64, so an operator can
 //! reconcile (or re-inject) what the store never received. A `NotOwner` answer during a retry
 //! means the lock lapsed and another request took the key over: that response is dead-lettered
-//! too, since the store now belongs to the newer execution.
+//! too, since the store now belongs to the newer execution, and this replica's local copy of it
+//! is dropped so the replica replays what the store holds, like every other replica.
+//!
+//! The retrier writes to and reads from the shared store itself, beneath the local cache: the
+//! cache keeps the completion whose first write failed (it is the backend's real answer), so
+//! asking the cache whether a write landed would always say yes.
+//!
+//! The queue is bounded by the completions waiting, whether queued or between attempts
+//! (`queue_capacity`); one more goes straight to the dead-letter file, so an outage under load
+//! cannot grow the proxy's memory without bound.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -40,7 +49,8 @@ pub struct RetryOptions {
     pub base_delay: Duration,
     /// Backoff ceiling.
     pub max_delay: Duration,
-    /// Completions waiting at most; beyond it they go straight to the dead-letter file.
+    /// Completions waiting at most (queued or between attempts); beyond it they go straight to
+    /// the dead-letter file.
     pub queue_capacity: usize,
     /// Where dead letters are appended.
     pub dead_letter_path: PathBuf,
@@ -90,6 +100,9 @@ pub struct RetryStats {
     pub pending: AtomicUsize,
 }
 
+/// Drops this replica's local copy of a record (its local cache entry), when it keeps one.
+pub type ForgetLocal = Arc<dyn Fn(&RecordKey) + Send + Sync>;
+
 /// Handle to the background retrier.
 #[derive(Clone)]
 pub struct CompletionRetrier {
@@ -97,6 +110,7 @@ pub struct CompletionRetrier {
     dead: Arc<DeadLetters>,
     stats: Arc<RetryStats>,
     jobs: Arc<Jobs>,
+    capacity: usize,
 }
 
 /// A queued completion: its id in [`Jobs`].
@@ -141,13 +155,16 @@ struct DeadLetters {
 // === impl CompletionRetrier ===
 
 impl CompletionRetrier {
-    /// Creates the retrier; the returned worker future must be spawned (it ends when every handle
-    /// is dropped and the queue is empty).
+    /// Creates the retrier over `shared`, the store beneath any local cache, with `forget_local`
+    /// dropping a local copy that lost to a newer execution. The returned worker future must be
+    /// spawned (it ends when every handle is dropped and the queue is empty).
     pub fn new(
-        store: Arc<dyn RecordStore>,
+        shared: Arc<dyn RecordStore>,
+        forget_local: ForgetLocal,
         options: RetryOptions,
     ) -> (Self, impl std::future::Future<Output = ()> + Send) {
-        let (tx, rx) = mpsc::channel(options.queue_capacity.max(1));
+        let capacity = options.queue_capacity.max(1);
+        let (tx, rx) = mpsc::channel(capacity);
         let stats = Arc::new(RetryStats::default());
         let dead = Arc::new(DeadLetters {
             path: options.dead_letter_path.clone(),
@@ -160,8 +177,9 @@ impl CompletionRetrier {
             dead: dead.clone(),
             stats: stats.clone(),
             jobs: jobs.clone(),
+            capacity,
         };
-        let worker = run(store, options, rx, tx, dead, stats, jobs);
+        let worker = run(shared, forget_local, options, rx, tx, dead, stats, jobs);
         (handle, worker)
     }
 
@@ -175,16 +193,27 @@ impl CompletionRetrier {
         self.stats.pending.load(Ordering::Acquire)
     }
 
-    /// Queues a completion whose first write failed.
+    /// Queues a completion whose first write failed; dead-letters it at once when
+    /// `queue_capacity` completions are waiting already.
     pub fn submit(&self, job: PendingCompletion) {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
-        self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        if self.stats.pending.fetch_add(1, Ordering::AcqRel) >= self.capacity {
+            self.dead.write(&job, 0, "retry queue full");
+            return;
+        }
         let id = self.jobs.add(job);
         if self.tx.try_send((id, 0)).is_err() {
             if let Some(job) = self.jobs.take(id) {
                 self.dead.write(&job, 0, "retry queue full");
             }
         }
+    }
+
+    /// Dead-letters a completion the store refused for good (`reason` says why) after
+    /// `attempts` writes, without queueing it.
+    pub fn dead_letter(&self, job: &PendingCompletion, attempts: u32, reason: &str) {
+        self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        self.dead.write(job, attempts, reason);
     }
 
     /// Dead-letters every completion still waiting: the process is stopping and nothing will
@@ -222,8 +251,10 @@ fn backoff(options: &RetryOptions, attempt: u32, lock_deadline: Instant) -> Dura
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run(
     store: Arc<dyn RecordStore>,
+    forget_local: ForgetLocal,
     options: RetryOptions,
     mut rx: mpsc::Receiver<(Job, u32)>,
     tx: mpsc::Sender<(Job, u32)>,
@@ -240,6 +271,7 @@ async fn run(
         let dead = dead.clone();
         let stats = stats.clone();
         let jobs = jobs.clone();
+        let forget_local = forget_local.clone();
         let requeue = tx.upgrade();
         tokio::spawn(async move {
             let Some(job) = jobs.get(id) else {
@@ -271,6 +303,7 @@ async fn run(
                         stats.pending.fetch_sub(1, Ordering::AcqRel);
                         tracing::info!("a timed-out completion had been stored after all");
                     } else {
+                        forget_local(&job.key);
                         dead.write(&job, attempt + 1, "lock taken over")
                     }
                 }
@@ -406,6 +439,10 @@ mod tests {
         }
     }
 
+    fn no_local_copies() -> ForgetLocal {
+        Arc::new(|_: &RecordKey| {})
+    }
+
     async fn settle(r: &CompletionRetrier) {
         for _ in 0..200 {
             if r.pending() == 0 {
@@ -422,7 +459,8 @@ mod tests {
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
         let job = claimed(store.as_ref(), 1).await;
         store.set(Fault::CompleteFails);
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job.clone());
         tokio::time::sleep(Duration::from_millis(15)).await;
@@ -440,7 +478,8 @@ mod tests {
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
         let job = claimed(store.as_ref(), 2).await;
         store.set(Fault::Down);
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job);
         settle(&retrier).await;
@@ -463,7 +502,8 @@ mod tests {
         let store = Arc::new(MemoryStore::new(1 << 20, 1));
         let mut job = claimed(store.as_ref(), 3).await;
         job.owner = OwnerToken::random();
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job);
         settle(&retrier).await;
@@ -479,7 +519,8 @@ mod tests {
         // The "timed out" write did reach the store.
         let first = store.complete(&job.key, job.owner, job.completion.clone(), job.ttl);
         assert_eq!(first.await.unwrap(), WriteOutcome::Applied);
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job);
         settle(&retrier).await;
@@ -496,7 +537,8 @@ mod tests {
         job.lock_deadline = Instant::now() + Duration::from_secs(2);
         // Down for far longer than three attempts take (about 70 ms), but not past the lock.
         store.set(Fault::Down);
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job.clone());
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -527,7 +569,7 @@ mod tests {
         o.base_delay = Duration::from_secs(1);
         o.max_delay = Duration::from_secs(10);
         store.set(Fault::Down);
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), o);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
         tokio::spawn(worker);
         retrier.submit(job);
         // Plain backoff tries at 0.5-1 s, 1.5-3 s, then not before 3.5 s: past the deadline.
@@ -552,7 +594,8 @@ mod tests {
         let mut job = claimed(store.as_ref(), 9).await;
         job.lock_deadline = Instant::now() + Duration::from_secs(30);
         store.set(Fault::Down);
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), options(dir.path()));
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job);
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -578,7 +621,7 @@ mod tests {
         let mut o = options(dir.path());
         o.attempts = 1;
         o.dead_letter_path = dir.path().join("missing-dir").join("dead.jsonl");
-        let (retrier, worker) = CompletionRetrier::new(store.clone(), o);
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
         tokio::spawn(worker);
         retrier.submit(job.clone());
         // Shutdown waits for `pending`: a dead-letter write that fails must not leave it stuck.
@@ -597,6 +640,79 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_queue_bounds_the_completions_waiting_between_attempts_too() {
+        tokio::time::pause();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut jobs = Vec::new();
+        for n in 10..15 {
+            let mut job = claimed(store.as_ref(), n).await;
+            job.lock_deadline = Instant::now() + Duration::from_secs(60);
+            jobs.push(job);
+        }
+        store.set(Fault::Down);
+        let mut o = options(dir.path());
+        o.queue_capacity = 2;
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
+        tokio::spawn(worker);
+        for job in jobs {
+            retrier.submit(job);
+            // Each is taken off the channel at once and waits out its backoff in a task.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(
+            retrier.pending(),
+            2,
+            "two wait, however fast the channel drains"
+        );
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 3);
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert_eq!(text.matches("retry queue full").count(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_write_lost_by_the_store_is_dead_lettered_though_this_replica_cached_it() {
+        use crate::store::cached::{CachedStore, LocalCacheOptions};
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let cached = Arc::new(
+            CachedStore::new(
+                shared.clone(),
+                LocalCacheOptions {
+                    capacity_bytes: 1 << 20,
+                    expected_items: 1000,
+                    false_positive_rate: 0.01,
+                    window: Duration::from_secs(60),
+                },
+            )
+            .unwrap(),
+        );
+        let job = claimed(cached.as_ref(), 16).await;
+        // The first write fails; the cache keeps the backend's answer for this replica.
+        shared.set(Fault::CompleteFails);
+        let first = cached.complete(&job.key, job.owner, job.completion.clone(), job.ttl);
+        assert!(first.await.is_err());
+        assert!(cached.get(&job.key).await.unwrap().is_some());
+        // The store loses the claim (a failover without persistence) before a retry gets in.
+        shared.set(Fault::None);
+        assert!(shared.delete(&job.key).await.unwrap());
+        let forget: ForgetLocal = {
+            let cached = cached.clone();
+            Arc::new(move |key: &RecordKey| cached.forget(key))
+        };
+        let (retrier, worker) = CompletionRetrier::new(shared.clone(), forget, options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job.clone());
+        settle(&retrier).await;
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 0);
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("lock taken over"), "{text}");
+        // The replica no longer replays an answer the store does not hold.
+        assert_eq!(cached.get(&job.key).await.unwrap(), None);
+    }
+
+    #[tokio::test]
     async fn a_full_queue_dead_letters_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
@@ -604,7 +720,7 @@ mod tests {
         let mut o = options(dir.path());
         o.queue_capacity = 1;
         // No worker: nothing drains the queue.
-        let (retrier, _worker) = CompletionRetrier::new(store.clone(), o);
+        let (retrier, _worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
         store.set(Fault::None);
         let a = claimed(store.as_ref(), 4).await;
         let b = claimed(store.as_ref(), 5).await;

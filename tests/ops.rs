@@ -1,0 +1,152 @@
+//! Operations under outside trouble: a config edit refused for something outside the file goes
+//! live once that is fixed, and `/readyz` answers a probe in time while Redis hangs when the
+//! outage policy lets requests through.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::proxy::Edit;
+use common::{Backend, Proxy, ProxyBuilder, Request};
+
+/// What a POST without a key gets: `INVALID` while the key is required, `BYPASS` once optional.
+async fn no_key_result(proxy: &Proxy) -> Option<String> {
+    Request::post("/orders")
+        .body("{}")
+        .send(proxy.addr)
+        .await
+        .result()
+        .map(str::to_string)
+}
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn an_edit_refused_for_a_missing_script_version_goes_live_once_the_version_appears() {
+    let backend = Backend::start().await;
+    // The memory store still checks a store.redis block: its script versions must exist.
+    let scripts = tempfile::tempdir().expect("scripts dir");
+    let mut proxy = ProxyBuilder::new(&backend)
+        .store("redis:")
+        .store(&format!(
+            "  scripts: {{dir: \"{}\", version: v1}}",
+            scripts.path().display()
+        ))
+        .start()
+        .await;
+    assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));
+
+    // A visible change, and a script version that is not there yet (a ConfigMap published
+    // before the volume holding the scripts, say).
+    proxy.edit_config(Edit::Rename, |y| {
+        y.replacen("      key: required\n", "      key: optional\n", 1)
+            .replace("version: v1", "version: v9")
+    });
+    proxy
+        .metrics_containing("idemgate_config_last_reload_successful 0")
+        .await;
+    proxy.log_containing("store.redis.scripts.version").await;
+    // Long enough for the poll to have tried the same bytes again at least once.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));
+
+    // The version appears, whole at once; the config file is not touched again.
+    let staging = scripts.path().join(".v9.tmp");
+    std::fs::create_dir(&staging).expect("staging dir");
+    for name in ["claim", "complete", "release", "get"] {
+        std::fs::write(staging.join(format!("{name}.lua")), "return nil\n").expect("script");
+    }
+    std::fs::rename(&staging, scripts.path().join("v9")).expect("publish v9");
+    let started = Instant::now();
+    while no_key_result(&proxy).await.as_deref() != Some("BYPASS") {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the refused edit never went live once its scripts were there; log:\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "idemgate_config_last_reload_successful"),
+        Some(1.0)
+    );
+    assert_eq!(metric(&m, "idemgate_config_reloads_total"), Some(1.0));
+    // The poll's retries of the same bytes failing the same way were neither counted...
+    assert_eq!(
+        metric(&m, "idemgate_config_reload_failures_total"),
+        Some(1.0),
+        "{m}"
+    );
+    // ...nor logged.
+    let log = proxy.log();
+    assert_eq!(log.matches("config reload refused").count(), 1, "{log}");
+}
+
+/// A TCP server that accepts connections and never answers: a blackholed Redis.
+async fn silent_server() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_answers_in_time_while_redis_hangs_under_a_permissive_policy() {
+    let backend = Backend::start().await;
+    let redis = silent_server().await;
+    // Default timeouts: a ping takes connect_timeout + 2 × response_timeout (1.4 s) to fail.
+    let mut proxy = ProxyBuilder::new(&backend)
+        .redis(&[format!("redis://{redis}")])
+        .store("on_unavailable: pass")
+        .start()
+        .await;
+    // Over a few seconds, so a probe meets the circuit closed, open and half-open.
+    for probe in 0..10 {
+        let started = Instant::now();
+        let r = Request::get("/readyz").send(proxy.admin).await;
+        let took = started.elapsed();
+        assert_eq!(r.status, 200, "probe {probe}: {}", r.text());
+        assert!(
+            took < Duration::from_millis(600),
+            "probe {probe} took {took:?}, past a Kubernetes probe's 1 s timeout: {}",
+            r.text()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    // The policy applies live, without the restart warning; under reject the ping decides.
+    proxy.edit_config(Edit::Rename, |y| {
+        y.replace("on_unavailable: pass", "on_unavailable: reject")
+    });
+    proxy.log_containing("config reloaded").await;
+    let started = Instant::now();
+    loop {
+        let r = Request::get("/readyz").send(proxy.admin).await;
+        if r.status == 503 {
+            assert!(r.text().contains("store unavailable"), "{}", r.text());
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "/readyz stayed {} under reject: {}",
+            r.status,
+            r.text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = proxy.log();
+    assert!(!log.contains("after a restart"), "{log}");
+}
