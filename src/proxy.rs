@@ -463,10 +463,13 @@ impl Gate {
         if declared.is_some_and(|n| n > limit) {
             return Err(Problem::RequestTooLarge { limit });
         }
-        let expects_continue = req
-            .headers
-            .get(header::EXPECT)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        // An HTTP/1.0 client knows no interim answers (RFC 9110 §10.1.1): it sends its body
+        // unasked.
+        let expects_continue = req.version >= http::Version::HTTP_11
+            && req
+                .headers
+                .get(header::EXPECT)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
         if session.is_body_done() {
             return Ok(Bytes::new());
         }
@@ -696,20 +699,24 @@ impl Gate {
     ) -> Result<bool> {
         let req = session.req_header();
         let headers = &req.headers;
-        if req.method == http::Method::CONNECT
+        let streamed = req.method == http::Method::CONNECT
             || headers.contains_key(header::UPGRADE)
             || headers.contains_key(header::EXPECT)
-            || headers.contains_key(header::TRANSFER_ENCODING)
-        {
-            return Ok(false);
-        }
-        let declared = match headers.get(header::CONTENT_LENGTH) {
-            None => None,
+            || headers.contains_key(header::TRANSFER_ENCODING);
+        // `Some(declared length)` when idemgate forwards the request itself.
+        let own = match headers.get(header::CONTENT_LENGTH) {
+            None => Some(None),
             Some(v) => match length(v) {
-                Some(n) if n <= upstream::FORWARD_BODY_BYTES => Some(n),
+                Some(n) if n <= upstream::FORWARD_BODY_BYTES => Some(Some(n)),
                 // Large or odd: pingora streams (or refuses) it.
-                _ => return Ok(false),
+                _ => None,
             },
+        };
+        let Some(declared) = own.filter(|_| !streamed) else {
+            // pingora streams the body: each of its reads waits request_body_timeout at most,
+            // as idemgate's own reads do, instead of pingora's 60 s.
+            session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
+            return Ok(false);
         };
         let gen = ctx.gen.clone();
         let pool = &gen.pools[upstream_index];
@@ -747,7 +754,11 @@ impl Gate {
         let (mut exchange, response) = loop {
             attempt += 1;
             let backend = &pool.backends[pool.pick()];
-            let sent = upstream::send(backend, &head, &body, started).await;
+            let sent = if attempt == 1 {
+                upstream::send(backend, &head, &body, started).await
+            } else {
+                upstream::send_new(backend, &head, &body, started).await
+            };
             let mut exchange = match sent {
                 Ok(x) => x,
                 Err(e) => {
@@ -1302,7 +1313,15 @@ impl ProxyHttp for Gate {
                 Some(Problem::UpstreamConnect)
             }
             pingora::ErrorSource::Upstream => Some(Problem::UpstreamAnswerLost),
-            pingora::ErrorSource::Downstream => None,
+            // The client's body, streamed by pingora, stalled or broke: say so while no answer
+            // has started (a client that is gone never reads it, which costs nothing).
+            pingora::ErrorSource::Downstream => match e.etype {
+                pingora::ErrorType::ReadTimedout => Some(Problem::RequestTimeout),
+                pingora::ErrorType::ReadError
+                | pingora::ErrorType::InvalidHTTPHeader
+                | pingora::ErrorType::ConnectionClosed => Some(Problem::RequestBodyUnreadable),
+                _ => None,
+            },
             _ => Some(Problem::UpstreamConnect),
         };
         let code = match (&problem, session.response_written()) {

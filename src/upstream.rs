@@ -308,7 +308,28 @@ pub async fn send(
     body: &[u8],
     started: Instant,
 ) -> Result<Exchange, UpstreamError> {
-    if let Some(mut stream) = take_idle(backend, started) {
+    send_with(backend, head, body, started, true).await
+}
+
+/// [`send`] on a connection opened for it, never a pooled one: for a request sent again because
+/// a pooled connection was closed under it (the next pooled one may be just as stale).
+pub async fn send_new(
+    backend: &Backend,
+    head: &[u8],
+    body: &[u8],
+    started: Instant,
+) -> Result<Exchange, UpstreamError> {
+    send_with(backend, head, body, started, false).await
+}
+
+async fn send_with(
+    backend: &Backend,
+    head: &[u8],
+    body: &[u8],
+    started: Instant,
+    pooled: bool,
+) -> Result<Exchange, UpstreamError> {
+    if let Some(mut stream) = pooled.then(|| take_idle(backend, started)).flatten() {
         match write_request(backend, &mut stream, head, body).await {
             Written {
                 sent: 0,
@@ -714,7 +735,21 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         if hop {
             continue;
         }
-        let value = HeaderValue::from_maybe_shared(head.slice(v..v + vl))
+        let raw = head.slice(v..v + vl);
+        // The codings without empty list items (`chunked,` is `chunked`), as they were read: the
+        // downstream writer frames the body by this header's last item, and an empty one would
+        // send the decoded body unchunked under a `Transfer-Encoding` that says otherwise.
+        let raw = if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            let codings: Vec<&[u8]> = raw
+                .split(|&b| b == b',')
+                .map(|c| c.trim_ascii())
+                .filter(|c| !c.is_empty())
+                .collect();
+            Bytes::from(codings.join(&b", "[..]))
+        } else {
+            raw
+        };
+        let value = HeaderValue::from_maybe_shared(raw)
             .map_err(|_| UpstreamError::Malformed("invalid header value"))?;
         header
             .append_header(head.slice(n..n + nl), value)

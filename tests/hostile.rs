@@ -249,6 +249,38 @@ async fn a_body_that_never_ends_is_cut_off_by_the_read_timeout() {
     assert_eq!(r.problem_type(), "request-timeout");
     assert!(started.elapsed() < Duration::from_secs(3));
     assert_eq!(backend.count(), 0);
+
+    // A streamed body on a route without idempotency (pingora forwards it as it comes) is held
+    // to the same pause, and told so, not left to pingora's 60 s and a bare close.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /plain HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.status, 408, "{}", r.text());
+    assert_eq!(r.problem_type(), "request-timeout");
+    assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test]
+async fn an_http_1_0_client_is_not_sent_100_continue() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /orders HTTP/1.0\r\nHost: t\r\nIdempotency-Key: old\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    .await
+    .unwrap();
+    let raw = until_closed(&mut s).await;
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 201 "), "{text}");
+    assert!(!text.contains("100 Continue"), "{text}");
+    assert_eq!(backend.count(), 1);
 }
 
 #[tokio::test]

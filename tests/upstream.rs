@@ -76,6 +76,25 @@ async fn chunked_wins_over_a_content_length_sent_with_it() {
 }
 
 #[tokio::test]
+async fn a_chunked_coding_list_with_an_empty_item_reaches_the_client_framed_as_it_says() {
+    // `chunked,`: the last coding that is not empty is chunked (RFC 9110 §5.6.1 ignores empty
+    // list items), so the body is chunked; the client must get a message framed as its header
+    // says, not the decoded body under `Transfer-Encoding: chunked,`.
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked, \r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )])
+    .await;
+    let proxy = proxy(&backend).await;
+    let (first, again) = twice(&proxy, "te-empty-item").await;
+    for r in [&first, &again] {
+        assert_eq!(r.status, 201);
+        assert_eq!(r.body, b"hello", "{:?}", r.headers);
+    }
+    assert_eq!(first.header("transfer-encoding"), Some("chunked"));
+    assert_eq!(again.result(), Some("HIT"));
+}
+
+#[tokio::test]
 async fn informational_answers_are_skipped_and_never_stored() {
     let backend = RawBackend::start(vec![send(
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n\
@@ -269,6 +288,26 @@ async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_closes_
     assert_eq!(post.status, 502, "{}", post.text());
     assert_eq!(post.problem_type(), "upstream-answer-lost");
     assert_eq!(backend.count(), 4);
+}
+
+#[tokio::test]
+async fn a_safe_request_sent_again_goes_on_a_new_connection_not_another_pooled_one() {
+    // Two pooled connections, each closing on its second request unanswered.
+    let answer_slowly = vec![Step::Pause(Duration::from_millis(300)), created("{}")];
+    let backend = RawBackend::start_sequence(vec![answer_slowly, vec![Step::Close]]).await;
+    let proxy = proxy(&backend).await;
+    let (a, b) = (Request::get("/plain/a"), Request::get("/plain/b"));
+    let (a, b) = tokio::join!(a.send(proxy.addr), b.send(proxy.addr));
+    assert_eq!((a.status, b.status), (201, 201));
+    assert_eq!(backend.connections(), 2);
+    // The first pooled connection closes under the request; the second would too.
+    let again = Request::get("/plain/c").send(proxy.addr).await;
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert_eq!(
+        backend.connections(),
+        3,
+        "sent again on a connection of its own"
+    );
 }
 
 #[tokio::test]
