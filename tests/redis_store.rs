@@ -232,6 +232,45 @@ async fn script_flush_between_claim_and_complete_is_recovered() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_reloads_a_flushed_script_on_the_key_s_primary_while_another_node_is_down() {
+    let cluster = RedisCluster::start(3);
+    let config = settings(cluster.urls(), RedisTopology::Cluster);
+    let store = Arc::new(RedisStore::new(&config).expect("store"));
+    store.connect().await.expect("connect");
+    let key = fresh_key();
+    let req = claim_request(&key);
+    store.claim(&req).await.expect("claim");
+    let owner_port = cluster
+        .keys()
+        .into_iter()
+        .find(|(_, k)| *k == store.record_key(&key))
+        .map(|(port, _)| port)
+        .expect("the record is on a node");
+    let owner = cluster.nodes.iter().find(|n| n.port == owner_port).unwrap();
+    let other = cluster.nodes.iter().find(|n| n.port != owner_port).unwrap();
+    // The key's primary lost its scripts (a restart); another node does not answer at all.
+    let _: () = owner.cmd(&["SCRIPT", "FLUSH"]);
+    let signal = |sig: &str| {
+        let pid = other.pid().expect("pid").to_string();
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status();
+        assert!(ok.is_ok_and(|s| s.success()), "kill {sig}");
+    };
+    signal("-STOP");
+    let written = store
+        .complete(&key, req.owner, response(b"one shard"), 60 * SECOND)
+        .await;
+    signal("-CONT");
+    assert_eq!(
+        written.expect("complete on the key's own shard"),
+        WriteOutcome::Applied
+    );
+    let exists: Vec<i64> = owner.cmd(&["SCRIPT", "EXISTS", &complete_sha()]);
+    assert_eq!(exists, vec![1], "loaded again on the key's primary");
+}
+
 /// The SHA1 Redis names the built-in complete script by.
 fn complete_sha() -> String {
     Scripts::builtin().complete.get_hash().to_owned()

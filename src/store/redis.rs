@@ -7,8 +7,10 @@
 //! idempotency key never reaches Redis, only its scoped SHA-256. Record fields are listed in
 //! `lua/v1/claim.lua`.
 //!
-//! Scripts are called with EVALSHA through [`redis::Script`], which answers NOSCRIPT (restart,
-//! failover, `SCRIPT FLUSH`) by loading the script and sending it again. Lock lapse is decided
+//! Scripts are called with EVALSHA by the SHA of their [`redis::Script`]; a NOSCRIPT (restart,
+//! failover, `SCRIPT FLUSH`) loads the script and sends the call again. On a cluster only the
+//! primary that owns the key's slot is asked to load it: redis-rs's own recovery sends
+//! `SCRIPT LOAD` to every node and fails unless all answer. Lock lapse is decided
 //! by the Redis server's clock (`TIME` inside the scripts), so proxies with skewed clocks agree.
 //!
 //! Failure handling: every operation is bounded by `connect_timeout + 2 × response_timeout`
@@ -55,10 +57,11 @@ use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, RedisError, RedisFuture, RedisResult,
-    ScriptInvocation, ServerErrorKind, TlsCertificates, TlsMode, Value,
+    ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, RedisError, RedisFuture, RedisResult, Script,
+    ServerErrorKind, TlsCertificates, TlsMode, Value,
 };
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -437,7 +440,12 @@ enum Conn {
 
 /// What one operation sends.
 enum Call<'a> {
-    Script(&'a ScriptInvocation<'a>),
+    /// EVALSHA of a script on one key; on NOSCRIPT, its text is loaded and the call sent again.
+    Script {
+        evalsha: &'a Cmd,
+        text: &'a str,
+        key: &'a str,
+    },
     Command(&'a Cmd),
 }
 
@@ -893,22 +901,20 @@ impl RedisStore {
         parse: fn(Value) -> Result<T, StoreError>,
     ) -> Result<T, Failure> {
         version.stats.calls.fetch_add(1, Ordering::Relaxed);
-        let mut call = version.scripts.script(op).prepare_invoke();
-        call.key(redis_key);
-        for arg in args {
-            call.arg(*arg);
-        }
+        let evalsha = evalsha(version.scripts.script(op), redis_key, args);
+        let call = Call::Script {
+            evalsha: &evalsha,
+            text: &version.sources.texts[Scripts::index(op)],
+            key: redis_key,
+        };
         // A reply the parser cannot read is the script's fault too: both versions promise
         // the same reply shapes.
-        let result = self
-            .send(op.name(), Call::Script(&call))
-            .await
-            .and_then(|value| {
-                parse(value).map_err(|error| Failure {
-                    error,
-                    script_fault: true,
-                })
-            });
+        let result = self.send(op.name(), call).await.and_then(|value| {
+            parse(value).map_err(|error| Failure {
+                error,
+                script_fault: true,
+            })
+        });
         if matches!(&result, Err(f) if f.script_fault) {
             version.stats.errors.fetch_add(1, Ordering::Relaxed);
         }
@@ -1094,12 +1100,13 @@ impl RecordStore for RedisStore {
     async fn ping(&self) -> Result<(), StoreError> {
         // The active version, uncounted: probes are no record traffic.
         let set = self.scripts.load_full();
-        let mut call = set.active.scripts.get.prepare_invoke();
-        call.key(&self.ping_key);
-        let reply = self
-            .send("ping", Call::Script(&call))
-            .await
-            .map_err(|f| f.error)?;
+        let evalsha = evalsha(&set.active.scripts.get, &self.ping_key, &[]);
+        let call = Call::Script {
+            evalsha: &evalsha,
+            text: &set.active.sources.texts[Scripts::index(ScriptOp::Get)],
+            key: &self.ping_key,
+        };
+        let reply = self.send("ping", call).await.map_err(|f| f.error)?;
         match reply {
             Value::Nil | Value::Boolean(false) => Ok(()),
             other => Err(unexpected("ping", &other)),
@@ -1236,15 +1243,44 @@ impl ConnectionLike for Conn {
 
 impl Call<'_> {
     async fn send(&self, conn: &mut Conn) -> RedisResult<Value> {
-        match self {
-            // EVALSHA; on NOSCRIPT, SCRIPT LOAD and EVALSHA again.
-            Call::Script(invocation) => invocation.invoke_async(conn).await,
-            Call::Command(cmd) => cmd.query_async(conn).await,
+        let (evalsha, text, key) = match self {
+            Call::Script { evalsha, text, key } => (evalsha, text, key),
+            Call::Command(cmd) => return cmd.query_async(conn).await,
+        };
+        match evalsha.query_async(conn).await {
+            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut load = redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(text.as_bytes());
+                match conn {
+                    Conn::Manager(manager) => load.exec_async(manager).await?,
+                    // redis-rs sends SCRIPT LOAD to every node of a cluster, replicas too, and
+                    // fails unless all take it: one node reconnecting anywhere would leave this
+                    // key's healthy shard unable to run its script. Only the primary that owns
+                    // the key's slot runs it, so only that one is asked to load it.
+                    Conn::Cluster(cluster) => {
+                        let slot = Route::with_slot(Slot::for_key(key), SlotAddr::Master);
+                        let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(slot));
+                        cluster.route_command(load, to).await.map(drop)?
+                    }
+                }
+                evalsha.query_async(conn).await
+            }
+            other => other,
         }
     }
 }
 
 // === encoding of arguments and replies ===
+
+/// `EVALSHA <sha> 1 <key> <args...>`.
+fn evalsha(script: &Script, key: &str, args: &[&[u8]]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(1).arg(key);
+    for arg in args {
+        cmd.arg(*arg);
+    }
+    cmd
+}
 
 /// `<prefix>:{<tenant>:<hex hash>}`; the tenant is `[A-Za-z0-9._:-]`, so no brace can end
 /// the hash tag early.

@@ -212,6 +212,16 @@ impl Scripts {
         [&self.claim, &self.complete, &self.release, &self.get]
     }
 
+    /// The index of `op`'s script in [`Scripts::all`] and in a version's source texts.
+    pub(crate) fn index(op: ScriptOp) -> usize {
+        match op {
+            ScriptOp::Claim => 0,
+            ScriptOp::Complete => 1,
+            ScriptOp::Release => 2,
+            ScriptOp::Get => 3,
+        }
+    }
+
     pub(crate) fn script(&self, op: ScriptOp) -> &Script {
         match op {
             ScriptOp::Claim => &self.claim,
