@@ -50,6 +50,18 @@ pub struct Admin {
     purge: Option<PurgeBus>,
     /// The Redis store, for `GET /admin/scripts`; `None` with the memory store.
     scripts: Option<Arc<RedisStore>>,
+    /// A readiness ping under a permissive policy is still out: probes that come meanwhile do
+    /// not start another, so hard polling during an outage cannot pile up pings.
+    ping_in_flight: Arc<AtomicBool>,
+}
+
+/// Clears the ping-in-flight flag when the ping ends, however it ends.
+struct PingOut(Arc<AtomicBool>);
+
+impl Drop for PingOut {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl Admin {
@@ -70,6 +82,7 @@ impl Admin {
             reloader,
             purge,
             scripts: None,
+            ping_in_flight: Arc::default(),
         }
     }
 
@@ -253,10 +266,20 @@ impl Admin {
                 ),
             };
         }
+        if self.ping_in_flight.swap(true, Ordering::AcqRel) {
+            return (
+                StatusCode::OK,
+                "ready (store degraded: an earlier ping has not answered)\n".into(),
+            );
+        }
         // Spawned rather than dropped at the deadline: the ping runs to its end, so the circuit
         // breaker still counts its outcome as it always has.
         let store = self.store.clone();
-        let ping = tokio::spawn(async move { store.ping().await });
+        let out = PingOut(self.ping_in_flight.clone());
+        let ping = tokio::spawn(async move {
+            let _out = out;
+            store.ping().await
+        });
         match tokio::time::timeout(PERMISSIVE_PING_WAIT, ping).await {
             Ok(Ok(Ok(()))) => (StatusCode::OK, "ready\n".into()),
             Ok(Ok(Err(e))) => (StatusCode::OK, format!("ready (store degraded: {e})\n")),

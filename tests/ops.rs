@@ -113,6 +113,20 @@ async fn readyz_answers_in_time_while_redis_hangs_under_a_permissive_policy() {
         .store("on_unavailable: pass")
         .start()
         .await;
+    // Probes that come while a ping is still out start no ping of their own.
+    let probes: Vec<_> = (0..5)
+        .map(|_| {
+            let admin = proxy.admin;
+            tokio::spawn(async move { Request::get("/readyz").send(admin).await })
+        })
+        .collect();
+    let mut waiting = 0;
+    for probe in probes {
+        let r = probe.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        waiting += usize::from(r.text().contains("an earlier ping has not answered"));
+    }
+    assert!(waiting >= 1, "every probe started its own ping");
     // Over a few seconds, so a probe meets the circuit closed, open and half-open.
     for probe in 0..10 {
         let started = Instant::now();

@@ -120,6 +120,10 @@ pub struct CachedStore<S> {
     cache: Box<[Mutex<Cache>]>,
     pending: Mutex<HashMap<(Digest, u128), Pending>>,
     stats: Arc<LocalCacheStats>,
+    /// Purges so far. A completion remembers its record only if no purge came while its write
+    /// was out: a purge of that very key would otherwise be undone by the write landing after
+    /// it (one of another key only costs a cache miss).
+    purges: AtomicU64,
 }
 
 /// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
@@ -147,6 +151,7 @@ impl<S: RecordStore> CachedStore<S> {
             cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
             pending: Mutex::new(HashMap::new()),
             stats: Arc::default(),
+            purges: AtomicU64::new(0),
         })
     }
 
@@ -184,6 +189,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// Drops a record from the local cache (purge). The filter keeps its bit; a stale positive
     /// only costs a cache lookup.
     pub fn forget(&self, key: &RecordKey) {
+        self.purges.fetch_add(1, Ordering::AcqRel);
         let mut cache = self.shard(&key.hash).lock();
         if let Some(e) = cache.map.remove(&key.hash) {
             cache.bytes -= e.size;
@@ -323,6 +329,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
         let pending = self.pending.lock().remove(&(key.hash, owner.0));
+        let purges = self.purges.load(Ordering::Acquire);
         let written = self
             .inner
             .complete(key, owner, completion.clone(), ttl)
@@ -333,7 +340,8 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             written,
             Ok(WriteOutcome::Applied) | Err(StoreError::Unavailable(_))
         );
-        if let (true, Some(p)) = (keep, pending) {
+        let purged = self.purges.load(Ordering::Acquire) != purges;
+        if let (true, false, Some(p)) = (keep, purged, pending) {
             let record = Record {
                 fingerprint: p.fingerprint,
                 execution_id: p.execution_id,
@@ -677,6 +685,29 @@ mod tests {
             negatives + 1
         );
         assert_eq!(store.stats().hits.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_purge_while_the_write_is_out_is_not_undone_when_it_lands() {
+        let store = cached();
+        let req = claim("t", 7);
+        store.claim(&req).await.unwrap();
+        store.inner().set(Fault::Stall);
+        let writing = tokio::spawn({
+            let store = store.clone();
+            let req = req.clone();
+            async move {
+                store
+                    .complete(&req.key, req.owner, response(b"x"), req.ttl)
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The purge reaches this replica (its own admin call or another's announcement).
+        store.forget(&req.key);
+        store.inner().set(Fault::None);
+        assert_eq!(writing.await.unwrap().unwrap(), WriteOutcome::Applied);
+        assert!(store.cached(&req.key).is_none(), "the purge was undone");
     }
 
     #[tokio::test]
