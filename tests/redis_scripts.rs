@@ -18,7 +18,7 @@ use idemgate::scripts::SCRIPT_NAMES;
 use idemgate::store::redis::{ScriptsApplied, ScriptsError};
 use idemgate::store::{
     conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
-    RecordStore, RedisStore, StoredResponse, WriteOutcome,
+    RecordStore, RedisStore, StoreError, StoredResponse, WriteOutcome,
 };
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -254,6 +254,89 @@ async fn a_failing_canary_call_is_answered_by_the_active_version_then_rolled_bac
         ScriptsApplied::Unchanged
     );
     assert_eq!(store.canary_percent(), 0);
+}
+
+#[tokio::test]
+async fn a_canary_failing_with_any_server_error_is_answered_by_the_active_version() {
+    let server = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    // A read that calls a string command on the record's hash: WRONGTYPE, not ERR.
+    script_dir(root.path(), "vwt", "v2", |name, text| {
+        if name == "get" {
+            let broken = text.replacen(
+                "local f, x, s, l, p = unpack(",
+                "redis.call('GET', KEYS[1])\nlocal f, x, s, l, p = unpack(",
+                1,
+            );
+            assert_ne!(broken, text, "the get script changed shape");
+            broken
+        } else {
+            text
+        }
+    });
+    let store = store(
+        &server,
+        scripts(Some(root.path()), "v1", Some(canary("vwt", 100, 4, 0.25))),
+    )
+    .await;
+    let key = RecordKey {
+        tenant: "acme".into(),
+        hash: rand::random(),
+    };
+    let req = claim_request(&key);
+    store.claim(&req).await.expect("claim");
+    let done = store.complete(&key, req.owner, response(), 60 * SECOND);
+    assert_eq!(done.await.expect("complete"), WriteOutcome::Applied);
+    for _ in 0..10 {
+        let record = store
+            .get(&key)
+            .await
+            .expect("no client sees the canary's error");
+        assert!(matches!(
+            record.map(|r| r.state),
+            Some(RecordState::Completed(_))
+        ));
+    }
+    assert_eq!(store.canary_rollbacks(), 1, "the canary alone failed");
+}
+
+#[tokio::test]
+async fn a_record_no_version_can_read_does_not_roll_a_canary_back() {
+    let server = RedisServer::start();
+    let store = store(
+        &server,
+        scripts(None, "v1", Some(canary("v2", 100, 5, 0.05))),
+    )
+    .await;
+    let key = RecordKey {
+        tenant: "acme".into(),
+        hash: rand::random(),
+    };
+    let redis_key = store.record_key(&key);
+    // Completed, with a payload in an encoding this build does not know.
+    let fingerprint = String::from_utf8_lossy(&[5; 32]).into_owned();
+    let _: i64 = server.cmd(&[
+        "HSET",
+        &redis_key,
+        "f",
+        &fingerprint,
+        "x",
+        "7",
+        "s",
+        "c",
+        "p",
+        "\u{2}future",
+    ]);
+    for _ in 0..8 {
+        let read = store.get(&key).await;
+        assert!(matches!(read, Err(StoreError::Corrupt(_))), "{read:?}");
+    }
+    assert_eq!(
+        store.canary_rollbacks(),
+        0,
+        "both versions failed: the data's fault"
+    );
+    assert_eq!(store.canary_percent(), 100);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -453,6 +453,10 @@ enum Call<'a> {
 struct Failure {
     error: StoreError,
     script_fault: bool,
+    /// The server answered (an error reply, or a reply that could not be read), as opposed to
+    /// no answer at all (connection lost, timed out): the same call may fare otherwise on
+    /// another script version.
+    answered: bool,
 }
 
 // === impl RedisStore ===
@@ -881,8 +885,18 @@ impl RedisStore {
                     self.note_canary(canary, None);
                     return Ok(answer);
                 }
-                Err(failure) if failure.script_fault => {
-                    self.note_canary(canary, Some(&failure.error));
+                // The server answered with an error, or with a reply the canary's caller
+                // cannot read: the same call goes to the active version, and the canary is to
+                // blame only if that one succeeds. A record or a server state that fails both
+                // is no fault of the canary's, and must not roll it back.
+                Err(failure) if failure.answered => {
+                    let active = self
+                        .run_version(&set.active, op, &redis_key, args, parse)
+                        .await;
+                    if active.is_ok() {
+                        self.note_canary(canary, Some(&failure.error));
+                    }
+                    return active.map_err(|failure| failure.error);
                 }
                 Err(failure) => return Err(failure.error),
             }
@@ -913,6 +927,7 @@ impl RedisStore {
             parse(value).map_err(|error| Failure {
                 error,
                 script_fault: true,
+                answered: true,
             })
         });
         if matches!(&result, Err(f) if f.script_fault) {
@@ -965,12 +980,14 @@ impl RedisStore {
                 backend.on_error(&err);
                 Err(Failure {
                     script_fault: is_script_fault(&err),
+                    answered: matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension),
                     error: store_error(op, err),
                 })
             }
             Err(_) => Err(Failure {
                 error: self.timed_out(op),
                 script_fault: false,
+                answered: false,
             }),
         }
     }
