@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::redis::{RedisCluster, RedisSentinel, RedisServer};
 use idemgate::config::{RedisConfig, RedisTopology, ScriptsConfig};
+use idemgate::store::redis::ScriptsApplied;
 use idemgate::store::{
     codec, conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
     RecordStore, RedisStore, Scripts, StoreError, StoredResponse, WriteOutcome,
@@ -262,6 +263,13 @@ async fn a_cluster_reloads_a_flushed_script_on_the_key_s_primary_while_another_n
     let written = store
         .complete(&key, req.owner, response(b"one shard"), 60 * SECOND)
         .await;
+    // A script change goes live with that node still down: the text is checked on one primary
+    // and the others load it when they first need it.
+    let v2 = ScriptsConfig {
+        version: "v2".into(),
+        ..ScriptsConfig::default()
+    };
+    let applied = store.apply_scripts(&v2).await;
     signal("-CONT");
     assert_eq!(
         written.expect("complete on the key's own shard"),
@@ -269,6 +277,11 @@ async fn a_cluster_reloads_a_flushed_script_on_the_key_s_primary_while_another_n
     );
     let exists: Vec<i64> = owner.cmd(&["SCRIPT", "EXISTS", &complete_sha()]);
     assert_eq!(exists, vec![1], "loaded again on the key's primary");
+    assert!(
+        matches!(applied, Ok(ScriptsApplied::Applied { .. })),
+        "{applied:?}"
+    );
+    assert_eq!(store.scripts_version(), "v2");
 }
 
 /// The SHA1 Redis names the built-in complete script by.

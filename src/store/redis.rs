@@ -35,7 +35,8 @@
 //! active version until the canary's settings or text change.
 //!
 //! [`RedisStore::apply_scripts`] swaps in other versions live: new text is sent with SCRIPT
-//! LOAD (to every primary of a cluster) and its SHA checked before the swap; text Redis refuses
+//! LOAD (to every primary of a cluster, the first answer deciding; one that missed it loads it on
+//! its first NOSCRIPT) and its SHA checked before the swap; text Redis refuses
 //! (a syntax error) keeps the running scripts.
 //!
 //! Connections are made on first use, not at construction, so the proxy starts while Redis is
@@ -57,7 +58,10 @@ use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, Slot,
+    SlotAddr,
+};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
     ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, RedisError, RedisFuture, RedisResult, Script,
@@ -506,7 +510,8 @@ impl RedisStore {
     }
 
     /// Connects (if not yet connected) and loads the scripts in force, so the first requests
-    /// pay no NOSCRIPT round trip. On a cluster the scripts go to every primary.
+    /// pay no NOSCRIPT round trip. On a cluster the scripts go to every primary and the first
+    /// answer decides, so a node that is down cannot hold the start up.
     ///
     /// Redis refusing a script is not a connection failure: it is logged and counted, a
     /// refused canary is disabled (every record uses the active version), and `Ok` is
@@ -806,27 +811,49 @@ impl RedisStore {
         record_key(&self.prefix, key)
     }
 
-    /// SCRIPT LOAD of a version's four scripts (every primary of a cluster), checking that
-    /// Redis hashes each to the SHA we will call. Returns the files loaded.
+    /// SCRIPT LOAD of a version's four scripts, all four at once (every primary of a cluster,
+    /// the first answer deciding), checking that Redis hashes each to the SHA we will call.
+    /// Returns the files loaded.
     async fn load(&self, version: &Version) -> Result<Vec<String>, ScriptsError> {
         let backend = self.backend.load_full();
         let attempt = async {
-            let mut conn = backend
+            let conn = backend
                 .conn()
                 .await
                 .map_err(|e| ScriptsError::Unavailable(e.to_string()))?;
-            let mut files = Vec::new();
-            for (i, (text, script)) in version
-                .sources
-                .texts
-                .iter()
-                .zip(version.scripts.all())
-                .enumerate()
-            {
-                let file = version.sources.describe(i);
+            let sends = version.sources.texts.iter().map(|text| {
+                let mut conn = conn.clone();
                 let mut cmd = redis::cmd("SCRIPT");
                 cmd.arg("LOAD").arg(text.as_bytes());
-                match cmd.query_async::<String>(&mut conn).await {
+                async move {
+                    match &mut conn {
+                        Conn::Manager(manager) => cmd.query_async::<String>(manager).await,
+                        // Every primary is sent it and the first to answer decides: that checks
+                        // that Redis compiles the text and names it by the SHA we will call. A
+                        // primary that missed it loads it on its first NOSCRIPT. redis-rs's own
+                        // routing sends it to every node, replicas too, and fails unless all
+                        // answer: one node down would stall every script change and warm-up.
+                        // (A node that does not answer still holds each send for up to
+                        // response_timeout, hence the four at once.)
+                        Conn::Cluster(cluster) => cluster
+                            .route_command(
+                                cmd,
+                                RoutingInfo::MultiNode((
+                                    MultipleNodeRoutingInfo::AllMasters,
+                                    Some(ResponsePolicy::OneSucceeded),
+                                )),
+                            )
+                            .await
+                            .and_then(|value| Ok(redis::from_redis_value::<String>(value)?)),
+                    }
+                }
+            });
+            let answers = futures_util::future::join_all(sends).await;
+            let mut files = Vec::new();
+            for (i, (loaded, script)) in answers.into_iter().zip(version.scripts.all()).enumerate()
+            {
+                let file = version.sources.describe(i);
+                match loaded {
                     Ok(sha) if sha == script.get_hash() => files.push(file),
                     Ok(sha) => {
                         return Err(ScriptsError::Refused {
