@@ -226,6 +226,9 @@ struct Limits {
     timeout: Duration,
     /// `max_request_header_bytes`.
     bytes: usize,
+    /// `response_send_timeout`: how long closing may wait for the client to take what is
+    /// left to send.
+    send: Duration,
 }
 
 /// The guard of the connection a session runs on, if it has one (HTTP/1 connections accepted
@@ -236,10 +239,24 @@ fn guard_of(session: &Session) -> Option<&HeadGuard> {
 }
 
 /// Marks the connection's header as received: its reads are no longer timed as a header's.
-pub fn request_started(session: &Session) {
-    if let Some(g) = guard_of(session) {
-        g.phase.store(REQUEST, Ordering::Relaxed);
+/// Returns the refusal of a header larger than `max_request_header_bytes` that arrived whole in
+/// one read: the size is checked before each further read, and a read may bring as much again
+/// as the header buffer already holds (pingora doubles it), so only the parsed header's own
+/// length makes the limit exact.
+pub fn request_started(session: &Session) -> Option<Problem> {
+    let g = guard_of(session)?;
+    g.phase.store(REQUEST, Ordering::Relaxed);
+    let len = session.as_http1()?.get_headers_raw_bytes().len();
+    if len <= g.limits.bytes {
+        return None;
     }
+    let problem = Problem::RequestHeaderTooLarge {
+        limit: g.limits.bytes,
+    };
+    if let Some(counter) = g.refused.of(&problem) {
+        counter.inc();
+    }
+    Some(problem)
 }
 
 /// Marks the connection's request as over: the next bytes read begin the next header. A request
@@ -357,8 +374,13 @@ impl AsyncWrite for HeadGuard {
 
 #[async_trait]
 impl Shutdown for HeadGuard {
+    /// Closes the connection, giving the client `response_send_timeout` at most to take what is
+    /// left to send (the guard's own answer, or the end of a response). pingora's close flushes
+    /// with no deadline: a client that reads nothing would hold the connection and its task
+    /// for good, the very thing the guard is there to stop. Past the deadline the connection is
+    /// dropped with whatever was not sent.
     async fn shutdown(&mut self) {
-        self.inner.shutdown().await
+        let _ = tokio::time::timeout(self.limits.send, self.inner.shutdown()).await;
     }
 }
 
@@ -460,6 +482,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
             Limits {
                 timeout: gen.config.request_header_timeout,
                 bytes: gen.config.max_request_header_bytes,
+                send: gen.config.response_send_timeout,
             }
         };
         let guarded: Stream = Box::new(HeadGuard::new(session, limits, self.refused.clone()));

@@ -1136,9 +1136,9 @@ fn replay_head(stored: &StoredResponse, exclude: &[HeaderName]) -> Option<Respon
         if is_excluded(name, exclude) {
             continue;
         }
-        let name = HeaderName::from_bytes(name.as_bytes()).ok()?;
         let value = HeaderValue::from_maybe_shared(value).ok()?;
-        resp.append_header(name, value).ok()?;
+        // The stored spelling (lower case) goes out as it is; pingora checks the name.
+        resp.append_header(name.to_owned(), value).ok()?;
     }
     Some(resp)
 }
@@ -1215,7 +1215,11 @@ impl ProxyHttp for Gate {
     /// refused or executed). Returns `Ok(true)` when the response has been written, `Ok(false)`
     /// to let pingora forward the request untouched.
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
-        crate::headguard::request_started(session);
+        if let Some(problem) = crate::headguard::request_started(session) {
+            session.set_keepalive(None);
+            write_problem(session, &problem, None).await?;
+            return Ok(true);
+        }
         let gen = ctx.gen.clone();
         // Every write to this client (answers of all kinds, replays, pingora's forwarding) gives
         // up once the client has taken nothing for this long; no timer unless a write waits.
@@ -1228,9 +1232,10 @@ impl ProxyHttp for Gate {
             return Ok(true);
         }
         if !is_routable_target(req) {
-            let problem = Problem::RequestMalformed;
-            ctx.outcome = Some(problem.outcome());
-            write_problem(session, &problem, ctx.outcome).await?;
+            // No route is known, so no idempotency header; the connection closes, as the
+            // problem's detail says for every request that is not valid HTTP.
+            session.set_keepalive(None);
+            write_problem(session, &Problem::RequestMalformed, None).await?;
             return Ok(true);
         }
         match gen.config.match_route(&req.method, req.uri.path()) {

@@ -132,6 +132,8 @@ async fn a_target_that_is_no_path_is_refused_not_routed_as_the_root() {
         let response = Request::post(target).json("{}").send(proxy.addr).await;
         assert_eq!(response.status, 400, "{target}: {}", response.text());
         assert_eq!(response.problem_type(), "request-malformed", "{target}");
+        assert_eq!(response.result(), None, "no route, no idempotency header");
+        assert_eq!(response.header("connection"), Some("close"), "{target}");
     }
     assert_eq!(backend.count(), 0);
     // `OPTIONS *` is a target of its own and still forwarded (by the `/` route).
