@@ -220,6 +220,24 @@ mod tests {
         }
     }
 
+    /// A writer on a [`StuckSink`] writing into `out`, with its gate, once "first" has been
+    /// written and the writer thread hangs in the sink holding it.
+    fn stuck_writer(out: Sink) -> (BatchWriter, Arc<(Mutex<bool>, Condvar)>) {
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let (entered, entered_rx) = std::sync::mpsc::sync_channel(1);
+        let sink = StuckSink {
+            out,
+            gate: gate.clone(),
+            entered,
+        };
+        let mut w = BatchWriter::new(Box::new(sink));
+        writeln!(w, "first").unwrap();
+        entered_rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the writer thread reached the sink");
+        (w, gate)
+    }
+
     impl Write for StuckSink {
         fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
             let _ = self.entered.try_send(());
@@ -238,19 +256,8 @@ mod tests {
     #[test]
     fn a_stuck_sink_never_blocks_writers_and_drops_are_reported() {
         let out = Sink::default();
-        let gate = Arc::new((Mutex::new(false), Condvar::new()));
-        let (entered, entered_rx) = std::sync::mpsc::sync_channel(1);
-        let sink = StuckSink {
-            out: out.clone(),
-            gate: gate.clone(),
-            entered,
-        };
-        let mut w = BatchWriter::new(Box::new(sink));
-        writeln!(w, "first").unwrap();
         // The background flush now hangs in the sink, holding "first".
-        entered_rx
-            .recv_timeout(Duration::from_secs(5))
-            .expect("the writer thread reached the sink");
+        let (mut w, gate) = stuck_writer(out.clone());
 
         // One write per line, as the tracing formatter does; the cap holds a whole number.
         let mut line = vec![b'x'; 1023];
@@ -289,19 +296,8 @@ mod tests {
 
     #[test]
     fn an_exit_flush_gives_up_on_a_stuck_sink() {
-        let gate = Arc::new((Mutex::new(false), Condvar::new()));
-        let (entered, entered_rx) = std::sync::mpsc::sync_channel(1);
-        let sink = StuckSink {
-            out: Sink::default(),
-            gate: gate.clone(),
-            entered,
-        };
-        let mut w = BatchWriter::new(Box::new(sink));
-        writeln!(w, "first").unwrap();
         // The writer thread now hangs in the sink, holding it, as on a stderr nobody reads.
-        entered_rx
-            .recv_timeout(Duration::from_secs(5))
-            .expect("the writer thread reached the sink");
+        let (mut w, gate) = stuck_writer(Sink::default());
         writeln!(w, "last words").unwrap();
 
         let (took_tx, took_rx) = std::sync::mpsc::channel();

@@ -25,6 +25,15 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Sends `req` to `addr` from a task of its own; the handle gives its response.
+fn send_in_background(
+    req: &Request,
+    addr: SocketAddr,
+) -> tokio::task::JoinHandle<common::Response> {
+    let req = req.clone();
+    tokio::spawn(async move { req.send(addr).await })
+}
+
 /// Sends SIGSTOP or SIGCONT to a process.
 fn signal(pid: u32, sig: &str) {
     let ok = std::process::Command::new("kill")
@@ -152,10 +161,7 @@ async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
         .key("late")
         .body("{\"n\":1}");
     let addr = a.addr;
-    let first = tokio::spawn({
-        let req = req.clone();
-        async move { req.send(addr).await }
-    });
+    let first = send_in_background(&req, addr);
     // Redis stalls after the claim, before the backend answers: the completion write fails.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let pid = redis.pid().unwrap();
@@ -374,10 +380,7 @@ async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_
     let a = build().start().await;
     let b = build().start().await;
     let req = Request::post("/orders/slow/500").key("outage").body("{}");
-    let first = tokio::spawn({
-        let (req, addr) = (req.clone(), a.addr);
-        async move { req.send(addr).await }
-    });
+    let first = send_in_background(&req, a.addr);
     // Claimed, the backend is working: now every Redis connection breaks until further notice.
     tokio::time::sleep(Duration::from_millis(250)).await;
     link.set(Fault::Reset);
@@ -437,10 +440,7 @@ async fn a_retried_completion_that_lost_its_key_is_dead_lettered_not_taken_from_
         .start()
         .await;
     let req = Request::post("/orders/slow/500").key("taken").body("{}");
-    let first = tokio::spawn({
-        let (req, addr) = (req.clone(), a.addr);
-        async move { req.send(addr).await }
-    });
+    let first = send_in_background(&req, a.addr);
     // Claimed; A's completion cannot reach Redis, so it waits in A's retry queue (and A's local
     // cache keeps the answer meanwhile).
     tokio::time::sleep(Duration::from_millis(250)).await;
@@ -543,10 +543,7 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
         .start()
         .await;
     let req = Request::post("/orders/slow/7000").key("renew").body("{}");
-    let first = tokio::spawn({
-        let (req, addr) = (req.clone(), proxy.addr);
-        async move { req.send(addr).await }
-    });
+    let first = send_in_background(&req, proxy.addr);
     // Redis is cut off over the first renewal (6 s) and back well before the answer.
     tokio::time::sleep(Duration::from_millis(5500)).await;
     link.set(Fault::Reset);

@@ -524,15 +524,24 @@ pub async fn case_wait_wakes_on_complete<S: RecordStore>(store: &Arc<S>) {
             store.complete(&key, req.owner, completion, TTL).await
         })
     };
-    let started = Instant::now();
-    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
-    let waited = started.elapsed();
+    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
     assert_eq!(ok(joined(writer.await)), WriteOutcome::Applied);
     assert_eq!(
         record.map(|r| r.state),
         Some(RecordState::Completed(completion))
     );
     assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+}
+
+/// `wait_for_change` on `key`, and how long it took.
+async fn timed_wait<S: RecordStore>(
+    store: &Arc<S>,
+    key: &RecordKey,
+    timeout: Duration,
+) -> (Option<Record>, Duration) {
+    let started = Instant::now();
+    let record = ok(store.wait_for_change(key, timeout).await);
+    (record, started.elapsed())
 }
 
 /// `wait_for_change` returns promptly when the owner releases from another task.
@@ -550,9 +559,7 @@ pub async fn case_wait_wakes_on_release<S: RecordStore>(store: &Arc<S>) {
             store.release(&key, req.owner).await
         })
     };
-    let started = Instant::now();
-    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
-    let waited = started.elapsed();
+    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
     assert_eq!(ok(joined(writer.await)), WriteOutcome::Applied);
     assert_eq!(record.map(|r| r.state), Some(RecordState::Released));
     assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
@@ -563,9 +570,7 @@ pub async fn case_wait_returns_when_lock_lapses<S: RecordStore>(store: &Arc<S>) 
     let key = fresh_key();
     let req = request(&key, fingerprint(1));
     ok(store.claim(&req).await);
-    let started = Instant::now();
-    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
-    let waited = started.elapsed();
+    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
     let record = record.expect("lapsed record must still exist");
     assert_eq!(record.execution_id, req.execution_id);
     assert!(
@@ -592,9 +597,7 @@ pub async fn case_wait_times_out_while_in_flight<S: RecordStore>(store: &Arc<S>)
     };
     ok(store.claim(&req).await);
     let timeout = Duration::from_millis(400);
-    let started = Instant::now();
-    let record = ok(store.wait_for_change(&key, timeout).await);
-    let waited = started.elapsed();
+    let (record, waited) = timed_wait(store, &key, timeout).await;
     let record = record.expect("in-flight record must be returned");
     assert_in_flight(&record, LONG_LOCK);
     assert!(
@@ -733,9 +736,7 @@ pub async fn case_wait_returns_when_the_record_is_deleted<S: RecordStore>(store:
             store.delete(&key).await
         })
     };
-    let started = Instant::now();
-    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
-    let waited = started.elapsed();
+    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
     assert!(ok(joined(deleter.await)), "the delete found no record");
     assert_eq!(record, None, "a deleted record was read back");
     assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
@@ -751,9 +752,7 @@ pub async fn case_wait_returns_when_the_record_expires<S: RecordStore>(store: &A
         ..request(&key, fingerprint(1))
     };
     ok(store.claim(&req).await);
-    let started = Instant::now();
-    let record = ok(store.wait_for_change(&key, WAIT_TIMEOUT).await);
-    let waited = started.elapsed();
+    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
     match record {
         None => {}
         Some(Record {
