@@ -9,6 +9,12 @@
 //! misses (as for the config file: ConfigMap `..data` swaps, filesystems without inotify).
 //! Like the config watcher, the directory watcher only signals, ignores access events and
 //! debounces bursts.
+//!
+//! An edit of the files goes live only once two readings of them in a row agree (the TLS
+//! files' rule): a copy of four files, or one file written in place, caught halfway would
+//! otherwise put half a version in force (a new `claim.lua` beside an old `complete.lua`, or a
+//! truncated file that still compiles) until the next look. The second reading is the next
+//! trigger: another file event, or the poll at the latest.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,6 +25,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 
 use crate::config::ScriptsConfig;
+use crate::scripts::SCRIPT_NAMES;
 use crate::store::redis::{ScriptsApplied, ScriptsError};
 use crate::store::RedisStore;
 
@@ -70,6 +77,7 @@ impl ScriptReloader {
         let mut watched: Option<PathBuf> = None;
         let mut watcher: Option<notify::RecommendedWatcher> = None;
         let mut unavailable = false;
+        let mut files = Settle::default();
         let mut poll = tokio::time::interval(poll_every);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -96,6 +104,12 @@ impl ScriptReloader {
                 _ = poll.tick() => "poll",
                 _ = shutdown.changed() => break,
             };
+            let settled = files.settled(read_versions(&self.settings.lock()));
+            // A config that names other versions is applied at once; file edits wait for a
+            // second, identical reading.
+            if trigger != "config reload" && !settled {
+                continue;
+            }
             match self.apply().await {
                 Ok(ScriptsApplied::Applied { .. }) => {
                     tracing::info!(trigger, "script change applied");
@@ -117,6 +131,40 @@ impl ScriptReloader {
     }
 }
 
+/// The bytes of the script files `settings` names in `store.redis.scripts.dir` (the active
+/// version's and the canary's; `None` for a file that is not there).
+type Reading = Vec<Option<Vec<u8>>>;
+
+/// Tells a settled edit of the script files from one still being written.
+#[derive(Default)]
+struct Settle {
+    last: Option<Reading>,
+}
+
+impl Settle {
+    /// Takes a reading; whether it is the same as the one before it.
+    fn settled(&mut self, reading: Reading) -> bool {
+        let same = self.last.as_ref() == Some(&reading);
+        self.last = Some(reading);
+        same
+    }
+}
+
+fn read_versions(settings: &ScriptsConfig) -> Reading {
+    let Some(dir) = &settings.dir else {
+        return Vec::new();
+    };
+    let versions =
+        std::iter::once(&settings.version).chain(settings.canary.as_ref().map(|c| &c.version));
+    versions
+        .flat_map(|version| {
+            SCRIPT_NAMES
+                .iter()
+                .map(move |name| std::fs::read(dir.join(version).join(format!("{name}.lua"))).ok())
+        })
+        .collect()
+}
+
 /// A recursive watch on `dir` that signals every change but reads (access events).
 fn start_watcher(
     dir: &Path,
@@ -132,4 +180,61 @@ fn start_watcher(
     })?;
     watcher.watch(dir, RecursiveMode::Recursive)?;
     Ok(watcher)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CanaryConfig;
+
+    #[test]
+    fn an_edit_counts_once_two_readings_in_a_row_agree() {
+        let mut files = Settle::default();
+        let old = vec![Some(b"old".to_vec())];
+        let half = vec![Some(b"new, half written".to_vec())];
+        let new = vec![Some(b"new".to_vec())];
+        assert!(
+            !files.settled(old.clone()),
+            "nothing to compare the first reading with"
+        );
+        assert!(files.settled(old));
+        assert!(!files.settled(half), "caught halfway");
+        assert!(!files.settled(new.clone()), "changed since the last look");
+        assert!(files.settled(new));
+        assert!(!files.settled(vec![None]), "a file gone");
+    }
+
+    #[test]
+    fn a_reading_covers_the_active_version_and_the_canary() {
+        let dir = tempfile::tempdir().unwrap();
+        for version in ["va", "vc"] {
+            std::fs::create_dir(dir.path().join(version)).unwrap();
+            for name in SCRIPT_NAMES {
+                let text = format!("-- {version} {name}");
+                std::fs::write(dir.path().join(version).join(format!("{name}.lua")), text).unwrap();
+            }
+        }
+        let mut settings = ScriptsConfig {
+            dir: Some(dir.path().to_path_buf()),
+            version: "va".into(),
+            canary: None,
+        };
+        let active = read_versions(&settings);
+        assert_eq!(active.len(), 4);
+        assert_eq!(active[0].as_deref(), Some(&b"-- va claim"[..]));
+        settings.canary = Some(CanaryConfig {
+            version: "vc".into(),
+            percent: 10,
+            tenants: Vec::new(),
+            max_error_rate: 0.05,
+            min_calls: 20,
+            window: Duration::from_secs(60),
+        });
+        let both = read_versions(&settings);
+        assert_eq!(both.len(), 8);
+        assert_eq!(both[7].as_deref(), Some(&b"-- vc get"[..]));
+        std::fs::remove_file(dir.path().join("vc").join("get.lua")).unwrap();
+        assert_eq!(read_versions(&settings)[7], None);
+        assert!(read_versions(&ScriptsConfig::default()).is_empty());
+    }
 }
