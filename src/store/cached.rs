@@ -231,8 +231,8 @@ impl<S: RecordStore> CachedStore<S> {
         }
     }
 
-    /// Remembers a completion this replica wrote (or read) for `ttl`.
-    fn remember(&self, key: &RecordKey, record: Record, ttl: Duration) {
+    /// Remembers a completion this replica wrote until `expires_at`.
+    fn remember(&self, key: &RecordKey, record: Record, expires_at: Instant) {
         let size = ENTRY_OVERHEAD
             + key.tenant.len()
             + match &record.state {
@@ -250,7 +250,7 @@ impl<S: RecordStore> CachedStore<S> {
         let entry = CacheEntry {
             tenant: key.tenant.clone(),
             record,
-            expires_at: Instant::now() + ttl,
+            expires_at,
             size,
             seq,
         };
@@ -330,6 +330,9 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
     ) -> Result<WriteOutcome, StoreError> {
         let pending = self.pending.lock().remove(&(key.hash, owner.0));
         let purges = self.purges.load(Ordering::Acquire);
+        // The store's record lives `ttl` from when it takes the write, no earlier than now: the
+        // local copy, counted from before the write, never outlives it.
+        let expires_at = Instant::now() + ttl;
         let written = self
             .inner
             .complete(key, owner, completion.clone(), ttl)
@@ -347,7 +350,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 execution_id: p.execution_id,
                 state: RecordState::Completed(completion),
             };
-            self.remember(key, record, ttl);
+            self.remember(key, record, expires_at);
         }
         written
     }
@@ -455,7 +458,7 @@ mod tests {
                 execution_id: u64::from(n),
                 state: RecordState::Completed(response(&[1u8; 5000])),
             };
-            store.remember(&key, record, Duration::from_secs(60));
+            store.remember(&key, record, Instant::now() + Duration::from_secs(60));
         }
         let (records, bytes) = store.cache_usage();
         assert!(bytes <= 8 << 20, "{bytes} bytes");
@@ -495,15 +498,15 @@ mod tests {
             execution_id: u64::from(n),
             state: RecordState::Completed(response(&[1u8; 1000])),
         };
-        let ttl = Duration::from_secs(60);
+        let until = Instant::now() + Duration::from_secs(60);
         // A is cached, dropped (a purge) and cached again after B: A's first place is stale.
-        store.remember(&key(0), record(0), ttl);
+        store.remember(&key(0), record(0), until);
         store.forget(&key(0));
-        store.remember(&key(1), record(1), ttl);
-        store.remember(&key(0), record(0), ttl);
+        store.remember(&key(1), record(1), until);
+        store.remember(&key(0), record(0), until);
         // Fill until the oldest live entry goes: that is B, not the fresh A.
         for n in 2.. {
-            store.remember(&key(n), record(n), ttl);
+            store.remember(&key(n), record(n), until);
             let (a, b) = (store.cached(&key(0)), store.cached(&key(1)));
             assert!(
                 a.is_some(),
