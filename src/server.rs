@@ -65,6 +65,8 @@ fn check_bindable(field: &'static str, addr: &str) -> Result<(), StartError> {
 /// The record store as the proxy uses it, with the handles metrics and background work need.
 struct StoreStack {
     store: Arc<dyn RecordStore>,
+    /// Sets the local cache's Bloom window (none without a local cache).
+    bloom_window: Option<BloomWindow>,
     /// The store beneath the local cache (the same as `store` when there is no cache): what the
     /// completion retrier writes to and checks.
     shared: Arc<dyn RecordStore>,
@@ -77,6 +79,20 @@ struct StoreStack {
     purge: Option<(PurgeBus, OnPurge)>,
 }
 
+/// Sets how long one generation of the local cache's Bloom filter covers.
+type BloomWindow = Arc<dyn Fn(Duration) + Send + Sync>;
+
+/// The longest route `ttl`: how long a completed record can be replayed, so how long the local
+/// cache's Bloom filter must remember a key.
+fn longest_ttl(config: &Config) -> Duration {
+    config
+        .routes
+        .iter()
+        .filter_map(|r| r.idempotency.as_ref().map(|i| i.ttl))
+        .max()
+        .unwrap_or(Duration::from_secs(24 * 3600))
+}
+
 /// Builds the store: the embedded one, or Redis behind a circuit breaker and the local fast path.
 fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartError> {
     let memory = Arc::new(MemoryStore::new(
@@ -87,6 +103,7 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         (StoreBackend::Memory, _) => {
             return Ok(StoreStack {
                 store: memory.clone(),
+                bloom_window: None,
                 shared: memory.clone(),
                 forget_local: Arc::new(|_: &RecordKey| {}),
                 memory,
@@ -137,13 +154,9 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
 
     let c = &config.store.local_cache;
     let mut forget: OnPurge = Arc::new(|_: &RecordKey| {});
+    let mut bloom_window: Option<BloomWindow> = None;
     let store: Arc<dyn RecordStore> = if c.enabled {
-        let window = config
-            .routes
-            .iter()
-            .filter_map(|r| r.idempotency.as_ref().map(|i| i.ttl))
-            .max()
-            .unwrap_or(Duration::from_secs(24 * 3600));
+        let window = longest_ttl(config);
         let options = LocalCacheOptions {
             capacity_bytes: c.capacity_bytes,
             expected_items: c.expected_items,
@@ -159,6 +172,12 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
                 c.forget(key);
             }
         });
+        let weak = Arc::downgrade(&cached);
+        bloom_window = Some(Arc::new(move |window: Duration| {
+            if let Some(c) = weak.upgrade() {
+                c.set_window(window);
+            }
+        }));
         cached
     } else {
         breaker.clone()
@@ -176,6 +195,7 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     };
     Ok(StoreStack {
         store,
+        bloom_window,
         shared: breaker,
         forget_local: forget.clone(),
         memory,
@@ -334,6 +354,11 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     let in_flight = Arc::new(InFlightCounter::default());
     let readiness = Arc::new(Readiness::default());
     let reloader = Reloader::new(config_path, current.clone(), metrics.clone());
+    if let Some(set_window) = stack.bloom_window.clone() {
+        // A reload that raises a route's ttl must not leave the filter forgetting keys whose
+        // records are still replayed.
+        reloader.on_swap(move |config| set_window(longest_ttl(config)));
+    }
     let script_reloader = stack.redis.clone().map(ScriptReloader::new);
     if let Some(scripts) = &script_reloader {
         let scripts = scripts.clone();

@@ -120,10 +120,18 @@ pub struct CachedStore<S> {
     cache: Box<[Mutex<Cache>]>,
     pending: Mutex<HashMap<(Digest, u128), Pending>>,
     stats: Arc<LocalCacheStats>,
+    /// How long one filter generation covers, in milliseconds: `options.window` at first, then
+    /// what [`CachedStore::set_window`] says (a reload that changes the longest route `ttl`).
+    window_ms: AtomicU64,
     /// Purges so far. A completion remembers its record only if no purge came while its write
     /// was out: a purge of that very key would otherwise be undone by the write landing after
     /// it (one of another key only costs a cache miss).
     purges: AtomicU64,
+}
+
+/// `d` in whole milliseconds, at least one.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
@@ -144,6 +152,7 @@ impl<S: RecordStore> CachedStore<S> {
             rotated_at: Instant::now(),
         };
         let shards = (options.capacity_bytes / CACHE_SHARD_BYTES).clamp(1, MAX_CACHE_SHARDS);
+        let window_ms = millis(options.window);
         Ok(CachedStore {
             inner,
             options,
@@ -152,6 +161,7 @@ impl<S: RecordStore> CachedStore<S> {
             pending: Mutex::new(HashMap::new()),
             stats: Arc::default(),
             purges: AtomicU64::new(0),
+            window_ms: AtomicU64::new(window_ms),
         })
     }
 
@@ -163,6 +173,12 @@ impl<S: RecordStore> CachedStore<S> {
     /// Bytes one cache shard may hold.
     fn shard_budget(&self) -> usize {
         self.options.capacity_bytes / self.cache.len()
+    }
+
+    /// Sets how long one filter generation covers (the longest route `ttl`), so a key this
+    /// replica completed stays findable for its whole `ttl` after a reload that raised one.
+    pub fn set_window(&self, window: Duration) {
+        self.window_ms.store(millis(window), Ordering::Relaxed);
     }
 
     /// The wrapped store.
@@ -199,7 +215,8 @@ impl<S: RecordStore> CachedStore<S> {
     fn bloom_says_maybe(&self, hash: &Digest) -> bool {
         let mut filters = self.filters.lock();
         let now = Instant::now();
-        if now.duration_since(filters.rotated_at) >= self.options.window {
+        let window = Duration::from_millis(self.window_ms.load(Ordering::Relaxed));
+        if now.duration_since(filters.rotated_at) >= window {
             let fresh = Bloom::new_for_fp_rate(
                 self.options.expected_items.max(1),
                 self.options.false_positive_rate,
@@ -644,6 +661,41 @@ mod tests {
             store.cached(&claim("t", 49).key).is_none(),
             "expired with the record"
         );
+    }
+
+    #[tokio::test]
+    async fn a_longer_window_set_later_keeps_keys_for_it() {
+        tokio::time::pause();
+        let store = cached();
+        // A reload raised the longest ttl from the options' 60 s to an hour.
+        store.set_window(Duration::from_secs(3600));
+        let req = claim("t", 10);
+        store.claim(&req).await.unwrap();
+        store
+            .complete(
+                &req.key,
+                req.owner,
+                response(b"{}"),
+                Duration::from_secs(3600),
+            )
+            .await
+            .unwrap();
+        // Retries across two of the old windows (each would have rotated the filter once):
+        // still found locally.
+        let calls = store.inner().calls.load(Ordering::Relaxed);
+        for _ in 0..2 {
+            tokio::time::advance(Duration::from_secs(70)).await;
+            let again = ClaimRequest {
+                owner: OwnerToken::random(),
+                ..claim("t", 10)
+            };
+            assert!(matches!(
+                store.claim(&again).await.unwrap(),
+                ClaimOutcome::Existing(_)
+            ));
+        }
+        let local = store.inner().calls.load(Ordering::Relaxed) == calls;
+        assert!(local, "both retries answered locally");
     }
 
     #[tokio::test]
