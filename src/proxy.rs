@@ -699,8 +699,10 @@ impl Gate {
     ) -> Result<bool> {
         let req = session.req_header();
         let headers = &req.headers;
-        let streamed = req.method == http::Method::CONNECT
-            || headers.contains_key(header::UPGRADE)
+        // A tunnel (an upgrade to WebSocket, say) carries a conversation, not a body: its reads
+        // may rightly wait long, and only a body's are held to request_body_timeout.
+        let tunnel = req.method == http::Method::CONNECT || headers.contains_key(header::UPGRADE);
+        let streamed = tunnel
             || headers.contains_key(header::EXPECT)
             || headers.contains_key(header::TRANSFER_ENCODING);
         // `Some(declared length)` when idemgate forwards the request itself.
@@ -715,7 +717,9 @@ impl Gate {
         let Some(declared) = own.filter(|_| !streamed) else {
             // pingora streams the body: each of its reads waits request_body_timeout at most,
             // as idemgate's own reads do, instead of pingora's 60 s.
-            session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
+            if !tunnel {
+                session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
+            }
             return Ok(false);
         };
         let gen = ctx.gen.clone();

@@ -311,6 +311,43 @@ async fn a_safe_request_sent_again_goes_on_a_new_connection_not_another_pooled_o
 }
 
 #[tokio::test]
+async fn an_upgraded_connection_may_stay_quiet_longer_than_request_body_timeout() {
+    use tokio::io::AsyncReadExt;
+    let backend = RawBackend::start(vec![
+        send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+        Step::Pause(Duration::from_millis(900)),
+        send(b"hello"),
+    ])
+    .await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .top("request_body_timeout: 300ms")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"GET /plain/ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // The client says nothing for three request_body_timeouts; the backend speaks after them.
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 1024];
+        while !got.ends_with(b"hello") {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no answer");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 101"), "{text}");
+    assert!(text.ends_with("hello"), "the tunnel was cut: {text}");
+}
+
+#[tokio::test]
 async fn forwarded_requests_keep_header_spelling_and_drop_hop_by_hop_headers() {
     let backend = RawBackend::start(vec![send(
         b"HTTP/1.1 200 Fine Thanks\r\nX-Backend-Trace: t1\r\nConnection: X-Hop\r\nX-Hop: secret\r\nContent-Length: 2\r\n\r\nok",
