@@ -536,6 +536,7 @@ async fn a_replayed_no_content_answer_has_no_content_length() {
     assert_eq!((again.status, again.result()), (204, Some("HIT")));
     assert_eq!(first.header("content-length"), None);
     assert_eq!(again.header("content-length"), None, "RFC 9110 §8.6");
+    assert_eq!(again.header("transfer-encoding"), None, "RFC 9112 §6.1");
     assert!(again.body.is_empty());
     assert_eq!(backend.count(), 1);
 }
