@@ -68,7 +68,7 @@ impl Metrics {
         let upstream_duration = HistogramVec::new(
             HistogramOpts::new(
                 "idemgate_upstream_duration_seconds",
-                "Backend latency of executed idempotent requests by route",
+                "Backend latency (request sent to answer read) of the requests idemgate forwards itself, by route (not those pingora streams)",
             )
             .buckets(LATENCY_BUCKETS.to_vec()),
             &["route"],
