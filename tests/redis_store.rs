@@ -124,6 +124,36 @@ async fn conformance_on_a_three_primary_cluster() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_sentinel_listed_first_does_not_keep_the_store_from_its_primary() {
+    let setup = RedisSentinel::start();
+    // A Sentinel that accepts connections and never answers, listed before the real one.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let urls = vec![
+        format!("redis+sentinel://{silent_addr}/mymaster"),
+        setup.url(),
+    ];
+    // Operations of 500 ms at most: less than one lookup takes past the silent Sentinel.
+    let mut config = settings(urls, RedisTopology::Sentinel);
+    config.connect_timeout = Duration::from_millis(300);
+    config.response_timeout = Duration::from_millis(100);
+    let store = RedisStore::new(&config).expect("store");
+    let key = fresh_key();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match store.claim(&claim_request(&key)).await {
+            Ok(outcome) => {
+                assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "never reached the primary: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(silent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_through_sentinel_and_a_failover() {
     let setup = RedisSentinel::start();
     let config = settings(vec![setup.url()], RedisTopology::Sentinel);

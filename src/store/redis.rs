@@ -208,7 +208,7 @@ enum Backend {
         client: ClusterClient,
         conn: PerRuntime<ClusterConnection>,
     },
-    Sentinel(SentinelBackend),
+    Sentinel(Arc<SentinelBackend>),
 }
 
 /// TCP settings of every Redis connection. redis-rs leaves Nagle's algorithm on; with many small
@@ -329,11 +329,11 @@ fn build_backend(
                 conn: PerRuntime::default(),
             }
         }
-        RedisTopology::Sentinel => Backend::Sentinel(SentinelBackend::new(
+        RedisTopology::Sentinel => Backend::Sentinel(Arc::new(SentinelBackend::new(
             &config.urls,
             manager_config.clone(),
             certs,
-        )?),
+        )?)),
     })
 }
 
@@ -1201,7 +1201,7 @@ impl Backend {
                     .await?;
                 Ok(Conn::Cluster(cluster.clone()))
             }
-            Backend::Sentinel(sentinel) => sentinel.conn().await.map(Conn::Manager),
+            Backend::Sentinel(sentinel) => SentinelBackend::conn(sentinel).await.map(Conn::Manager),
         }
     }
 
@@ -1233,19 +1233,31 @@ impl SentinelBackend {
         })
     }
 
-    async fn conn(&self) -> RedisResult<ConnectionManager> {
-        if let Some(conn) = self.current.lock().clone() {
+    async fn conn(this: &Arc<Self>) -> RedisResult<ConnectionManager> {
+        if let Some(conn) = this.current.lock().clone() {
             return Ok(conn);
         }
-        // One lookup at a time; whoever waited behind it takes its result.
-        let mut sentinel = self.sentinel.lock().await;
-        if let Some(conn) = self.current.lock().clone() {
-            return Ok(conn);
-        }
-        let client = sentinel.async_get_client().await?;
-        let conn = ConnectionManager::new_with_config(client, self.config.clone()).await?;
-        *self.current.lock() = Some(conn.clone());
-        Ok(conn)
+        // The lookup runs in a task of its own: a caller whose deadline passes gives up
+        // waiting, not the lookup, whose connection the next caller then finds. Cut off with
+        // every caller, a lookup slower than one operation's deadline (a dead Sentinel listed
+        // first costs redis-rs's own timeouts) would start again from nothing every time.
+        let this = Arc::clone(this);
+        let lookup = tokio::spawn(async move {
+            // One lookup at a time; whoever waited behind it takes its result.
+            let mut sentinel = this.sentinel.lock().await;
+            if let Some(conn) = this.current.lock().clone() {
+                return Ok(conn);
+            }
+            let client = sentinel.async_get_client().await?;
+            let conn = ConnectionManager::new_with_config(client, this.config.clone()).await?;
+            *this.current.lock() = Some(conn.clone());
+            Ok(conn)
+        });
+        lookup.await.unwrap_or_else(|e| {
+            Err(RedisError::from(std::io::Error::other(format!(
+                "sentinel lookup failed: {e}"
+            ))))
+        })
     }
 
     fn forget(&self) {
