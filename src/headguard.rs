@@ -23,10 +23,10 @@
 //! only be that answer, so the guard writes the problem+json (`request-malformed`,
 //! `connect-not-supported`) in its place: every answer the proxy makes is problem+json.
 //!
-//! The size is checked before each further read of a header, against the bytes read for it so
-//! far. Those are all header bytes (a header that was complete would not be read further), so a
-//! header within the limit is never refused; one above it is refused at most one read (a few KiB,
-//! pingora's buffer growth) past the limit.
+//! The size is held at the reads themselves: no read of a header goes past the limit, counting
+//! what was read for it so far, and a header still incomplete once the limit is read is refused.
+//! A header within the limit is never refused (it is a prefix of what was read, so it completes
+//! within the limit), and no connection holds more than the limit of a header's bytes.
 //!
 //! Costs on the hot path: a header that arrives in one read (nearly all of them) takes one clock
 //! reading and no timer; a timer is armed only when a header needs a second read that has to wait.
@@ -155,6 +155,26 @@ impl HeadGuard {
         );
     }
 
+    /// Reads into `buf` at most `most` bytes. pingora offers a header buffer that doubles as it
+    /// fills, so one read could otherwise bring as much again as was read before it, and a
+    /// header over the limit could arrive whole. Only a read that could cross the limit (near
+    /// it, or under a small limit) goes through a shorter buffer, which is zeroed first.
+    fn read_at_most(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+        most: usize,
+    ) -> Poll<io::Result<()>> {
+        if buf.remaining() <= most {
+            return Pin::new(&mut self.inner).poll_read(cx, buf);
+        }
+        let mut short = ReadBuf::new(buf.initialize_unfilled_to(most));
+        let read = Pin::new(&mut self.inner).poll_read(cx, &mut short);
+        let got = short.filled().len();
+        buf.advance(got);
+        read
+    }
+
     /// Writes what is left of the guard's answer.
     fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.answer_sent < self.answer.len() {
@@ -239,24 +259,10 @@ fn guard_of(session: &Session) -> Option<&HeadGuard> {
 }
 
 /// Marks the connection's header as received: its reads are no longer timed as a header's.
-/// Returns the refusal of a header larger than `max_request_header_bytes` that arrived whole in
-/// one read: the size is checked before each further read, and a read may bring as much again
-/// as the header buffer already holds (pingora doubles it), so only the parsed header's own
-/// length makes the limit exact.
-pub fn request_started(session: &Session) -> Option<Problem> {
-    let g = guard_of(session)?;
-    g.phase.store(REQUEST, Ordering::Relaxed);
-    let len = session.as_http1()?.get_headers_raw_bytes().len();
-    if len <= g.limits.bytes {
-        return None;
+pub fn request_started(session: &Session) {
+    if let Some(g) = guard_of(session) {
+        g.phase.store(REQUEST, Ordering::Relaxed);
     }
-    let problem = Problem::RequestHeaderTooLarge {
-        limit: g.limits.bytes,
-    };
-    if let Some(counter) = g.refused.of(&problem) {
-        counter.inc();
-    }
-    Some(problem)
 }
 
 /// Marks the connection's request as over: the next bytes read begin the next header. A request
@@ -284,7 +290,7 @@ impl AsyncRead for HeadGuard {
         match this.phase.load(Ordering::Relaxed) {
             BETWEEN => {
                 let before = buf.filled().len();
-                let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+                let read = this.read_at_most(cx, buf, this.limits.bytes);
                 let got = buf.filled().len() - before;
                 if matches!(read, Poll::Ready(Ok(()))) && got > 0 {
                     this.phase.store(HEADER, Ordering::Relaxed);
@@ -295,7 +301,8 @@ impl AsyncRead for HeadGuard {
                 read
             }
             HEADER => {
-                if this.read > this.limits.bytes {
+                // The limit is read and pingora still wants more: the header is longer.
+                if this.read >= this.limits.bytes {
                     let limit = this.limits.bytes;
                     return this.refuse(cx, Problem::RequestHeaderTooLarge { limit });
                 }
@@ -303,7 +310,7 @@ impl AsyncRead for HeadGuard {
                     return this.refuse(cx, Problem::RequestHeaderTimeout);
                 }
                 let before = buf.filled().len();
-                let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+                let read = this.read_at_most(cx, buf, this.limits.bytes - this.read);
                 this.read += buf.filled().len() - before;
                 if read.is_pending() {
                     let deadline = this.deadline;

@@ -1219,11 +1219,7 @@ impl ProxyHttp for Gate {
     /// refused or executed). Returns `Ok(true)` when the response has been written, `Ok(false)`
     /// to let pingora forward the request untouched.
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
-        if let Some(problem) = crate::headguard::request_started(session) {
-            session.set_keepalive(None);
-            write_problem(session, &problem, None).await?;
-            return Ok(true);
-        }
+        crate::headguard::request_started(session);
         let gen = ctx.gen.clone();
         // Every write to this client (answers of all kinds, replays, pingora's forwarding) gives
         // up once the client has taken nothing for this long; no timer unless a write waits.
