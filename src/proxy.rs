@@ -531,7 +531,7 @@ impl Gate {
         let head_request = req.method == http::Method::HEAD;
 
         let started = Instant::now();
-        let mut exchange = match upstream::send(backend, &head, &body, started).await {
+        let mut exchange = match upstream::send(backend, &head, &body, started, true).await {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
@@ -702,26 +702,21 @@ impl Gate {
         // A tunnel (an upgrade to WebSocket, say) carries a conversation, not a body: its reads
         // may rightly wait long, and only a body's are held to request_body_timeout.
         let tunnel = req.method == http::Method::CONNECT || headers.contains_key(header::UPGRADE);
+        // `None` without a length; a large or odd one is left to pingora to stream (or refuse).
+        let declared = headers.get(header::CONTENT_LENGTH).map(length);
         let streamed = tunnel
             || headers.contains_key(header::EXPECT)
-            || headers.contains_key(header::TRANSFER_ENCODING);
-        // `Some(declared length)` when idemgate forwards the request itself.
-        let own = match headers.get(header::CONTENT_LENGTH) {
-            None => Some(None),
-            Some(v) => match length(v) {
-                Some(n) if n <= upstream::FORWARD_BODY_BYTES => Some(Some(n)),
-                // Large or odd: pingora streams (or refuses) it.
-                _ => None,
-            },
-        };
-        let Some(declared) = own.filter(|_| !streamed) else {
+            || headers.contains_key(header::TRANSFER_ENCODING)
+            || declared.is_some_and(|n| n.is_none_or(|n| n > upstream::FORWARD_BODY_BYTES));
+        if streamed {
             // pingora streams the body: each of its reads waits request_body_timeout at most,
             // as idemgate's own reads do, instead of pingora's 60 s.
             if !tunnel {
                 session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
             }
             return Ok(false);
-        };
+        }
+        let declared = declared.flatten();
         let gen = ctx.gen.clone();
         let pool = &gen.pools[upstream_index];
         let config = &gen.config;
@@ -758,11 +753,7 @@ impl Gate {
         let (mut exchange, response) = loop {
             attempt += 1;
             let backend = &pool.backends[pool.pick()];
-            let sent = if attempt == 1 {
-                upstream::send(backend, &head, &body, started).await
-            } else {
-                upstream::send_new(backend, &head, &body, started).await
-            };
+            let sent = upstream::send(backend, &head, &body, started, attempt == 1).await;
             let mut exchange = match sent {
                 Ok(x) => x,
                 Err(e) => {
@@ -865,7 +856,7 @@ impl Gate {
     }
 
     /// Extends the claim's lock by claiming the record again as its owner, which the stores
-    /// treat as a renewal. Returns whether the lock is still this request's.
+    /// treat as a renewal.
     async fn renew(&self, claim: &mut Claim<'_>) -> Renewal {
         let started = Instant::now();
         let answer = claim.store.claim(claim.req).await;

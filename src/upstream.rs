@@ -293,36 +293,18 @@ pub fn itoa(mut n: u64, out: &mut [u8; 20]) -> &[u8] {
     &out[i..]
 }
 
-/// Sends `head` and `body` (one `writev`) on a pooled connection, or a new one. `started` is
-/// when the request started (a recent instant; the pool's idle times are measured from it). A pooled
-/// connection the backend closed in the meantime fails on its first write, before any byte of
-/// the request went out; that case is sent again once on a new connection.
+/// Sends `head` and `body` (one `writev`) on a pooled connection (when `pooled`), or a new one.
+/// `started` is when the request started (a recent instant; the pool's idle times are measured
+/// from it). A pooled connection the backend closed in the meantime fails on its first write,
+/// before any byte of the request went out; that case is sent again once on a new connection.
+/// A request sent again because a pooled connection closed under it after the write goes
+/// without `pooled`: the next pooled connection may be just as stale.
 ///
 /// A write that fails after some of the request went out is not an error here: the backend has
 /// part of the request (it may have answered early, say a 413, or acted on the head alone), so
 /// the exchange is returned to read whatever answer came back, and a missing answer is an
 /// unknown outcome, never "not sent". [`UpstreamError::Write`] means nothing went out.
 pub async fn send(
-    backend: &Backend,
-    head: &[u8],
-    body: &[u8],
-    started: Instant,
-) -> Result<Exchange, UpstreamError> {
-    send_with(backend, head, body, started, true).await
-}
-
-/// [`send`] on a connection opened for it, never a pooled one: for a request sent again because
-/// a pooled connection was closed under it (the next pooled one may be just as stale).
-pub async fn send_new(
-    backend: &Backend,
-    head: &[u8],
-    body: &[u8],
-    started: Instant,
-) -> Result<Exchange, UpstreamError> {
-    send_with(backend, head, body, started, false).await
-}
-
-async fn send_with(
     backend: &Backend,
     head: &[u8],
     body: &[u8],
@@ -704,10 +686,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             transfer_encoding = true;
             // Only the last coding decides whether the body is chunked.
-            chunked = value
-                .split(|&b| b == b',')
-                .map(|c| c.trim_ascii())
-                .rfind(|c| !c.is_empty())
+            chunked = codings(value)
+                .last()
                 .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"));
         } else if name.eq_ignore_ascii_case(b"connection") {
             for token in value.split(|&b| b == b',').map(|t| t.trim_ascii()) {
@@ -740,12 +720,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         // downstream writer frames the body by this header's last item, and an empty one would
         // send the decoded body unchunked under a `Transfer-Encoding` that says otherwise.
         let raw = if name.eq_ignore_ascii_case(b"transfer-encoding") {
-            let codings: Vec<&[u8]> = raw
-                .split(|&b| b == b',')
-                .map(|c| c.trim_ascii())
-                .filter(|c| !c.is_empty())
-                .collect();
-            Bytes::from(codings.join(&b", "[..]))
+            Bytes::from(codings(&raw).collect::<Vec<_>>().join(&b", "[..]))
         } else {
             raw
         };
@@ -775,6 +750,14 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         framing,
         keep_alive,
     }))
+}
+
+/// The codings a `Transfer-Encoding` value lists, without empty list items (RFC 9110 §5.6.1).
+fn codings(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|&b| b == b',')
+        .map(|c| c.trim_ascii())
+        .filter(|c| !c.is_empty())
 }
 
 /// Decodes as much of a chunked body as `buf` holds. Returns the next state (`None` when the
