@@ -26,9 +26,9 @@ use crate::script_reload::ScriptReloader;
 use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
-use crate::store::purge::{OnPurge, PurgeBus};
+use crate::store::purge::PurgeBus;
 use crate::store::retry::{CompletionRetrier, RetryOptions};
-use crate::store::{MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
+use crate::store::{ForgetLocal, MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -65,22 +65,33 @@ fn check_bindable(field: &'static str, addr: &str) -> Result<(), StartError> {
 /// The record store as the proxy uses it, with the handles metrics and background work need.
 struct StoreStack {
     store: Arc<dyn RecordStore>,
-    /// Sets the local cache's Bloom window (none without a local cache).
-    bloom_window: Option<BloomWindow>,
     /// The store beneath the local cache (the same as `store` when there is no cache): what the
     /// completion retrier writes to and checks.
     shared: Arc<dyn RecordStore>,
-    /// Drops this replica's local copy of a record (nothing without a local cache).
-    forget_local: OnPurge,
+    /// The local fast path in front of Redis, when it is on.
+    cache: Option<Arc<LocalCache>>,
     memory: Arc<MemoryStore>,
     fallback: Option<Arc<dyn RecordStore>>,
     redis: Option<Arc<RedisStore>>,
-    /// Announces admin purges to every replica, and what a replica does on one.
-    purge: Option<(PurgeBus, OnPurge)>,
+    /// Announces admin purges to every replica.
+    purge: Option<PurgeBus>,
 }
 
-/// Sets how long one generation of the local cache's Bloom filter covers.
-type BloomWindow = Arc<dyn Fn(Duration) + Send + Sync>;
+/// The local cache as the Redis store stack builds it.
+type LocalCache = CachedStore<Arc<Breaker<Arc<RedisStore>>>>;
+
+impl StoreStack {
+    /// Drops this replica's local copy of a record (nothing without a local cache).
+    fn forget_local(&self) -> ForgetLocal {
+        match &self.cache {
+            Some(cache) => {
+                let cache = cache.clone();
+                Arc::new(move |key: &RecordKey| cache.forget(key))
+            }
+            None => Arc::new(|_: &RecordKey| {}),
+        }
+    }
+}
 
 /// The longest route `ttl`: how long a completed record can be replayed, so how long the local
 /// cache's Bloom filter must remember a key.
@@ -103,9 +114,8 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         (StoreBackend::Memory, _) => {
             return Ok(StoreStack {
                 store: memory.clone(),
-                bloom_window: None,
                 shared: memory.clone(),
-                forget_local: Arc::new(|_: &RecordKey| {}),
+                cache: None,
                 memory,
                 fallback: None,
                 redis: None,
@@ -153,41 +163,30 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     );
 
     let c = &config.store.local_cache;
-    let mut forget: OnPurge = Arc::new(|_: &RecordKey| {});
-    let mut bloom_window: Option<BloomWindow> = None;
-    let store: Arc<dyn RecordStore> = if c.enabled {
-        let window = longest_ttl(config);
+    let cache = if c.enabled {
         let options = LocalCacheOptions {
             capacity_bytes: c.capacity_bytes,
             expected_items: c.expected_items,
             false_positive_rate: c.false_positive_rate,
-            window,
+            window: longest_ttl(config),
         };
         let cached =
             Arc::new(CachedStore::new(breaker.clone(), options).map_err(StartError::Config)?);
         register_cache_metrics(metrics, &cached);
-        let weak = Arc::downgrade(&cached);
-        forget = Arc::new(move |key: &RecordKey| {
-            if let Some(c) = weak.upgrade() {
-                c.forget(key);
-            }
-        });
-        let weak = Arc::downgrade(&cached);
-        bloom_window = Some(Arc::new(move |window: Duration| {
-            if let Some(c) = weak.upgrade() {
-                c.set_window(window);
-            }
-        }));
-        cached
+        Some(cached)
     } else {
-        breaker.clone()
+        None
+    };
+    let store: Arc<dyn RecordStore> = match &cache {
+        Some(cached) => cached.clone(),
+        None => breaker.clone(),
     };
     // Built whatever the policy at start: `on_unavailable` applies live, and a switch to
     // `local` by reload needs somewhere to fall back to.
     let fallback = Some(memory.clone() as Arc<dyn RecordStore>);
     let bus = PurgeBus::new(settings, redis.tls_certificates().as_ref());
     let purge = match bus {
-        Ok(bus) => Some((bus, forget.clone())),
+        Ok(bus) => Some(bus),
         Err(e) => {
             tracing::warn!(error = %e, "purges will not reach other replicas");
             None
@@ -195,9 +194,8 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
     };
     Ok(StoreStack {
         store,
-        bloom_window,
         shared: breaker,
-        forget_local: forget.clone(),
+        cache,
         memory,
         fallback,
         redis: Some(redis),
@@ -354,10 +352,10 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     let in_flight = Arc::new(InFlightCounter::default());
     let readiness = Arc::new(Readiness::default());
     let reloader = Reloader::new(config_path, current.clone(), metrics.clone());
-    if let Some(set_window) = stack.bloom_window.clone() {
+    if let Some(cache) = stack.cache.clone() {
         // A reload that raises a route's ttl must not leave the filter forgetting keys whose
         // records are still replayed.
-        reloader.on_swap(move |config| set_window(longest_ttl(config)));
+        reloader.on_swap(move |config| cache.set_window(longest_ttl(config)));
     }
     let script_reloader = stack.redis.clone().map(ScriptReloader::new);
     if let Some(scripts) = &script_reloader {
@@ -398,11 +396,8 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             ],
         );
     }
-    let (retrier, retry_worker) = CompletionRetrier::new(
-        stack.shared.clone(),
-        stack.forget_local.clone(),
-        retry_options,
-    );
+    let (retrier, retry_worker) =
+        CompletionRetrier::new(stack.shared.clone(), stack.forget_local(), retry_options);
     register_store_metrics(&metrics, &retrier);
     metrics.pull_from(
         &in_flight,
@@ -446,7 +441,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         metrics,
         readiness.clone(),
         reloader.clone(),
-        stack.purge.as_ref().map(|(bus, _)| bus.clone()),
+        stack.purge.clone(),
     );
     if let Some(redis) = &stack.redis {
         admin_app = admin_app.with_scripts(redis.clone());
@@ -460,7 +455,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     server.add_service(background_service(
         "store sweeper",
         Sweeper {
-            store: stack.memory,
+            store: stack.memory.clone(),
         },
     ));
     server.add_service(background_service(
@@ -476,11 +471,12 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             "redis tls watcher",
             TlsWatcher {
                 store: store.clone(),
-                bus: stack.purge.as_ref().map(|(bus, _)| bus.clone()),
+                bus: stack.purge.clone(),
             },
         ));
     }
-    if let Some((bus, on_purge)) = stack.purge {
+    if let Some(bus) = stack.purge.clone() {
+        let on_purge = stack.forget_local();
         server.add_service(background_service(
             "purge listener",
             PurgeListener { bus, on_purge },
@@ -558,7 +554,7 @@ impl TlsWatcher {
 /// Drops this replica's cached copy of every record purged anywhere.
 struct PurgeListener {
     bus: PurgeBus,
-    on_purge: OnPurge,
+    on_purge: ForgetLocal,
 }
 
 #[async_trait]

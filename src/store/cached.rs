@@ -13,6 +13,7 @@
 //! The filter rotates: two generations, each covering one window of `ttl`-bounded length, so it
 //! tracks the records that can still be live instead of filling up forever.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -67,6 +68,9 @@ struct Filters {
     current: Bloom<Digest>,
     previous: Bloom<Digest>,
     rotated_at: Instant,
+    /// How long one generation covers: `options.window` at first, then what
+    /// [`CachedStore::set_window`] says (a reload that changes the longest route `ttl`).
+    window: Duration,
 }
 
 struct CacheEntry {
@@ -120,18 +124,10 @@ pub struct CachedStore<S> {
     cache: Box<[Mutex<Cache>]>,
     pending: Mutex<HashMap<(Digest, u128), Pending>>,
     stats: Arc<LocalCacheStats>,
-    /// How long one filter generation covers, in milliseconds: `options.window` at first, then
-    /// what [`CachedStore::set_window`] says (a reload that changes the longest route `ttl`).
-    window_ms: AtomicU64,
     /// Purges so far. A completion remembers its record only if no purge came while its write
     /// was out: a purge of that very key would otherwise be undone by the write landing after
     /// it (one of another key only costs a cache miss).
     purges: AtomicU64,
-}
-
-/// `d` in whole milliseconds, at least one.
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
@@ -150,9 +146,9 @@ impl<S: RecordStore> CachedStore<S> {
             current: make()?,
             previous: make()?,
             rotated_at: Instant::now(),
+            window: options.window,
         };
         let shards = (options.capacity_bytes / CACHE_SHARD_BYTES).clamp(1, MAX_CACHE_SHARDS);
-        let window_ms = millis(options.window);
         Ok(CachedStore {
             inner,
             options,
@@ -161,7 +157,6 @@ impl<S: RecordStore> CachedStore<S> {
             pending: Mutex::new(HashMap::new()),
             stats: Arc::default(),
             purges: AtomicU64::new(0),
-            window_ms: AtomicU64::new(window_ms),
         })
     }
 
@@ -178,7 +173,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// Sets how long one filter generation covers (the longest route `ttl`), so a key this
     /// replica completed stays findable for its whole `ttl` after a reload that raised one.
     pub fn set_window(&self, window: Duration) {
-        self.window_ms.store(millis(window), Ordering::Relaxed);
+        self.filters.lock().window = window;
     }
 
     /// The wrapped store.
@@ -215,8 +210,7 @@ impl<S: RecordStore> CachedStore<S> {
     fn bloom_says_maybe(&self, hash: &Digest) -> bool {
         let mut filters = self.filters.lock();
         let now = Instant::now();
-        let window = Duration::from_millis(self.window_ms.load(Ordering::Relaxed));
-        if now.duration_since(filters.rotated_at) >= window {
+        if now.duration_since(filters.rotated_at) >= filters.window {
             let fresh = Bloom::new_for_fp_rate(
                 self.options.expected_items.max(1),
                 self.options.false_positive_rate,
@@ -283,9 +277,9 @@ impl<S: RecordStore> CachedStore<S> {
                 break;
             };
             // A stale place (the entry was dropped, or cached again later) evicts nothing.
-            if cache.map.get(&oldest).is_some_and(|e| e.seq == seq) {
-                if let Some(e) = cache.map.remove(&oldest) {
-                    cache.bytes -= e.size;
+            if let Entry::Occupied(entry) = cache.map.entry(oldest) {
+                if entry.get().seq == seq {
+                    cache.bytes -= entry.remove().size;
                 }
             }
         }

@@ -38,6 +38,10 @@ pub use self::response::{ResponseBuilder, StoredResponse};
 /// SHA-256 digest used for record ids and fingerprints.
 pub type Digest = [u8; 32];
 
+/// Drops this replica's local copy of a record (its local cache entry), when it keeps one: on a
+/// purge announced by any replica, and when a completion lost its key to a newer execution.
+pub type ForgetLocal = Arc<dyn Fn(&RecordKey) + Send + Sync>;
+
 /// Identifies one record: the tenant (kept readable for key naming and admin) and the scoped hash.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RecordKey {

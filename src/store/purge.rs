@@ -19,7 +19,7 @@ use redis::sentinel::SentinelClient;
 use redis::{RedisResult, TlsCertificates};
 
 use super::redis::{sentinel_client, single_client, SetupError};
-use super::RecordKey;
+use super::{ForgetLocal, RecordKey};
 use crate::config::{RedisConfig, RedisTopology};
 
 /// Publishes and receives purge messages on one channel.
@@ -55,9 +55,6 @@ impl Server {
         })
     }
 }
-
-/// Called with every purged record announced by any replica (including this one).
-pub type OnPurge = Arc<dyn Fn(&RecordKey) + Send + Sync>;
 
 impl PurgeBus {
     /// A bus next to the store `config` describes, with its TLS certificates; channel
@@ -112,7 +109,7 @@ impl PurgeBus {
     /// Listens until `shutdown` fires, reconnecting after errors, calling `on_purge` per message.
     pub async fn listen(
         &self,
-        on_purge: OnPurge,
+        on_purge: ForgetLocal,
         mut shutdown: tokio::sync::watch::Receiver<bool>,
     ) {
         let mut pause = Duration::from_millis(100);

@@ -64,7 +64,7 @@ use redis::cluster_routing::{
 };
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, RedisError, RedisFuture, RedisResult, Script,
+    ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, RedisError, RedisFuture, RedisResult,
     ServerErrorKind, TlsCertificates, TlsMode, Value,
 };
 use tokio::sync::OnceCell;
@@ -446,7 +446,7 @@ enum Conn {
 enum Call<'a> {
     /// EVALSHA of a script on one key; on NOSCRIPT, its text is loaded and the call sent again.
     Script {
-        evalsha: &'a Cmd,
+        evalsha: Cmd,
         text: &'a str,
         key: &'a str,
     },
@@ -823,8 +823,7 @@ impl RedisStore {
                 .map_err(|e| ScriptsError::Unavailable(e.to_string()))?;
             let sends = version.sources.texts.iter().map(|text| {
                 let mut conn = conn.clone();
-                let mut cmd = redis::cmd("SCRIPT");
-                cmd.arg("LOAD").arg(text.as_bytes());
+                let cmd = script_load(text);
                 async move {
                     match &mut conn {
                         Conn::Manager(manager) => cmd.query_async::<String>(manager).await,
@@ -942,12 +941,7 @@ impl RedisStore {
         parse: fn(Value) -> Result<T, StoreError>,
     ) -> Result<T, Failure> {
         version.stats.calls.fetch_add(1, Ordering::Relaxed);
-        let evalsha = evalsha(version.scripts.script(op), redis_key, args);
-        let call = Call::Script {
-            evalsha: &evalsha,
-            text: &version.sources.texts[Scripts::index(op)],
-            key: redis_key,
-        };
+        let call = Call::script(version, op, redis_key, args);
         // A reply the parser cannot read is the script's fault too: both versions promise
         // the same reply shapes.
         let result = self.send(op.name(), call).await.and_then(|value| {
@@ -1144,12 +1138,7 @@ impl RecordStore for RedisStore {
     async fn ping(&self) -> Result<(), StoreError> {
         // The active version, uncounted: probes are no record traffic.
         let set = self.scripts.load_full();
-        let evalsha = evalsha(&set.active.scripts.get, &self.ping_key, &[]);
-        let call = Call::Script {
-            evalsha: &evalsha,
-            text: &set.active.sources.texts[Scripts::index(ScriptOp::Get)],
-            key: &self.ping_key,
-        };
+        let call = Call::script(&set.active, ScriptOp::Get, &self.ping_key, &[]);
         let reply = self.send("ping", call).await.map_err(|f| f.error)?;
         match reply {
             Value::Nil | Value::Boolean(false) => Ok(()),
@@ -1297,7 +1286,24 @@ impl ConnectionLike for Conn {
 
 // === impl Call ===
 
-impl Call<'_> {
+impl<'a> Call<'a> {
+    /// `EVALSHA <sha> 1 <key> <args...>` of `version`'s script for `op`.
+    fn script(version: &'a Version, op: ScriptOp, key: &'a str, args: &[&[u8]]) -> Self {
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha
+            .arg(version.scripts.script(op).get_hash())
+            .arg(1)
+            .arg(key);
+        for arg in args {
+            evalsha.arg(*arg);
+        }
+        Call::Script {
+            evalsha,
+            text: &version.sources.texts[Scripts::index(op)],
+            key,
+        }
+    }
+
     async fn send(&self, conn: &mut Conn) -> RedisResult<Value> {
         let (evalsha, text, key) = match self {
             Call::Script { evalsha, text, key } => (evalsha, text, key),
@@ -1305,8 +1311,7 @@ impl Call<'_> {
         };
         match evalsha.query_async(conn).await {
             Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let mut load = redis::cmd("SCRIPT");
-                load.arg("LOAD").arg(text.as_bytes());
+                let load = script_load(text);
                 match conn {
                     Conn::Manager(manager) => load.exec_async(manager).await?,
                     // redis-rs sends SCRIPT LOAD to every node of a cluster, replicas too, and
@@ -1328,13 +1333,10 @@ impl Call<'_> {
 
 // === encoding of arguments and replies ===
 
-/// `EVALSHA <sha> 1 <key> <args...>`.
-fn evalsha(script: &Script, key: &str, args: &[&[u8]]) -> Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script.get_hash()).arg(1).arg(key);
-    for arg in args {
-        cmd.arg(*arg);
-    }
+/// `SCRIPT LOAD <text>`.
+fn script_load(text: &str) -> Cmd {
+    let mut cmd = redis::cmd("SCRIPT");
+    cmd.arg("LOAD").arg(text.as_bytes());
     cmd
 }
 

@@ -38,7 +38,9 @@ use rand::Rng;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::{Completion, OwnerToken, Record, RecordKey, RecordState, RecordStore, WriteOutcome};
+use super::{
+    Completion, ForgetLocal, OwnerToken, Record, RecordKey, RecordState, RecordStore, WriteOutcome,
+};
 
 /// Retry settings.
 #[derive(Clone, Debug)]
@@ -99,9 +101,6 @@ pub struct RetryStats {
     /// Completions waiting right now.
     pub pending: AtomicUsize,
 }
-
-/// Drops this replica's local copy of a record (its local cache entry), when it keeps one.
-pub type ForgetLocal = Arc<dyn Fn(&RecordKey) + Send + Sync>;
 
 /// Handle to the background retrier.
 #[derive(Clone)]
