@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 
 use crate::config::ScriptsConfig;
-use crate::scripts::SCRIPT_NAMES;
+use crate::scripts::Sources;
 use crate::store::redis::{ScriptsApplied, ScriptsError};
 use crate::store::RedisStore;
 
@@ -131,9 +131,9 @@ impl ScriptReloader {
     }
 }
 
-/// The bytes of the script files `settings` names in `store.redis.scripts.dir` (the active
-/// version's and the canary's; `None` for a file that is not there).
-type Reading = Vec<Option<Vec<u8>>>;
+/// The script texts `settings` names (the active version's and the canary's) as the store
+/// reads them ([`Sources::find`]); `None` for a version that cannot be read as it is.
+type Reading = Vec<Option<Sources>>;
 
 /// Tells a settled edit of the script files from one still being written.
 #[derive(Default)]
@@ -151,17 +151,10 @@ impl Settle {
 }
 
 fn read_versions(settings: &ScriptsConfig) -> Reading {
-    let Some(dir) = &settings.dir else {
-        return Vec::new();
-    };
-    let versions =
-        std::iter::once(&settings.version).chain(settings.canary.as_ref().map(|c| &c.version));
-    versions
-        .flat_map(|version| {
-            SCRIPT_NAMES
-                .iter()
-                .map(move |name| std::fs::read(dir.join(version).join(format!("{name}.lua"))).ok())
-        })
+    let dir = settings.dir.as_deref();
+    std::iter::once(&settings.version)
+        .chain(settings.canary.as_ref().map(|c| &c.version))
+        .map(|version| Sources::find(dir, version).ok())
         .collect()
 }
 
@@ -186,13 +179,17 @@ fn start_watcher(
 mod tests {
     use super::*;
     use crate::config::CanaryConfig;
+    use crate::scripts::SCRIPT_NAMES;
 
     #[test]
     fn an_edit_counts_once_two_readings_in_a_row_agree() {
         let mut files = Settle::default();
-        let old = vec![Some(b"old".to_vec())];
-        let half = vec![Some(b"new, half written".to_vec())];
-        let new = vec![Some(b"new".to_vec())];
+        let old = vec![Sources::builtin("v1")];
+        let mut half = old.clone();
+        if let Some(s) = half[0].as_mut() {
+            s.texts[0].truncate(10);
+        }
+        let new = vec![Sources::builtin("v2")];
         assert!(
             !files.settled(old.clone()),
             "nothing to compare the first reading with"
@@ -219,9 +216,10 @@ mod tests {
             version: "va".into(),
             canary: None,
         };
+        let texts = |reading: &Reading, i: usize| reading[i].as_ref().map(|s| s.texts.clone());
         let active = read_versions(&settings);
-        assert_eq!(active.len(), 4);
-        assert_eq!(active[0].as_deref(), Some(&b"-- va claim"[..]));
+        assert_eq!(active.len(), 1);
+        assert_eq!(texts(&active, 0).unwrap()[0], "-- va claim");
         settings.canary = Some(CanaryConfig {
             version: "vc".into(),
             percent: 10,
@@ -231,10 +229,13 @@ mod tests {
             window: Duration::from_secs(60),
         });
         let both = read_versions(&settings);
-        assert_eq!(both.len(), 8);
-        assert_eq!(both[7].as_deref(), Some(&b"-- vc get"[..]));
+        assert_eq!(both.len(), 2);
+        assert_eq!(texts(&both, 1).unwrap()[3], "-- vc get");
         std::fs::remove_file(dir.path().join("vc").join("get.lua")).unwrap();
-        assert_eq!(read_versions(&settings)[7], None);
-        assert!(read_versions(&ScriptsConfig::default()).is_empty());
+        assert_eq!(texts(&read_versions(&settings), 1), None);
+        // Without a directory: the built-in text, the same at every reading.
+        let builtin = read_versions(&ScriptsConfig::default());
+        assert!(builtin[0].is_some());
+        assert_eq!(builtin, read_versions(&ScriptsConfig::default()));
     }
 }
