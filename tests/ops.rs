@@ -7,23 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::proxy::Edit;
-use common::{Backend, Proxy, ProxyBuilder, Request};
-
-/// What a POST without a key gets: `INVALID` while the key is required, `BYPASS` once optional.
-async fn no_key_result(proxy: &Proxy) -> Option<String> {
-    Request::post("/orders")
-        .body("{}")
-        .send(proxy.addr)
-        .await
-        .result()
-        .map(str::to_string)
-}
-
-fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.parse().ok())
-}
+use common::{metric, no_key_result, Backend, ProxyBuilder, Request};
 
 #[tokio::test]
 async fn an_edit_refused_for_a_missing_script_version_goes_live_once_the_version_appears() {

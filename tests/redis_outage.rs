@@ -12,17 +12,28 @@ use common::redis::RedisServer;
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
 fn builder(backend: &Backend, redis: &RedisServer) -> ProxyBuilder {
+    builder_to(backend, redis.url())
+}
+
+/// A proxy on the Redis at `url` (a fault proxy's, say), with short Redis timeouts.
+fn builder_to(backend: &Backend, url: String) -> ProxyBuilder {
     ProxyBuilder::new(backend)
-        .redis(&[redis.url()])
+        .redis(&[url])
         .store("  connect_timeout: 200ms")
         .store("  response_timeout: 200ms")
 }
 
+/// Backend timeouts that fit a 2 s lock, and the lock.
+fn with_a_2s_lock(builder: ProxyBuilder) -> ProxyBuilder {
+    builder
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 500ms")
+        .upstream("read_timeout: 1s")
+        .idem("lock_ttl: 2s")
+}
+
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+    common::metric(text, name).unwrap_or(0.0)
 }
 
 /// Sends `req` to `addr` from a task of its own; the handle gives its response.
@@ -365,10 +376,7 @@ async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_
     let dead = dir.path().join("dead.jsonl");
     // Two quick attempts (about 60 ms in all) against a 6 s lock.
     let build = || {
-        ProxyBuilder::new(&backend)
-            .redis(&[link.redis_url()])
-            .store("  connect_timeout: 200ms")
-            .store("  response_timeout: 200ms")
+        builder_to(&backend, link.redis_url())
             .store(&format!(
                 "completion_retry: {{ attempts: 2, base_delay: 20ms, max_delay: 40ms, dead_letter_path: \"{}\" }}",
                 dead.display()
@@ -417,26 +425,13 @@ async fn a_retried_completion_that_lost_its_key_is_dead_lettered_not_taken_from_
     let dir = tempfile::tempdir().unwrap();
     let dead = dir.path().join("dead.jsonl");
     // Retries go on for several seconds after the 2 s lock has lapsed.
-    let a = ProxyBuilder::new(&backend)
-        .redis(&[link.redis_url()])
-        .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 200ms")
-        .store(&format!(
-            "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 100ms, dead_letter_path: \"{}\" }}",
-            dead.display()
-        ))
-        .upstream("connect_timeout: 200ms")
-        .upstream("write_timeout: 500ms")
-        .upstream("read_timeout: 1s")
-        .idem("lock_ttl: 2s")
-        .start()
-        .await;
-    let b = builder(&backend, &redis)
-        .worker_id(2)
-        .upstream("connect_timeout: 200ms")
-        .upstream("write_timeout: 500ms")
-        .upstream("read_timeout: 1s")
-        .idem("lock_ttl: 2s")
+    let a = with_a_2s_lock(builder_to(&backend, link.redis_url()).store(&format!(
+        "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 100ms, dead_letter_path: \"{}\" }}",
+        dead.display()
+    )))
+    .start()
+    .await;
+    let b = with_a_2s_lock(builder(&backend, &redis).worker_id(2))
         .start()
         .await;
     let req = Request::post("/orders/slow/500").key("taken").body("{}");
@@ -532,10 +527,7 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
     // The lock (8 s) is renewed at three quarters of its life (6 s); the backend answers at 7 s.
-    let proxy = ProxyBuilder::new(&backend)
-        .redis(&[link.redis_url()])
-        .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 200ms")
+    let proxy = builder_to(&backend, link.redis_url())
         .upstream("connect_timeout: 200ms")
         .upstream("write_timeout: 300ms")
         .upstream("read_timeout: 7s")

@@ -50,19 +50,22 @@ fn script_dir(
     dir
 }
 
+/// `script`'s text with `line` put before the first `anchor` (asserted to be there); other
+/// scripts as they are.
+fn insert_before(script: &str, anchor: &str, line: &str, name: &str, text: String) -> String {
+    if name != script {
+        return text;
+    }
+    let edited = text.replacen(anchor, &format!("{line}\n{anchor}"), 1);
+    assert_ne!(edited, text, "the {script} script changed shape");
+    edited
+}
+
 /// v2's claim that fails after it has written the claim (Redis keeps those writes): the
 /// active version's retry must cope with a half-done canary call.
 fn claim_failing_after_its_writes(name: &str, text: String) -> String {
-    if name == "claim" {
-        let broken = text.replace(
-            "  return {1, execution_id}",
-            "  redis.call('NOPE')\n  return {1, execution_id}",
-        );
-        assert_ne!(broken, text, "the claim script changed shape");
-        broken
-    } else {
-        text
-    }
+    let anchor = "  return {1, execution_id}";
+    insert_before("claim", anchor, "  redis.call('NOPE')", name, text)
 }
 
 fn settings(server: &RedisServer, scripts: ScriptsConfig) -> RedisConfig {
@@ -177,14 +180,8 @@ async fn a_failing_canary_call_is_answered_by_the_active_version_then_rolled_bac
     // A claim that fails after writing, and a completion that fails before writing.
     script_dir(root.path(), "vbad", "v2", |name, text| {
         let text = claim_failing_after_its_writes(name, text);
-        if name == "complete" {
-            text.replace(
-                "local key = KEYS[1]",
-                "redis.call('NOPE')\nlocal key = KEYS[1]",
-            )
-        } else {
-            text
-        }
+        let anchor = "local key = KEYS[1]";
+        insert_before("complete", anchor, "redis.call('NOPE')", name, text)
     });
     // Every record on the canary, and no rollback yet.
     let first = scripts(
@@ -262,17 +259,8 @@ async fn a_canary_failing_with_any_server_error_is_answered_by_the_active_versio
     let root = tempfile::tempdir().unwrap();
     // A read that calls a string command on the record's hash: WRONGTYPE, not ERR.
     script_dir(root.path(), "vwt", "v2", |name, text| {
-        if name == "get" {
-            let broken = text.replacen(
-                "local f, x, s, l, p = unpack(",
-                "redis.call('GET', KEYS[1])\nlocal f, x, s, l, p = unpack(",
-                1,
-            );
-            assert_ne!(broken, text, "the get script changed shape");
-            broken
-        } else {
-            text
-        }
+        let anchor = "local f, x, s, l, p = unpack(";
+        insert_before("get", anchor, "redis.call('GET', KEYS[1])", name, text)
     });
     let store = store(
         &server,

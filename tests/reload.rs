@@ -6,21 +6,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::proxy::Edit;
-use common::{Backend, Proxy, ProxyBuilder, Request};
+use common::{no_key_result, Backend, Proxy, ProxyBuilder, Request};
 
 /// A config edit.
 type Rewrite = fn(&str) -> String;
 
 const TOKEN: &str = "test-admin-token-0123456789";
-
-async fn no_key_result(proxy: &Proxy) -> Option<String> {
-    Request::post("/orders")
-        .body("{}")
-        .send(proxy.addr)
-        .await
-        .result()
-        .map(str::to_string)
-}
 
 /// Waits up to `limit` for requests without a key to get `want`; returns how long it took.
 async fn wait_for_result(proxy: &Proxy, want: &str, limit: Duration) -> Duration {

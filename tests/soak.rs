@@ -355,10 +355,7 @@ async fn metrics(admin: SocketAddr) -> Option<String> {
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+    common::metric(text, name).unwrap_or(0.0)
 }
 
 impl Chaos<'_> {

@@ -510,27 +510,45 @@ pub async fn case_wait_returns_at_once_when_not_in_flight<S: RecordStore>(store:
 
 /// `wait_for_change` returns promptly when the owner completes from another task.
 pub async fn case_wait_wakes_on_complete<S: RecordStore>(store: &Arc<S>) {
+    let completion = Completion::Response(Arc::new(simple_response(201, b"finished")));
+    let written = completion.clone();
+    let (record, waited, settled) = wait_through(store, move |store, req| async move {
+        store.complete(&req.key, req.owner, written, TTL).await
+    })
+    .await;
+    assert_eq!(ok(settled), WriteOutcome::Applied);
+    assert_eq!(
+        record.map(|r| r.state),
+        Some(RecordState::Completed(completion))
+    );
+    assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+}
+
+/// Claims a fresh key with a long lock and waits for a change of it while `settle` acts on the
+/// claim from another task 100 ms in. Returns what the wait read, how long it took, and what
+/// `settle` returned.
+async fn wait_through<S, F, Fut, T>(store: &Arc<S>, settle: F) -> (Option<Record>, Duration, T)
+where
+    S: RecordStore,
+    F: FnOnce(Arc<S>, ClaimRequest) -> Fut + Send + 'static,
+    Fut: Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
     let key = fresh_key();
     let req = ClaimRequest {
         lock_ttl: LONG_LOCK,
         ..request(&key, fingerprint(1))
     };
     ok(store.claim(&req).await);
-    let completion = Completion::Response(Arc::new(simple_response(201, b"finished")));
-    let writer = {
-        let (store, key, completion) = (Arc::clone(store), key.clone(), completion.clone());
+    let settler = {
+        let store = Arc::clone(store);
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            store.complete(&key, req.owner, completion, TTL).await
+            settle(store, req).await
         })
     };
     let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
-    assert_eq!(ok(joined(writer.await)), WriteOutcome::Applied);
-    assert_eq!(
-        record.map(|r| r.state),
-        Some(RecordState::Completed(completion))
-    );
-    assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
+    (record, waited, joined(settler.await))
 }
 
 /// `wait_for_change` on `key`, and how long it took.
@@ -546,21 +564,11 @@ async fn timed_wait<S: RecordStore>(
 
 /// `wait_for_change` returns promptly when the owner releases from another task.
 pub async fn case_wait_wakes_on_release<S: RecordStore>(store: &Arc<S>) {
-    let key = fresh_key();
-    let req = ClaimRequest {
-        lock_ttl: LONG_LOCK,
-        ..request(&key, fingerprint(1))
-    };
-    ok(store.claim(&req).await);
-    let writer = {
-        let (store, key) = (Arc::clone(store), key.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            store.release(&key, req.owner).await
-        })
-    };
-    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
-    assert_eq!(ok(joined(writer.await)), WriteOutcome::Applied);
+    let (record, waited, settled) = wait_through(store, |store, req| async move {
+        store.release(&req.key, req.owner).await
+    })
+    .await;
+    assert_eq!(ok(settled), WriteOutcome::Applied);
     assert_eq!(record.map(|r| r.state), Some(RecordState::Released));
     assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
 }
@@ -723,21 +731,13 @@ pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(sto
 
 /// `wait_for_change` returns promptly, with nothing, when the record is deleted mid-wait.
 pub async fn case_wait_returns_when_the_record_is_deleted<S: RecordStore>(store: &Arc<S>) {
-    let key = fresh_key();
-    let req = ClaimRequest {
-        lock_ttl: LONG_LOCK,
-        ..request(&key, fingerprint(1))
-    };
-    ok(store.claim(&req).await);
-    let deleter = {
-        let (store, key) = (Arc::clone(store), key.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            store.delete(&key).await
-        })
-    };
-    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
-    assert!(ok(joined(deleter.await)), "the delete found no record");
+    let (record, waited, deleted) =
+        wait_through(
+            store,
+            |store, req| async move { store.delete(&req.key).await },
+        )
+        .await;
+    assert!(ok(deleted), "the delete found no record");
     assert_eq!(record, None, "a deleted record was read back");
     assert!(waited < WAIT_TIMEOUT / 2, "wait took {waited:?}");
 }

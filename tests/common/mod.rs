@@ -13,3 +13,21 @@ pub mod tls;
 pub use backend::Backend;
 pub use client::{Request, Response};
 pub use proxy::{Proxy, ProxyBuilder};
+
+/// The value of the sample `name` (no labels) in a Prometheus text exposition.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.parse().ok())
+}
+
+/// What a POST to `/orders` without a key gets: `INVALID` while the harness's `orders` route
+/// requires a key, `BYPASS` once an edit made it optional.
+pub async fn no_key_result(proxy: &Proxy) -> Option<String> {
+    Request::post("/orders")
+        .body("{}")
+        .send(proxy.addr)
+        .await
+        .result()
+        .map(str::to_string)
+}
