@@ -387,7 +387,7 @@ impl Shutdown for HeadGuard {
     /// for good, the very thing the guard is there to stop. Past the deadline the connection is
     /// dropped with whatever was not sent.
     async fn shutdown(&mut self) {
-        let _ = tokio::time::timeout(self.limits.send, self.inner.shutdown()).await;
+        let _ = crate::upstream::within(self.limits.send, self.inner.shutdown()).await;
     }
 }
 
