@@ -652,6 +652,7 @@ routes:
             fingerprint: [0xab; 32],
             execution_id: 7 << 22,
             state,
+            expires_in: None,
         }
     }
 

@@ -254,6 +254,12 @@ fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<Cached
                 |s| s.hits.load(Ordering::Relaxed) as f64,
             ),
             (
+                "idemgate_local_cache_copies_total",
+                "Completed records read from the store (completed by another replica) and copied into the local cache",
+                Pull::Counter,
+                |s| s.copied.load(Ordering::Relaxed) as f64,
+            ),
+            (
                 "idemgate_bloom_negatives_total",
                 "Claims the Bloom filter sent straight to the store",
                 Pull::Counter,

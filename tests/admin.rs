@@ -144,18 +144,26 @@ async fn purge_reaches_the_other_replica(a: &Proxy, b: &Proxy, key: &str) {
     let req = Request::post("/orders").key(key).body("{}");
     // Right after a failover the store may answer 503 until it follows the Sentinel.
     let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match req.send(a.addr).await.result() {
-            Some("MISS") => break,
+    let first = loop {
+        let r = req.send(a.addr).await;
+        match r.result() {
+            Some("MISS") => break r,
             other => assert!(Instant::now() < deadline, "first execution: {other:?}"),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    };
     assert_eq!(
         req.send(a.addr).await.result(),
         Some("HIT"),
         "served from A's local cache"
     );
+    // B reads the record from Redis and keeps a copy of it.
+    let copies =
+        || async { common::metric(&b.metrics().await, "idemgate_local_cache_copies_total") };
+    let before = copies().await.expect("copies counted");
+    let copied = req.send(b.addr).await;
+    assert_eq!((copied.result(), &copied.body), (Some("HIT"), &first.body));
+    assert_eq!(copies().await, Some(before + 1.0), "B copied the record");
     let path = format!("/admin/records/default/{key}");
     let del = loop {
         let del = Request::new("DELETE", &path)
@@ -170,18 +178,21 @@ async fn purge_reaches_the_other_replica(a: &Proxy, b: &Proxy, key: &str) {
     assert_eq!(del.status, 200, "{}", del.text());
     assert!(del.text().contains("replicas listening"), "{}", del.text());
     let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let second = loop {
         let r = req.send(a.addr).await;
         if r.result() == Some("MISS") {
-            break;
+            break r;
         }
         assert!(
             Instant::now() < deadline,
             "A still replays the purged record {key}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(req.send(b.addr).await.result(), Some("HIT"));
+    };
+    assert_ne!(second.body, first.body, "a second execution");
+    // B's copy went with the purge: it replays the second execution, not its copy of the first.
+    let replay = req.send(b.addr).await;
+    assert_eq!((replay.result(), &replay.body), (Some("HIT"), &second.body));
 }
 
 #[tokio::test]

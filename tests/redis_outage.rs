@@ -344,19 +344,12 @@ async fn a_retry_this_replica_completed_needs_no_redis_round_trip() {
     let req = Request::post("/orders").key("hot").body("{}");
     let first = req.send(proxy.addr).await;
     assert_eq!(first.result(), Some("MISS"));
-    let calls = |redis: &RedisServer| -> u64 {
-        let info: String = redis.cmd(&["INFO", "commandstats"]);
-        info.lines()
-            .filter_map(|l| l.split("calls=").nth(1))
-            .filter_map(|v| v.split(',').next()?.parse::<u64>().ok())
-            .sum()
-    };
-    let before = calls(&redis);
+    let before = redis.calls();
     for _ in 0..20 {
         assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
     }
     // Only the INFO command itself was added.
-    assert_eq!(calls(&redis), before + 1, "hits were answered locally");
+    assert_eq!(redis.calls(), before + 1, "hits were answered locally");
     // Even with Redis gone, this replica replays what it completed.
     redis.kill();
     let r = req.send(proxy.addr).await;

@@ -202,3 +202,66 @@ async fn proxy_starts_while_redis_is_down_and_serves_once_it_is_up() {
     assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
     proxy.log_containing("redis store not reachable yet").await;
 }
+
+#[tokio::test]
+async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_longer_than_it_lives()
+{
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let replica = || {
+        ProxyBuilder::new(&backend)
+            .redis(&[redis.url()])
+            .idem("ttl: 2s")
+            .idem("lock_ttl: 1s")
+            .upstream("connect_timeout: 100ms")
+            .upstream("write_timeout: 100ms")
+            .upstream("read_timeout: 500ms")
+            .start()
+    };
+    let (a, b) = (replica().await, replica().await);
+    let req = Request::post("/orders")
+        .key("copied-1")
+        .json(r#"{"sku":"C"}"#);
+    let first = req.send(a.addr).await;
+    assert_eq!(first.result(), Some("MISS"));
+    // Half the record's life later, B reads it from Redis once and keeps a copy.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let read = req.send(b.addr).await;
+    assert_eq!((read.result(), &read.body), (Some("HIT"), &first.body));
+    let before = redis.calls();
+    for _ in 0..10 {
+        let replay = req.send(b.addr).await;
+        assert_eq!((replay.result(), &replay.body), (Some("HIT"), &first.body));
+    }
+    // A changed payload is judged against the copy too.
+    let changed = Request::post("/orders")
+        .key("copied-1")
+        .json(r#"{"sku":"D"}"#);
+    assert_eq!(changed.send(b.addr).await.status, 422);
+    // Only the INFO command itself was added: B answered from its copy.
+    assert_eq!(redis.calls(), before + 1, "B replayed without Redis");
+    let m = b.metrics().await;
+    assert_eq!(
+        common::metric(&m, "idemgate_local_cache_copies_total"),
+        Some(1.0)
+    );
+    assert!(
+        common::metric(&m, "idemgate_local_cache_hits_total") >= Some(11.0),
+        "{m}"
+    );
+
+    // The copy lives no longer than the record in Redis (what was left of its life when B read
+    // it, not a whole route ttl from then): once Redis has dropped the record, B executes again.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !redis.keys().is_empty() {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let again = req.send(b.addr).await;
+    assert_eq!(
+        again.result(),
+        Some("MISS"),
+        "B replayed a copy past the record's life"
+    );
+    assert_eq!(backend.count(), 2);
+}

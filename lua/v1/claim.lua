@@ -11,9 +11,12 @@
 --   {1, execution_id}
 --       the caller now holds the claim; execution_id is the record's (old or new)
 --   {0, fingerprint, execution_id, state, lock_ms, payload}
+--   {0, fingerprint, execution_id, state, lock_ms, payload, life_ms}   (completed records)
 --       the record as it is, unchanged. state is "i" (in flight), "r" (released) or
 --       "c" (completed); lock_ms is what is left of the lock (0 unless in flight);
---       payload is the encoded completion ("" unless completed)
+--       payload is the encoded completion ("" unless completed); life_ms is what is left of
+--       a completed record's life (PTTL), so the caller may keep a local copy no longer than
+--       this one lives (optional in the contract: a version that leaves it out gets no copies)
 --
 -- Transition:
 --   absent                                  -> in flight (fingerprint, ARGV[3] as execution id)
@@ -58,5 +61,8 @@ if free and f == fingerprint then
     redis.call('PEXPIRE', key, life)
   end
   return {1, x}
+end
+if s == 'c' then
+  return {0, f, x, s, 0, p or '', redis.call('PTTL', key)}
 end
 return {0, f, x, s, lock_left, p or ''}

@@ -1,13 +1,16 @@
 //! The local fast path in front of a shared store: a rotating Bloom filter and a bounded cache
-//! of the records this replica completed, so a hot retry is answered without a round trip.
+//! of completed records — the ones this replica completed, and copies of ones it read completed
+//! from the store — so a hot retry is answered without a round trip.
 //!
 //! Completed records never change, which is what makes this safe: a cached completion is the
 //! same bytes the shared store holds until the record's TTL (the cache entry's own deadline) or a
-//! purge. Correctness never depends on the Bloom filter:
+//! purge. A copy of a record read from the store lives only as long as the store said the record
+//! has left (`Record::expires_in`), counted from before the read was sent. Correctness never
+//! depends on the Bloom filter:
 //!
-//! - **negative** (`false`): this replica completed no record with this id in the current or
+//! - **negative** (`false`): this replica cached no record with this id in the current or
 //!   previous window, so the cache cannot hold it; go to the store without touching the cache.
-//! - **positive** (`true`): this replica *probably* completed it (false positives at the
+//! - **positive** (`true`): this replica *probably* cached it (false positives at the
 //!   configured rate); look in the cache, and go to the store when the cache has nothing.
 //!
 //! The filter rotates: two generations, each covering one window of `ttl`-bounded length, so it
@@ -62,6 +65,9 @@ pub struct LocalCacheStats {
     pub bloom_false_positives: AtomicU64,
     /// Claims where the Bloom filter said "never completed here".
     pub bloom_negatives: AtomicU64,
+    /// Completed records read from the store (completed by another replica, or by this one
+    /// before it restarted) and kept as local copies.
+    pub copied: AtomicU64,
 }
 
 struct Filters {
@@ -73,9 +79,12 @@ struct Filters {
     window: Duration,
 }
 
+/// A completed record held locally (only completed records are: they never change).
 struct CacheEntry {
     tenant: String,
-    record: Record,
+    fingerprint: Digest,
+    execution_id: u64,
+    completion: Completion,
     expires_at: Instant,
     size: usize,
     /// When the entry was inserted, in its shard's count: tells its place in `order` from a
@@ -231,7 +240,12 @@ impl<S: RecordStore> CachedStore<S> {
             .get(&key.hash)
             .map(|e| (e.tenant == key.tenant, e.expires_at <= now));
         match hit {
-            Some((true, false)) => cache.map.get(&key.hash).map(|e| e.record.clone()),
+            Some((true, false)) => cache.map.get(&key.hash).map(|e| Record {
+                fingerprint: e.fingerprint,
+                execution_id: e.execution_id,
+                state: RecordState::Completed(e.completion.clone()),
+                expires_in: Some(e.expires_at - now),
+            }),
             Some((_, true)) => {
                 if let Some(e) = cache.map.remove(&key.hash) {
                     cache.bytes -= e.size;
@@ -242,13 +256,17 @@ impl<S: RecordStore> CachedStore<S> {
         }
     }
 
-    /// Remembers a completion this replica wrote until `expires_at`.
+    /// Keeps a local copy of a completed record until `expires_at` (a record in any other state
+    /// is not kept: it may still change).
     fn remember(&self, key: &RecordKey, record: Record, expires_at: Instant) {
+        let RecordState::Completed(completion) = record.state else {
+            return;
+        };
         let size = ENTRY_OVERHEAD
             + key.tenant.len()
-            + match &record.state {
-                RecordState::Completed(Completion::Response(r)) => r.size_bytes(),
-                _ => 0,
+            + match &completion {
+                Completion::Response(r) => r.size_bytes(),
+                Completion::Unreplayable { .. } => 0,
             };
         let budget = self.shard_budget();
         if size > budget {
@@ -260,7 +278,9 @@ impl<S: RecordStore> CachedStore<S> {
         cache.next_seq += 1;
         let entry = CacheEntry {
             tenant: key.tenant.clone(),
-            record,
+            fingerprint: record.fingerprint,
+            execution_id: record.execution_id,
+            completion,
             expires_at,
             size,
             seq,
@@ -313,7 +333,21 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         } else {
             self.stats.bloom_negatives.fetch_add(1, Ordering::Relaxed);
         }
+        let purges = self.purges.load(Ordering::Acquire);
+        let sent = Instant::now();
         let outcome = self.inner.claim(req).await?;
+        if let ClaimOutcome::Existing(record) = &outcome {
+            // A record completed elsewhere (another replica, or this one before a restart) whose
+            // life the store told: keep a copy for no longer than that life, counted from before
+            // the claim was sent (the store's copy lives at least as long), unless a purge came
+            // while the claim was out.
+            if let (RecordState::Completed(_), Some(life)) = (&record.state, record.expires_in) {
+                if self.purges.load(Ordering::Acquire) == purges {
+                    self.remember(&req.key, record.clone(), sent + life);
+                    self.stats.copied.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
         if let ClaimOutcome::Acquired { execution_id } = outcome {
             let now = Instant::now();
             let mut pending = self.pending.lock();
@@ -360,6 +394,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 fingerprint: p.fingerprint,
                 execution_id: p.execution_id,
                 state: RecordState::Completed(completion),
+                expires_in: None,
             };
             self.remember(key, record, expires_at);
         }
@@ -468,6 +503,7 @@ mod tests {
                 fingerprint: [7; 32],
                 execution_id: u64::from(n),
                 state: RecordState::Completed(response(&[1u8; 5000])),
+                expires_in: None,
             };
             store.remember(&key, record, Instant::now() + Duration::from_secs(60));
         }
@@ -508,6 +544,7 @@ mod tests {
             fingerprint: [7; 32],
             execution_id: u64::from(n),
             state: RecordState::Completed(response(&[1u8; 1000])),
+            expires_in: None,
         };
         let until = Instant::now() + Duration::from_secs(60);
         // A is cached, dropped (a purge) and cached again after B: A's first place is stale.
@@ -757,6 +794,96 @@ mod tests {
         store.inner().set(Fault::None);
         assert_eq!(writing.await.unwrap().unwrap(), WriteOutcome::Applied);
         assert!(store.cached(&req.key).is_none(), "the purge was undone");
+    }
+
+    type Shared = Arc<FaultyStore<MemoryStore>>;
+
+    /// Two replicas' caches in front of one shared store.
+    fn two_replicas() -> (Shared, CachedStore<Shared>, CachedStore<Shared>) {
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
+        let a = CachedStore::new(shared.clone(), options()).unwrap();
+        let b = CachedStore::new(shared.clone(), options()).unwrap();
+        (shared, a, b)
+    }
+
+    #[tokio::test]
+    async fn a_record_another_replica_completed_is_copied_for_what_is_left_of_its_life() {
+        let (shared, a, b) = two_replicas();
+        let req = claim("t", 8);
+        a.claim(&req).await.unwrap();
+        let life = Duration::from_millis(400);
+        a.complete(&req.key, req.owner, response(b"a's"), life)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let retry = |n: u8| ClaimRequest {
+            owner: OwnerToken::random(),
+            execution_id: u64::from(n),
+            ..req.clone()
+        };
+        // B reads it from the shared store once, then answers from its copy, even with the
+        // shared store down.
+        assert!(matches!(
+            b.claim(&retry(1)).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(b.stats().copied.load(Ordering::Relaxed), 1);
+        shared.set(Fault::Down);
+        let calls = shared.calls.load(Ordering::Relaxed);
+        match b.claim(&retry(2)).await.unwrap() {
+            ClaimOutcome::Existing(r) => {
+                assert_eq!(r.state, RecordState::Completed(response(b"a's")));
+                assert_eq!(r.execution_id, 8);
+                assert!(r
+                    .expires_in
+                    .is_some_and(|left| left <= Duration::from_millis(200)));
+            }
+            other => panic!("expected B's copy, got {other:?}"),
+        }
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls, "no round trip");
+        assert_eq!(b.stats().hits.load(Ordering::Relaxed), 1);
+        // The copy goes when the shared record does, not a route ttl after B read it.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert!(b.cached(&req.key).is_none(), "the copy outlived the record");
+    }
+
+    #[tokio::test]
+    async fn only_completed_records_are_copied_and_not_across_a_purge() {
+        let (shared, a, b) = two_replicas();
+        // In flight on A: B sees it, keeps nothing.
+        let req = claim("t", 9);
+        a.claim(&req).await.unwrap();
+        let retry = ClaimRequest {
+            owner: OwnerToken::random(),
+            ..req.clone()
+        };
+        assert!(matches!(
+            b.claim(&retry).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(b.stats().copied.load(Ordering::Relaxed), 0);
+        // Completed, then purged while B's read of it is out: B keeps no copy.
+        a.complete(&req.key, req.owner, response(b"x"), req.ttl)
+            .await
+            .unwrap();
+        shared.set(Fault::Stall);
+        let b = Arc::new(b);
+        let reading = tokio::spawn({
+            let b = b.clone();
+            async move { b.claim(&retry).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        b.forget(&req.key);
+        shared.set(Fault::None);
+        assert!(matches!(
+            reading.await.unwrap().unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(b.stats().copied.load(Ordering::Relaxed), 0);
+        assert!(
+            b.cached(&req.key).is_none(),
+            "a copy read across a purge was kept"
+        );
     }
 
     #[tokio::test]

@@ -406,6 +406,13 @@ pub async fn case_record_expires_after_ttl<S: RecordStore>(store: &Arc<S>) {
     ok(store
         .complete(&completed, req.owner, completion, SHORT_TTL)
         .await);
+    // A claim that finds it completed tells what is left of its life (what a local copy may
+    // keep it for): the completion's ttl or less, never the claim's longer one.
+    let life = existing(ok(store.claim(&request(&completed, fingerprint(1))).await)).expires_in;
+    assert!(
+        life.is_some_and(|left| !left.is_zero() && left <= SHORT_TTL),
+        "a completed record's life: {life:?}"
+    );
 
     // Claimed for short, completed for long: the response outlives the claim's ttl.
     let extended = fresh_key();
@@ -425,6 +432,9 @@ pub async fn case_record_expires_after_ttl<S: RecordStore>(store: &Arc<S>) {
         ..request(&abandoned, fingerprint(1))
     };
     ok(store.claim(&lost).await);
+    // A record in flight has no life to tell: it still changes.
+    let in_flight = existing(ok(store.claim(&request(&abandoned, fingerprint(1))).await));
+    assert_eq!(in_flight.expires_in, None);
 
     tokio::time::sleep(SHORT_TTL + Duration::from_millis(300)).await;
     for (key, old) in [(&completed, &req), (&abandoned, &lost)] {

@@ -592,10 +592,16 @@ impl Entry {
             EntryState::Released => RecordState::Released,
             EntryState::Completed(completion) => RecordState::Completed(completion.clone()),
         };
+        // A completed record says how long it is kept, as the Redis store's claim does: a local
+        // cache in front (tests, and any store stack that puts one there) may copy it that long.
+        let expires_in = matches!(state, RecordState::Completed(_))
+            .then(|| now.until(self.expires_at))
+            .filter(|left| !left.is_zero());
         Record {
             fingerprint: self.fingerprint,
             execution_id: self.execution_id,
             state,
+            expires_in,
         }
     }
 

@@ -114,6 +114,11 @@ pub struct Record {
     pub execution_id: u64,
     /// Current state.
     pub state: RecordState,
+    /// How long the store keeps a completed record from the moment it was read, when the store
+    /// says (the embedded store always; Redis in a claim's reply, from the built-in scripts), so
+    /// a replica may keep a local copy of a record another replica completed for no longer than
+    /// the shared one lives. `None` for records in any other state.
+    pub expires_in: Option<Duration>,
 }
 
 /// Answer to a claim: the caller now owns the record, or it already existed.

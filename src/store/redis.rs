@@ -1484,12 +1484,32 @@ fn parse_claim(reply: Value) -> Result<ClaimOutcome, StoreError> {
     }
 }
 
-/// `{fingerprint, execution_id, state, lock_ms, payload}` as `claim.lua` and `get.lua` send it.
-fn parse_record(items: Vec<Value>) -> Result<Record, StoreError> {
+/// `{fingerprint, execution_id, state, lock_ms, payload}` as `claim.lua` and `get.lua` send it,
+/// optionally followed by `life_ms`: what is left of the record's life (`PTTL`), which the
+/// built-in `claim.lua` scripts add to a completed record so a replica may keep a local copy of
+/// it. A version of the operator's that leaves it out still works; its completed records are
+/// then not copied locally.
+fn parse_record(mut items: Vec<Value>) -> Result<Record, StoreError> {
+    let life_ms = match items.len() {
+        6 => items.pop(),
+        _ => None,
+    };
     let [fingerprint, id, state, lock_ms, payload]: [Value; 5] =
         items.try_into().map_err(|items: Vec<Value>| {
-            StoreError::Corrupt(format!("record has {} fields instead of 5", items.len()))
+            StoreError::Corrupt(format!(
+                "record has {} fields instead of 5 or 6",
+                items.len()
+            ))
         })?;
+    // `PTTL` answers -1 for a key without an expiry and -2 for one that is gone: no life to copy.
+    let expires_in = match life_ms {
+        None => None,
+        Some(Value::Int(ms)) => u64::try_from(ms)
+            .ok()
+            .filter(|&ms| ms > 0)
+            .map(Duration::from_millis),
+        Some(_) => return Err(StoreError::Corrupt("record life is not an integer".into())),
+    };
     let fingerprint: Digest = match &fingerprint {
         Value::BulkString(bytes) => bytes
             .as_slice()
@@ -1508,10 +1528,13 @@ fn parse_record(items: Vec<Value>) -> Result<Record, StoreError> {
         }
         _ => return Err(StoreError::Corrupt("record state is malformed".into())),
     };
+    // Only a completed record is ever copied; any other state's life means nothing to the caller.
+    let expires_in = expires_in.filter(|_| matches!(state, RecordState::Completed(_)));
     Ok(Record {
         fingerprint,
         execution_id,
         state,
+        expires_in,
     })
 }
 
@@ -1612,8 +1635,35 @@ mod tests {
                 fingerprint: [9; 32],
                 execution_id: 7,
                 state: RecordState::Completed(Completion::Unreplayable { status: 201 }),
+                expires_in: None,
             })
         );
+        // A completed record may come with what is left of its life; none when the key
+        // has no expiry (-1) or is gone (-2), and none for a record that is not completed.
+        let with_life = |state: &[u8], life: Value| {
+            let payload = codec::encode(&Completion::Unreplayable { status: 201 });
+            let reply = vec![
+                bulk(&[9; 32]),
+                bulk(b"7"),
+                bulk(state),
+                Value::Int(0),
+                Value::BulkString(if state == b"c" { payload } else { vec![] }),
+                life,
+            ];
+            parse_record(reply).map(|r| r.expires_in)
+        };
+        assert_eq!(
+            with_life(b"c", Value::Int(1500)).unwrap(),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(with_life(b"c", Value::Int(-1)).unwrap(), None);
+        assert_eq!(with_life(b"c", Value::Int(-2)).unwrap(), None);
+        assert_eq!(with_life(b"c", Value::Int(0)).unwrap(), None);
+        assert_eq!(with_life(b"r", Value::Int(1500)).unwrap(), None);
+        assert!(matches!(
+            with_life(b"c", bulk(b"1500")),
+            Err(StoreError::Corrupt(_))
+        ));
         let in_flight = vec![
             bulk(&[1; 32]),
             bulk(b"8"),
@@ -1678,6 +1728,17 @@ mod tests {
                 bulk(b"i"),
                 Value::Int(5),
                 bulk(b""),
+            ]),
+            // One field too many, even for a reply that tells the record's life.
+            Value::Array(vec![
+                Value::Int(0),
+                bulk(&[1; 32]),
+                bulk(b"1"),
+                bulk(b"r"),
+                Value::Int(0),
+                bulk(b""),
+                Value::Int(1000),
+                Value::Int(1000),
             ]),
         ];
         for reply in cases {

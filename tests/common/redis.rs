@@ -149,6 +149,16 @@ impl RedisServer {
         cmd.query(&mut conn)
     }
 
+    /// Commands this server has run since it started (or since `CONFIG RESETSTAT`), from
+    /// `INFO commandstats`; the `INFO` that asks is not counted yet.
+    pub fn calls(&self) -> u64 {
+        let info: String = self.cmd(&["INFO", "commandstats"]);
+        info.lines()
+            .filter_map(|l| l.split("calls=").nth(1))
+            .filter_map(|v| v.split(',').next()?.parse::<u64>().ok())
+            .sum()
+    }
+
     /// Every key on this server (`KEYS *`, fine for a test server).
     pub fn keys(&self) -> Vec<String> {
         self.cmd(&["KEYS", "*"])
