@@ -81,6 +81,27 @@ struct StoreStack {
 type LocalCache = CachedStore<Arc<Breaker<Arc<RedisStore>>>>;
 
 impl StoreStack {
+    /// Drops every copy of a record this replica read from Redis, when the purge channel is
+    /// subscribed again (nothing without a local cache).
+    fn forget_copies(&self) -> Arc<dyn Fn() + Send + Sync> {
+        match &self.cache {
+            Some(cache) => {
+                let cache = cache.clone();
+                Arc::new(move || {
+                    let dropped = cache.forget_copies();
+                    if dropped > 0 {
+                        tracing::info!(
+                            dropped,
+                            "purge channel subscribed again; dropped the local copies of records \
+                             read from redis, as purges may have been missed"
+                        );
+                    }
+                })
+            }
+            None => Arc::new(|| {}),
+        }
+    }
+
     /// Drops this replica's local copy of a record (nothing without a local cache).
     fn forget_local(&self) -> ForgetLocal {
         match &self.cache {
@@ -483,9 +504,14 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     }
     if let Some(bus) = stack.purge.clone() {
         let on_purge = stack.forget_local();
+        let on_subscribed = stack.forget_copies();
         server.add_service(background_service(
             "purge listener",
-            PurgeListener { bus, on_purge },
+            PurgeListener {
+                bus,
+                on_purge,
+                on_subscribed,
+            },
         ));
     }
     if let Some(store) = stack.redis {
@@ -561,12 +587,15 @@ impl TlsWatcher {
 struct PurgeListener {
     bus: PurgeBus,
     on_purge: ForgetLocal,
+    on_subscribed: Arc<dyn Fn() + Send + Sync>,
 }
 
 #[async_trait]
 impl BackgroundService for PurgeListener {
     async fn start(&self, shutdown: ShutdownWatch) {
-        self.bus.listen(self.on_purge.clone(), shutdown).await;
+        self.bus
+            .listen(self.on_purge.clone(), self.on_subscribed.clone(), shutdown)
+            .await;
     }
 }
 

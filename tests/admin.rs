@@ -109,6 +109,45 @@ async fn a_purge_reaches_every_replica_behind_sentinel_across_a_failover() {
     assert_eq!(backend.count(), 4);
 }
 
+#[tokio::test]
+async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let (a, b) = two_replicas(&backend, &redis.url()).await;
+    wait_for_listeners(&redis, 2).await;
+    let req = Request::post("/orders").key("missed-purge").body("{}");
+    let first = req.send(a.addr).await;
+    assert_eq!(first.result(), Some("MISS"));
+    let copied = req.send(b.addr).await;
+    assert_eq!((copied.result(), &copied.body), (Some("HIT"), &first.body));
+
+    // Both replicas' purge channels drop, and the record goes while nobody listens (as a purge
+    // published at that moment would be missed).
+    let killed: i64 = redis.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+    assert_eq!(killed, 2);
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: i64 = redis.cmd(&["DEL", &keys[0]]);
+    wait_for_listeners(&redis, 2).await;
+    // Listening again, B no longer trusts the copy it read before: it asks Redis, finds
+    // nothing, and executes.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = req.send(b.addr).await;
+        if r.result() == Some("MISS") {
+            break;
+        }
+        assert_eq!(r.body, first.body);
+        assert!(
+            Instant::now() < deadline,
+            "B still replays its copy of a record gone from Redis"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(backend.count(), 2);
+    b.log_containing("dropped the local copies").await;
+}
+
 async fn two_replicas(backend: &Backend, url: &str) -> (Proxy, Proxy) {
     let a = ProxyBuilder::new(backend)
         .redis(&[url.to_owned()])

@@ -86,6 +86,9 @@ struct CacheEntry {
     execution_id: u64,
     completion: Completion,
     expires_at: Instant,
+    /// Read completed from the store (another replica's completion), not completed here: what
+    /// [`CachedStore::forget_copies`] drops.
+    copy: bool,
     size: usize,
     /// When the entry was inserted, in its shard's count: tells its place in `order` from a
     /// stale place left by an earlier entry of the same record.
@@ -257,8 +260,9 @@ impl<S: RecordStore> CachedStore<S> {
     }
 
     /// Keeps a local copy of a completed record until `expires_at` (a record in any other state
-    /// is not kept: it may still change).
-    fn remember(&self, key: &RecordKey, record: Record, expires_at: Instant) {
+    /// is not kept: it may still change); `copy` when it was read from the store rather than
+    /// completed here.
+    fn remember(&self, key: &RecordKey, record: Record, expires_at: Instant, copy: bool) {
         let RecordState::Completed(completion) = record.state else {
             return;
         };
@@ -282,6 +286,7 @@ impl<S: RecordStore> CachedStore<S> {
             execution_id: record.execution_id,
             completion,
             expires_at,
+            copy,
             size,
             seq,
         };
@@ -308,6 +313,29 @@ impl<S: RecordStore> CachedStore<S> {
             let Cache { map, order, .. } = &mut *cache;
             order.retain(|(h, seq)| map.get(h).is_some_and(|e| e.seq == *seq));
         }
+    }
+
+    /// Drops every copy of a record read from the store, keeping the records completed here
+    /// (each may be the only trace of a completion whose write is still being retried). Called
+    /// whenever the purge channel is subscribed again: purges announced while it was not
+    /// listening were missed, and the copies are what they would have dropped. Returns how many
+    /// went.
+    pub fn forget_copies(&self) -> usize {
+        // Like a purge: a copy whose read is out now is not kept when it lands.
+        self.purges.fetch_add(1, Ordering::AcqRel);
+        let mut dropped = 0;
+        for shard in self.cache.iter() {
+            let mut cache = shard.lock();
+            let Cache { map, bytes, .. } = &mut *cache;
+            map.retain(|_, e| {
+                if e.copy {
+                    *bytes -= e.size;
+                    dropped += 1;
+                }
+                !e.copy
+            });
+        }
+        dropped
     }
 
     /// Records held and bytes used by the local cache.
@@ -343,7 +371,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             // while the claim was out.
             if let (RecordState::Completed(_), Some(life)) = (&record.state, record.expires_in) {
                 if self.purges.load(Ordering::Acquire) == purges {
-                    self.remember(&req.key, record.clone(), sent + life);
+                    self.remember(&req.key, record.clone(), sent + life, true);
                     self.stats.copied.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -396,7 +424,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 state: RecordState::Completed(completion),
                 expires_in: None,
             };
-            self.remember(key, record, expires_at);
+            self.remember(key, record, expires_at, false);
         }
         written
     }
@@ -505,7 +533,12 @@ mod tests {
                 state: RecordState::Completed(response(&[1u8; 5000])),
                 expires_in: None,
             };
-            store.remember(&key, record, Instant::now() + Duration::from_secs(60));
+            store.remember(
+                &key,
+                record,
+                Instant::now() + Duration::from_secs(60),
+                false,
+            );
         }
         let (records, bytes) = store.cache_usage();
         assert!(bytes <= 8 << 20, "{bytes} bytes");
@@ -548,13 +581,13 @@ mod tests {
         };
         let until = Instant::now() + Duration::from_secs(60);
         // A is cached, dropped (a purge) and cached again after B: A's first place is stale.
-        store.remember(&key(0), record(0), until);
+        store.remember(&key(0), record(0), until, false);
         store.forget(&key(0));
-        store.remember(&key(1), record(1), until);
-        store.remember(&key(0), record(0), until);
+        store.remember(&key(1), record(1), until, false);
+        store.remember(&key(0), record(0), until, false);
         // Fill until the oldest live entry goes: that is B, not the fresh A.
         for n in 2.. {
-            store.remember(&key(n), record(n), until);
+            store.remember(&key(n), record(n), until, false);
             let (a, b) = (store.cached(&key(0)), store.cached(&key(1)));
             assert!(
                 a.is_some(),
@@ -884,6 +917,45 @@ mod tests {
             b.cached(&req.key).is_none(),
             "a copy read across a purge was kept"
         );
+    }
+
+    #[tokio::test]
+    async fn forgetting_copies_keeps_the_records_completed_here() {
+        let (shared, a, b) = two_replicas();
+        let (mine, theirs) = (claim("t", 10), claim("t", 11));
+        for (store, req) in [(&b, &mine), (&a, &theirs)] {
+            store.claim(req).await.unwrap();
+            store
+                .complete(&req.key, req.owner, response(b"x"), req.ttl)
+                .await
+                .unwrap();
+        }
+        let retry = ClaimRequest {
+            owner: OwnerToken::random(),
+            ..theirs.clone()
+        };
+        b.claim(&retry).await.unwrap();
+        assert_eq!(b.cache_usage().0, 2, "B's completion and its copy of A's");
+        assert_eq!(b.forget_copies(), 1);
+        assert_eq!(b.cache_usage().0, 1);
+        assert!(b.cached(&mine.key).is_some(), "B's own completion stays");
+        assert!(b.cached(&theirs.key).is_none());
+        // The bytes follow: the copy's are given back.
+        let (_, bytes) = b.cache_usage();
+        let one = ENTRY_OVERHEAD + 1 + response_size(&response(b"x"));
+        assert_eq!(bytes, one);
+        // The next read copies it again.
+        let calls = shared.calls.load(Ordering::Relaxed);
+        b.claim(&retry).await.unwrap();
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls + 1);
+        assert_eq!(b.stats().copied.load(Ordering::Relaxed), 2);
+    }
+
+    fn response_size(completion: &Completion) -> usize {
+        match completion {
+            Completion::Response(r) => r.size_bytes(),
+            Completion::Unreplayable { .. } => 0,
+        }
     }
 
     #[tokio::test]

@@ -2,9 +2,11 @@
 //! name, and every replica drops its local cached copy on the message.
 //!
 //! The message is `<tenant>:<hex hash>`, the same name the record has in Redis: the raw key never
-//! travels. Pub/sub is best effort (a replica that is disconnected at that moment misses it), so
-//! the local cache is also bounded by the record's TTL; a purge is an operator tool, not part of
-//! the exactly-once guarantee.
+//! travels. Pub/sub is best effort (a replica that is disconnected at that moment misses it):
+//! each time a replica subscribes again it drops every copy it read from Redis, which holds
+//! them anyway, and keeps the records it completed itself (one may be the only trace of a
+//! completion whose write is still being retried; those are bounded by the record's TTL). A
+//! purge is an operator tool, not part of the exactly-once guarantee.
 //!
 //! Behind Sentinel the channel is on the primary the Sentinels name, looked up again for every
 //! publish and every (re)subscription, so purges keep reaching every replica across a failover
@@ -106,10 +108,14 @@ impl PurgeBus {
             .map_err(|e| format!("purge channel: {e}"))
     }
 
-    /// Listens until `shutdown` fires, reconnecting after errors, calling `on_purge` per message.
+    /// Listens until `shutdown` fires, reconnecting after errors, calling `on_purge` per message
+    /// and `on_subscribed` each time the channel is subscribed (at start and after every loss):
+    /// what was announced while it was not listening is missed, so the local copies it would
+    /// have dropped must go.
     pub async fn listen(
         &self,
         on_purge: ForgetLocal,
+        on_subscribed: Arc<dyn Fn() + Send + Sync>,
         mut shutdown: tokio::sync::watch::Receiver<bool>,
     ) {
         let mut pause = Duration::from_millis(100);
@@ -118,6 +124,7 @@ impl PurgeBus {
                 let mut pubsub = self.client().await?.get_async_pubsub().await?;
                 pubsub.subscribe(&self.channel).await?;
                 tracing::debug!(channel = %self.channel, "listening for purges");
+                on_subscribed();
                 // Subscribed: the next loss starts its backoff afresh.
                 pause = Duration::from_millis(100);
                 let mut messages = pubsub.into_on_message();
