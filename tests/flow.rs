@@ -993,3 +993,54 @@ async fn admin_endpoints_and_metrics() {
     );
     assert_eq!(Request::get("/nope").send(proxy.admin).await.status, 404);
 }
+
+#[tokio::test]
+async fn forwarding_headers_reach_the_backend_as_the_client_sent_them() {
+    let (backend, proxy) = setup().await;
+    let sent = [
+        ("X-Forwarded-For", "203.0.113.7, 198.51.100.2"),
+        ("X-Forwarded-Proto", "https"),
+        ("Forwarded", "for=203.0.113.7;proto=https"),
+    ];
+    let with = |mut req: Request| {
+        for (name, value) in sent {
+            req = req.header(name, value);
+        }
+        req
+    };
+    // A keyed request (idemgate's own client), a small forwarded one (the same client) and a
+    // chunked forwarded one (pingora's path).
+    with(Request::post("/orders").key("fwd").body("{}"))
+        .send(proxy.addr)
+        .await;
+    with(Request::post("/plain").body("{}"))
+        .send(proxy.addr)
+        .await;
+    with(
+        Request::post("/plain")
+            .body("{\"chunked\":true}")
+            .chunked(4),
+    )
+    .send(proxy.addr)
+    .await;
+    let executions = backend.executions();
+    assert_eq!(executions.len(), 3);
+    for e in &executions {
+        let forwarding: Vec<(String, String)> = e
+            .headers
+            .iter()
+            .filter(|(n, _)| n.to_ascii_lowercase().contains("forwarded"))
+            .map(|(n, v)| {
+                (
+                    n.to_ascii_lowercase(),
+                    String::from_utf8_lossy(v).into_owned(),
+                )
+            })
+            .collect();
+        let expected: Vec<(String, String)> = sent
+            .iter()
+            .map(|(n, v)| (n.to_ascii_lowercase(), v.to_string()))
+            .collect();
+        assert_eq!(forwarding, expected, "{} {}", e.method, e.path);
+    }
+}
