@@ -142,7 +142,60 @@ impl Admin {
             }
         }
         let hash = key::record_hash(&tenant, &scope, &idem.scope_headers, &key);
-        let record_key = RecordKey { tenant, hash };
+        self.record_at(RecordKey { tenant, hash }, &query, delete)
+            .await
+    }
+
+    /// `GET|DELETE /admin/record-ids/{tenant}/{record}`: a record by its id, the 64 hex digits of
+    /// its hash as dead-letter lines and the store's key names show it (the raw key is never
+    /// kept, so reconciling a dead letter starts from this).
+    async fn record_by_id(&self, session: &ServerSession, delete: bool) -> Response<Vec<u8>> {
+        let req = session.req_header();
+        let Some((tenant, id)) = req
+            .uri
+            .path()
+            .strip_prefix("/admin/record-ids/")
+            .and_then(|rest| rest.split_once('/'))
+        else {
+            return error(
+                StatusCode::NOT_FOUND,
+                "use /admin/record-ids/{tenant}/{record}",
+            );
+        };
+        let Some(tenant) = percent_decode(tenant) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "malformed percent-encoding in the path",
+            );
+        };
+        let tenant = match key::validate_tenant(tenant.as_bytes()) {
+            Ok(t) => t.to_owned(),
+            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
+        };
+        let hash = match hex::decode(id)
+            .ok()
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+        {
+            Some(hash) => hash,
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "the record id is not 64 hex digits",
+                )
+            }
+        };
+        let query = Query(req.uri.query().unwrap_or(""));
+        self.record_at(RecordKey { tenant, hash }, &query, delete)
+            .await
+    }
+
+    /// Reads (or with `delete`, purges) one record.
+    async fn record_at(
+        &self,
+        record_key: RecordKey,
+        query: &Query<'_>,
+        delete: bool,
+    ) -> Response<Vec<u8>> {
         if delete {
             return match self.store.delete(&record_key).await {
                 Ok(existed) => {
@@ -173,7 +226,7 @@ impl Admin {
                     query.get("fingerprint"),
                 ),
             ),
-            Ok(None) => error(StatusCode::NOT_FOUND, "no record for this key"),
+            Ok(None) => error(StatusCode::NOT_FOUND, "no such record"),
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
         }
     }
@@ -518,6 +571,17 @@ impl ServeHttp for Admin {
                     return unauthorized();
                 }
                 self.record(session, true).await
+            }
+            (true, p) if p.starts_with("/admin/record-ids/") => {
+                self.record_by_id(session, false).await
+            }
+            (false, p)
+                if p.starts_with("/admin/record-ids/") && req.method == http::Method::DELETE =>
+            {
+                if !self.authorized(session) {
+                    return unauthorized();
+                }
+                self.record_by_id(session, true).await
             }
             (true, "/admin/scripts") => self.scripts(),
             (false, "/admin/scripts") => text(

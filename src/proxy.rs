@@ -29,7 +29,7 @@ use crate::key;
 use crate::metrics::{Metrics, RouteHandles, StoreOpHandles};
 use crate::problem::{Outcome, Problem};
 use crate::snowflake::Snowflake;
-use crate::store::retry::{CompletionRetrier, PendingCompletion};
+use crate::store::retry::{CompletionRetrier, InStore, PendingCompletion};
 use crate::store::{
     ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
     ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
@@ -846,7 +846,8 @@ impl Gate {
                 // client already has, goes where an operator can reconcile it.
                 self.metrics.fenced_writes.inc();
                 tracing::warn!(%record, "lock lapsed and was taken over; response not stored");
-                self.retrier.dead_letter(&pending(), 1, "lock taken over");
+                self.retrier
+                    .dead_letter(&pending(), 1, "lock taken over", InStore::No);
             }
             Err(e) => {
                 tracing::warn!(%record, error = %e, "storing the response failed; retrying");

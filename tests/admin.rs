@@ -36,6 +36,17 @@ async fn inspect_and_purge_a_record() {
     let exec = backend.executions()[0].execution_id.clone().unwrap();
     assert_eq!(v["execution_id"], exec);
     let fp = v["fingerprint"].as_str().unwrap().to_string();
+    // The same record by its id (the 64 hex digits dead-letter lines carry), no key needed.
+    let id = v["record"].as_str().unwrap().to_string();
+    assert_eq!(id.len(), 64);
+    let by_id = Request::get(&format!("/admin/record-ids/default/{id}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(by_id.status, 200, "{}", by_id.text());
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&by_id.body).unwrap(),
+        v
+    );
     let with_body = as_alice(Request::get(&format!("{path}?body=true&fingerprint={fp}")))
         .send(proxy.admin)
         .await;
@@ -62,6 +73,19 @@ async fn inspect_and_purge_a_record() {
         "executes again"
     );
     assert_eq!(backend.count(), 2);
+    // Purged by its id too.
+    let del_id = Request::new("DELETE", &format!("/admin/record-ids/default/{id}"));
+    assert_eq!(del_id.clone().send(proxy.admin).await.status, 401);
+    let ok = del_id
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    assert!(ok.text().contains("\"deleted\": true"));
+    assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(backend.count(), 3);
+    let gone = Request::get(&format!("/admin/record-ids/default/{id}"));
+    assert_eq!(gone.send(proxy.admin).await.status, 200, "executed again");
     // Malformed input is a clear 400.
     let bad = Request::get("/admin/records/bad%7Btenant/k")
         .send(proxy.admin)
@@ -259,6 +283,19 @@ async fn malformed_record_requests_are_refused_with_the_reason() {
             "/admin/records/default/k?route=nope",
             404,
             "no such idempotent route",
+        ),
+        ("/admin/record-ids/default", 404, "use /admin/record-ids/"),
+        ("/admin/record-ids/default/abcd", 400, "64 hex digits"),
+        ("/admin/record-ids/default/secret-key", 400, "64 hex digits"),
+        (
+            &format!("/admin/record-ids/bad%7Btenant/{}", "ab".repeat(32)),
+            400,
+            "tenant",
+        ),
+        (
+            &format!("/admin/record-ids/default/{}", "ab".repeat(32)),
+            404,
+            "no such record",
         ),
     ];
     for (path, status, reason) in cases {

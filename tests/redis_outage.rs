@@ -328,12 +328,33 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     let text = std::fs::read_to_string(&dead).unwrap();
     let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
     assert_eq!(line["reason"], "lock taken over");
+    assert_eq!(
+        line["in_store"], "no",
+        "the store answered: it holds the newer execution"
+    );
     let body = base64::Engine::decode(
         &base64::engine::general_purpose::STANDARD,
         line["response"]["body_base64"].as_str().unwrap(),
     )
     .unwrap();
     assert_eq!(body, first.body);
+    // Reconciling the line: the record it names, found by its id, holds the other execution.
+    let path = format!(
+        "/admin/record-ids/{}/{}?body=true",
+        line["tenant"].as_str().unwrap(),
+        line["record"].as_str().unwrap()
+    );
+    let held = Request::get(&path).send(a.admin).await;
+    assert_eq!(held.status, 200, "{}", held.text());
+    let held: serde_json::Value = serde_json::from_slice(&held.body).unwrap();
+    assert_eq!(held["execution_id"], line["execution_id"]);
+    let held_body = base64::Engine::decode(
+        &base64::engine::general_purpose::STANDARD,
+        held["body_base64"].as_str().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(held_body, second.body);
+    assert_ne!(held_body, body);
 }
 
 #[tokio::test]

@@ -197,22 +197,30 @@ impl CompletionRetrier {
     pub fn submit(&self, job: PendingCompletion) {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         if self.stats.pending.fetch_add(1, Ordering::AcqRel) >= self.capacity {
-            self.dead.write(&job, 0, "retry queue full");
+            self.dead
+                .write(&job, 0, "retry queue full", InStore::Unknown);
             return;
         }
         let id = self.jobs.add(job);
         if self.tx.try_send((id, 0)).is_err() {
             if let Some(job) = self.jobs.take(id) {
-                self.dead.write(&job, 0, "retry queue full");
+                self.dead
+                    .write(&job, 0, "retry queue full", InStore::Unknown);
             }
         }
     }
 
     /// Dead-letters a completion the store refused for good (`reason` says why) after
-    /// `attempts` writes, without queueing it.
-    pub fn dead_letter(&self, job: &PendingCompletion, attempts: u32, reason: &str) {
+    /// `attempts` writes, without queueing it; `in_store` says whether the store may hold it.
+    pub fn dead_letter(
+        &self,
+        job: &PendingCompletion,
+        attempts: u32,
+        reason: &str,
+        in_store: InStore,
+    ) {
         self.stats.pending.fetch_add(1, Ordering::AcqRel);
-        self.dead.write(job, attempts, reason);
+        self.dead.write(job, attempts, reason, in_store);
     }
 
     /// Dead-letters every completion still waiting: the process is stopping and nothing will
@@ -222,8 +230,9 @@ impl CompletionRetrier {
             let mut w = self.jobs.waiting.lock();
             w.drain().map(|(_, job)| job).collect()
         };
+        // Each is here because a write failed without an answer (or one is out right now).
         for job in &waiting {
-            self.dead.write(job, 0, reason);
+            self.dead.write(job, 0, reason, InStore::Unknown);
         }
         waiting.len()
     }
@@ -303,7 +312,7 @@ async fn run(
                         tracing::info!("a timed-out completion had been stored after all");
                     } else {
                         forget_local(&job.key);
-                        dead.write(&job, attempt + 1, "lock taken over")
+                        dead.write(&job, attempt + 1, "lock taken over", InStore::No)
                     }
                 }
                 // Given up only once the attempts are spent and the lock may have lapsed: until
@@ -311,7 +320,12 @@ async fn run(
                 Err(e)
                     if attempt + 1 >= options.attempts && Instant::now() >= job.lock_deadline =>
                 {
-                    dead.write(&job, attempt + 1, &format!("store failed: {e}"))
+                    dead.write(
+                        &job,
+                        attempt + 1,
+                        &format!("store failed: {e}"),
+                        InStore::Unknown,
+                    )
                 }
                 Err(_) => {
                     jobs.put_back(id, job);
@@ -321,7 +335,7 @@ async fn run(
                     };
                     if !sent {
                         if let Some(job) = jobs.take(id) {
-                            dead.write(&job, attempt + 1, "retry queue full");
+                            dead.write(&job, attempt + 1, "retry queue full", InStore::Unknown);
                         }
                     }
                 }
@@ -331,9 +345,9 @@ async fn run(
 }
 
 impl DeadLetters {
-    fn write(&self, job: &PendingCompletion, attempts: u32, reason: &str) {
+    fn write(&self, job: &PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
         self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-        let line = dead_letter_line(job, attempts, reason);
+        let line = dead_letter_line(job, attempts, reason, in_store);
         let _guard = self.file.lock();
         let written = std::fs::OpenOptions::new()
             .create(true)
@@ -360,8 +374,33 @@ impl DeadLetters {
     }
 }
 
+/// Whether the store may hold a dead-lettered completion after all: what whoever reconciles the
+/// dead-letter file must check before acting on a line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InStore {
+    /// The store answered, and holds another execution's outcome (`lock taken over`).
+    No,
+    /// No write was answered: one that timed out, or was out when the process stopped, may have
+    /// landed after all. Read the record (`GET /admin/records/...?body=true`) before acting.
+    Unknown,
+}
+
+impl InStore {
+    fn as_str(self) -> &'static str {
+        match self {
+            InStore::No => "no",
+            InStore::Unknown => "unknown",
+        }
+    }
+}
+
 /// One dead-letter JSON line (with trailing newline).
-pub fn dead_letter_line(job: &PendingCompletion, attempts: u32, reason: &str) -> String {
+pub fn dead_letter_line(
+    job: &PendingCompletion,
+    attempts: u32,
+    reason: &str,
+    in_store: InStore,
+) -> String {
     let b64 = base64::engine::general_purpose::STANDARD;
     let at_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -384,6 +423,7 @@ pub fn dead_letter_line(job: &PendingCompletion, attempts: u32, reason: &str) ->
         "ttl_ms": job.ttl.as_millis() as u64,
         "attempts": attempts,
         "reason": reason,
+        "in_store": in_store.as_str(),
         "response": response,
     });
     format!("{v}\n")
@@ -508,6 +548,7 @@ mod tests {
         settle(&retrier).await;
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"));
+        assert!(text.contains(r#""in_store":"no""#), "{text}");
     }
 
     #[tokio::test]
@@ -606,6 +647,8 @@ mod tests {
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert_eq!(text.lines().count(), 1);
         assert!(text.contains("stopping"));
+        // Its write failed without an answer: the store may hold it after all.
+        assert!(text.contains(r#""in_store":"unknown""#), "{text}");
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 0);
     }
@@ -629,7 +672,9 @@ mod tests {
         assert!(!dir.path().join("missing-dir").exists());
 
         let line: serde_json::Value =
-            serde_json::from_str(&dead_letter_line(&job, 1, "store failed")).unwrap();
+            serde_json::from_str(&dead_letter_line(&job, 1, "store failed", InStore::Unknown))
+                .unwrap();
+        assert_eq!(line["in_store"], "unknown");
         assert_eq!(
             line["response"],
             serde_json::json!({ "status": 201, "unreplayable": true })
