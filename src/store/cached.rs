@@ -103,6 +103,31 @@ struct Cache {
     order: VecDeque<(Digest, u64)>,
     bytes: usize,
     next_seq: u64,
+    /// Purges of a record of this shard so far ([`CachedStore::forget`]).
+    purges: u64,
+    /// Times every copy was dropped so far ([`CachedStore::forget_copies`]).
+    copy_resets: u64,
+}
+
+/// A shard's counts at the moment a read or write went out to the store. What comes back is
+/// kept only if the shard still has them when it is inserted (checked under the shard's lock,
+/// where the counts change): a purge of a record of the shard, or for a copy also a drop of
+/// every copy, may have been meant for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mark {
+    purges: u64,
+    copy_resets: u64,
+}
+
+/// Where an entry comes from, with the [`Mark`] taken before its data left for the store.
+#[derive(Clone, Copy, Debug)]
+enum Origin {
+    /// Completed here: not kept across a purge of its shard. A drop of every copy leaves it,
+    /// since it may be the only trace of a completion whose write is still being retried.
+    Completed(Mark),
+    /// Read completed from the store: not kept across a purge of its shard or a drop of every
+    /// copy.
+    Copy(Mark),
 }
 
 /// What an entry costs beyond its response and tenant: its map slot (twice, for the slack a hash
@@ -136,10 +161,6 @@ pub struct CachedStore<S> {
     cache: Box<[Mutex<Cache>]>,
     pending: Mutex<HashMap<(Digest, u128), Pending>>,
     stats: Arc<LocalCacheStats>,
-    /// Purges so far. A completion remembers its record only if no purge came while its write
-    /// was out: a purge of that very key would otherwise be undone by the write landing after
-    /// it (one of another key only costs a cache miss).
-    purges: AtomicU64,
 }
 
 /// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
@@ -168,7 +189,6 @@ impl<S: RecordStore> CachedStore<S> {
             cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
             pending: Mutex::new(HashMap::new()),
             stats: Arc::default(),
-            purges: AtomicU64::new(0),
         })
     }
 
@@ -209,13 +229,23 @@ impl<S: RecordStore> CachedStore<S> {
         set as f64 / (bits.len() as f64 * 8.0)
     }
 
-    /// Drops a record from the local cache (purge). The filter keeps its bit; a stale positive
-    /// only costs a cache lookup.
+    /// Drops a record from the local cache (purge), and keeps a read or write of any record of
+    /// its shard that is out now from putting it back (one of another key only costs a cache
+    /// miss). The filter keeps its bit; a stale positive only costs a cache lookup.
     pub fn forget(&self, key: &RecordKey) {
-        self.purges.fetch_add(1, Ordering::AcqRel);
         let mut cache = self.shard(&key.hash).lock();
+        cache.purges += 1;
         if let Some(e) = cache.map.remove(&key.hash) {
             cache.bytes -= e.size;
+        }
+    }
+
+    /// The counts of `hash`'s shard now, to take before a read or write goes out.
+    fn mark(&self, hash: &Digest) -> Mark {
+        let cache = self.shard(hash).lock();
+        Mark {
+            purges: cache.purges,
+            copy_resets: cache.copy_resets,
         }
     }
 
@@ -259,12 +289,18 @@ impl<S: RecordStore> CachedStore<S> {
         }
     }
 
-    /// Keeps a local copy of a completed record until `expires_at` (a record in any other state
-    /// is not kept: it may still change); `copy` when it was read from the store rather than
-    /// completed here.
-    fn remember(&self, key: &RecordKey, record: Record, expires_at: Instant, copy: bool) {
+    /// Keeps a local copy of a completed record until `expires_at`, unless its shard saw a purge
+    /// (or, for a copy, a drop of every copy) since `origin`'s mark. A record in any other state
+    /// is not kept: it may still change. Returns whether it was kept.
+    fn remember(
+        &self,
+        key: &RecordKey,
+        record: Record,
+        expires_at: Instant,
+        origin: Origin,
+    ) -> bool {
         let RecordState::Completed(completion) = record.state else {
-            return;
+            return false;
         };
         let size = ENTRY_OVERHEAD
             + key.tenant.len()
@@ -274,10 +310,25 @@ impl<S: RecordStore> CachedStore<S> {
             };
         let budget = self.shard_budget();
         if size > budget {
-            return;
+            return false;
         }
+        // Set before the entry is visible, so a claim that finds the entry's bit unset can only
+        // be one that would not have found the entry either (a bit set for an entry then not
+        // kept only costs a cache lookup).
         self.filters.lock().current.set(&key.hash);
         let mut cache = self.shard(&key.hash).lock();
+        // Checked under the lock the counts change under, so a purge either came before (and
+        // the entry is not kept) or comes after (and finds it).
+        let (copy, unchanged) = match origin {
+            Origin::Completed(mark) => (false, cache.purges == mark.purges),
+            Origin::Copy(mark) => (
+                true,
+                cache.purges == mark.purges && cache.copy_resets == mark.copy_resets,
+            ),
+        };
+        if !unchanged {
+            return false;
+        }
         let seq = cache.next_seq;
         cache.next_seq += 1;
         let entry = CacheEntry {
@@ -313,6 +364,7 @@ impl<S: RecordStore> CachedStore<S> {
             let Cache { map, order, .. } = &mut *cache;
             order.retain(|(h, seq)| map.get(h).is_some_and(|e| e.seq == *seq));
         }
+        true
     }
 
     /// Drops every copy of a record read from the store, keeping the records completed here
@@ -321,11 +373,11 @@ impl<S: RecordStore> CachedStore<S> {
     /// listening were missed, and the copies are what they would have dropped. Returns how many
     /// went.
     pub fn forget_copies(&self) -> usize {
-        // Like a purge: a copy whose read is out now is not kept when it lands.
-        self.purges.fetch_add(1, Ordering::AcqRel);
         let mut dropped = 0;
         for shard in self.cache.iter() {
             let mut cache = shard.lock();
+            // A copy whose read is out now is not kept when it lands.
+            cache.copy_resets += 1;
             let Cache { map, bytes, .. } = &mut *cache;
             map.retain(|_, e| {
                 if e.copy {
@@ -361,7 +413,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         } else {
             self.stats.bloom_negatives.fetch_add(1, Ordering::Relaxed);
         }
-        let purges = self.purges.load(Ordering::Acquire);
+        let mark = self.mark(&req.key.hash);
         let sent = Instant::now();
         let outcome = self.inner.claim(req).await?;
         if let ClaimOutcome::Existing(record) = &outcome {
@@ -370,8 +422,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             // the claim was sent (the store's copy lives at least as long), unless a purge came
             // while the claim was out.
             if let (RecordState::Completed(_), Some(life)) = (&record.state, record.expires_in) {
-                if self.purges.load(Ordering::Acquire) == purges {
-                    self.remember(&req.key, record.clone(), sent + life, true);
+                if self.remember(&req.key, record.clone(), sent + life, Origin::Copy(mark)) {
                     self.stats.copied.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -402,7 +453,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
         let pending = self.pending.lock().remove(&(key.hash, owner.0));
-        let purges = self.purges.load(Ordering::Acquire);
+        let mark = self.mark(&key.hash);
         // The store's record lives `ttl` from when it takes the write, no earlier than now: the
         // local copy, counted from before the write, never outlives it.
         let expires_at = Instant::now() + ttl;
@@ -416,15 +467,14 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             written,
             Ok(WriteOutcome::Applied) | Err(StoreError::Unavailable(_))
         );
-        let purged = self.purges.load(Ordering::Acquire) != purges;
-        if let (true, false, Some(p)) = (keep, purged, pending) {
+        if let (true, Some(p)) = (keep, pending) {
             let record = Record {
                 fingerprint: p.fingerprint,
                 execution_id: p.execution_id,
                 state: RecordState::Completed(completion),
                 expires_in: None,
             };
-            self.remember(key, record, expires_at, false);
+            self.remember(key, record, expires_at, Origin::Completed(mark));
         }
         written
     }
@@ -455,7 +505,11 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.forget(key);
-        self.inner.delete(key).await
+        let deleted = self.inner.delete(key).await;
+        // Again once the store has it gone: a claim sent after the first forget may have read
+        // the record before it went, and kept a copy.
+        self.forget(key);
+        deleted
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -533,11 +587,12 @@ mod tests {
                 state: RecordState::Completed(response(&[1u8; 5000])),
                 expires_in: None,
             };
+            let mark = store.mark(&key.hash);
             store.remember(
                 &key,
                 record,
                 Instant::now() + Duration::from_secs(60),
-                false,
+                Origin::Completed(mark),
             );
         }
         let (records, bytes) = store.cache_usage();
@@ -581,13 +636,17 @@ mod tests {
         };
         let until = Instant::now() + Duration::from_secs(60);
         // A is cached, dropped (a purge) and cached again after B: A's first place is stale.
-        store.remember(&key(0), record(0), until, false);
+        let keep = |n: u32| {
+            let k = key(n);
+            store.remember(&k, record(n), until, Origin::Completed(store.mark(&k.hash)))
+        };
+        keep(0);
         store.forget(&key(0));
-        store.remember(&key(1), record(1), until, false);
-        store.remember(&key(0), record(0), until, false);
+        keep(1);
+        keep(0);
         // Fill until the oldest live entry goes: that is B, not the fresh A.
         for n in 2.. {
-            store.remember(&key(n), record(n), until, false);
+            keep(n);
             let (a, b) = (store.cached(&key(0)), store.cached(&key(1)));
             assert!(
                 a.is_some(),
@@ -956,6 +1015,69 @@ mod tests {
             Completion::Response(r) => r.size_bytes(),
             Completion::Unreplayable { .. } => 0,
         }
+    }
+
+    #[tokio::test]
+    async fn a_copy_read_while_this_replica_deletes_the_record_is_not_kept() {
+        let (shared, a, b) = two_replicas();
+        let req = claim("t", 12);
+        a.claim(&req).await.unwrap();
+        a.complete(&req.key, req.owner, response(b"x"), req.ttl)
+            .await
+            .unwrap();
+        // B's delete is slow to reach the store; a claim B sends meanwhile still finds the
+        // record there.
+        shared.set(Fault::DeleteStalls);
+        let b = Arc::new(b);
+        let deleting = tokio::spawn({
+            let (b, key) = (b.clone(), req.key.clone());
+            async move { b.delete(&key).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let retry = ClaimRequest {
+            owner: OwnerToken::random(),
+            ..req.clone()
+        };
+        assert!(matches!(
+            b.claim(&retry).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        shared.set(Fault::None);
+        assert!(deleting.await.unwrap().unwrap());
+        assert!(
+            b.cached(&req.key).is_none(),
+            "B kept a copy of the record it deleted"
+        );
+        assert!(matches!(
+            b.claim(&retry).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn dropping_copies_spares_a_completion_whose_write_is_out() {
+        let store = cached();
+        let req = claim("t", 13);
+        store.claim(&req).await.unwrap();
+        store.inner().set(Fault::Stall);
+        let writing = tokio::spawn({
+            let (store, req) = (store.clone(), req.clone());
+            async move {
+                store
+                    .complete(&req.key, req.owner, response(b"x"), req.ttl)
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // The purge channel comes back while the write is out, and the write then fails: the
+        // completion is still this replica's to replay while it is retried.
+        store.forget_copies();
+        store.inner().set(Fault::CompleteFails);
+        assert!(writing.await.unwrap().is_err());
+        assert!(
+            store.cached(&req.key).is_some(),
+            "the completion was dropped with the copies"
+        );
     }
 
     #[tokio::test]

@@ -22,6 +22,8 @@ pub enum Fault {
     CompleteFails = 2,
     /// Calls wait until the fault is switched, then meet the new one.
     Stall = 3,
+    /// Only `delete` waits until the fault is switched; the rest go through.
+    DeleteStalls = 4,
 }
 
 /// A [`RecordStore`] that injects faults into an inner store.
@@ -56,6 +58,7 @@ impl<S: RecordStore> FaultyStore<S> {
                     return Err(StoreError::Unavailable("injected: complete".into()))
                 }
                 3 => tokio::time::sleep(Duration::from_millis(5)).await,
+                4 if op == "delete" => tokio::time::sleep(Duration::from_millis(5)).await,
                 _ => return Ok(()),
             }
         }
