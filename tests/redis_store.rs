@@ -678,6 +678,8 @@ async fn resp3_connections_read_the_same_replies() {
     conformance::case_release_then_claim_keeps_execution_id(&store).await;
     conformance::case_wait_returns_at_once_when_not_in_flight(&store).await;
     conformance::case_delete_removes(&store).await;
+    // Includes the life a claim tells of a completed record (what a local copy may keep).
+    conformance::case_record_expires_after_ttl(&store).await;
     let clients: String = server.cmd(&["CLIENT", "LIST"]);
     assert!(
         clients.contains("resp=3"),
