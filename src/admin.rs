@@ -94,24 +94,11 @@ impl Admin {
         let req = session.req_header();
         let generation = self.current.load();
         let config = &generation.config;
-        let path = req.uri.path();
-        let Some((tenant, raw_key)) = path
-            .strip_prefix("/admin/records/")
-            .and_then(|rest| rest.split_once('/'))
-        else {
-            return error(StatusCode::NOT_FOUND, "use /admin/records/{tenant}/{key}");
-        };
-        let (Some(tenant), Some(raw_key)) = (percent_decode(tenant), percent_decode(raw_key))
-        else {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "malformed percent-encoding in the path",
-            );
-        };
-        let tenant = match key::validate_tenant(tenant.as_bytes()) {
-            Ok(t) => t.to_owned(),
-            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
-        };
+        let (tenant, raw_key) =
+            match tenant_and_name(req.uri.path(), "/admin/records/", "{tenant}/{key}") {
+                Ok(parts) => parts,
+                Err(refused) => return refused,
+            };
         let key = match http::HeaderValue::from_str(&raw_key)
             .ok()
             .map(|v| key::parse_key(std::iter::once(&v)))
@@ -151,28 +138,12 @@ impl Admin {
     /// kept, so reconciling a dead letter starts from this).
     async fn record_by_id(&self, session: &ServerSession, delete: bool) -> Response<Vec<u8>> {
         let req = session.req_header();
-        let Some((tenant, id)) = req
-            .uri
-            .path()
-            .strip_prefix("/admin/record-ids/")
-            .and_then(|rest| rest.split_once('/'))
-        else {
-            return error(
-                StatusCode::NOT_FOUND,
-                "use /admin/record-ids/{tenant}/{record}",
-            );
-        };
-        let Some(tenant) = percent_decode(tenant) else {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "malformed percent-encoding in the path",
-            );
-        };
-        let tenant = match key::validate_tenant(tenant.as_bytes()) {
-            Ok(t) => t.to_owned(),
-            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
-        };
-        let hash = match hex::decode(id)
+        let (tenant, id) =
+            match tenant_and_name(req.uri.path(), "/admin/record-ids/", "{tenant}/{record}") {
+                Ok(parts) => parts,
+                Err(refused) => return refused,
+            };
+        let hash = match hex::decode(&id)
             .ok()
             .and_then(|b| <[u8; 32]>::try_from(b).ok())
         {
@@ -348,6 +319,35 @@ impl Admin {
                 ),
             ),
         }
+    }
+}
+
+/// The tenant (validated) and the name after it in `<prefix>{tenant}/{name}`, both
+/// percent-decoded; a refusal naming the `shape` expected otherwise.
+#[allow(clippy::result_large_err)]
+fn tenant_and_name(
+    path: &str,
+    prefix: &str,
+    shape: &str,
+) -> Result<(String, String), Response<Vec<u8>>> {
+    let Some((tenant, name)) = path
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.split_once('/'))
+    else {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            &format!("use {prefix}{shape}"),
+        ));
+    };
+    let (Some(tenant), Some(name)) = (percent_decode(tenant), percent_decode(name)) else {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "malformed percent-encoding in the path",
+        ));
+    };
+    match key::validate_tenant(tenant.as_bytes()) {
+        Ok(t) => Ok((t.to_owned(), name)),
+        Err(e) => Err(error(StatusCode::BAD_REQUEST, &e.to_string())),
     }
 }
 

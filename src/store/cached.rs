@@ -557,6 +557,14 @@ mod tests {
         }
     }
 
+    /// The same request again, from another client connection (its own owner token).
+    fn retry_of(req: &ClaimRequest) -> ClaimRequest {
+        ClaimRequest {
+            owner: OwnerToken::random(),
+            ..req.clone()
+        }
+    }
+
     fn response(body: &'static [u8]) -> Completion {
         Completion::Response(Arc::new(StoredResponse::new(
             201,
@@ -681,10 +689,7 @@ mod tests {
         let calls = store.inner().calls.load(Ordering::Relaxed);
         // Even with the shared store down, the retry is answered locally.
         store.inner().set(Fault::Down);
-        let again = ClaimRequest {
-            owner: OwnerToken::random(),
-            ..req.clone()
-        };
+        let again = retry_of(&req);
         match store.claim(&again).await.unwrap() {
             ClaimOutcome::Existing(r) => {
                 assert_eq!(r.fingerprint, [7; 32]);
@@ -735,10 +740,7 @@ mod tests {
             .complete(&req.key, req.owner, response(b"x"), req.ttl)
             .await;
         assert!(written.is_err());
-        let again = ClaimRequest {
-            owner: OwnerToken::random(),
-            ..req.clone()
-        };
+        let again = retry_of(&req);
         assert!(matches!(
             store.claim(&again).await.unwrap(),
             ClaimOutcome::Existing(_)
@@ -945,10 +947,7 @@ mod tests {
         // In flight on A: B sees it, keeps nothing.
         let req = claim("t", 9);
         a.claim(&req).await.unwrap();
-        let retry = ClaimRequest {
-            owner: OwnerToken::random(),
-            ..req.clone()
-        };
+        let retry = retry_of(&req);
         assert!(matches!(
             b.claim(&retry).await.unwrap(),
             ClaimOutcome::Existing(_)
@@ -989,10 +988,7 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let retry = ClaimRequest {
-            owner: OwnerToken::random(),
-            ..theirs.clone()
-        };
+        let retry = retry_of(&theirs);
         b.claim(&retry).await.unwrap();
         assert_eq!(b.cache_usage().0, 2, "B's completion and its copy of A's");
         assert_eq!(b.forget_copies(), 1);
@@ -1034,10 +1030,7 @@ mod tests {
             async move { b.delete(&key).await }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let retry = ClaimRequest {
-            owner: OwnerToken::random(),
-            ..req.clone()
-        };
+        let retry = retry_of(&req);
         assert!(matches!(
             b.claim(&retry).await.unwrap(),
             ClaimOutcome::Existing(_)
