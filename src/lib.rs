@@ -31,6 +31,7 @@ pub mod logwriter;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;
+pub mod reconcile;
 pub mod reload;
 pub mod script_reload;
 pub mod scripts;

@@ -28,6 +28,17 @@ struct Cli {
     /// Validate the config and exit: 0 when valid, 1 with a message naming the field otherwise.
     #[arg(long)]
     check: bool,
+
+    /// Reconcile a dead-letter file against the config's Redis store: say what became of each
+    /// line (stored, another outcome, executing, missing, expired) and exit 0 when nothing needs
+    /// more, 1 when something does.
+    #[arg(long, value_name = "DEAD_LETTERS", conflicts_with = "check")]
+    reconcile: Option<PathBuf>,
+
+    /// With --reconcile: write the missing responses back, so retries replay them instead of
+    /// executing again.
+    #[arg(long, requires = "reconcile")]
+    apply: bool,
 }
 
 /// The log writer, flushed on exit.
@@ -90,6 +101,57 @@ fn no_transparent_huge_pages() {
     }
 }
 
+/// `--reconcile`: runs [`idemgate::reconcile`] against the config's Redis store, printing a
+/// line per dead letter and a summary.
+fn reconcile(config: &Config, dead_letters: &std::path::Path, apply: bool) -> ExitCode {
+    let text = match std::fs::read_to_string(dead_letters) {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!("idemgate: cannot read {}: {e}", dead_letters.display());
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let settings = match (config.store.backend, &config.store.redis) {
+        (idemgate::config::StoreBackend::Redis, Some(settings)) => settings,
+        _ => {
+            eprintln!(
+                "idemgate: --reconcile needs store.backend: redis (the embedded store lived in \
+                 the process that wrote the dead letters)"
+            );
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let store: std::sync::Arc<dyn idemgate::store::RecordStore> =
+        match idemgate::store::RedisStore::new(settings) {
+            Ok(store) => std::sync::Arc::new(store),
+            Err(e) => {
+                eprintln!("idemgate: store.redis: {e}");
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            }
+        };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("idemgate: cannot start a runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    match runtime.block_on(idemgate::reconcile::reconcile(
+        &store, &text, apply, &mut out,
+    )) {
+        Ok(tally) if tally.needs_action() => ExitCode::FAILURE,
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idemgate: writing the report: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     no_transparent_huge_pages();
     let cli = Cli::parse();
@@ -106,6 +168,9 @@ fn main() -> ExitCode {
     if cli.check {
         println!("idemgate: config {} is valid", cli.config.display());
         return ExitCode::SUCCESS;
+    }
+    if let Some(dead_letters) = &cli.reconcile {
+        return reconcile(&config, dead_letters, cli.apply);
     }
     init_logging();
     match idemgate::server::run(cli.config.clone(), config, flush_logs) {

@@ -837,6 +837,7 @@ impl Gate {
             completion: completion.clone(),
             ttl,
             execution_id: claim.execution_id,
+            fingerprint: req.fingerprint,
             lock_deadline: tokio::time::Instant::from_std(claim.lock_deadline),
         };
         match written {

@@ -1,4 +1,4 @@
-//! The command line: `--check`, `--version`, bad configs, and JSON logs.
+//! The command line: `--check`, `--version`, `--reconcile`'s refusals, bad configs, and JSON logs.
 
 mod common;
 
@@ -130,6 +130,42 @@ fn a_worker_id_from_the_environment_that_is_no_id_stops_the_start() {
         assert_eq!(code, Some(64), "{bad:?}: {err}");
         assert!(err.contains("IDEMGATE_WORKER_ID"), "{err}");
     }
+}
+
+#[test]
+fn reconcile_needs_a_redis_store_and_a_readable_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemgate.yaml");
+    std::fs::write(&config, minimal_config("127.0.0.1:0", "127.0.0.1:0")).unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    std::fs::write(&dead, "").unwrap();
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out = idemgate()
+            .arg("--config")
+            .arg(&config)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The embedded store lived in the process that wrote the dead letters.
+    let (code, err) = run(&["--reconcile".as_ref(), dead.as_os_str()]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("--reconcile needs store.backend: redis"),
+        "{err}"
+    );
+    let missing = dir.path().join("missing.jsonl");
+    let (code, err) = run(&["--reconcile".as_ref(), missing.as_os_str()]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("cannot read"), "{err}");
+    // --apply means nothing without --reconcile.
+    let (code, err) = run(&["--apply".as_ref()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--reconcile"), "{err}");
 }
 
 #[test]

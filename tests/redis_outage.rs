@@ -355,6 +355,51 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     .unwrap();
     assert_eq!(held_body, second.body);
     assert_ne!(held_body, body);
+
+    // `--reconcile` says the same of the line, and changes nothing.
+    let reconcile = |apply: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
+        cmd.arg("--config")
+            .arg(&a.config_path)
+            .arg("--reconcile")
+            .arg(&dead);
+        if apply {
+            cmd.arg("--apply");
+        }
+        let out = cmd.output().expect("run idemgate --reconcile");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (code, report) = reconcile(true);
+    assert_eq!(code, Some(1), "{report}");
+    assert!(report.contains("line 1: default/"), "{report}");
+    assert!(report.contains("another outcome"), "{report}");
+    // Had Redis lost the record (a failover), the line would be all that is left of both
+    // answers: reconciling shows it missing, and --apply writes it back.
+    let _: i64 = redis.cmd(&["DEL", &keys[0]]);
+    let (code, report) = reconcile(false);
+    assert_eq!(code, Some(1), "{report}");
+    assert!(
+        report.contains("missing: a retry would execute again"),
+        "{report}"
+    );
+    assert!(redis.keys().is_empty(), "nothing written without --apply");
+    let (code, report) = reconcile(true);
+    assert_eq!(code, Some(0), "{report}");
+    assert!(report.contains("restored"), "{report}");
+    // A retry now replays the dead-lettered answer (A holds no copy of its own: its write was
+    // refused), under the same execution id, instead of executing a third time.
+    let r = replay.send(a.addr).await;
+    assert_eq!((r.result(), &r.body), (Some("HIT"), &first.body));
+    assert_eq!(backend.count(), 2);
+    let (code, report) = reconcile(true);
+    assert_eq!(code, Some(0), "{report}");
+    assert!(
+        report.contains("stored: the record holds this response"),
+        "{report}"
+    );
 }
 
 #[tokio::test]

@@ -39,7 +39,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{
-    Completion, ForgetLocal, OwnerToken, Record, RecordKey, RecordState, RecordStore, WriteOutcome,
+    Completion, Digest, ForgetLocal, OwnerToken, Record, RecordKey, RecordState, RecordStore,
+    WriteOutcome,
 };
 
 /// Retry settings.
@@ -83,6 +84,10 @@ pub struct PendingCompletion {
     pub ttl: Duration,
     /// Execution id, for the dead-letter line.
     pub execution_id: u64,
+    /// Fingerprint of the request that claimed the record, for the dead-letter line: what a
+    /// record restored from it (`idemgate --reconcile`) must carry so a changed retry still gets
+    /// 422.
+    pub fingerprint: Digest,
     /// When the claim's lock lapses at the latest: the claim was sent, plus `lock_ttl` (the
     /// store starts the lock when it takes the claim, so its deadline is no earlier). Until then
     /// no other request can execute the key and the completion can still be stored.
@@ -420,6 +425,7 @@ pub fn dead_letter_line(
         "tenant": job.key.tenant,
         "record": hex::encode(job.key.hash),
         "execution_id": job.execution_id.to_string(),
+        "fingerprint": hex::encode(job.fingerprint),
         "ttl_ms": job.ttl.as_millis() as u64,
         "attempts": attempts,
         "reason": reason,
@@ -472,6 +478,7 @@ mod tests {
             ))),
             ttl: req.ttl,
             execution_id: 42,
+            fingerprint: req.fingerprint,
             // Lapsed already: only the attempt budget keeps it (tests that need a live lock
             // set their own).
             lock_deadline: Instant::now(),

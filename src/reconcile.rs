@@ -1,0 +1,596 @@
+//! `idemgate --config FILE --reconcile DEAD_LETTERS [--apply]`: what became of each dead-lettered
+//! completion, and, with `--apply`, putting back the ones the store lacks.
+//!
+//! A dead letter is a response the backend returned that the store did not confirm (see
+//! [`crate::store::retry`]). For each line, the record it names is read from the configured
+//! store, and the line is reported as one of:
+//!
+//! - `stored`: the record holds exactly this response (a write that timed out landed after all).
+//!   Nothing was lost.
+//! - `another outcome`: the record holds another execution's response (the lock lapsed and the
+//!   key ran again). Both executions happened; the duplicate needs a person (refund, cancel).
+//! - `executing`: a request holds the record's lock right now. Run again once it is done.
+//! - `missing`: the record is absent, released, or in flight with its lock lapsed, so a retry
+//!   would execute the key again. With `--apply` the response is written back — claimed with the
+//!   line's fingerprint and execution id, then completed for what is left of its `ttl` — so
+//!   retries replay it: `restored`.
+//! - `expired`: the record's `ttl` has passed since the line was written; a retry would be a new
+//!   request by then, and nothing is restored.
+//!
+//! A line that cannot be read, or whose record cannot be read or restored, is reported with the
+//! reason and counted as failed. Nothing is ever overwritten: a record that changed between the
+//! read and the restore is reported and left alone.
+
+use std::fmt;
+use std::io::{self, Write};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
+    RecordStore, StoredResponse, WriteOutcome,
+};
+
+/// How long the claim that restores a record holds its lock: the completion follows at once.
+const RESTORE_LOCK: Duration = Duration::from_secs(10);
+
+/// One dead-letter line, read.
+#[derive(Debug)]
+struct Letter {
+    key: RecordKey,
+    execution_id: u64,
+    /// Absent in lines written before dead letters carried it: such a record cannot be restored.
+    fingerprint: Option<Digest>,
+    completion: Completion,
+    /// When the record's `ttl` ends: the line's time plus its `ttl_ms`.
+    expires_at_unix_ms: u64,
+}
+
+/// What became of one line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The record holds exactly this response.
+    Stored,
+    /// The record holds another execution's response (`status` is that one's).
+    AnotherOutcome {
+        /// Status of the response the record holds.
+        status: u16,
+    },
+    /// A request holds the record's lock now.
+    Executing,
+    /// The store lacks it; `--apply` was not given.
+    Missing,
+    /// Written back (`--apply`).
+    Restored,
+    /// Its `ttl` has passed.
+    Expired,
+    /// The line, or its record, could not be read or restored.
+    Failed(String),
+}
+
+impl Verdict {
+    /// Whether the line still needs someone (or another run).
+    pub fn needs_action(&self) -> bool {
+        !matches!(self, Verdict::Stored | Verdict::Restored | Verdict::Expired)
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Verdict::Stored => f.write_str("stored: the record holds this response; nothing lost"),
+            Verdict::AnotherOutcome { status } => write!(
+                f,
+                "another outcome: the record holds another execution's response ({status}); \
+                 both executions happened"
+            ),
+            Verdict::Executing => f.write_str(
+                "executing: a request holds the record's lock now; run again once it is done",
+            ),
+            Verdict::Missing => f.write_str(
+                "missing: a retry would execute again; --apply writes this response back",
+            ),
+            Verdict::Restored => f.write_str("restored: retries now replay this response"),
+            Verdict::Expired => f.write_str("expired: its ttl has passed; nothing to restore"),
+            Verdict::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
+}
+
+/// Counts of each verdict over a file.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Tally {
+    /// Lines whose response the store holds.
+    pub stored: usize,
+    /// Lines whose record holds another execution's response.
+    pub another_outcome: usize,
+    /// Lines whose record is locked by a request now.
+    pub executing: usize,
+    /// Lines the store lacks, not restored.
+    pub missing: usize,
+    /// Lines written back.
+    pub restored: usize,
+    /// Lines past their ttl.
+    pub expired: usize,
+    /// Lines that could not be read or restored.
+    pub failed: usize,
+}
+
+impl Tally {
+    fn count(&mut self, verdict: &Verdict) {
+        let slot = match verdict {
+            Verdict::Stored => &mut self.stored,
+            Verdict::AnotherOutcome { .. } => &mut self.another_outcome,
+            Verdict::Executing => &mut self.executing,
+            Verdict::Missing => &mut self.missing,
+            Verdict::Restored => &mut self.restored,
+            Verdict::Expired => &mut self.expired,
+            Verdict::Failed(_) => &mut self.failed,
+        };
+        *slot += 1;
+    }
+
+    /// Whether some line still needs someone (or another run).
+    pub fn needs_action(&self) -> bool {
+        self.another_outcome + self.executing + self.missing + self.failed > 0
+    }
+}
+
+impl fmt::Display for Tally {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} stored, {} restored, {} missing, {} another outcome, {} executing, {} expired, {} failed",
+            self.stored,
+            self.restored,
+            self.missing,
+            self.another_outcome,
+            self.executing,
+            self.expired,
+            self.failed
+        )
+    }
+}
+
+/// Reconciles every line of `dead_letters` (the file's text) against `store`, writing one line
+/// per dead letter and a summary to `out`; with `apply`, restores the missing ones.
+pub async fn reconcile(
+    store: &Arc<dyn RecordStore>,
+    dead_letters: &str,
+    apply: bool,
+    out: &mut dyn Write,
+) -> io::Result<Tally> {
+    let mut tally = Tally::default();
+    for (n, text) in dead_letters.lines().enumerate() {
+        if text.trim().is_empty() {
+            continue;
+        }
+        let (label, verdict) = match parse(text) {
+            Ok(letter) => (
+                format!(
+                    "{}/{} execution {}",
+                    letter.key.tenant,
+                    hex::encode(letter.key.hash),
+                    letter.execution_id
+                ),
+                judge(store.as_ref(), &letter, apply, now_unix_ms()).await,
+            ),
+            Err(why) => (
+                "?".to_string(),
+                Verdict::Failed(format!("unreadable line: {why}")),
+            ),
+        };
+        tally.count(&verdict);
+        writeln!(out, "line {}: {label}: {verdict}", n + 1)?;
+    }
+    writeln!(out, "{tally}")?;
+    Ok(tally)
+}
+
+/// What became of `letter`, restoring it when `apply` and the store lacks it.
+async fn judge(store: &dyn RecordStore, letter: &Letter, apply: bool, now_ms: u64) -> Verdict {
+    let record = match store.get(&letter.key).await {
+        Ok(record) => record,
+        Err(e) => return Verdict::Failed(format!("reading the record: {e}")),
+    };
+    let left = Duration::from_millis(letter.expires_at_unix_ms.saturating_sub(now_ms));
+    match held(record.as_ref(), &letter.completion) {
+        Some(verdict) => verdict,
+        None if left.is_zero() => Verdict::Expired,
+        None if !apply => Verdict::Missing,
+        None => restore(store, letter, left).await,
+    }
+}
+
+/// The verdict a record read from the store gives, or `None` when the store lacks the response
+/// (absent, released, or in flight with its lock lapsed).
+fn held(record: Option<&Record>, completion: &Completion) -> Option<Verdict> {
+    match record.map(|r| &r.state) {
+        Some(RecordState::Completed(c)) if c == completion => Some(Verdict::Stored),
+        Some(RecordState::Completed(c)) => Some(Verdict::AnotherOutcome { status: status(c) }),
+        Some(RecordState::InFlight { lock_remaining }) if !lock_remaining.is_zero() => {
+            Some(Verdict::Executing)
+        }
+        _ => None,
+    }
+}
+
+/// Claims the record with the line's fingerprint and execution id, then completes it with the
+/// line's response for `left`. A record that changed since it was read is left alone.
+async fn restore(store: &dyn RecordStore, letter: &Letter, left: Duration) -> Verdict {
+    let Some(fingerprint) = letter.fingerprint else {
+        return Verdict::Failed(
+            "cannot restore: the line has no fingerprint (written by an older idemgate)".into(),
+        );
+    };
+    let owner = OwnerToken::random();
+    let claim = ClaimRequest {
+        key: letter.key.clone(),
+        fingerprint,
+        owner,
+        execution_id: letter.execution_id,
+        lock_ttl: RESTORE_LOCK,
+        ttl: left,
+    };
+    match store.claim(&claim).await {
+        Ok(ClaimOutcome::Acquired { .. }) => {}
+        Ok(ClaimOutcome::Existing(record)) => {
+            return match held(Some(&record), &letter.completion) {
+                Some(verdict) => verdict,
+                None => Verdict::Failed(
+                    "the record changed since it was read (another request, or another \
+                     fingerprint); left alone"
+                        .into(),
+                ),
+            }
+        }
+        Err(e) => return Verdict::Failed(format!("claiming the record: {e}")),
+    }
+    match store
+        .complete(&letter.key, owner, letter.completion.clone(), left)
+        .await
+    {
+        Ok(WriteOutcome::Applied) => Verdict::Restored,
+        Ok(WriteOutcome::NotOwner) => {
+            Verdict::Failed("the record was taken over while being restored; left alone".into())
+        }
+        Err(e) => Verdict::Failed(format!(
+            "completing the record: {e} (it stays claimed for {}s, then a retry executes)",
+            RESTORE_LOCK.as_secs()
+        )),
+    }
+}
+
+fn status(completion: &Completion) -> u16 {
+    match completion {
+        Completion::Response(r) => r.status,
+        Completion::Unreplayable { status } => *status,
+    }
+}
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Reads one dead-letter line (see [`crate::store::retry::dead_letter_line`]).
+fn parse(text: &str) -> Result<Letter, String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let field = |name: &str| v.get(name).ok_or_else(|| format!("no \"{name}\""));
+    let string = |name: &str| {
+        field(name)?
+            .as_str()
+            .ok_or_else(|| format!("\"{name}\" is not a string"))
+    };
+    let number = |name: &str| {
+        field(name)?
+            .as_u64()
+            .ok_or_else(|| format!("\"{name}\" is not a whole number"))
+    };
+    let digest = |name: &str| -> Result<Digest, String> {
+        hex::decode(string(name)?)
+            .ok()
+            .and_then(|bytes| bytes.try_into().ok())
+            .ok_or_else(|| format!("\"{name}\" is not 64 hex digits"))
+    };
+    let tenant = crate::key::validate_tenant(string("tenant")?.as_bytes())
+        .map_err(|e| format!("\"tenant\": {e}"))?
+        .to_owned();
+    let key = RecordKey {
+        tenant,
+        hash: digest("record")?,
+    };
+    let execution_id = string("execution_id")?
+        .parse()
+        .map_err(|_| "\"execution_id\" is not a u64".to_string())?;
+    let fingerprint = match v.get("fingerprint") {
+        None => None,
+        Some(_) => Some(digest("fingerprint")?),
+    };
+    let expires_at_unix_ms = number("at_unix_ms")?.saturating_add(number("ttl_ms")?);
+    let completion = parse_response(field("response")?)?;
+    Ok(Letter {
+        key,
+        execution_id,
+        fingerprint,
+        completion,
+        expires_at_unix_ms,
+    })
+}
+
+fn parse_response(v: &serde_json::Value) -> Result<Completion, String> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let status = v
+        .get("status")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|s| u16::try_from(s).ok())
+        .filter(|s| (100..=999).contains(s))
+        .ok_or("\"response.status\" is not an HTTP status")?;
+    if v.get("unreplayable") == Some(&serde_json::Value::Bool(true)) {
+        return Ok(Completion::Unreplayable { status });
+    }
+    let mut headers = Vec::new();
+    for pair in v
+        .get("headers")
+        .and_then(serde_json::Value::as_array)
+        .ok_or("\"response.headers\" is not a list")?
+    {
+        let (Some(name), Some(value)) = (
+            pair.get(0).and_then(serde_json::Value::as_str),
+            pair.get(1).and_then(serde_json::Value::as_str),
+        ) else {
+            return Err("a response header is not [name, base64 value]".into());
+        };
+        let value = b64
+            .decode(value)
+            .map_err(|_| format!("header {name:?}: its value is not base64"))?;
+        headers.push((name.to_owned(), value));
+    }
+    let body = v
+        .get("body_base64")
+        .and_then(serde_json::Value::as_str)
+        .ok_or("no \"response.body_base64\"")
+        .and_then(|body| {
+            b64.decode(body)
+                .map_err(|_| "\"response.body_base64\" is not base64")
+        })?;
+    Ok(Completion::Response(Arc::new(StoredResponse::new(
+        status, headers, body,
+    ))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::retry::{dead_letter_line, InStore, PendingCompletion};
+    use crate::store::MemoryStore;
+
+    fn response(body: &'static [u8]) -> Completion {
+        Completion::Response(Arc::new(StoredResponse::new(
+            201,
+            vec![
+                ("content-type", &b"application/json"[..]),
+                ("x-bin", b"\x00\xff"),
+            ],
+            body,
+        )))
+    }
+
+    fn letter(n: u8, completion: Completion) -> PendingCompletion {
+        PendingCompletion {
+            key: RecordKey {
+                tenant: "acme".into(),
+                hash: [n; 32],
+            },
+            owner: OwnerToken::random(),
+            completion,
+            ttl: Duration::from_secs(3600),
+            execution_id: 1000 + u64::from(n),
+            fingerprint: [n; 32],
+            lock_deadline: tokio::time::Instant::now(),
+        }
+    }
+
+    fn store() -> Arc<dyn RecordStore> {
+        Arc::new(MemoryStore::new(1 << 20, 1))
+    }
+
+    async fn run(store: &Arc<dyn RecordStore>, text: &str, apply: bool) -> (Tally, String) {
+        let mut out = Vec::new();
+        let tally = reconcile(store, text, apply, &mut out).await.unwrap();
+        (tally, String::from_utf8(out).unwrap())
+    }
+
+    /// Claims `job`'s record as its request did, for `lock`.
+    async fn claim_as(store: &Arc<dyn RecordStore>, job: &PendingCompletion, lock: Duration) {
+        let req = ClaimRequest {
+            key: job.key.clone(),
+            fingerprint: job.fingerprint,
+            owner: job.owner,
+            execution_id: job.execution_id,
+            lock_ttl: lock,
+            ttl: job.ttl,
+        };
+        assert!(matches!(
+            store.claim(&req).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+    }
+
+    #[test]
+    fn lines_read_back_what_was_written() {
+        for completion in [
+            response(b"{\"order\":1}"),
+            Completion::Unreplayable { status: 200 },
+        ] {
+            let job = letter(1, completion.clone());
+            let line = dead_letter_line(&job, 3, "store failed", InStore::Unknown);
+            let read = parse(line.trim()).unwrap();
+            assert_eq!(read.key, job.key);
+            assert_eq!(read.execution_id, job.execution_id);
+            assert_eq!(read.fingerprint, Some(job.fingerprint));
+            assert_eq!(read.completion, completion);
+            let now = now_unix_ms();
+            assert!((now + 3_590_000..=now + 3_600_000).contains(&read.expires_at_unix_ms));
+        }
+    }
+
+    #[test]
+    fn bad_lines_say_what_is_wrong() {
+        let good: serde_json::Value = serde_json::from_str(
+            dead_letter_line(&letter(2, response(b"x")), 1, "r", InStore::Unknown).trim(),
+        )
+        .unwrap();
+        let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = good.clone();
+            edit(&mut v);
+            v.to_string()
+        };
+        let cases: Vec<(String, &str)> = vec![
+            ("{".into(), "not JSON"),
+            (with(&|v| v["tenant"] = "bad tenant".into()), "tenant"),
+            (
+                with(&|v| v["record"] = "abc".into()),
+                "\"record\" is not 64 hex digits",
+            ),
+            (
+                with(&|v| v["execution_id"] = 5.into()),
+                "\"execution_id\" is not a string",
+            ),
+            (with(&|v| v["execution_id"] = "-1".into()), "not a u64"),
+            (with(&|v| v["fingerprint"] = "zz".into()), "\"fingerprint\""),
+            (with(&|v| v["ttl_ms"] = "1".into()), "\"ttl_ms\""),
+            (
+                with(&|v| v["response"]["status"] = 70000.into()),
+                "HTTP status",
+            ),
+            (with(&|v| v["response"]["headers"] = 1.into()), "not a list"),
+            (
+                with(&|v| v["response"]["headers"] = serde_json::json!([["a"]])),
+                "[name, base64 value]",
+            ),
+            (
+                with(&|v| v["response"]["headers"] = serde_json::json!([["a", "!!"]])),
+                "not base64",
+            ),
+            (
+                with(&|v| v["response"]["body_base64"] = "!!".into()),
+                "not base64",
+            ),
+            (
+                with(&|v| {
+                    v.as_object_mut().unwrap().remove("response");
+                }),
+                "no \"response\"",
+            ),
+        ];
+        for (text, reason) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(reason), "{text}: {err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn each_fate_of_a_dead_letter_is_told_and_only_missing_ones_are_restored() {
+        let store = store();
+        // Stored after all: the write timed out but landed.
+        let stored = letter(1, response(b"one"));
+        claim_as(&store, &stored, Duration::from_secs(30)).await;
+        store
+            .complete(
+                &stored.key,
+                stored.owner,
+                stored.completion.clone(),
+                stored.ttl,
+            )
+            .await
+            .unwrap();
+        // Taken over: the record holds another execution's answer.
+        let taken = letter(2, response(b"two"));
+        claim_as(&store, &taken, Duration::from_secs(30)).await;
+        let other = response(b"the other execution");
+        store
+            .complete(&taken.key, taken.owner, other, taken.ttl)
+            .await
+            .unwrap();
+        // Executing: a request holds the lock now.
+        let executing = letter(3, response(b"three"));
+        claim_as(&store, &executing, Duration::from_secs(30)).await;
+        // Missing: absent, and in flight with a lapsed lock.
+        let absent = letter(4, response(b"four"));
+        let lapsed = letter(5, Completion::Unreplayable { status: 201 });
+        claim_as(&store, &lapsed, Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        // Expired: its ttl has passed.
+        let mut expired = letter(6, response(b"six"));
+        expired.ttl = Duration::ZERO;
+        let mut text: String = [&stored, &taken, &executing, &absent, &lapsed, &expired]
+            .iter()
+            .map(|job| dead_letter_line(job, 1, "store failed", InStore::Unknown))
+            .collect();
+        text.push_str("\nnot a line\n");
+
+        let (tally, out) = run(&store, &text, false).await;
+        let expected = Tally {
+            stored: 1,
+            another_outcome: 1,
+            executing: 1,
+            missing: 2,
+            expired: 1,
+            failed: 1,
+            restored: 0,
+        };
+        assert_eq!(tally, expected, "{out}");
+        assert!(tally.needs_action());
+        assert!(out.contains("line 2: acme/0202"), "{out}");
+        assert!(out.contains("another outcome"), "{out}");
+        assert!(out.contains("line 8: ?: failed: unreadable line"), "{out}");
+        // Nothing was written without --apply.
+        assert_eq!(store.get(&absent.key).await.unwrap(), None);
+
+        let (tally, out) = run(&store, &text, true).await;
+        assert_eq!(
+            tally,
+            Tally {
+                missing: 0,
+                restored: 2,
+                ..expected.clone()
+            },
+            "{out}"
+        );
+        for job in [&absent, &lapsed] {
+            let record = store.get(&job.key).await.unwrap().expect("restored");
+            assert_eq!(record.state, RecordState::Completed(job.completion.clone()));
+            assert_eq!(record.execution_id, job.execution_id);
+            assert_eq!(record.fingerprint, job.fingerprint);
+        }
+        // Run again: what was restored now reads as stored.
+        let (tally, _) = run(&store, &text, true).await;
+        assert_eq!(
+            tally,
+            Tally {
+                stored: 3,
+                ..Tally {
+                    missing: 0,
+                    ..expected
+                }
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn a_line_without_a_fingerprint_is_reported_not_restored() {
+        let store = store();
+        let job = letter(7, response(b"x"));
+        let mut v: serde_json::Value =
+            serde_json::from_str(dead_letter_line(&job, 1, "r", InStore::Unknown).trim()).unwrap();
+        v.as_object_mut().unwrap().remove("fingerprint");
+        let (tally, out) = run(&store, &v.to_string(), true).await;
+        assert_eq!(tally.failed, 1, "{out}");
+        assert!(out.contains("no fingerprint"), "{out}");
+        assert_eq!(store.get(&job.key).await.unwrap(), None);
+    }
+}
