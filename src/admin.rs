@@ -138,6 +138,13 @@ impl Admin {
     /// kept, so reconciling a dead letter starts from this).
     async fn record_by_id(&self, session: &ServerSession, delete: bool) -> Response<Vec<u8>> {
         let req = session.req_header();
+        // A record id is no secret (Redis key names and dead-letter lines show it), so unlike
+        // the raw key and its principal's scope values it proves nothing: the stored body is
+        // shown only with the admin token.
+        let wants_body = Query(req.uri.query().unwrap_or("")).get("body") == Some("true");
+        if wants_body && !self.authorized(session) {
+            return unauthorized();
+        }
         let (tenant, id) =
             match tenant_and_name(req.uri.path(), "/admin/record-ids/", "{tenant}/{record}") {
                 Ok(parts) => parts,

@@ -104,8 +104,9 @@ fn no_transparent_huge_pages() {
 /// `--reconcile`: runs [`idemgate::reconcile`] against the config's Redis store, printing a
 /// line per dead letter and a summary.
 fn reconcile(config: &Config, dead_letters: &std::path::Path, apply: bool) -> ExitCode {
-    let text = match std::fs::read_to_string(dead_letters) {
-        Ok(text) => text,
+    // Bytes, not a string: a torn or hand-damaged line must fail alone, not the whole file.
+    let text = match std::fs::read(dead_letters) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
         Err(e) => {
             eprintln!("idemgate: cannot read {}: {e}", dead_letters.display());
             return ExitCode::from(EXIT_BAD_CONFIG);

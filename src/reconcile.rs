@@ -5,21 +5,30 @@
 //! [`crate::store::retry`]). For each line, the record it names is read from the configured
 //! store, and the line is reported as one of:
 //!
-//! - `stored`: the record holds exactly this response (a write that timed out landed after all).
-//!   Nothing was lost.
-//! - `another outcome`: the record holds another execution's response (the lock lapsed and the
-//!   key ran again). Both executions happened; the duplicate needs a person (refund, cancel).
+//! - `stored`: the record holds exactly this response, under this execution id, and the line's
+//!   write was not refused: a write that timed out landed after all. Nothing was lost.
+//! - `stored, unconfirmed`: the record reads the same, but that does not prove this execution
+//!   put it there: the line's write was refused (`"in_store": "no"`: the key was taken over, or
+//!   the record was gone), or the response was too large to replay and is kept as its status
+//!   alone. Another execution that answered the same cannot be ruled out (unless an earlier
+//!   `--apply` restored it).
+//! - `another outcome`: the record holds another response, or belongs to another execution id
+//!   (re-created after it was lost). Both executions may have happened; that needs a person
+//!   (refund, cancel).
 //! - `executing`: a request holds the record's lock right now. Run again once it is done.
-//! - `missing`: the record is absent, released, or in flight with its lock lapsed, so a retry
-//!   would execute the key again. With `--apply` the response is written back — claimed with the
-//!   line's fingerprint and execution id, then completed for what is left of its `ttl` — so
-//!   retries replay it: `restored`.
-//! - `expired`: the record's `ttl` has passed since the line was written; a retry would be a new
-//!   request by then, and nothing is restored.
+//! - `missing`: the record is absent, or released or in flight with its lock lapsed under this
+//!   execution and fingerprint, so a retry would execute the key again. With `--apply` the
+//!   response is written back — claimed with the line's fingerprint and execution id, then
+//!   completed for what is left of its `ttl` counted from when the line was written — so retries
+//!   replay it: `restored`.
+//! - `expired`: that `ttl` has passed; a retry would be a new request by then, and nothing is
+//!   restored.
 //!
-//! A line that cannot be read, or whose record cannot be read or restored, is reported with the
-//! reason and counted as failed. Nothing is ever overwritten: a record that changed between the
-//! read and the restore is reported and left alone.
+//! A line that cannot be read, or whose record cannot be read or restored (another request's
+//! fingerprint holds the key: a retry gets 422), is reported with the reason and counted as
+//! failed. Nothing is ever overwritten: `claim.lua` takes a record only when it is free, and a
+//! record that changed between the read and the claim is reported and left alone (a claim that
+//! took a record of another execution id releases it again at once).
 
 use std::fmt;
 use std::io::{self, Write};
@@ -46,17 +55,26 @@ struct Letter {
     completion: Completion,
     /// When the record's `ttl` ends: the line's time plus its `ttl_ms`.
     expires_at_unix_ms: u64,
+    /// The store refused the line's write (`"in_store": "no"`): whatever the record holds, this
+    /// execution did not write it.
+    refused: bool,
 }
 
 /// What became of one line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    /// The record holds exactly this response.
+    /// The record holds exactly this response, under this execution id, and the line's write
+    /// was not refused.
     Stored,
-    /// The record holds another execution's response (`status` is that one's).
+    /// The record reads the same, but that does not prove this execution wrote it (`why`).
+    StoredUnconfirmed {
+        /// Why the match proves nothing: the write was refused, or only a status is kept.
+        why: &'static str,
+    },
+    /// The record holds another response, or belongs to another execution id.
     AnotherOutcome {
-        /// Status of the response the record holds.
-        status: u16,
+        /// What the record holds instead.
+        what: String,
     },
     /// A request holds the record's lock now.
     Executing,
@@ -81,10 +99,14 @@ impl fmt::Display for Verdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Verdict::Stored => f.write_str("stored: the record holds this response; nothing lost"),
-            Verdict::AnotherOutcome { status } => write!(
+            Verdict::StoredUnconfirmed { why } => write!(
                 f,
-                "another outcome: the record holds another execution's response ({status}); \
-                 both executions happened"
+                "stored, unconfirmed: the record reads the same, but {why}; another execution \
+                 that answered the same cannot be ruled out (unless an earlier --apply restored it)"
+            ),
+            Verdict::AnotherOutcome { what } => write!(
+                f,
+                "another outcome: {what}; both executions may have happened"
             ),
             Verdict::Executing => f.write_str(
                 "executing: a request holds the record's lock now; run again once it is done",
@@ -104,6 +126,8 @@ impl fmt::Display for Verdict {
 pub struct Tally {
     /// Lines whose response the store holds.
     pub stored: usize,
+    /// Lines whose record reads the same without proving it is theirs.
+    pub unconfirmed: usize,
     /// Lines whose record holds another execution's response.
     pub another_outcome: usize,
     /// Lines whose record is locked by a request now.
@@ -122,6 +146,7 @@ impl Tally {
     fn count(&mut self, verdict: &Verdict) {
         let slot = match verdict {
             Verdict::Stored => &mut self.stored,
+            Verdict::StoredUnconfirmed { .. } => &mut self.unconfirmed,
             Verdict::AnotherOutcome { .. } => &mut self.another_outcome,
             Verdict::Executing => &mut self.executing,
             Verdict::Missing => &mut self.missing,
@@ -134,7 +159,7 @@ impl Tally {
 
     /// Whether some line still needs someone (or another run).
     pub fn needs_action(&self) -> bool {
-        self.another_outcome + self.executing + self.missing + self.failed > 0
+        self.unconfirmed + self.another_outcome + self.executing + self.missing + self.failed > 0
     }
 }
 
@@ -142,8 +167,10 @@ impl fmt::Display for Tally {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} stored, {} restored, {} missing, {} another outcome, {} executing, {} expired, {} failed",
+            "{} stored, {} stored unconfirmed, {} restored, {} missing, {} another outcome, \
+             {} executing, {} expired, {} failed",
             self.stored,
+            self.unconfirmed,
             self.restored,
             self.missing,
             self.another_outcome,
@@ -196,7 +223,7 @@ async fn judge(store: &dyn RecordStore, letter: &Letter, apply: bool, now_ms: u6
         Err(e) => return Verdict::Failed(format!("reading the record: {e}")),
     };
     let left = Duration::from_millis(letter.expires_at_unix_ms.saturating_sub(now_ms));
-    match held(record.as_ref(), &letter.completion) {
+    match held(record.as_ref(), letter) {
         Some(verdict) => verdict,
         None if left.is_zero() => Verdict::Expired,
         None if !apply => Verdict::Missing,
@@ -205,15 +232,57 @@ async fn judge(store: &dyn RecordStore, letter: &Letter, apply: bool, now_ms: u6
 }
 
 /// The verdict a record read from the store gives, or `None` when the store lacks the response
-/// (absent, released, or in flight with its lock lapsed).
-fn held(record: Option<&Record>, completion: &Completion) -> Option<Verdict> {
-    match record.map(|r| &r.state) {
-        Some(RecordState::Completed(c)) if c == completion => Some(Verdict::Stored),
-        Some(RecordState::Completed(c)) => Some(Verdict::AnotherOutcome { status: status(c) }),
-        Some(RecordState::InFlight { lock_remaining }) if !lock_remaining.is_zero() => {
+/// and restoring it is this line's to do: the record is absent, or released or in flight with
+/// its lock lapsed, under the line's execution id and fingerprint.
+fn held(record: Option<&Record>, letter: &Letter) -> Option<Verdict> {
+    let record = record?;
+    if record.execution_id != letter.execution_id {
+        return Some(Verdict::AnotherOutcome {
+            what: format!(
+                "the record was created again since (execution {}, {})",
+                record.execution_id,
+                state(&record.state)
+            ),
+        });
+    }
+    match &record.state {
+        RecordState::Completed(c) if *c != letter.completion => Some(Verdict::AnotherOutcome {
+            what: format!("the record holds another response ({})", status(c)),
+        }),
+        RecordState::Completed(Completion::Unreplayable { .. }) => {
+            Some(Verdict::StoredUnconfirmed {
+                why: "an unreplayable response is kept as its status alone",
+            })
+        }
+        RecordState::Completed(_) if letter.refused => Some(Verdict::StoredUnconfirmed {
+            why: "the store refused this line's write",
+        }),
+        RecordState::Completed(_) => Some(Verdict::Stored),
+        RecordState::InFlight { lock_remaining } if !lock_remaining.is_zero() => {
             Some(Verdict::Executing)
         }
+        _ if letter
+            .fingerprint
+            .is_some_and(|fingerprint| fingerprint != record.fingerprint) =>
+        {
+            Some(Verdict::Failed(
+                "cannot restore: the record carries another request's fingerprint (a retry gets \
+                 422, not a second execution)"
+                    .into(),
+            ))
+        }
         _ => None,
+    }
+}
+
+fn state(state: &RecordState) -> String {
+    match state {
+        RecordState::Completed(c) => format!("completed, {}", status(c)),
+        RecordState::InFlight { lock_remaining } if lock_remaining.is_zero() => {
+            "in flight, its lock lapsed".into()
+        }
+        RecordState::InFlight { .. } => "in flight".into(),
+        RecordState::Released => "released".into(),
     }
 }
 
@@ -235,15 +304,26 @@ async fn restore(store: &dyn RecordStore, letter: &Letter, left: Duration) -> Ve
         ttl: left,
     };
     match store.claim(&claim).await {
-        Ok(ClaimOutcome::Acquired { .. }) => {}
-        Ok(ClaimOutcome::Existing(record)) => {
-            return match held(Some(&record), &letter.completion) {
-                Some(verdict) => verdict,
-                None => Verdict::Failed(
-                    "the record changed since it was read (another request, or another \
-                     fingerprint); left alone"
-                        .into(),
+        Ok(ClaimOutcome::Acquired { execution_id }) if execution_id == letter.execution_id => {}
+        Ok(ClaimOutcome::Acquired { execution_id }) => {
+            // Re-created under another execution since it was read: not this line's record.
+            // Give it back as it was found (free) rather than holding its lock.
+            let released = match store.release(&letter.key, owner).await {
+                Ok(_) => "",
+                Err(_) => " (its claim could not be released: it lapses in 10 s)",
+            };
+            return Verdict::AnotherOutcome {
+                what: format!(
+                    "the record was created again since (execution {execution_id}){released}"
                 ),
+            };
+        }
+        Ok(ClaimOutcome::Existing(record)) => {
+            return match held(Some(&record), letter) {
+                Some(verdict) => verdict,
+                None => {
+                    Verdict::Failed("the record changed while being restored; left alone".into())
+                }
             }
         }
         Err(e) => return Verdict::Failed(format!("claiming the record: {e}")),
@@ -312,12 +392,26 @@ fn parse(text: &str) -> Result<Letter, String> {
     };
     let expires_at_unix_ms = number("at_unix_ms")?.saturating_add(number("ttl_ms")?);
     let completion = parse_response(field("response")?)?;
+    // Lines from before `in_store` are "unknown" as far as anyone can tell.
+    let refused = match v.get("in_store") {
+        None => false,
+        Some(_) => match string("in_store")? {
+            "no" => true,
+            "unknown" => false,
+            other => {
+                return Err(format!(
+                    "\"in_store\" is {other:?}, not \"no\" or \"unknown\""
+                ))
+            }
+        },
+    };
     Ok(Letter {
         key,
         execution_id,
         fingerprint,
         completion,
         expires_at_unix_ms,
+        refused,
     })
 }
 
@@ -347,7 +441,12 @@ fn parse_response(v: &serde_json::Value) -> Result<Completion, String> {
         let value = b64
             .decode(value)
             .map_err(|_| format!("header {name:?}: its value is not base64"))?;
-        headers.push((name.to_owned(), value));
+        // As a backend's answer is stored: a valid name (written in lower case) and value.
+        let name = http::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("header {name:?} is not a valid header name"))?;
+        http::HeaderValue::from_bytes(&value)
+            .map_err(|_| format!("header {name}: its value is not a valid header value"))?;
+        headers.push((name.as_str().to_owned(), value));
     }
     let body = v
         .get("body_base64")
@@ -373,7 +472,7 @@ mod tests {
             201,
             vec![
                 ("content-type", &b"application/json"[..]),
-                ("x-bin", b"\x00\xff"),
+                ("x-bin", b"\xff\x80"),
             ],
             body,
         )))
@@ -481,6 +580,18 @@ mod tests {
                 "not base64",
             ),
             (
+                with(&|v| v["response"]["headers"] = serde_json::json!([["a b", ""]])),
+                "not a valid header name",
+            ),
+            (
+                with(&|v| v["response"]["headers"] = serde_json::json!([["a", "AA=="]])),
+                "not a valid header value",
+            ),
+            (
+                with(&|v| v["in_store"] = "maybe".into()),
+                "\"in_store\" is \"maybe\"",
+            ),
+            (
                 with(&|v| {
                     v.as_object_mut().unwrap().remove("response");
                 }),
@@ -493,61 +604,143 @@ mod tests {
         }
     }
 
+    /// Completes `job`'s record with `completion`, as `job`'s own request (or, with another
+    /// completion, as the request that took the key over).
+    async fn complete_as(
+        store: &Arc<dyn RecordStore>,
+        job: &PendingCompletion,
+        completion: Completion,
+    ) {
+        claim_as(store, job, Duration::from_secs(30)).await;
+        assert_eq!(
+            store
+                .complete(&job.key, job.owner, completion, job.ttl)
+                .await
+                .unwrap(),
+            WriteOutcome::Applied
+        );
+    }
+
     #[tokio::test]
     async fn each_fate_of_a_dead_letter_is_told_and_only_missing_ones_are_restored() {
         let store = store();
+        let lapse = || tokio::time::sleep(Duration::from_millis(40));
         // Stored after all: the write timed out but landed.
         let stored = letter(1, response(b"one"));
-        claim_as(&store, &stored, Duration::from_secs(30)).await;
-        store
-            .complete(
-                &stored.key,
-                stored.owner,
-                stored.completion.clone(),
-                stored.ttl,
-            )
-            .await
-            .unwrap();
+        complete_as(&store, &stored, stored.completion.clone()).await;
         // Taken over: the record holds another execution's answer.
         let taken = letter(2, response(b"two"));
-        claim_as(&store, &taken, Duration::from_secs(30)).await;
-        let other = response(b"the other execution");
-        store
-            .complete(&taken.key, taken.owner, other, taken.ttl)
-            .await
-            .unwrap();
+        complete_as(&store, &taken, response(b"the other execution")).await;
+        // The same bytes, but the line's write was refused: not proof it is this execution's.
+        let refused = letter(3, response(b"three"));
+        complete_as(&store, &refused, refused.completion.clone()).await;
+        // An unreplayable answer is kept as its status alone: the same status proves nothing.
+        let unreplayable = letter(4, Completion::Unreplayable { status: 201 });
+        complete_as(&store, &unreplayable, unreplayable.completion.clone()).await;
         // Executing: a request holds the lock now.
-        let executing = letter(3, response(b"three"));
+        let executing = letter(5, response(b"five"));
         claim_as(&store, &executing, Duration::from_secs(30)).await;
-        // Missing: absent, and in flight with a lapsed lock.
-        let absent = letter(4, response(b"four"));
-        let lapsed = letter(5, Completion::Unreplayable { status: 201 });
+        // Missing: absent, and in flight under this execution with a lapsed lock.
+        let absent = letter(6, response(b"six"));
+        let lapsed = letter(7, response(b"seven"));
         claim_as(&store, &lapsed, Duration::from_millis(20)).await;
-        tokio::time::sleep(Duration::from_millis(40)).await;
+        // Re-created under another execution id (lost, then claimed again, lock lapsed): not
+        // this line's record to write.
+        let recreated = letter(8, response(b"eight"));
+        claim_as(
+            &store,
+            &PendingCompletion {
+                execution_id: 1,
+                ..recreated.clone()
+            },
+            Duration::from_millis(20),
+        )
+        .await;
+        // Lapsed under another request's fingerprint: a retry gets 422; nothing to restore.
+        let foreign = letter(9, response(b"nine"));
+        claim_as(
+            &store,
+            &PendingCompletion {
+                fingerprint: [0xee; 32],
+                ..foreign.clone()
+            },
+            Duration::from_millis(20),
+        )
+        .await;
+        lapse().await;
         // Expired: its ttl has passed.
-        let mut expired = letter(6, response(b"six"));
+        let mut expired = letter(10, response(b"ten"));
         expired.ttl = Duration::ZERO;
-        let mut text: String = [&stored, &taken, &executing, &absent, &lapsed, &expired]
-            .iter()
-            .map(|job| dead_letter_line(job, 1, "store failed", InStore::Unknown))
-            .collect();
+        let line = |job: &PendingCompletion| {
+            let in_store = if job.key.hash[0] == 3 {
+                InStore::No
+            } else {
+                InStore::Unknown
+            };
+            dead_letter_line(job, 1, "store failed", in_store)
+        };
+        let jobs = [
+            &stored,
+            &taken,
+            &refused,
+            &unreplayable,
+            &executing,
+            &absent,
+            &lapsed,
+            &recreated,
+            &foreign,
+            &expired,
+        ];
+        let mut text: String = jobs.iter().map(|job| line(job)).collect();
         text.push_str("\nnot a line\n");
 
         let (tally, out) = run(&store, &text, false).await;
         let expected = Tally {
             stored: 1,
-            another_outcome: 1,
+            unconfirmed: 2,
+            another_outcome: 2,
             executing: 1,
             missing: 2,
             expired: 1,
-            failed: 1,
+            failed: 2,
             restored: 0,
         };
         assert_eq!(tally, expected, "{out}");
         assert!(tally.needs_action());
-        assert!(out.contains("line 2: acme/0202"), "{out}");
-        assert!(out.contains("another outcome"), "{out}");
-        assert!(out.contains("line 8: ?: failed: unreadable line"), "{out}");
+        for (n, says) in [
+            (1, "stored: the record holds this response"),
+            (
+                2,
+                "another outcome: the record holds another response (201)",
+            ),
+            (
+                3,
+                "stored, unconfirmed: the record reads the same, but the store refused",
+            ),
+            (
+                4,
+                "stored, unconfirmed: the record reads the same, but an unreplayable",
+            ),
+            (5, "executing"),
+            (6, "missing"),
+            (7, "missing"),
+            (
+                8,
+                "another outcome: the record was created again since (execution 1,",
+            ),
+            (
+                9,
+                "failed: cannot restore: the record carries another request's fingerprint",
+            ),
+            (10, "expired"),
+            (12, "?: failed: unreadable line"),
+        ] {
+            let found = out
+                .lines()
+                .find(|l| l.starts_with(&format!("line {n}: ")))
+                .unwrap_or_else(|| panic!("no line {n}:\n{out}"));
+            assert!(found.contains(says), "line {n}: {found}");
+        }
         // Nothing was written without --apply.
         assert_eq!(store.get(&absent.key).await.unwrap(), None);
 
@@ -567,17 +760,53 @@ mod tests {
             assert_eq!(record.execution_id, job.execution_id);
             assert_eq!(record.fingerprint, job.fingerprint);
         }
+        // The re-created and foreign records were left as they were.
+        for (job, id) in [(&recreated, 1), (&foreign, foreign.execution_id)] {
+            let record = store.get(&job.key).await.unwrap().expect("still there");
+            assert_eq!(record.execution_id, id);
+            assert!(
+                matches!(record.state, RecordState::InFlight { .. }),
+                "{record:?}"
+            );
+        }
         // Run again: what was restored now reads as stored.
         let (tally, _) = run(&store, &text, true).await;
         assert_eq!(
             tally,
             Tally {
                 stored: 3,
-                ..Tally {
-                    missing: 0,
-                    ..expected
-                }
+                missing: 0,
+                ..expected
             }
+        );
+    }
+
+    #[tokio::test]
+    async fn a_record_created_again_between_the_read_and_the_claim_is_given_back() {
+        let store = store();
+        let job = letter(11, response(b"x"));
+        let letter_read = parse(dead_letter_line(&job, 1, "r", InStore::Unknown).trim()).unwrap();
+        // Read as absent; by the time of the claim another execution re-created and abandoned it.
+        claim_as(
+            &store,
+            &PendingCompletion {
+                execution_id: 5,
+                ..job.clone()
+            },
+            Duration::from_millis(20),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let verdict = restore(store.as_ref(), &letter_read, Duration::from_secs(60)).await;
+        assert!(
+            matches!(&verdict, Verdict::AnotherOutcome { what } if what.contains("execution 5")),
+            "{verdict}"
+        );
+        // Released again, under its own execution id, not completed with this line's answer.
+        let record = store.get(&job.key).await.unwrap().unwrap();
+        assert_eq!(
+            (record.execution_id, record.state),
+            (5, RecordState::Released)
         );
     }
 

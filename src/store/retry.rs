@@ -383,7 +383,8 @@ impl DeadLetters {
 /// dead-letter file must check before acting on a line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InStore {
-    /// The store answered, and holds another execution's outcome (`lock taken over`).
+    /// The store refused the write (`lock taken over`): another request took the key after the
+    /// lock lapsed, or the record was gone.
     No,
     /// No write was answered: one that timed out, or was out when the process stopped, may have
     /// landed after all. Read the record (`GET /admin/records/...?body=true`) before acting.
