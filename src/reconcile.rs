@@ -356,6 +356,19 @@ fn now_unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// [`parse`], for [`crate::fuzzing::dead_letter`].
+pub(crate) fn parse_for_fuzzing(text: &str) -> Result<crate::fuzzing::DeadLetter, String> {
+    parse(text).map(|l| {
+        (
+            l.key,
+            l.execution_id,
+            l.fingerprint,
+            l.completion,
+            l.expires_at_unix_ms,
+        )
+    })
+}
+
 /// Reads one dead-letter line (see [`crate::store::retry::dead_letter_line`]).
 fn parse(text: &str) -> Result<Letter, String> {
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
