@@ -63,7 +63,7 @@ pub struct LocalCacheStats {
     pub hits: AtomicU64,
     /// Bloom positives the cache could not answer (false positives or evicted entries).
     pub bloom_false_positives: AtomicU64,
-    /// Claims where the Bloom filter said "never completed here".
+    /// Claims where the Bloom filter said "never cached here".
     pub bloom_negatives: AtomicU64,
     /// Completed records read from the store (completed by another replica, or by this one
     /// before it restarted) and kept as local copies.
