@@ -254,6 +254,43 @@ async fn a_failing_canary_call_is_answered_by_the_active_version_then_rolled_bac
 }
 
 #[tokio::test]
+async fn the_polls_of_a_wait_count_once_in_the_canary_window() {
+    let server = RedisServer::start();
+    // Every record on the canary; no rollback in this test.
+    let store = store(
+        &server,
+        scripts(None, "v1", Some(canary("v2", 100, 1000, 0.05))),
+    )
+    .await;
+    let key = RecordKey {
+        tenant: "acme".into(),
+        hash: rand::random(),
+    };
+    store.claim(&claim_request(&key)).await.expect("claim");
+    let window = |store: &RedisStore| {
+        let canary = store.scripts_status().canary.expect("canary status");
+        (canary.window_calls, canary.window_errors)
+    };
+    assert_eq!(window(&store), (1, 0));
+    let (calls_before, _) = counts(&store, "v2");
+    // A duplicate waits on the record in flight: it reads it again and again.
+    let record = store
+        .wait_for_change(&key, Duration::from_millis(400))
+        .await
+        .expect("wait")
+        .expect("record");
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+    let (calls_after, _) = counts(&store, "v2");
+    assert!(
+        calls_after - calls_before >= 4,
+        "the wait polled: {calls_after}"
+    );
+    // One waiter is one call in the window, however often it polled: its repeats must not
+    // dilute the error rate of the claims and completions the canary is judged by.
+    assert_eq!(window(&store), (2, 0));
+}
+
+#[tokio::test]
 async fn a_canary_failing_with_any_server_error_is_answered_by_the_active_version() {
     let server = RedisServer::start();
     let root = tempfile::tempdir().unwrap();

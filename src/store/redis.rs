@@ -900,6 +900,21 @@ impl RedisStore {
         args: &[&[u8]],
         parse: fn(Value) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        self.run_noting(op, key, args, parse, true).await
+    }
+
+    /// [`RedisStore::run`], counting a canary success in its error window only when
+    /// `note_success` (a canary failure always counts). The polls of one wait after its first
+    /// read are one caller's repeats, not more traffic: counted, they would dilute the canary's
+    /// error rate (a claim failing on every key could hide behind the reads of its waiters).
+    async fn run_noting<T>(
+        &self,
+        op: ScriptOp,
+        key: &RecordKey,
+        args: &[&[u8]],
+        parse: fn(Value) -> Result<T, StoreError>,
+        note_success: bool,
+    ) -> Result<T, StoreError> {
         let set = self.scripts.load_full();
         let redis_key = self.record_key(key);
         if let Some(canary) = set.canary_for(key) {
@@ -908,7 +923,9 @@ impl RedisStore {
                 .await
             {
                 Ok(answer) => {
-                    self.note_canary(canary, None);
+                    if note_success {
+                        self.note_canary(canary, None);
+                    }
                     return Ok(answer);
                 }
                 // The server answered with an error, or with a reply the canary's caller
@@ -1023,6 +1040,12 @@ impl RedisStore {
     async fn read(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         self.run(ScriptOp::Get, key, &[], parse_read).await
     }
+
+    /// A read repeated by a wait: a canary success is not counted again (see `run_noting`).
+    async fn read_again(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.run_noting(ScriptOp::Get, key, &[], parse_read, false)
+            .await
+    }
 }
 
 #[async_trait]
@@ -1093,8 +1116,14 @@ impl RecordStore for RedisStore {
     ) -> Result<Option<Record>, StoreError> {
         let started = Instant::now();
         let mut pause = POLL_START;
+        let mut first = true;
         loop {
-            let record = self.read(key).await?;
+            let record = if first {
+                self.read(key).await?
+            } else {
+                self.read_again(key).await?
+            };
+            first = false;
             let lock_remaining = match &record {
                 Some(Record {
                     state: RecordState::InFlight { lock_remaining },
