@@ -391,6 +391,9 @@ fn record_json(
         "created_at_unix_ms": created,
         "fingerprint": hex::encode(record.fingerprint),
     });
+    if let Some(left) = record.expires_in {
+        v["expires_in_ms"] = (left.as_millis() as u64).into();
+    }
     if let Some(given) = fingerprint {
         v["fingerprint_matches"] = given
             .eq_ignore_ascii_case(&hex::encode(record.fingerprint))

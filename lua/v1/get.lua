@@ -3,7 +3,8 @@
 -- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
 --
 -- Reply:
---   nil (absent), or {fingerprint, execution_id, state, lock_ms, payload} as in claim.lua
+--   nil (absent), or {fingerprint, execution_id, state, lock_ms, payload} as in claim.lua,
+--   with life_ms after them for a completed record (as in claim.lua)
 --
 -- Transition: none. A script (not HMGET) because the lock's remaining time is judged by this
 -- server's clock (TIME).
@@ -18,5 +19,8 @@ if s == 'i' then
   local time = redis.call('TIME')
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   lock_left = math.max(0, (tonumber(l) or 0) - now)
+end
+if s == 'c' then
+  return {f, x, s, 0, p or '', redis.call('PTTL', KEYS[1])}
 end
 return {f, x, s, lock_left, p or ''}

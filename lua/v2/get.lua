@@ -5,7 +5,8 @@
 -- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
 --
 -- Reply:
---   nil (absent), or {fingerprint, execution_id, state, lock_ms, payload} as in claim.lua
+--   nil (absent), or {fingerprint, execution_id, state, lock_ms, payload} as in claim.lua,
+--   with life_ms after them for a completed record (as in claim.lua)
 --
 -- Transition: none. A script (not HMGET) because the lock's remaining time is judged by this
 -- server's clock (TIME).
@@ -13,6 +14,9 @@
 local f, x, s, l, p = unpack(redis.call('HMGET', KEYS[1], 'f', 'x', 's', 'l', 'p'))
 if not f then
   return false
+end
+if s == 'c' then
+  return {f, x, s, 0, p or '', redis.call('PTTL', KEYS[1])}
 end
 if s ~= 'i' then
   return {f, x, s, 0, p or ''}

@@ -326,7 +326,10 @@ impl<S: RecordStore> CachedStore<S> {
                 cache.purges == mark.purges && cache.copy_resets == mark.copy_resets,
             ),
         };
-        if !unchanged {
+        // A copy never replaces a live entry: one completed here says the same and may be the
+        // only trace of a write still being retried.
+        let live = |e: &CacheEntry| e.expires_at > Instant::now();
+        if !unchanged || (copy && cache.map.get(&key.hash).is_some_and(live)) {
             return false;
         }
         let seq = cache.next_seq;
@@ -493,7 +496,25 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         key: &RecordKey,
         timeout: Duration,
     ) -> Result<Option<Record>, StoreError> {
-        self.inner.wait_for_change(key, timeout).await
+        let mark = self.mark(&key.hash);
+        let sent = Instant::now();
+        let record = self.inner.wait_for_change(key, timeout).await?;
+        // A wait that ends on a completed record (another replica's execution, waited for) keeps
+        // a copy, as a claim that finds one does: the next retry here needs no round trip. Its
+        // life is counted from before the wait began, earlier than the read that told it.
+        if let Some(
+            read @ Record {
+                state: RecordState::Completed(_),
+                expires_in: Some(life),
+                ..
+            },
+        ) = &record
+        {
+            if self.remember(key, read.clone(), sent + *life, Origin::Copy(mark)) {
+                self.stats.copied.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(record)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
@@ -1071,6 +1092,57 @@ mod tests {
             store.cached(&req.key).is_some(),
             "the completion was dropped with the copies"
         );
+    }
+
+    #[tokio::test]
+    async fn a_wait_that_ends_on_another_replicas_completion_keeps_a_copy() {
+        let (shared, a, b) = two_replicas();
+        let req = claim("t", 14);
+        a.claim(&req).await.unwrap();
+        let b = Arc::new(b);
+        let waiting = tokio::spawn({
+            let (b, key) = (b.clone(), req.key.clone());
+            async move { b.wait_for_change(&key, Duration::from_secs(5)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        a.complete(&req.key, req.owner, response(b"a's"), req.ttl)
+            .await
+            .unwrap();
+        let record = waiting.await.unwrap().unwrap().expect("record");
+        assert_eq!(record.state, RecordState::Completed(response(b"a's")));
+        assert_eq!(b.stats().copied.load(Ordering::Relaxed), 1);
+        // The next retry on B is answered from the copy.
+        let calls = shared.calls.load(Ordering::Relaxed);
+        assert!(matches!(
+            b.claim(&retry_of(&req)).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls, "no round trip");
+    }
+
+    #[tokio::test]
+    async fn a_copy_never_replaces_a_completion_of_this_replica() {
+        let store = cached();
+        let req = claim("t", 15);
+        store.claim(&req).await.unwrap();
+        store.inner().set(Fault::CompleteFails);
+        // The write failed: the local entry is the only trace of the answer.
+        assert!(store
+            .complete(&req.key, req.owner, response(b"mine"), req.ttl)
+            .await
+            .is_err());
+        let read = Record {
+            fingerprint: [7; 32],
+            execution_id: 15,
+            state: RecordState::Completed(response(b"mine")),
+            expires_in: None,
+        };
+        let mark = store.mark(&req.key.hash);
+        let later = Instant::now() + Duration::from_secs(60);
+        assert!(!store.remember(&req.key, read, later, Origin::Copy(mark)));
+        // Still this replica's own: dropping every copy keeps it.
+        assert_eq!(store.forget_copies(), 0);
+        assert!(store.cached(&req.key).is_some());
     }
 
     #[tokio::test]

@@ -413,6 +413,14 @@ pub async fn case_record_expires_after_ttl<S: RecordStore>(store: &Arc<S>) {
         life.is_some_and(|left| !left.is_zero() && left <= SHORT_TTL),
         "a completed record's life: {life:?}"
     );
+    // A read tells it too.
+    let read = ok(store.get(&completed).await).expect("completed record");
+    assert!(
+        read.expires_in
+            .is_some_and(|left| !left.is_zero() && left <= SHORT_TTL),
+        "a completed record's life, read: {:?}",
+        read.expires_in
+    );
 
     // Claimed for short, completed for long: the response outlives the claim's ttl.
     let extended = fresh_key();

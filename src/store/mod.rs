@@ -115,7 +115,7 @@ pub struct Record {
     /// Current state.
     pub state: RecordState,
     /// How long the store keeps a completed record from the moment it was read, when the store
-    /// says (the embedded store always; Redis in a claim's reply, from the built-in scripts), so
+    /// says (the embedded store always; Redis from the built-in scripts' claim and get), so
     /// a replica may keep a local copy of a record another replica completed for no longer than
     /// the shared one lives. `None` for records in any other state.
     pub expires_in: Option<Duration>,

@@ -1515,8 +1515,8 @@ fn parse_claim(reply: Value) -> Result<ClaimOutcome, StoreError> {
 
 /// `{fingerprint, execution_id, state, lock_ms, payload}` as `claim.lua` and `get.lua` send it,
 /// optionally followed by `life_ms`: what is left of the record's life (`PTTL`), which the
-/// built-in `claim.lua` scripts add to a completed record so a replica may keep a local copy of
-/// it. A version of the operator's that leaves it out still works; its completed records are
+/// built-in `claim.lua` and `get.lua` scripts add to a completed record so a replica may keep a
+/// local copy of it. A version of the operator's that leaves it out still works; its completed records are
 /// then not copied locally.
 fn parse_record(mut items: Vec<Value>) -> Result<Record, StoreError> {
     let life_ms = match items.len() {
