@@ -141,8 +141,8 @@ impl Admin {
         // A record id is no secret (Redis key names and dead-letter lines show it), so unlike
         // the raw key and its principal's scope values it proves nothing: the stored body is
         // shown only with the admin token.
-        let wants_body = Query(req.uri.query().unwrap_or("")).get("body") == Some("true");
-        if wants_body && !self.authorized(session) {
+        let query = Query(req.uri.query().unwrap_or(""));
+        if query.get("body") == Some("true") && !self.authorized(session) {
             return unauthorized();
         }
         let (tenant, id) =
@@ -150,19 +150,12 @@ impl Admin {
                 Ok(parts) => parts,
                 Err(refused) => return refused,
             };
-        let hash = match hex::decode(&id)
-            .ok()
-            .and_then(|b| <[u8; 32]>::try_from(b).ok())
-        {
-            Some(hash) => hash,
-            None => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "the record id is not 64 hex digits",
-                )
-            }
+        let Some(hash) = crate::store::parse_digest(&id) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the record id is not 64 hex digits",
+            );
         };
-        let query = Query(req.uri.query().unwrap_or(""));
         self.record_at(RecordKey { tenant, hash }, &query, delete)
             .await
     }

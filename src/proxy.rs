@@ -702,12 +702,13 @@ impl Gate {
         // A tunnel (an upgrade to WebSocket, say) carries a conversation, not a body: its reads
         // may rightly wait long, and only a body's are held to request_body_timeout.
         let tunnel = req.method == http::Method::CONNECT || headers.contains_key(header::UPGRADE);
-        // `None` without a length; a large or odd one is left to pingora to stream (or refuse).
-        let declared = headers.get(header::CONTENT_LENGTH).map(length);
+        // A large or odd length is left to pingora to stream (or refuse).
+        let raw_length = headers.get(header::CONTENT_LENGTH);
+        let declared = raw_length.and_then(length);
         let streamed = tunnel
             || headers.contains_key(header::EXPECT)
             || headers.contains_key(header::TRANSFER_ENCODING)
-            || declared.is_some_and(|n| n.is_none_or(|n| n > upstream::FORWARD_BODY_BYTES));
+            || (raw_length.is_some() && declared.is_none_or(|n| n > upstream::FORWARD_BODY_BYTES));
         if streamed {
             // pingora streams the body: each of its reads waits request_body_timeout at most,
             // as idemgate's own reads do, instead of pingora's 60 s.
@@ -716,7 +717,6 @@ impl Gate {
             }
             return Ok(false);
         }
-        let declared = declared.flatten();
         let gen = ctx.gen.clone();
         let pool = &gen.pools[upstream_index];
         let config = &gen.config;
@@ -945,10 +945,10 @@ impl Gate {
 
     /// Answers with a proxy-made problem; the request is not forwarded.
     async fn refuse(&self, session: &mut Session, problem: Problem) -> Result<Option<Handled>> {
-        write_problem(session, &problem, Some(problem.outcome())).await?;
-        Ok(Some(Handled {
-            outcome: problem.outcome(),
-        }))
+        let outcome = problem.outcome();
+        self.refuse_executed(session, problem, outcome)
+            .await
+            .map(Some)
     }
 
     /// Answers a problem of an execution (`MISS`, or `DEGRADED` when the store could not

@@ -38,8 +38,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use base64::Engine;
 
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
-    RecordStore, StoredResponse, WriteOutcome,
+    parse_digest, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
+    RecordState, RecordStore, StoredResponse, WriteOutcome,
 };
 
 /// How long the claim that restores a record holds its lock: the completion follows at once.
@@ -86,13 +86,6 @@ pub enum Verdict {
     Expired,
     /// The line, or its record, could not be read or restored.
     Failed(String),
-}
-
-impl Verdict {
-    /// Whether the line still needs someone (or another run).
-    pub fn needs_action(&self) -> bool {
-        !matches!(self, Verdict::Stored | Verdict::Restored | Verdict::Expired)
-    }
 }
 
 impl fmt::Display for Verdict {
@@ -384,10 +377,7 @@ fn parse(text: &str) -> Result<Letter, String> {
             .ok_or_else(|| format!("\"{name}\" is not a whole number"))
     };
     let digest = |name: &str| -> Result<Digest, String> {
-        hex::decode(string(name)?)
-            .ok()
-            .and_then(|bytes| bytes.try_into().ok())
-            .ok_or_else(|| format!("\"{name}\" is not 64 hex digits"))
+        parse_digest(string(name)?).ok_or_else(|| format!("\"{name}\" is not 64 hex digits"))
     };
     let tenant = crate::key::validate_tenant(string("tenant")?.as_bytes())
         .map_err(|e| format!("\"tenant\": {e}"))?

@@ -61,12 +61,6 @@ impl ScriptReloader {
         }
     }
 
-    /// Applies the current settings and script text now.
-    pub async fn apply(&self) -> Result<ScriptsApplied, ScriptsError> {
-        let settings = self.settings.lock().clone();
-        self.store.apply_scripts(&settings).await
-    }
-
     /// Watches the script directory, the config's settings and a poll timer until `shutdown`.
     pub async fn watch(
         self: Arc<Self>,
@@ -104,13 +98,16 @@ impl ScriptReloader {
                 _ = poll.tick() => "poll",
                 _ = shutdown.changed() => break,
             };
-            let settled = files.settled(read_versions(&self.settings.lock()));
+            // One copy of the settings for the reading and the apply (and no lock held while
+            // the files are read: a config reload waits on it).
+            let settings = self.settings.lock().clone();
+            let settled = files.settled(read_versions(&settings));
             // A config that names other versions is applied at once; file edits wait for a
             // second, identical reading.
             if trigger != "config reload" && !settled {
                 continue;
             }
-            match self.apply().await {
+            match self.store.apply_scripts(&settings).await {
                 Ok(ScriptsApplied::Applied { .. }) => {
                     tracing::info!(trigger, "script change applied");
                     unavailable = false;

@@ -716,10 +716,13 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             continue;
         }
         let raw = head.slice(v..v + vl);
-        // The codings without empty list items (`chunked,` is `chunked`), as they were read: the
-        // downstream writer frames the body by this header's last item, and an empty one would
-        // send the decoded body unchunked under a `Transfer-Encoding` that says otherwise.
-        let raw = if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        // The codings without empty list items (`chunked,` is `chunked`): the downstream writer
+        // frames the body by this header's last item, and an empty one would send the decoded
+        // body unchunked under a `Transfer-Encoding` that says otherwise. Rebuilt only when it
+        // has one; a plain `chunked` is passed on as read.
+        let raw = if name.eq_ignore_ascii_case(b"transfer-encoding")
+            && raw.split(|&b| b == b',').any(|c| c.trim_ascii().is_empty())
+        {
             Bytes::from(codings(&raw).collect::<Vec<_>>().join(&b", "[..]))
         } else {
             raw

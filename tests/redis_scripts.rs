@@ -113,6 +113,14 @@ fn counts(store: &RedisStore, version: &str) -> (u64, u64) {
         .map_or((0, 0), |(_, calls, errors)| (calls, errors))
 }
 
+/// A key no other call of the test uses.
+fn fresh_key() -> RecordKey {
+    RecordKey {
+        tenant: "acme".into(),
+        hash: rand::random(),
+    }
+}
+
 fn claim_request(key: &RecordKey) -> ClaimRequest {
     ClaimRequest {
         key: key.clone(),
@@ -191,10 +199,7 @@ async fn a_failing_canary_call_is_answered_by_the_active_version_then_rolled_bac
     );
     let store = store(&server, first).await;
     for _ in 0..10 {
-        let key = RecordKey {
-            tenant: "acme".into(),
-            hash: rand::random(),
-        };
+        let key = fresh_key();
         let req = claim_request(&key);
         assert_eq!(
             store.claim(&req).await.expect("claim"),
@@ -230,10 +235,7 @@ async fn a_failing_canary_call_is_answered_by_the_active_version_then_rolled_bac
         Ok(ScriptsApplied::Applied { .. })
     ));
     for _ in 0..10 {
-        let key = RecordKey {
-            tenant: "acme".into(),
-            hash: rand::random(),
-        };
+        let key = fresh_key();
         let outcome = store.claim(&claim_request(&key)).await.expect("claim");
         assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
     }
@@ -262,10 +264,7 @@ async fn the_polls_of_a_wait_count_once_in_the_canary_window() {
         scripts(None, "v1", Some(canary("v2", 100, 1000, 0.05))),
     )
     .await;
-    let key = RecordKey {
-        tenant: "acme".into(),
-        hash: rand::random(),
-    };
+    let key = fresh_key();
     store.claim(&claim_request(&key)).await.expect("claim");
     let window = |store: &RedisStore| {
         let canary = store.scripts_status().canary.expect("canary status");
@@ -304,10 +303,7 @@ async fn a_canary_failing_with_any_server_error_is_answered_by_the_active_versio
         scripts(Some(root.path()), "v1", Some(canary("vwt", 100, 4, 0.25))),
     )
     .await;
-    let key = RecordKey {
-        tenant: "acme".into(),
-        hash: rand::random(),
-    };
+    let key = fresh_key();
     let req = claim_request(&key);
     store.claim(&req).await.expect("claim");
     let done = store.complete(&key, req.owner, response(), 60 * SECOND);
@@ -333,10 +329,7 @@ async fn a_record_no_version_can_read_does_not_roll_a_canary_back() {
         scripts(None, "v1", Some(canary("v2", 100, 5, 0.05))),
     )
     .await;
-    let key = RecordKey {
-        tenant: "acme".into(),
-        hash: rand::random(),
-    };
+    let key = fresh_key();
     let redis_key = store.record_key(&key);
     // Completed, with a payload in an encoding this build does not know.
     let fingerprint = String::from_utf8_lossy(&[5; 32]).into_owned();

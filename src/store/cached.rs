@@ -578,6 +578,19 @@ mod tests {
         }
     }
 
+    /// Claims `req` on `store` and completes it with a 201 of `body`; both must succeed.
+    async fn executed<S: RecordStore>(
+        store: &CachedStore<S>,
+        req: &ClaimRequest,
+        body: &'static [u8],
+    ) {
+        store.claim(req).await.unwrap();
+        store
+            .complete(&req.key, req.owner, response(body), req.ttl)
+            .await
+            .unwrap();
+    }
+
     /// The same request again, from another client connection (its own owner token).
     fn retry_of(req: &ClaimRequest) -> ClaimRequest {
         ClaimRequest {
@@ -732,11 +745,7 @@ mod tests {
     async fn unknown_keys_and_other_tenants_go_to_the_store() {
         let store = cached();
         let req = claim("acme", 2);
-        store.claim(&req).await.unwrap();
-        store
-            .complete(&req.key, req.owner, response(b"a"), req.ttl)
-            .await
-            .unwrap();
+        executed(&store, &req, b"a").await;
         let other_tenant = claim("globex", 2);
         let outcome = store.claim(&other_tenant).await.unwrap();
         assert!(
@@ -791,11 +800,7 @@ mod tests {
         let store = CachedStore::new(MemoryStore::new(1 << 24, 4), o).unwrap();
         for n in 0..50u8 {
             let req = claim("t", n);
-            store.claim(&req).await.unwrap();
-            store
-                .complete(&req.key, req.owner, response(&[0u8; 200]), req.ttl)
-                .await
-                .unwrap();
+            executed(&store, &req, &[0u8; 200]).await;
         }
         let (records, bytes) = store.cache_usage();
         assert!(
@@ -850,11 +855,7 @@ mod tests {
         let store = cached();
         let mut req = claim("t", 9);
         req.ttl = Duration::from_secs(3600);
-        store.claim(&req).await.unwrap();
-        store
-            .complete(&req.key, req.owner, response(b"{}"), req.ttl)
-            .await
-            .unwrap();
+        executed(&store, &req, b"{}").await;
         let retry = |store: Arc<CachedStore<FaultyStore<MemoryStore>>>| async move {
             let again = ClaimRequest {
                 owner: OwnerToken::random(),
@@ -1003,11 +1004,7 @@ mod tests {
         let (shared, a, b) = two_replicas();
         let (mine, theirs) = (claim("t", 10), claim("t", 11));
         for (store, req) in [(&b, &mine), (&a, &theirs)] {
-            store.claim(req).await.unwrap();
-            store
-                .complete(&req.key, req.owner, response(b"x"), req.ttl)
-                .await
-                .unwrap();
+            executed(store, req, b"x").await;
         }
         let retry = retry_of(&theirs);
         b.claim(&retry).await.unwrap();
@@ -1038,10 +1035,7 @@ mod tests {
     async fn a_copy_read_while_this_replica_deletes_the_record_is_not_kept() {
         let (shared, a, b) = two_replicas();
         let req = claim("t", 12);
-        a.claim(&req).await.unwrap();
-        a.complete(&req.key, req.owner, response(b"x"), req.ttl)
-            .await
-            .unwrap();
+        executed(&a, &req, b"x").await;
         // B's delete is slow to reach the store; a claim B sends meanwhile still finds the
         // record there.
         shared.set(Fault::DeleteStalls);
@@ -1149,11 +1143,7 @@ mod tests {
     async fn delete_forgets_the_local_copy() {
         let store = cached();
         let req = claim("t", 6);
-        store.claim(&req).await.unwrap();
-        store
-            .complete(&req.key, req.owner, response(b"x"), req.ttl)
-            .await
-            .unwrap();
+        executed(&store, &req, b"x").await;
         assert!(store.delete(&req.key).await.unwrap());
         let again = ClaimRequest {
             owner: OwnerToken::random(),

@@ -38,6 +38,12 @@ pub use self::response::{ResponseBuilder, StoredResponse};
 /// SHA-256 digest used for record ids and fingerprints.
 pub type Digest = [u8; 32];
 
+/// A digest written as 64 hex digits (either case), as record ids appear in Redis key names,
+/// purge messages, dead-letter lines and the admin API; `None` for anything else.
+pub fn parse_digest(hex_digits: &str) -> Option<Digest> {
+    hex::decode(hex_digits).ok()?.try_into().ok()
+}
+
 /// Drops this replica's local copy of a record (its local cache entry), when it keeps one: on a
 /// purge announced by any replica, and when a completion lost its key to a newer execution.
 pub type ForgetLocal = Arc<dyn Fn(&RecordKey) + Send + Sync>;

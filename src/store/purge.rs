@@ -158,8 +158,7 @@ impl PurgeBus {
 /// Reads `<tenant>:<64 hex digits>`; the tenant may itself contain `:`.
 pub fn parse_message(payload: &str) -> Option<RecordKey> {
     let (tenant, hex_hash) = payload.rsplit_once(':')?;
-    let bytes = hex::decode(hex_hash).ok()?;
-    let hash: [u8; 32] = bytes.try_into().ok()?;
+    let hash = super::parse_digest(hex_hash)?;
     if tenant.is_empty() {
         return None;
     }

@@ -203,14 +203,14 @@ impl CompletionRetrier {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         if self.stats.pending.fetch_add(1, Ordering::AcqRel) >= self.capacity {
             self.dead
-                .write(&job, 0, "retry queue full", InStore::Unknown);
+                .settle(&job, 0, "retry queue full", InStore::Unknown);
             return;
         }
         let id = self.jobs.add(job);
         if self.tx.try_send((id, 0)).is_err() {
             if let Some(job) = self.jobs.take(id) {
                 self.dead
-                    .write(&job, 0, "retry queue full", InStore::Unknown);
+                    .settle(&job, 0, "retry queue full", InStore::Unknown);
             }
         }
     }
@@ -224,7 +224,7 @@ impl CompletionRetrier {
         reason: &str,
         in_store: InStore,
     ) {
-        self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        // Never queued, so never counted as pending: nothing to take off.
         self.dead.write(job, attempts, reason, in_store);
     }
 
@@ -237,7 +237,7 @@ impl CompletionRetrier {
         };
         // Each is here because a write failed without an answer (or one is out right now).
         for job in &waiting {
-            self.dead.write(job, 0, reason, InStore::Unknown);
+            self.dead.settle(job, 0, reason, InStore::Unknown);
         }
         waiting.len()
     }
@@ -317,7 +317,7 @@ async fn run(
                         tracing::info!("a timed-out completion had been stored after all");
                     } else {
                         forget_local(&job.key);
-                        dead.write(&job, attempt + 1, "lock taken over", InStore::No)
+                        dead.settle(&job, attempt + 1, "lock taken over", InStore::No)
                     }
                 }
                 // Given up only once the attempts are spent and the lock may have lapsed: until
@@ -325,7 +325,7 @@ async fn run(
                 Err(e)
                     if attempt + 1 >= options.attempts && Instant::now() >= job.lock_deadline =>
                 {
-                    dead.write(
+                    dead.settle(
                         &job,
                         attempt + 1,
                         &format!("store failed: {e}"),
@@ -340,7 +340,7 @@ async fn run(
                     };
                     if !sent {
                         if let Some(job) = jobs.take(id) {
-                            dead.write(&job, attempt + 1, "retry queue full", InStore::Unknown);
+                            dead.settle(&job, attempt + 1, "retry queue full", InStore::Unknown);
                         }
                     }
                 }
@@ -350,6 +350,13 @@ async fn run(
 }
 
 impl DeadLetters {
+    /// Writes `job`, which was counted as pending, and takes it off that count: only then is
+    /// the completion accounted for (shutdown waits on the count).
+    fn settle(&self, job: &PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
+        self.write(job, attempts, reason, in_store);
+        self.stats.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+
     fn write(&self, job: &PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
         self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
         let line = dead_letter_line(job, attempts, reason, in_store);
@@ -374,8 +381,6 @@ impl DeadLetters {
                 "cannot write the dead-letter file"
             ),
         }
-        // Only now is the completion accounted for: shutdown waits on this counter.
-        self.stats.pending.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
