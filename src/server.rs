@@ -373,6 +373,19 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         queue_capacity: r.queue_capacity,
         dead_letter_path: r.dead_letter_path.clone(),
     };
+    // Found out now, not when a completion the store never took has nowhere else to go.
+    if let Err(e) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&r.dead_letter_path)
+    {
+        tracing::error!(
+            path = %r.dead_letter_path.display(),
+            error = %e,
+            "the dead-letter file cannot be opened: a completion the store never takes will \
+             be only in the log (store.completion_retry.dead_letter_path)"
+        );
+    }
 
     let generation = Generation::new(config, &metrics).map_err(StartError::Config)?;
     let current = Arc::new(ArcSwap::from_pointee(generation));
@@ -727,9 +740,15 @@ fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {
             ),
             (
                 "idemgate_dead_letters_total",
-                "Completions written to the dead-letter file",
+                "Completions dead-lettered (written to the dead-letter file, or only to the log when it could not take them)",
                 Pull::Counter,
                 |s| s.dead_lettered.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_dead_letter_write_failures_total",
+                "Dead letters the dead-letter file could not take: each is only in its error log line",
+                Pull::Counter,
+                |s| s.dead_letter_write_failures.load(Ordering::Relaxed) as f64,
             ),
             (
                 "idemgate_completion_retry_pending",

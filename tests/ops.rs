@@ -148,3 +148,28 @@ async fn readyz_answers_in_time_while_redis_hangs_under_a_permissive_policy() {
     let log = proxy.log();
     assert!(!log.contains("after a restart"), "{log}");
 }
+
+#[tokio::test]
+async fn a_dead_letter_file_that_cannot_be_opened_is_reported_at_start() {
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("no-such-dir").join("dead.jsonl");
+    let proxy = ProxyBuilder::new(&backend)
+        .store(&format!(
+            "completion_retry: {{ dead_letter_path: \"{}\" }}",
+            path.display()
+        ))
+        .start()
+        .await;
+    let line = proxy
+        .log_containing("the dead-letter file cannot be opened")
+        .await;
+    assert!(line.contains("no-such-dir"), "{line}");
+    // It still serves: the file is a last resort, not a dependency.
+    assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "idemgate_dead_letter_write_failures_total"),
+        Some(0.0)
+    );
+}

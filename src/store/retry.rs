@@ -101,8 +101,12 @@ pub struct RetryStats {
     pub queued: AtomicU64,
     /// Completions stored by a retry.
     pub recovered: AtomicU64,
-    /// Completions written to the dead-letter file.
+    /// Completions dead-lettered: written to the dead-letter file, or to the log when the file
+    /// could not take them.
     pub dead_lettered: AtomicU64,
+    /// Dead letters the file could not take (a full disk, a missing directory): each survives
+    /// only as its error log line, which carries the whole line.
+    pub dead_letter_write_failures: AtomicU64,
     /// Completions waiting right now.
     pub pending: AtomicUsize,
 }
@@ -363,9 +367,10 @@ impl DeadLetters {
         let _guard = self.file.lock();
         let written = std::fs::OpenOptions::new()
             .create(true)
+            .read(true)
             .append(true)
             .open(&self.path)
-            .and_then(|mut f| f.write_all(line.as_bytes()).and_then(|_| f.sync_data()));
+            .and_then(|f| append_line(&f, line.as_bytes(), |mut f, bytes| f.write_all(bytes)));
         match written {
             Ok(()) => tracing::error!(
                 path = %self.path.display(),
@@ -374,12 +379,48 @@ impl DeadLetters {
                 "completion written to the dead-letter file"
             ),
             // Last resort: the log line carries the whole record.
-            Err(e) => tracing::error!(
-                path = %self.path.display(),
-                error = %e,
-                dead_letter = %line.trim_end(),
-                "cannot write the dead-letter file"
-            ),
+            Err(e) => {
+                self.stats
+                    .dead_letter_write_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    path = %self.path.display(),
+                    error = %e,
+                    dead_letter = %line.trim_end(),
+                    "cannot write the dead-letter file"
+                )
+            }
+        }
+    }
+}
+
+/// Appends one dead-letter line (`line` ends in a newline) to `file` and syncs it, so that every
+/// line the file holds is whole whatever fails: a write that fails part way (a full disk) is cut
+/// back off, and a file that does not end in a newline all the same (that cut failed too, or a
+/// copy was made mid-write) gets one first, so the new line never glues onto a broken one and
+/// `--reconcile` reads it. `write` is the write itself (a seam for the tests).
+fn append_line(
+    file: &std::fs::File,
+    line: &[u8],
+    write: impl FnOnce(&std::fs::File, &[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let len = file.metadata()?.len();
+    let mut last = [b'\n'];
+    if len > 0 {
+        file.read_exact_at(&mut last, len - 1)?;
+    }
+    let mut whole = Vec::with_capacity(line.len() + 1);
+    if last[0] != b'\n' {
+        whole.push(b'\n');
+    }
+    whole.extend_from_slice(line);
+    match write(file, &whole).and_then(|()| file.sync_data()) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            // Best effort: when this fails too, the next line starts with a newline instead.
+            let _ = file.set_len(len);
+            Err(e)
         }
     }
 }
@@ -682,6 +723,13 @@ mod tests {
         // Shutdown waits for `pending`: a dead-letter write that fails must not leave it stuck.
         settle(&retrier).await;
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            retrier
+                .stats()
+                .dead_letter_write_failures
+                .load(Ordering::Relaxed),
+            1
+        );
         assert!(!dir.path().join("missing-dir").exists());
 
         let line: serde_json::Value =
@@ -694,6 +742,46 @@ mod tests {
         );
         assert_eq!(line["record"], "07".repeat(32));
         assert_eq!(line["ttl_ms"], 60_000);
+    }
+
+    fn append_to(
+        text: &str,
+        line: &str,
+        write: fn(&std::fs::File, &[u8]) -> std::io::Result<()>,
+    ) -> (std::io::Result<()>, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        std::fs::write(&path, text).unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        let result = append_line(&file, line.as_bytes(), write);
+        (result, std::fs::read_to_string(&path).unwrap())
+    }
+
+    #[test]
+    fn a_dead_letter_write_that_fails_part_way_is_cut_back_off() {
+        // A full disk takes part of the line, then fails.
+        let (result, text) = append_to("{\"a\":1}\n", "{\"b\":2}\n", |mut f, bytes| {
+            f.write_all(&bytes[..bytes.len() / 2])?;
+            Err(std::io::Error::from_raw_os_error(28))
+        });
+        assert_eq!(result.unwrap_err().raw_os_error(), Some(28));
+        assert_eq!(text, "{\"a\":1}\n");
+    }
+
+    #[test]
+    fn a_dead_letter_line_never_glues_onto_a_broken_one() {
+        let write: fn(&std::fs::File, &[u8]) -> std::io::Result<()> =
+            |mut f, bytes| f.write_all(bytes);
+        let (result, text) = append_to("{\"a\":1}\n{\"b\":", "{\"c\":3}\n", write);
+        result.unwrap();
+        assert_eq!(text, "{\"a\":1}\n{\"b\":\n{\"c\":3}\n");
+        let (result, text) = append_to("", "{\"c\":3}\n", write);
+        result.unwrap();
+        assert_eq!(text, "{\"c\":3}\n");
     }
 
     #[tokio::test]
