@@ -168,23 +168,30 @@ impl Admin {
         delete: bool,
     ) -> Response<Vec<u8>> {
         if delete {
-            return match self.store.delete(&record_key).await {
-                Ok(existed) => {
-                    let announced = match &self.purge {
-                        Some(bus) => match bus.publish(&record_key).await {
-                            // Pub/sub is best effort: a replica reconnecting right now misses
-                            // it, so the answer says how many were listening, not "all".
-                            Ok(n) => format!("{n} replicas listening"),
-                            Err(e) => format!("this replica only ({e})"),
-                        },
-                        None => "this replica".to_string(),
-                    };
-                    json(
-                        StatusCode::OK,
-                        serde_json::json!({ "deleted": existed, "local_copies_dropped_on": announced }),
-                    )
-                }
-                Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+            let deleted = self.store.delete(&record_key).await;
+            // Announced whether or not the store answered: a delete whose answer was lost may
+            // have landed, and then the other replicas' copies would replay a record that is
+            // gone. Dropping a copy of a record that is still there only costs a round trip.
+            let announced = match &self.purge {
+                Some(bus) => match bus.publish(&record_key).await {
+                    // Pub/sub is best effort: a replica reconnecting right now misses it, so
+                    // the answer says how many were listening, not "all".
+                    Ok(n) => format!("{n} replicas listening"),
+                    Err(e) => format!("this replica only ({e})"),
+                },
+                None => "this replica".to_string(),
+            };
+            return match deleted {
+                Ok(existed) => json(
+                    StatusCode::OK,
+                    serde_json::json!({ "deleted": existed, "local_copies_dropped_on": announced }),
+                ),
+                Err(e) => error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!(
+                        "{e}; the delete may have landed: send it again (local copies dropped on {announced})"
+                    ),
+                ),
             };
         }
         match self.store.get(&record_key).await {

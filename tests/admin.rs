@@ -106,6 +106,47 @@ async fn a_purge_drops_the_local_copy_on_every_replica() {
     assert_eq!(backend.count(), 2);
 }
 
+/// A delete whose answer is lost (Redis takes it after the store operation gave up) may have
+/// landed: it is announced all the same, so no replica goes on replaying a record that is gone.
+#[tokio::test]
+async fn a_purge_whose_answer_was_lost_still_drops_the_copies() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let (a, b) = two_replicas(&backend, &redis.url()).await;
+    wait_for_listeners(&redis, 2).await;
+    let req = Request::post("/orders").key("lost-answer").body("{}");
+    let first = req.send(a.addr).await;
+    assert_eq!(first.result(), Some("MISS"));
+    assert_eq!(
+        req.send(a.addr).await.result(),
+        Some("HIT"),
+        "A's local copy"
+    );
+
+    // Writes (DEL, and PUBLISH with them) wait 1.5 s: B's delete gives up after its response
+    // timeouts (2 x 200 ms), then Redis deletes the record and delivers the announcement.
+    let _: String = redis.cmd(&["CLIENT", "PAUSE", "1500", "WRITE"]);
+    let del = Request::new("DELETE", "/admin/records/default/lost-answer")
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(b.admin)
+        .await;
+    assert_eq!(del.status, 503, "{}", del.text());
+    assert!(del.text().contains("may have landed"), "{}", del.text());
+    assert!(
+        del.text().contains("2 replicas listening"),
+        "{}",
+        del.text()
+    );
+    let exists: i64 = redis.cmd(&["DBSIZE"]);
+    assert_eq!(exists, 0, "the delete landed after all");
+
+    // A dropped its copy: the key executes again instead of replaying a record that is gone.
+    let again = req.send(a.addr).await;
+    assert_eq!(again.result(), Some("MISS"), "{}", a.log());
+    assert_ne!(again.body, first.body);
+    assert_eq!(backend.count(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_purge_reaches_every_replica_behind_sentinel_across_a_failover() {
     let setup = RedisSentinel::start();

@@ -309,7 +309,9 @@ impl<S: RecordStore> CachedStore<S> {
                 Completion::Unreplayable { .. } => 0,
             };
         let budget = self.shard_budget();
-        if size > budget {
+        // An entry already expired (a copy whose life, counted from before a long wait, ran
+        // out while waiting) would only take budget from live ones.
+        if size > budget || expires_at <= Instant::now() {
             return false;
         }
         // Set before the entry is visible, so a claim that finds the entry's bit unset can only
@@ -1112,6 +1114,33 @@ mod tests {
             ClaimOutcome::Existing(_)
         ));
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls, "no round trip");
+    }
+
+    #[tokio::test]
+    async fn a_wait_that_outlasts_the_records_life_keeps_no_copy() {
+        let (_shared, a, b) = two_replicas();
+        let req = claim("t", 16);
+        a.claim(&req).await.unwrap();
+        let b = Arc::new(b);
+        let waiting = tokio::spawn({
+            let (b, key) = (b.clone(), req.key.clone());
+            async move { b.wait_for_change(&key, Duration::from_secs(5)).await }
+        });
+        // The wait began 150 ms before a completion that lives 60 ms: counted from the wait's
+        // start, the copy's life is over before it could be kept.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        a.complete(
+            &req.key,
+            req.owner,
+            response(b"a's"),
+            Duration::from_millis(60),
+        )
+        .await
+        .unwrap();
+        let record = waiting.await.unwrap().unwrap().expect("record");
+        assert_eq!(record.state, RecordState::Completed(response(b"a's")));
+        assert_eq!(b.stats().copied.load(Ordering::Relaxed), 0);
+        assert!(b.cached(&req.key).is_none());
     }
 
     #[tokio::test]

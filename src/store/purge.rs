@@ -24,6 +24,9 @@ use super::redis::{sentinel_client, single_client, SetupError};
 use super::{ForgetLocal, RecordKey};
 use crate::config::{RedisConfig, RedisTopology};
 
+/// How long a purge announcement may take to connect, and then to be answered.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Publishes and receives purge messages on one channel.
 #[derive(Clone)]
 pub struct PurgeBus {
@@ -90,13 +93,18 @@ impl PurgeBus {
     /// the subscribers it delivered to; one that was reconnecting at that moment missed it).
     pub async fn publish(&self, key: &RecordKey) -> Result<u64, String> {
         let message = format!("{}:{}", key.tenant, hex::encode(key.hash));
+        // An operator waits on it, and it may follow a delete whose answer was lost: it gets
+        // longer than a store operation to land (redis-rs's default answer timeout is 500 ms).
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(PUBLISH_TIMEOUT))
+            .set_response_timeout(Some(PUBLISH_TIMEOUT));
         let connect = async {
             self.client()
                 .await?
-                .get_multiplexed_async_connection()
+                .get_multiplexed_async_connection_with_config(&config)
                 .await
         };
-        let mut conn = tokio::time::timeout(Duration::from_secs(2), connect)
+        let mut conn = tokio::time::timeout(PUBLISH_TIMEOUT, connect)
             .await
             .map_err(|_| "purge channel: connect timed out".to_string())?
             .map_err(|e| format!("purge channel: {e}"))?;
