@@ -290,6 +290,67 @@ async fn the_polls_of_a_wait_count_once_in_the_canary_window() {
 }
 
 #[tokio::test]
+async fn a_wait_counts_in_the_window_of_a_canary_reloaded_under_it() {
+    let server = RedisServer::start();
+    let store = store(
+        &server,
+        scripts(None, "v1", Some(canary("v2", 100, 1000, 0.05))),
+    )
+    .await;
+    let key = fresh_key();
+    store.claim(&claim_request(&key)).await.expect("claim");
+    let waiting = tokio::spawn({
+        let (store, key) = (store.clone(), key.clone());
+        async move { store.wait_for_change(&key, Duration::from_millis(600)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Other canary settings: a new canary, with a new (empty) window.
+    let reloaded = scripts(None, "v1", Some(canary("v2", 100, 999, 0.05)));
+    store.apply_scripts(&reloaded).await.expect("reload");
+    let window = || {
+        let canary = store.scripts_status().canary.expect("canary status");
+        (canary.window_calls, canary.window_errors)
+    };
+    assert_eq!(window(), (0, 0));
+    let record = waiting.await.unwrap().expect("wait").expect("record");
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+    // The polls after the reload are the new canary's: the wait is one call in its window.
+    assert_eq!(window(), (1, 0));
+}
+
+#[tokio::test]
+async fn a_wait_whose_polls_all_fail_on_the_canary_counts_one_error() {
+    let server = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    // A read that fails on every record in flight, and only there.
+    script_dir(root.path(), "vbusy", "v2", |name, text| {
+        // v2 asks the clock only for records in flight.
+        let line = "if s == 'i' then return redis.error_reply('ERR canary fault') end";
+        insert_before("get", "local time = redis.call('TIME')", line, name, text)
+    });
+    let store = store(
+        &server,
+        scripts(Some(root.path()), "v1", Some(canary("vbusy", 100, 1000, 0.05))),
+    )
+    .await;
+    let key = fresh_key();
+    store.claim(&claim_request(&key)).await.expect("claim");
+    let (calls_before, _) = counts(&store, "vbusy");
+    let record = store
+        .wait_for_change(&key, Duration::from_millis(400))
+        .await
+        .expect("every poll answered by the active version")
+        .expect("record");
+    assert!(matches!(record.state, RecordState::InFlight { .. }));
+    let (calls_after, errors) = counts(&store, "vbusy");
+    assert!(calls_after - calls_before >= 4, "the wait polled");
+    assert_eq!(errors, calls_after - calls_before, "every poll failed");
+    // The claim, and the wait as one failing call: not one error per poll.
+    let canary = store.scripts_status().canary.expect("canary status");
+    assert_eq!((canary.window_calls, canary.window_errors), (2, 1));
+}
+
+#[tokio::test]
 async fn a_canary_failing_with_any_server_error_is_answered_by_the_active_version() {
     let server = RedisServer::start();
     let root = tempfile::tempdir().unwrap();

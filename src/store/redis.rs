@@ -900,20 +900,21 @@ impl RedisStore {
         args: &[&[u8]],
         parse: fn(Value) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        self.run_noting(op, key, args, parse, true).await
+        self.run_noting(op, key, args, parse, &mut Noted::default())
+            .await
     }
 
-    /// [`RedisStore::run`], counting a canary success in its error window only when
-    /// `note_success` (a canary failure always counts). The polls of one wait after its first
-    /// read are one caller's repeats, not more traffic: counted, they would dilute the canary's
-    /// error rate (a claim failing on every key could hide behind the reads of its waiters).
+    /// [`RedisStore::run`] for one caller's repeated calls (the polls of a wait), which `noted`
+    /// follows: in a canary's error window they are one call, however often it polls (counted,
+    /// its repeats would dilute the error rate: a claim failing on every key could hide behind
+    /// the reads of its waiters, and a read failing on one state would weigh once per poll).
     async fn run_noting<T>(
         &self,
         op: ScriptOp,
         key: &RecordKey,
         args: &[&[u8]],
         parse: fn(Value) -> Result<T, StoreError>,
-        note_success: bool,
+        noted: &mut Noted,
     ) -> Result<T, StoreError> {
         let set = self.scripts.load_full();
         let redis_key = self.record_key(key);
@@ -923,7 +924,7 @@ impl RedisStore {
                 .await
             {
                 Ok(answer) => {
-                    if note_success {
+                    if noted.first(canary, false) {
                         self.note_canary(canary, None);
                     }
                     return Ok(answer);
@@ -936,7 +937,7 @@ impl RedisStore {
                     let active = self
                         .run_version(&set.active, op, &redis_key, args, parse)
                         .await;
-                    if active.is_ok() {
+                    if active.is_ok() && noted.first(canary, true) {
                         self.note_canary(canary, Some(&failure.error));
                     }
                     return active.map_err(|failure| failure.error);
@@ -1040,11 +1041,34 @@ impl RedisStore {
     async fn read(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         self.run(ScriptOp::Get, key, &[], parse_read).await
     }
+}
 
-    /// A read repeated by a wait: a canary success is not counted again (see `run_noting`).
-    async fn read_again(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        self.run_noting(ScriptOp::Get, key, &[], parse_read, false)
-            .await
+/// What one caller's repeated calls have counted in a canary's error window: at most one success
+/// and one failure per canary. A reload that brings a new canary (a fresh window) mid-wait
+/// counts the wait there too.
+#[derive(Default)]
+struct Noted {
+    canary: Option<Arc<Canary>>,
+    success: bool,
+    failure: bool,
+}
+
+impl Noted {
+    /// Whether a success (or with `failed`, a failure) on `canary` is yet to be counted; it is
+    /// counted from now on.
+    fn first(&mut self, canary: &Arc<Canary>, failed: bool) -> bool {
+        if !self.canary.as_ref().is_some_and(|c| Arc::ptr_eq(c, canary)) {
+            *self = Noted {
+                canary: Some(canary.clone()),
+                ..Noted::default()
+            };
+        }
+        let seen = if failed {
+            &mut self.failure
+        } else {
+            &mut self.success
+        };
+        !std::mem::replace(seen, true)
     }
 }
 
@@ -1116,14 +1140,11 @@ impl RecordStore for RedisStore {
     ) -> Result<Option<Record>, StoreError> {
         let started = Instant::now();
         let mut pause = POLL_START;
-        let mut first = true;
+        let mut noted = Noted::default();
         loop {
-            let record = if first {
-                self.read(key).await?
-            } else {
-                self.read_again(key).await?
-            };
-            first = false;
+            let record = self
+                .run_noting(ScriptOp::Get, key, &[], parse_read, &mut noted)
+                .await?;
             let lock_remaining = match &record {
                 Some(Record {
                     state: RecordState::InFlight { lock_remaining },
