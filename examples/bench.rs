@@ -45,8 +45,12 @@
 //!
 //! # Setup details
 //!
-//! - Both nginx instances run `worker_processes 1` with their own config, pid, temp paths and
-//!   error log in the temporary directory. The nginx proxy writes an access log, one line per
+//! - Both nginx instances run with their own config, pid, temp paths and error log in the
+//!   temporary directory. The backend has `worker_processes 1`; the gateways under comparison
+//!   have `--workers N` each (default 1): the nginx proxy `worker_processes N`, idemgate
+//!   `threads: N`. One worker each compares their cost per core; two on this 2-core machine is
+//!   what each runs out of the box (Debian's nginx has `worker_processes auto`, idemgate's
+//!   `threads` defaults to 2). The nginx proxy writes an access log, one line per
 //!   request (method, path, status, time) to `logs/` in the temporary directory, buffered
 //!   (`buffer=64k flush=1s`) as idemgate's log writer batches: both gateways do the same
 //!   logging work, as Debian's nginx (which logs every request by default) and idemgate (one
@@ -57,7 +61,7 @@
 //!   `keepalive_requests` is raised from nginx's default of 1000 so no row pays for periodic
 //!   reconnections that another row does not. The proxy uses an `upstream` block with
 //!   `keepalive 64`, `proxy_http_version 1.1` and `proxy_set_header Connection ""`.
-//! - idemgate runs from its release binary with a generated config: `threads: 1`, route `plain`
+//! - idemgate runs from its release binary with a generated config: `threads: N`, route `plain`
 //!   on `/plain` (no idempotency block), route `orders` on `/orders` (`methods: [POST]`,
 //!   `key: required`, `ttl: 1h`, `scope_headers: []`), `store.backend: memory` with a 4 GiB
 //!   capacity. The TTL outlasts the whole run: with 60 s, the records of one round expired
@@ -132,14 +136,17 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 const HELP: &str = "\
 bench: idemgate load harness (see the top of examples/bench.rs)
 
-usage: bench [--duration 10s] [--connections 32] [--warmup 2s] [--rounds 1] [--redis]
-             [--redis-arg NAME=VALUE]... [--keep]
+usage: bench [--duration 10s] [--connections 32] [--warmup 2s] [--rounds 1] [--workers 1]
+             [--redis] [--redis-arg NAME=VALUE]... [--keep]
 
   -d, --duration D     measured wrk run per row (env BENCH_DURATION), e.g. 10s, 1m
   -c, --connections N  wrk connections (env BENCH_CONNECTIONS)
   -r, --rounds N       run every row N times, interleaved; report each row's median round
                        (env BENCH_ROUNDS)
       --warmup D       unreported wrk run before each row (env BENCH_WARMUP)
+  -w, --workers N      workers of each gateway under comparison: the nginx proxy's
+                       worker_processes and idemgate's threads (env BENCH_WORKERS); the
+                       backend keeps one worker
       --redis          add keyed miss/hit rows on a Redis store (env BENCH_REDIS=1)
       --redis-arg N=V  start redis-server with `--N V` (repeatable), e.g.
                        hash-max-listpack-value=1024
@@ -179,6 +186,8 @@ struct Options {
     warmup: Duration,
     connections: u32,
     rounds: u32,
+    /// The nginx proxy's `worker_processes` and idemgate's `threads`.
+    workers: u32,
     redis: bool,
     /// Extra `redis-server` settings, `(name, value)`.
     redis_args: Vec<(String, String)>,
@@ -195,6 +204,7 @@ impl Options {
             warmup: parse_duration(&env("BENCH_WARMUP").unwrap_or_else(|| "2s".into()))?,
             connections: parse_count(&env("BENCH_CONNECTIONS").unwrap_or_else(|| "32".into()))?,
             rounds: parse_count(&env("BENCH_ROUNDS").unwrap_or_else(|| "1".into()))?,
+            workers: parse_count(&env("BENCH_WORKERS").unwrap_or_else(|| "1".into()))?,
             redis: truthy(env("BENCH_REDIS")),
             redis_args: Vec::new(),
             keep: truthy(env("BENCH_KEEP")),
@@ -216,6 +226,7 @@ impl Options {
                 "--warmup" => opts.warmup = parse_duration(&value()?)?,
                 "-c" | "--connections" => opts.connections = parse_count(&value()?)?,
                 "-r" | "--rounds" => opts.rounds = parse_count(&value()?)?,
+                "-w" | "--workers" => opts.workers = parse_count(&value()?)?,
                 "--redis" => opts.redis = true,
                 "--redis-arg" => {
                     let arg = value()?;
@@ -327,12 +338,18 @@ fn run(opts: &Options) -> BoxResult<bool> {
     wait_for_http(&mut lab, backend, "/")?;
     lab.start_nginx(
         "nginx-proxy",
-        &proxy_nginx_conf(lab.dir(), nginx_port, backend_port),
+        &proxy_nginx_conf(lab.dir(), nginx_port, backend_port, opts.workers),
     )?;
     wait_for_http(&mut lab, nginx_proxy, "/")?;
     let memory_cfg = lab.write(
         "idemgate-memory.yaml",
-        &idemgate_yaml(idem, idem_admin, backend, "memory: { capacity: 4GiB }"),
+        &idemgate_yaml(
+            idem,
+            idem_admin,
+            backend,
+            opts.workers,
+            "memory: { capacity: 4GiB }",
+        ),
     )?;
     check_config(&idemgate_bin, &memory_cfg).map_err(|e| format!("idemgate --check: {e}"))?;
     lab.start_idemgate("idemgate", &idemgate_bin, &memory_cfg)?;
@@ -400,7 +417,13 @@ fn run(opts: &Options) -> BoxResult<bool> {
     // The Redis server and its memory before any record, for the memory per record.
     let mut redis_empty: Option<(u16, u64)> = None;
     if opts.redis {
-        match start_redis_instance(&mut lab, &idemgate_bin, backend, &opts.redis_args)? {
+        match start_redis_instance(
+            &mut lab,
+            &idemgate_bin,
+            backend,
+            opts.workers,
+            &opts.redis_args,
+        )? {
             RedisSetup::Ready {
                 proxy,
                 admin,
@@ -702,6 +725,7 @@ fn start_redis_instance(
     lab: &mut Lab,
     idemgate_bin: &Path,
     backend: SocketAddr,
+    workers: u32,
     extra: &[(String, String)],
 ) -> BoxResult<RedisSetup> {
     let ports = free_ports(3)?;
@@ -712,7 +736,7 @@ fn start_redis_instance(
     let store = format!("redis: {{ url: \"redis://127.0.0.1:{redis_port}\" }}");
     let cfg = lab.write(
         "idemgate-redis.yaml",
-        &idemgate_yaml_with_backend(proxy, admin, backend, "redis", &store),
+        &idemgate_yaml_with_backend(proxy, admin, backend, workers, "redis", &store),
     )?;
     if let Err(e) = check_config(idemgate_bin, &cfg) {
         return Ok(RedisSetup::Skipped(format!(
@@ -847,10 +871,10 @@ fn loopback(port: u16) -> SocketAddr {
 /// Lines every nginx instance shares: its own temp paths, no system paths, and the given
 /// `access_log` directive. `keepalive_requests` is raised from its default of 1000 so no row
 /// pays for reconnections that another does not.
-fn nginx_common(dir: &Path, name: &str, access_log: &str) -> String {
+fn nginx_common(dir: &Path, name: &str, workers: u32, access_log: &str) -> String {
     let d = dir.display();
     format!(
-        "worker_processes 1;\n\
+        "worker_processes {workers};\n\
          daemon off;\n\
          pid {d}/{name}.pid;\n\
          error_log {d}/{name}-error.log warn;\n\
@@ -871,7 +895,7 @@ fn nginx_common(dir: &Path, name: &str, access_log: &str) -> String {
 
 fn backend_nginx_conf(dir: &Path, port: u16) -> String {
     // The backend is the fixture every row shares, not a gateway under comparison: no log.
-    nginx_common(dir, "backend", "access_log off;")
+    nginx_common(dir, "backend", 1, "access_log off;")
         + &format!(
             "  server {{\n\
              \x20   listen 127.0.0.1:{port};\n\
@@ -886,14 +910,14 @@ fn backend_nginx_conf(dir: &Path, port: u16) -> String {
 
 /// The baseline gateway logs every request, as idemgate does (and as Debian's nginx does by
 /// default): one line per request to a file, buffered like idemgate's own batching writer.
-fn proxy_nginx_conf(dir: &Path, port: u16, backend_port: u16) -> String {
+fn proxy_nginx_conf(dir: &Path, port: u16, backend_port: u16, workers: u32) -> String {
     let logs = logs_dir(dir);
     let logs = logs.display();
     let access_log = format!(
         "log_format access '$request_method $uri $status $request_time'; \
          access_log {logs}/nginx-proxy-access.log access buffer=64k flush=1s;"
     );
-    nginx_common(dir, "nginx-proxy", &access_log)
+    nginx_common(dir, "nginx-proxy", workers, &access_log)
         + &format!(
             "  upstream backend {{\n\
              \x20   server 127.0.0.1:{backend_port};\n\
@@ -916,16 +940,18 @@ fn idemgate_yaml(
     listen: SocketAddr,
     admin: SocketAddr,
     backend: SocketAddr,
+    threads: u32,
     memory: &str,
 ) -> String {
-    idemgate_yaml_with_backend(listen, admin, backend, "memory", memory)
+    idemgate_yaml_with_backend(listen, admin, backend, threads, "memory", memory)
 }
 
-/// The idemgate config of a row: one thread, a pass-through route and a keyed route.
+/// The idemgate config of a row: `threads` workers, a pass-through route and a keyed route.
 fn idemgate_yaml_with_backend(
     listen: SocketAddr,
     admin: SocketAddr,
     backend: SocketAddr,
+    threads: u32,
     store_backend: &str,
     store_block: &str,
 ) -> String {
@@ -936,7 +962,7 @@ fn idemgate_yaml_with_backend(
     format!(
         "# Generated by examples/bench.rs.\n\
          listen: \"{listen}\"\n\
-         threads: 1\n\
+         threads: {threads}\n\
          {stealing}\
          admin:\n  listen: \"{admin}\"\n\
          upstreams:\n  backend:\n    addrs: [\"{backend}\"]\n\
@@ -1503,12 +1529,14 @@ fn report(
     let _ = writeln!(
         out,
         "wrk: -t1 -c{} -d{}s --latency per row (after an unreported {}s warm-up), POST of {} JSON bytes; \
-         backend nginx {} (worker_processes 1), nginx proxy worker_processes 1 with a buffered access log, idemgate threads: 1 logging at info",
+         backend nginx {} (worker_processes 1), nginx proxy worker_processes {} with a buffered access log, idemgate threads: {} logging at info",
         opts.connections,
         opts.duration.as_secs(),
         opts.warmup.as_secs(),
         BODY.len(),
-        lab.nginx_version
+        lab.nginx_version,
+        opts.workers,
+        opts.workers
     );
     if opts.rounds > 1 {
         let _ = writeln!(

@@ -301,7 +301,11 @@ async fn a_wait_counts_in_the_window_of_a_canary_reloaded_under_it() {
     store.claim(&claim_request(&key)).await.expect("claim");
     let waiting = tokio::spawn({
         let (store, key) = (store.clone(), key.clone());
-        async move { store.wait_for_change(&key, Duration::from_millis(600)).await }
+        async move {
+            store
+                .wait_for_change(&key, Duration::from_millis(600))
+                .await
+        }
     });
     tokio::time::sleep(Duration::from_millis(150)).await;
     // Other canary settings: a new canary, with a new (empty) window.
@@ -330,7 +334,11 @@ async fn a_wait_whose_polls_all_fail_on_the_canary_counts_one_error() {
     });
     let store = store(
         &server,
-        scripts(Some(root.path()), "v1", Some(canary("vbusy", 100, 1000, 0.05))),
+        scripts(
+            Some(root.path()),
+            "v1",
+            Some(canary("vbusy", 100, 1000, 0.05)),
+        ),
     )
     .await;
     let key = fresh_key();
