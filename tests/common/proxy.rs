@@ -9,24 +9,30 @@ use std::time::{Duration, Instant};
 use super::backend::Backend;
 use super::client::Request;
 
-/// A free loopback port (bound then released; the proxy binds it right after).
+/// Ports this test process has handed out: never handed out twice, so two proxies started at
+/// once cannot be given the same port (a port found free and released is free for anyone).
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A free loopback port for a proxy to bind right after. It lies below the kernel's ephemeral
+/// range (32768-60999 by default; Redis test servers take 20000 and up), so no outgoing
+/// connection of a concurrent test can take it in between, as one did with ports the kernel
+/// picked (`bind(0)` hands out ephemeral ones).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..10_000 {
+        let port = 10_000 + rand::random::<u16>() % 10_000;
+        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
+            return port;
+        }
+    }
+    panic!("no free port in 10000-19999");
 }
 
-/// Two free ports, bound at the same time so they differ (two `free_port` calls in a row can
-/// get the same port back once the first is released).
+/// Two free ports (see [`free_port`]), different from each other.
 pub fn free_port_pair() -> (u16, u16) {
-    let first = TcpListener::bind("127.0.0.1:0").unwrap();
-    let second = TcpListener::bind("127.0.0.1:0").unwrap();
-    (
-        first.local_addr().unwrap().port(),
-        second.local_addr().unwrap().port(),
-    )
+    (free_port(), free_port())
 }
 
 /// Builds the config of a test proxy: an `orders` route on `/orders` (idempotent, POST PUT
@@ -151,8 +157,19 @@ impl ProxyBuilder {
         )
     }
 
-    /// Starts the proxy and waits until it answers.
+    /// Starts the proxy and waits until it answers. A port taken between being found free and
+    /// being bound (another test's outgoing connection may get it) means new ports and a new try.
     pub async fn start(self) -> Proxy {
+        for _ in 0..4 {
+            if let Some(proxy) = self.try_start().await {
+                return proxy;
+            }
+        }
+        panic!("idemgate found its ports taken four times in a row");
+    }
+
+    /// One start on fresh ports: `None` when the proxy exited because one of them was taken.
+    async fn try_start(&self) -> Option<Proxy> {
         let (port, admin_port) = free_port_pair();
         let dir = tempfile::tempdir().expect("tempdir");
         let config_dir = dir.path().join("config");
@@ -179,12 +196,15 @@ impl ProxyBuilder {
             config_path,
             yaml,
             updates: 0,
-            env: self.env,
+            env: self.env.clone(),
             _dir: dir,
         };
         proxy.child = Some(proxy.spawn());
-        proxy.wait_ready().await;
-        proxy
+        if proxy.wait_ready().await {
+            Some(proxy)
+        } else {
+            None
+        }
     }
 }
 
@@ -243,7 +263,11 @@ impl Proxy {
             let _ = child.wait();
         }
         self.child = Some(self.spawn());
-        self.wait_ready().await;
+        assert!(
+            self.wait_ready().await,
+            "ports taken on restart:\n{}",
+            self.log()
+        );
     }
 
     /// The exit status, if the process has exited.
@@ -253,7 +277,9 @@ impl Proxy {
             .and_then(|c| c.try_wait().ok().flatten())
     }
 
-    async fn wait_ready(&self) {
+    /// Waits until the proxy answers; false when it exited because a port was taken (the
+    /// caller may try other ports), a panic on any other failure to start.
+    async fn wait_ready(&mut self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let proxy_up = tokio::net::TcpStream::connect(self.addr).await.is_ok();
@@ -261,8 +287,11 @@ impl Proxy {
             if proxy_up && admin_up {
                 let r = Request::get("/healthz").send(self.admin).await;
                 if r.status == 200 {
-                    return;
+                    return true;
                 }
+            }
+            if self.exited().is_some() && self.log().contains("Address already in use") {
+                return false;
             }
             if Instant::now() > deadline {
                 panic!("idemgate did not start; log:\n{}", self.log());
