@@ -588,7 +588,10 @@ impl Gate {
             .and_then(|n| usize::try_from(n).ok())
             .filter(|&n| n <= idem.max_response_bytes)
             .unwrap_or(0);
-        let mut captured = storable.then(|| {
+        // A body under a transfer coding other than chunked (`gzip, chunked`) is kept as coded,
+        // and a replay, framed by its length, would have no header saying so: such an answer is
+        // stored as executed but not replayable.
+        let mut captured = (storable && !transfer_coded(&response)).then(|| {
             let bodiless = head_request || has_no_body(status);
             stored_response(&response, &idem.replay_exclude_headers, declared, bodiless)
         });
@@ -766,6 +769,15 @@ impl Gate {
                 Ok(r) => break (exchange, r),
                 Err(UpstreamError::Closed(_))
                     if safe && attempt == 1 && exchange.reused() && exchange.nothing_received() =>
+                {
+                    continue
+                }
+                Err(UpstreamError::Read(ref e))
+                    if e.kind() == std::io::ErrorKind::ConnectionReset
+                        && safe
+                        && attempt == 1
+                        && exchange.reused()
+                        && exchange.nothing_received() =>
                 {
                     continue
                 }
@@ -1119,6 +1131,17 @@ fn stored_response(
             .map(|(name, value)| (name.as_str(), value.as_bytes()))
     };
     ResponseBuilder::new(resp.status.as_u16(), kept, body_hint)
+}
+
+/// Whether a backend's answer has a transfer coding other than chunked, which the body read
+/// from it still carries.
+fn transfer_coded(resp: &ResponseHeader) -> bool {
+    resp.headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"chunked"))
 }
 
 /// The head of a replay of `stored`: its status and stored headers, byte for byte. Hop-by-hop

@@ -295,8 +295,10 @@ pub fn itoa(mut n: u64, out: &mut [u8; 20]) -> &[u8] {
 
 /// Sends `head` and `body` (one `writev`) on a pooled connection (when `pooled`), or a new one.
 /// `started` is when the request started (a recent instant; the pool's idle times are measured
-/// from it). A pooled connection the backend closed in the meantime fails on its first write,
-/// before any byte of the request went out; that case is sent again once on a new connection.
+/// from it). A pooled connection the backend closed is left in the pool unused when its close
+/// has arrived (it is readable); one whose close arrives later fails on its first write, before
+/// any byte of the request went out (sent again once on a new connection), or, once the
+/// request went out, on the read (the caller decides whether the request may go again).
 /// A request sent again because a pooled connection closed under it after the write goes
 /// without `pooled`: the next pooled connection may be just as stale.
 ///
@@ -663,7 +665,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut transfer_encoding = false;
-    let mut close = version == 0;
+    // `close` anywhere wins over `keep-alive` anywhere, in any order, on any line; an HTTP/1.0
+    // answer is closed unless it asks to stay open.
+    let (mut saw_close, mut saw_keep_alive) = (false, false);
     let mut connection_named: Vec<Bytes> = Vec::new();
     for &(n, nl, v, vl) in &fields {
         let name = &head[n..n + nl];
@@ -685,18 +689,17 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             }
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             transfer_encoding = true;
-            // Only the last coding decides whether the body is chunked.
-            chunked = codings(value)
-                .last()
-                .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"));
+            // Only the last coding of the list the lines make together decides whether the
+            // body is chunked; a line listing nothing (an empty value) changes nothing.
+            if let Some(last) = codings(value).last() {
+                chunked = last.eq_ignore_ascii_case(b"chunked");
+            }
         } else if name.eq_ignore_ascii_case(b"connection") {
             for token in value.split(|&b| b == b',').map(|t| t.trim_ascii()) {
                 if token.eq_ignore_ascii_case(b"close") {
-                    close = true;
+                    saw_close = true;
                 } else if token.eq_ignore_ascii_case(b"keep-alive") {
-                    if version == 0 {
-                        close = false;
-                    }
+                    saw_keep_alive = true;
                 } else if !token.is_empty() {
                     connection_named.push(head.slice_ref(token));
                 }
@@ -723,7 +726,12 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         let raw = if name.eq_ignore_ascii_case(b"transfer-encoding")
             && raw.split(|&b| b == b',').any(|c| c.trim_ascii().is_empty())
         {
-            Bytes::from(codings(&raw).collect::<Vec<_>>().join(&b", "[..]))
+            let listed = codings(&raw).collect::<Vec<_>>();
+            if listed.is_empty() {
+                // A line that lists nothing is not passed on: the writer would read it as last.
+                continue;
+            }
+            Bytes::from(listed.join(&b", "[..]))
         } else {
             raw
         };
@@ -746,8 +754,10 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             None => Framing::Close,
         }
     };
-    // A body both chunked and length-framed was framed two ways: do not trust the connection.
-    let keep_alive = !(close || transfer_encoding && length.is_some());
+    let close = saw_close || (version == 0 && !saw_keep_alive);
+    // A body both chunked and length-framed was framed two ways, and an HTTP/1.0 answer has no
+    // transfer codings (RFC 9112 §6.1): either way, do not trust the connection after it.
+    let keep_alive = !(close || transfer_encoding && (length.is_some() || version == 0));
     Ok(Some(ParsedHead {
         header,
         framing,
@@ -979,6 +989,57 @@ mod tests {
         assert!(old_kept.keep_alive);
         let open_ended = parse(b"HTTP/1.1 200 OK\r\n\r\n").unwrap().unwrap();
         assert_eq!(open_ended.framing, Framing::Close);
+    }
+
+    #[test]
+    fn close_wins_over_keep_alive_in_any_order_and_on_any_line() {
+        for head in [
+            &b"HTTP/1.0 200 OK\r\nConnection: close, keep-alive\r\nContent-Length: 2\r\n\r\n"[..],
+            b"HTTP/1.0 200 OK\r\nConnection: close\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nConnection: close\r\nContent-Length: 2\r\n\r\n",
+        ] {
+            let p = parse(head).unwrap().unwrap();
+            assert!(!p.keep_alive, "{}", String::from_utf8_lossy(head));
+        }
+    }
+
+    #[test]
+    fn the_codings_of_all_transfer_encoding_lines_make_one_list() {
+        // An empty line lists nothing: `chunked` stays the last coding.
+        let p =
+            parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding:\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert_eq!(p.framing, Framing::Chunked(ChunkState::Size));
+        let te: Vec<_> = p
+            .header
+            .headers
+            .get_all("transfer-encoding")
+            .iter()
+            .collect();
+        assert_eq!(te, ["chunked"], "the empty line is not passed on");
+        let p = parse(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.framing, Framing::Chunked(ChunkState::Size));
+        let p = parse(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.framing, Framing::Close);
+    }
+
+    #[test]
+    fn an_http_1_0_answer_with_a_transfer_coding_closes_its_connection() {
+        let p = parse(
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .unwrap()
+        .unwrap();
+        assert!(!p.keep_alive);
     }
 
     #[test]

@@ -291,6 +291,39 @@ async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_closes_
 }
 
 #[tokio::test]
+async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_resets_unanswered() {
+    // As above, with the backend's kernel resetting the connection instead of closing it.
+    let backend = RawBackend::start_sequence(vec![vec![created("{}")], vec![Step::Reset]]).await;
+    let proxy = proxy(&backend).await;
+    let first = Request::get("/plain/a").send(proxy.addr).await;
+    assert_eq!(first.status, 201);
+    let again = Request::get("/plain/b").send(proxy.addr).await;
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert_eq!(backend.connections(), 2);
+    let post = Request::post("/plain/c").json("{}").send(proxy.addr).await;
+    assert_eq!(post.status, 502, "{}", post.text());
+    assert_eq!(backend.count(), 4);
+}
+
+#[tokio::test]
+async fn an_answer_under_another_transfer_coding_is_executed_once_and_not_replayed() {
+    // The body stays gzip-coded once the chunks are read: replayed with a length and no
+    // Transfer-Encoding it would be bytes nobody could read as the answer.
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\n\x1f\x8b\x08\r\n0\r\n\r\n",
+    )])
+    .await;
+    let proxy = proxy(&backend).await;
+    let (first, again) = twice(&proxy, "gzip-coded").await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(first.header("transfer-encoding"), Some("gzip, chunked"));
+    assert_eq!(first.body, b"\x1f\x8b\x08");
+    assert_eq!(again.status, 409, "{}", again.text());
+    assert_eq!(again.problem_type(), "response-not-replayable");
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
 async fn a_safe_request_sent_again_goes_on_a_new_connection_not_another_pooled_one() {
     // Two pooled connections, each closing on its second request unanswered.
     let answer_slowly = vec![Step::Pause(Duration::from_millis(300)), created("{}")];

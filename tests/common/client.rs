@@ -234,8 +234,13 @@ pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Resul
                     .find(|(n, _)| n == name)
                     .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
             };
-            let chunked =
-                get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+            // Chunked when it is the last coding listed (`gzip, chunked` too).
+            let chunked = get("transfer-encoding").is_some_and(|v| {
+                v.rsplit(',')
+                    .map(str::trim)
+                    .find(|c| !c.is_empty())
+                    .is_some_and(|c| c.eq_ignore_ascii_case("chunked"))
+            });
             let mut body = Vec::new();
             if head || status == 204 || status == 304 {
             } else if chunked {

@@ -19,6 +19,8 @@ pub enum Step {
     Pause(Duration),
     /// Close the connection (after the steps so far); later steps are ignored.
     Close,
+    /// Reset the connection (`SO_LINGER` 0, then close: the peer reads a reset, not an end).
+    Reset,
 }
 
 /// The running backend. Every complete request it reads counts as one execution.
@@ -125,6 +127,10 @@ async fn serve(
                 Step::Pause(d) => tokio::time::sleep(*d).await,
                 Step::Close => {
                     let _ = stream.shutdown().await;
+                    return;
+                }
+                Step::Reset => {
+                    let _ = stream.set_linger(Some(Duration::ZERO));
                     return;
                 }
             }
