@@ -130,7 +130,7 @@ async fn serve(
                     return;
                 }
                 Step::Reset => {
-                    let _ = stream.set_linger(Some(Duration::ZERO));
+                    let _ = stream.set_zero_linger();
                     return;
                 }
             }
