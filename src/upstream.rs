@@ -498,10 +498,18 @@ impl Exchange {
     /// removed when the body is chunked (the client gets one framing).
     pub async fn read_head(&mut self, head_request: bool) -> Result<ResponseHeader, UpstreamError> {
         for _ in 0..=MAX_INFORMATIONAL {
+            // After a parse that found the head incomplete, the buffer up to here is known to
+            // hold no end of head: it is parsed again only once new bytes may end it, so a
+            // backend that sends its head a byte at a time costs a scan of each byte, not a
+            // parse of the whole head per byte.
+            let mut scanned: Option<usize> = None;
             let parsed = loop {
-                if let Some(parsed) = parse_head(&mut self.buf)? {
-                    break parsed;
+                if scanned.is_none_or(|from| head_may_end(&self.buf, from)) {
+                    if let Some(parsed) = parse_head(&mut self.buf)? {
+                        break parsed;
+                    }
                 }
+                scanned = Some(self.buf.len());
                 if self.buf.len() > MAX_RESPONSE_HEAD_BYTES {
                     return Err(UpstreamError::Malformed("response head too large"));
                 }
@@ -765,6 +773,15 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     }))
 }
 
+/// Whether the bytes of `buf` from `from` on (with the two before, so an end split across
+/// reads is found) may end a response head: an empty line, `\n\r\n` or a bare `\n\n`.
+fn head_may_end(buf: &[u8], from: usize) -> bool {
+    let tail = &buf[from.saturating_sub(2).min(buf.len())..];
+    tail.windows(2).enumerate().any(|(i, w)| {
+        w[0] == b'\n' && (w[1] == b'\n' || (w[1] == b'\r' && tail.get(i + 2) == Some(&b'\n')))
+    })
+}
+
 /// The codings a `Transfer-Encoding` value lists, without empty list items (RFC 9110 §5.6.1).
 fn codings(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     value
@@ -925,6 +942,20 @@ mod tests {
         let wire = String::from_utf8(wire).unwrap();
         assert!(wire.contains("X-Custom-ID: 7\r\n"), "{wire}");
         assert!(wire.contains("Content-Length: 2\r\n"), "{wire}");
+    }
+
+    #[test]
+    fn the_end_of_a_head_is_found_across_reads() {
+        let head = b"HTTP/1.1 200 OK\r\nA: b\r\n\r\n";
+        // Every split point: the bytes before it were scanned, the rest arrived since.
+        for split in 0..head.len() {
+            assert!(head_may_end(head, split), "split at {split}");
+        }
+        assert!(!head_may_end(b"HTTP/1.1 200 OK\r\nA: b\r\n", 0));
+        assert!(!head_may_end(b"HTTP/1.1 200 OK\r\nA: b\r\n\r", 0));
+        assert!(head_may_end(b"HTTP/1.1 200 OK\nA: b\n\n", 10));
+        assert!(!head_may_end(b"", 0));
+        assert!(!head_may_end(b"\n", 5));
     }
 
     #[test]

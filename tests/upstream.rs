@@ -55,6 +55,26 @@ async fn an_answer_without_length_ends_at_close_and_is_replayed() {
 }
 
 #[tokio::test]
+async fn a_head_sent_a_byte_at_a_time_is_read_and_replayed() {
+    let head =
+        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n";
+    let mut script = Vec::new();
+    for b in head {
+        script.push(send(&[*b]));
+        script.push(Step::Pause(Duration::from_millis(1)));
+    }
+    script.push(send(b"{\"id\":7}"));
+    let backend = RawBackend::start(script).await;
+    let proxy = proxy(&backend).await;
+    let (first, again) = twice(&proxy, "drip").await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(first.body, b"{\"id\":7}");
+    assert_eq!((again.status, again.result()), (201, Some("HIT")));
+    assert_eq!(again.body, b"{\"id\":7}");
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
 async fn chunked_wins_over_a_content_length_sent_with_it() {
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length; the client must never see both.
     let backend = RawBackend::start(vec![send(
