@@ -344,6 +344,11 @@ impl Gate {
         let mut deadline: Option<Instant> = None;
         let mut store: &dyn RecordStore = self.store.as_ref();
         let mut degraded = false;
+        // Set once the store showed the key held by another request (in flight, or released
+        // and raced for): from then on a store failure is never a reason to execute it
+        // without protection, whatever `on_unavailable` says, since this proxy knows the key
+        // is live.
+        let mut seen_live = false;
         let mut attempts = 0u32;
         loop {
             attempts += 1;
@@ -378,6 +383,10 @@ impl Gate {
                 Err(StoreError::Corrupt(e)) => {
                     tracing::error!(error = %e, "record store returned a record this proxy cannot read");
                     return self.refuse(session, Problem::StoreRecordUnreadable).await;
+                }
+                Err(e) if seen_live => {
+                    tracing::warn!(error = %e, "record store failed on claim after the key was seen held by another request; not executing it unprotected");
+                    return self.refuse(session, Problem::StoreUnavailable).await;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "record store failed on claim");
@@ -420,6 +429,7 @@ impl Gate {
                     return self.refuse(session, Problem::NotReplayable).await
                 }
                 RecordState::InFlight { lock_remaining } => {
+                    seen_live = true;
                     let now = Instant::now();
                     if idem.on_in_flight == OnInFlight::Reject || now >= deadline {
                         let problem = Problem::InFlight {
@@ -438,6 +448,7 @@ impl Gate {
                     // still running (wait more, or 409 at the deadline).
                 }
                 RecordState::Released => {
+                    seen_live = true;
                     // A released record with our fingerprint is claimable, so this is a race
                     // with another claimer; a few more rounds settle it.
                     if attempts > 8 {

@@ -165,6 +165,57 @@ async fn pass_and_local_policies_forward_marked_degraded() {
     assert_eq!(backend.count(), 3);
 }
 
+/// `on_unavailable: pass` forwards unprotected when the store cannot say whether a key is free,
+/// never when it already said the key is held: a waiter whose claim fails after its wait must
+/// not run the key beside the original.
+#[tokio::test]
+async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    // Version vx: v1, with a claim that fails from its third call on a key: the original's
+    // claim, the waiter's (which finds it in flight), then the waiter's after its wait.
+    let scripts = tempfile::tempdir().expect("scripts dir");
+    let dir = scripts.path().join("vx");
+    std::fs::create_dir(&dir).expect("vx");
+    let lua = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("lua")
+        .join("v1");
+    for name in ["claim", "complete", "release", "get"] {
+        let mut text = std::fs::read_to_string(lua.join(format!("{name}.lua"))).expect("script");
+        if name == "claim" {
+            text.insert_str(
+                0,
+                "if redis.call('INCR', KEYS[1] .. ':calls') >= 3 then \
+                 return redis.error_reply('ERR store trouble') end\n",
+            );
+        }
+        std::fs::write(dir.join(format!("{name}.lua")), text).expect("write script");
+    }
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .store(&format!(
+            "  scripts: {{dir: \"{}\", version: vx}}",
+            scripts.path().display()
+        ))
+        .store("on_unavailable: pass")
+        .idem("on_in_flight: wait")
+        .idem("wait_timeout: 300ms")
+        .start()
+        .await;
+    let order = || Request::post("/orders/slow/1500").key("held").body("{}");
+    let original = tokio::spawn({
+        let (req, addr) = (order(), proxy.addr);
+        async move { req.send(addr).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let retry = order().send(proxy.addr).await;
+    assert_eq!(retry.status, 503, "{}", retry.text());
+    assert_eq!(retry.result(), Some("UNAVAILABLE"));
+    let first = original.await.expect("original");
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(backend.count(), 1, "the key ran once");
+}
+
 #[tokio::test]
 async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
     let redis = RedisServer::start();
