@@ -105,6 +105,12 @@ async fn store(server: &RedisServer, scripts: ScriptsConfig) -> Arc<RedisStore> 
     store
 }
 
+/// The canary's error window: (calls, errors).
+fn window(store: &RedisStore) -> (u64, u64) {
+    let canary = store.scripts_status().canary.expect("canary status");
+    (canary.window_calls, canary.window_errors)
+}
+
 fn counts(store: &RedisStore, version: &str) -> (u64, u64) {
     store
         .version_counts()
@@ -266,10 +272,6 @@ async fn the_polls_of_a_wait_count_once_in_the_canary_window() {
     .await;
     let key = fresh_key();
     store.claim(&claim_request(&key)).await.expect("claim");
-    let window = |store: &RedisStore| {
-        let canary = store.scripts_status().canary.expect("canary status");
-        (canary.window_calls, canary.window_errors)
-    };
     assert_eq!(window(&store), (1, 0));
     let (calls_before, _) = counts(&store, "v2");
     // A duplicate waits on the record in flight: it reads it again and again.
@@ -311,15 +313,11 @@ async fn a_wait_counts_in_the_window_of_a_canary_reloaded_under_it() {
     // Other canary settings: a new canary, with a new (empty) window.
     let reloaded = scripts(None, "v1", Some(canary("v2", 100, 999, 0.05)));
     store.apply_scripts(&reloaded).await.expect("reload");
-    let window = || {
-        let canary = store.scripts_status().canary.expect("canary status");
-        (canary.window_calls, canary.window_errors)
-    };
-    assert_eq!(window(), (0, 0));
+    assert_eq!(window(&store), (0, 0));
     let record = waiting.await.unwrap().expect("wait").expect("record");
     assert!(matches!(record.state, RecordState::InFlight { .. }));
     // The polls after the reload are the new canary's: the wait is one call in its window.
-    assert_eq!(window(), (1, 0));
+    assert_eq!(window(&store), (1, 0));
 }
 
 #[tokio::test]
@@ -354,8 +352,7 @@ async fn a_wait_whose_polls_all_fail_on_the_canary_counts_one_error() {
     assert!(calls_after - calls_before >= 4, "the wait polled");
     assert_eq!(errors, calls_after - calls_before, "every poll failed");
     // The claim, and the wait as one failing call: not one error per poll.
-    let canary = store.scripts_status().canary.expect("canary status");
-    assert_eq!((canary.window_calls, canary.window_errors), (2, 1));
+    assert_eq!(window(&store), (2, 1));
 }
 
 #[tokio::test]

@@ -292,18 +292,18 @@ async fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
     assert_eq!(backend.connections(), 3);
 }
 
-#[tokio::test]
-async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_closes_unanswered() {
-    // Each connection answers its first request and closes on the second without answering:
-    // the race of a backend's keep-alive timeout with a request already on the wire.
-    let backend = RawBackend::start_sequence(vec![vec![created("{}")], vec![Step::Close]]).await;
+/// Each connection answers its first request and ends on the second without answering (`end`:
+/// closed or reset): the race of a backend's keep-alive timeout with a request already on the
+/// wire. A safe request goes again on a new connection; a POST, which may have been executed,
+/// is never sent twice, and the client is told.
+async fn a_reused_connection_that_ends_unanswered(end: Step) {
+    let backend = RawBackend::start_sequence(vec![vec![created("{}")], vec![end]]).await;
     let proxy = proxy(&backend).await;
     let first = Request::get("/plain/a").send(proxy.addr).await;
     assert_eq!(first.status, 201);
     let again = Request::get("/plain/b").send(proxy.addr).await;
     assert_eq!(again.status, 201, "{}", again.text());
     assert_eq!(backend.connections(), 2);
-    // A POST may have been executed: it is never sent twice, the client is told.
     let post = Request::post("/plain/c").json("{}").send(proxy.addr).await;
     assert_eq!(post.status, 502, "{}", post.text());
     assert_eq!(post.problem_type(), "upstream-answer-lost");
@@ -311,18 +311,13 @@ async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_closes_
 }
 
 #[tokio::test]
+async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_closes_unanswered() {
+    a_reused_connection_that_ends_unanswered(Step::Close).await;
+}
+
+#[tokio::test]
 async fn a_safe_forwarded_request_is_sent_again_when_a_reused_connection_resets_unanswered() {
-    // As above, with the backend's kernel resetting the connection instead of closing it.
-    let backend = RawBackend::start_sequence(vec![vec![created("{}")], vec![Step::Reset]]).await;
-    let proxy = proxy(&backend).await;
-    let first = Request::get("/plain/a").send(proxy.addr).await;
-    assert_eq!(first.status, 201);
-    let again = Request::get("/plain/b").send(proxy.addr).await;
-    assert_eq!(again.status, 201, "{}", again.text());
-    assert_eq!(backend.connections(), 2);
-    let post = Request::post("/plain/c").json("{}").send(proxy.addr).await;
-    assert_eq!(post.status, 502, "{}", post.text());
-    assert_eq!(backend.count(), 4);
+    a_reused_connection_that_ends_unanswered(Step::Reset).await;
 }
 
 #[tokio::test]
