@@ -115,6 +115,9 @@ pub struct UpstreamPool {
     peers: Vec<HttpPeer>,
     /// The same addresses for idemgate's own client, same order.
     backends: Vec<Backend>,
+    /// The first address as configured (`orders:8080`): the `Host` of an HTTP/1.0 request that
+    /// came without one, which HTTP/1.1, what idemgate speaks to backends, requires.
+    host: http::HeaderValue,
     next: AtomicUsize,
 }
 
@@ -146,9 +149,13 @@ impl UpstreamPool {
         if peers.is_empty() {
             return Err(format!("upstreams.{}.addrs: no address resolved", up.name));
         }
+        let first = up.addrs.first().map_or("", String::as_str);
+        let host = http::HeaderValue::from_str(first)
+            .map_err(|_| format!("upstreams.{}.addrs: {first:?} is no host name", up.name))?;
         Ok(UpstreamPool {
             peers,
             backends,
+            host,
             next: AtomicUsize::new(0),
         })
     }
@@ -538,7 +545,13 @@ impl Gate {
             None => &[],
         };
         let mut head = Vec::with_capacity(512);
-        upstream::request_head(req, had_body.then_some(body.len()), extra, &mut head);
+        upstream::request_head(
+            req,
+            had_body.then_some(body.len()),
+            extra,
+            pool.host.as_bytes(),
+            &mut head,
+        );
         let head_request = req.method == http::Method::HEAD;
 
         let started = Instant::now();
@@ -751,7 +764,7 @@ impl Gate {
         };
         let req = session.req_header();
         let mut head = Vec::with_capacity(512);
-        upstream::request_head(req, declared, &[], &mut head);
+        upstream::request_head(req, declared, &[], pool.host.as_bytes(), &mut head);
         let method = req.method.clone();
         let head_request = method == http::Method::HEAD;
         // A request that changes nothing may go again on a new connection if a pooled one was
@@ -1258,7 +1271,10 @@ impl ProxyHttp for Gate {
             write_problem(session, &problem, ctx.outcome).await?;
             return Ok(true);
         }
-        if !is_routable_target(req) {
+        // HTTP/1.1 requires Host (RFC 9112 §3.2: a server answers 400 without it).
+        if !is_routable_target(req)
+            || (req.version == http::Version::HTTP_11 && !req.headers.contains_key(header::HOST))
+        {
             // No route is known, so no idempotency header; the connection closes, as the
             // problem's detail says for every request that is not valid HTTP.
             session.set_keepalive(None);
@@ -1300,9 +1316,16 @@ impl ProxyHttp for Gate {
         &self,
         _session: &mut Session,
         upstream_request: &mut RequestHeader,
-        _ctx: &mut Self::CTX,
+        ctx: &mut Self::CTX,
     ) -> Result<()> {
         upstream_request.remove_header(EXECUTION_ID_HEADER);
+        // An HTTP/1.0 request without Host goes on as HTTP/1.1, which requires one.
+        if !upstream_request.headers.contains_key(header::HOST) {
+            if let Some(upstream) = ctx.upstream {
+                upstream_request
+                    .insert_header(header::HOST, ctx.gen.pools[upstream].host.clone())?;
+            }
+        }
         Ok(())
     }
 

@@ -450,6 +450,51 @@ async fn forwarded_requests_keep_header_spelling_and_drop_hop_by_hop_headers() {
     }
 }
 
+/// Sends raw request bytes and reads the one answer.
+async fn raw_exchange(proxy: &Proxy, request: &[u8]) -> common::Response {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    common::client::read_response(&mut s, false).await.unwrap()
+}
+
+#[tokio::test]
+async fn an_http_1_0_request_without_host_is_sent_on_with_the_upstreams_and_http_1_1_is_refused() {
+    let backend = RawBackend::start(vec![created("{}")]).await;
+    let proxy = proxy(&backend).await;
+    let host = format!("\r\nHost: {}\r\n", backend.addr);
+    // Forwarded by idemgate's own client, and keyed.
+    for request in [
+        &b"GET /plain/a HTTP/1.0\r\n\r\n"[..],
+        b"POST /orders HTTP/1.0\r\nIdempotency-Key: no-host\r\nContent-Length: 2\r\n\r\n{}",
+    ] {
+        let r = raw_exchange(&proxy, request).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        let head = backend.heads().last().cloned().unwrap_or_default();
+        assert!(head.contains(&host), "{head}");
+    }
+    // Streamed by pingora (a body it streams: chunked is HTTP/1.1 only, so a large one).
+    let large = format!(
+        "POST /plain/b HTTP/1.0\r\nContent-Length: 70000\r\n\r\n{}",
+        "x".repeat(70_000)
+    );
+    let r = raw_exchange(&proxy, large.as_bytes()).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let head = backend.heads().last().cloned().unwrap_or_default();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains(&host.to_ascii_lowercase()),
+        "{head}"
+    );
+    assert_eq!(backend.count(), 3);
+
+    // HTTP/1.1 requires Host: refused, never forwarded.
+    let r = raw_exchange(&proxy, b"GET /plain/c HTTP/1.1\r\n\r\n").await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.problem_type(), "request-malformed");
+    assert_eq!(backend.count(), 3);
+}
+
 #[tokio::test]
 async fn head_requests_and_bodiless_statuses_end_without_a_body() {
     let backend = RawBackend::start_sequence(vec![
