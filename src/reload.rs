@@ -181,10 +181,18 @@ impl Reloader {
                 if config.source_hash == running.config.source_hash {
                     return Ok(None);
                 }
+                // What is read only at start-up keeps its running value in the new generation,
+                // so the running config (and `/admin/config`) says what is in force and the
+                // next reload compares against that, warning again while the file differs.
+                let mut config = config;
+                let restart_only = keep_restart_only(&running.config, &mut config);
                 let generation = Generation::new(config, &self.metrics)?;
                 // Only for a config that goes live: refused content is tried again by the poll,
                 // and each try would repeat the warning.
-                warn_restart_only(&running.config, &generation.config);
+                if !restart_only.is_empty() {
+                    tracing::warn!(settings = ?restart_only, "these settings changed but only take effect after a restart; until then the running values stay");
+                }
+                warn_record_identity(&running.config, &generation.config);
                 Ok(Some(generation))
             });
         match result {
@@ -324,12 +332,74 @@ impl Reloader {
     }
 }
 
-/// Logs settings that changed but only take effect after a restart.
-fn warn_restart_only(old: &Config, new: &Config) {
-    let changed = restart_only_changes(old, new);
-    if !changed.is_empty() {
-        tracing::warn!(settings = ?changed, "these settings changed but only take effect after a restart");
+/// Names the settings read only at start-up that `new` changes, and gives them back their
+/// values in `running` (the store's live parts, script versions and the outage policy, stay
+/// as `new` has them).
+fn keep_restart_only(running: &Config, new: &mut Config) -> Vec<&'static str> {
+    let changed = restart_only_changes(running, new);
+    if changed.is_empty() {
+        return changed;
     }
+    new.listen = running.listen;
+    new.admin.listen = running.admin.listen;
+    new.threads = running.threads;
+    new.work_stealing = running.work_stealing;
+    new.shutdown = running.shutdown.clone();
+    new.idempotency.worker_id = running.idempotency.worker_id;
+    let scripts = new.store.redis.as_ref().map(|r| r.scripts.clone());
+    let on_unavailable = new.store.on_unavailable;
+    new.store = running.store.clone();
+    if let (Some(redis), Some(scripts)) = (new.store.redis.as_mut(), scripts) {
+        redis.scripts = scripts;
+    }
+    new.store.on_unavailable = on_unavailable;
+    changed
+}
+
+/// Logs, when `new` changes what decides which record a request maps to, that requests
+/// executed before the change are not found by their retries after it.
+fn warn_record_identity(old: &Config, new: &Config) {
+    let changed = record_identity_changes(old, new);
+    if !changed.is_empty() {
+        tracing::warn!(settings = ?changed, "these settings decide which record a request maps to: retries of requests executed before this change will not find their records (a changed key, tenant or scope executes them again, a changed fingerprint answers them 422)");
+    }
+}
+
+/// The settings that differ between `old` and `new` and go into a request's record id or
+/// fingerprint, route by route (routes matched by name).
+fn record_identity_changes(old: &Config, new: &Config) -> Vec<String> {
+    let mut changed = Vec::new();
+    if old.idempotency.key_header != new.idempotency.key_header {
+        changed.push("idempotency.key_header".to_string());
+    }
+    if old.idempotency.tenant_header != new.idempotency.tenant_header {
+        changed.push("idempotency.tenant_header".to_string());
+    }
+    if old.idempotency.default_tenant != new.idempotency.default_tenant {
+        changed.push("idempotency.default_tenant".to_string());
+    }
+    for route in &new.routes {
+        let Some(now) = &route.idempotency else {
+            continue;
+        };
+        let before = old
+            .routes
+            .iter()
+            .find(|r| r.name == route.name)
+            .and_then(|r| r.idempotency.as_ref());
+        let Some(before) = before else {
+            continue;
+        };
+        if before.scope_headers != now.scope_headers {
+            changed.push(format!("routes[{}].idempotency.scope_headers", route.name));
+        }
+        if before.fingerprint_body != now.fingerprint_body
+            || before.fingerprint_headers != now.fingerprint_headers
+        {
+            changed.push(format!("routes[{}].idempotency.fingerprint", route.name));
+        }
+    }
+    changed
 }
 
 /// The settings that differ between `old` and `new` and are read only at start-up.
@@ -395,6 +465,61 @@ routes:
         let old = Config::from_yaml_str(BASE).expect("base config");
         let new = Config::from_yaml_str(&edited).expect("edited config");
         restart_only_changes(&old, &new)
+    }
+
+    #[test]
+    fn a_reload_keeps_the_running_values_of_start_up_settings_and_applies_the_rest() {
+        let old = Config::from_yaml_str(BASE).expect("base config");
+        let edited = BASE
+            .replace("threads: 2", "threads: 3")
+            .replace("6379", "6380")
+            .replace("version: v1", "version: v2")
+            .replace("on_unavailable: reject", "on_unavailable: pass")
+            .replace("ttl: 1h", "ttl: 2h");
+        let mut new = Config::from_yaml_str(&edited).expect("edited config");
+        let changed = keep_restart_only(&old, &mut new);
+        assert_eq!(changed, ["threads", "store"]);
+        // What runs stays what it was...
+        assert_eq!(new.threads, 2);
+        let redis = new.store.redis.as_ref().expect("redis");
+        assert_eq!(redis.urls, ["redis://127.0.0.1:6379"]);
+        // ...and what is live is the new file's.
+        assert_eq!(redis.scripts.version, "v2");
+        assert_eq!(new.store.on_unavailable, crate::config::OnUnavailable::Pass);
+        let ttl = new.routes[0].idempotency.as_ref().map(|i| i.ttl);
+        assert_eq!(ttl, Some(Duration::from_secs(7200)));
+        // Compared with what runs, the same file changes the same start-up settings again.
+        let again = Config::from_yaml_str(&edited).expect("edited config");
+        assert_eq!(restart_only_changes(&new, &again), ["threads", "store"]);
+        assert!(restart_only_changes(&new, &new.clone()).is_empty());
+    }
+
+    #[test]
+    fn settings_that_decide_a_requests_record_are_named() {
+        let old = Config::from_yaml_str(BASE).expect("base config");
+        let identity = |edited: &str| {
+            let new = Config::from_yaml_str(edited).expect("edited config");
+            record_identity_changes(&old, &new)
+        };
+        assert!(identity(&BASE.replace("ttl: 1h", "ttl: 2h")).is_empty());
+        assert_eq!(
+            identity(&BASE.replace("{worker_id: 1}", "{worker_id: 1, key_header: X-Key}")),
+            ["idempotency.key_header"]
+        );
+        assert_eq!(
+            identity(&BASE.replace("{worker_id: 1}", "{worker_id: 1, default_tenant: t2}")),
+            ["idempotency.default_tenant"]
+        );
+        assert_eq!(
+            identity(&BASE.replace("{ttl: 1h}", "{ttl: 1h, scope_headers: [X-Org]}")),
+            ["routes[orders].idempotency.scope_headers"]
+        );
+        assert_eq!(
+            identity(&BASE.replace("{ttl: 1h}", "{ttl: 1h, fingerprint: {body: false}}")),
+            ["routes[orders].idempotency.fingerprint"]
+        );
+        // A route new to the config, or one that gains idempotency, has no records to lose.
+        assert!(identity(&BASE.replace("name: orders", "name: payments")).is_empty());
     }
 
     #[test]
