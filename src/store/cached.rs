@@ -77,6 +77,9 @@ struct Filters {
     /// How long one generation covers: `options.window` at first, then what
     /// [`CachedStore::set_window`] says (a reload that changes the longest route `ttl`).
     window: Duration,
+    /// A shorter window set by a reload, and from when it holds: entries cached under the
+    /// longer one (their life up to it) must stay findable until they expire.
+    shrink: Option<(Duration, Instant)>,
 }
 
 /// A completed record held locally (only completed records are: they never change).
@@ -180,6 +183,7 @@ impl<S: RecordStore> CachedStore<S> {
             previous: make()?,
             rotated_at: Instant::now(),
             window: options.window,
+            shrink: None,
         };
         let shards = (options.capacity_bytes / CACHE_SHARD_BYTES).clamp(1, MAX_CACHE_SHARDS);
         Ok(CachedStore {
@@ -204,8 +208,23 @@ impl<S: RecordStore> CachedStore<S> {
 
     /// Sets how long one filter generation covers (the longest route `ttl`), so a key this
     /// replica completed stays findable for its whole `ttl` after a reload that raised one.
+    ///
+    /// A shorter window takes over only once two of the longer ones have passed: an entry
+    /// cached under the longer window (completed before the reload, or by a request that
+    /// started before it) lives up to that long, and may be the only trace of a completion
+    /// whose write to the shared store is still being retried; forgetting it early could let
+    /// the key execute again.
     pub fn set_window(&self, window: Duration) {
-        self.filters.lock().window = window;
+        let mut filters = self.filters.lock();
+        if window >= filters.window {
+            filters.window = window;
+            filters.shrink = None;
+        } else if filters.shrink.is_none_or(|(pending, _)| pending != window) {
+            // (The same shorter window set again, by a reload of something else, keeps its
+            // time: it is the longer window's entries that are waited for.)
+            let from = Instant::now() + filters.window * 2;
+            filters.shrink = Some((window, from));
+        }
     }
 
     /// The wrapped store.
@@ -252,6 +271,12 @@ impl<S: RecordStore> CachedStore<S> {
     fn bloom_says_maybe(&self, hash: &Digest) -> bool {
         let mut filters = self.filters.lock();
         let now = Instant::now();
+        if let Some((window, from)) = filters.shrink {
+            if now >= from {
+                filters.window = window;
+                filters.shrink = None;
+            }
+        }
         if now.duration_since(filters.rotated_at) >= filters.window {
             let fresh = Bloom::new_for_fp_rate(
                 self.options.expected_items.max(1),
@@ -849,6 +874,62 @@ mod tests {
         }
         let local = store.inner().calls.load(Ordering::Relaxed) == calls;
         assert!(local, "both retries answered locally");
+    }
+
+    #[tokio::test]
+    async fn a_shorter_window_set_later_keeps_keys_cached_under_the_longer_one() {
+        tokio::time::pause();
+        let store = cached();
+        store.set_window(Duration::from_secs(3600));
+        let req = claim("t", 17);
+        store.claim(&req).await.unwrap();
+        store
+            .complete(
+                &req.key,
+                req.owner,
+                response(b"{}"),
+                Duration::from_secs(3600),
+            )
+            .await
+            .unwrap();
+        // A reload lowers every route's ttl to 60 s: the entry cached for an hour (maybe the
+        // only trace of a completion the shared store has not taken) must stay findable.
+        store.set_window(Duration::from_secs(60));
+        let calls = store.inner().calls.load(Ordering::Relaxed);
+        for _ in 0..5 {
+            tokio::time::advance(Duration::from_secs(610)).await;
+            let again = ClaimRequest {
+                owner: OwnerToken::random(),
+                ..claim("t", 17)
+            };
+            assert!(matches!(
+                store.claim(&again).await.unwrap(),
+                ClaimOutcome::Existing(_)
+            ));
+        }
+        assert_eq!(
+            store.inner().calls.load(Ordering::Relaxed),
+            calls,
+            "answered locally for the entry's whole life"
+        );
+        // Two of the long windows later the short one holds: the filter rotates by it.
+        tokio::time::advance(Duration::from_secs(2 * 3600)).await;
+        let req = claim("t", 18);
+        executed(&store, &req, b"{}").await;
+        let negatives = store.stats().bloom_negatives.load(Ordering::Relaxed);
+        for _ in 0..2 {
+            tokio::time::advance(Duration::from_secs(61)).await;
+            let again = ClaimRequest {
+                owner: OwnerToken::random(),
+                ..claim("t", 18)
+            };
+            store.claim(&again).await.unwrap();
+        }
+        assert_eq!(
+            store.stats().bloom_negatives.load(Ordering::Relaxed),
+            negatives + 1,
+            "forgotten after two short windows"
+        );
     }
 
     #[tokio::test]
