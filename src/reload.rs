@@ -3,9 +3,10 @@
 //!
 //! The watcher only signals. It watches the *directory*, because a Kubernetes ConfigMap volume
 //! swaps a `..data` symlink and inotify on the file itself sees nothing; it re-reads through the
-//! visible path, debounces bursts, ignores access events (reading the file fires them), and a
-//! content-hash poll on a timer catches whatever the watcher misses (e.g. `subPath`-free mounts on
-//! filesystems without inotify). In-flight requests keep the generation they started with.
+//! visible path, debounces bursts, ignores access events (reading the file fires them) but a
+//! writer's close, waits for that close before reading a file written in place, and a
+//! content-hash poll on a timer catches whatever the watcher misses (e.g. `subPath`-free mounts
+//! on filesystems without inotify), taking only a file untouched for [`CLOSE_WAIT`]. In-flight requests keep the generation they started with.
 //! An edit refused for something outside the file (a name that does not resolve yet, a script
 //! version or TLS file not there yet) is tried again by the poll, so it goes live once that is
 //! fixed; the same bytes failing the same way are logged and counted once.
@@ -55,6 +56,21 @@ pub struct ReloadStats {
 /// them at most this often keeps a file that is truly broken from being parsed (and its names
 /// resolved) on every tick. With the 2 s poll that is every other tick.
 const RETRY_REFUSED_EVERY: Duration = Duration::from_secs(3);
+
+/// What the watcher saw happen to the config file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FileEvent {
+    /// The file was replaced, renamed, created or removed, or a `..data` swap happened.
+    Changed,
+    /// Bytes were written into the file in place: its writer may not be done.
+    Written,
+    /// A writer closed the file: what it wrote is all there.
+    Closed,
+}
+
+/// How long the watcher waits for a file written in place to be closed before reading it all
+/// the same (a writer that keeps it open).
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
 /// The last file content that failed to load, and how.
 struct Refused {
@@ -251,7 +267,7 @@ impl Reloader {
         poll_every: Duration,
         mut shutdown: tokio::sync::watch::Receiver<bool>,
     ) {
-        let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<FileEvent>();
         let _watcher = match self.start_watcher(tx) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -263,10 +279,29 @@ impl Reloader {
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                Some(()) = rx.recv() => {
-                    // Debounce: editors and ConfigMap updates come as bursts of events.
-                    tokio::time::sleep(Duration::from_millis(150)).await;
-                    while rx.try_recv().is_ok() {}
+                Some(first) = rx.recv() => {
+                    // Debounce: editors and ConfigMap updates come as bursts of events; wait
+                    // for 150 ms without one. A file written in place is read only once its
+                    // writer has closed it (or after CLOSE_WAIT): read in between, a file cut
+                    // off mid-write can be valid YAML that says less (a route without its
+                    // idempotency block), and it would go live.
+                    let until = tokio::time::Instant::now() + CLOSE_WAIT;
+                    let mut writing = first == FileEvent::Written;
+                    loop {
+                        tokio::time::sleep(Duration::from_millis(150)).await;
+                        let mut more = false;
+                        while let Ok(event) = rx.try_recv() {
+                            more = true;
+                            match event {
+                                FileEvent::Written => writing = true,
+                                FileEvent::Closed => writing = false,
+                                FileEvent::Changed => {}
+                            }
+                        }
+                        if (!more && !writing) || tokio::time::Instant::now() >= until {
+                            break;
+                        }
+                    }
                     let this = self.clone();
                     let _ = tokio::task::spawn_blocking(move || this.reload("file change")).await;
                 }
@@ -295,30 +330,44 @@ impl Reloader {
             Some(refused) if refused.hash == hash => refused.at.elapsed() >= RETRY_REFUSED_EVERY,
             _ => true,
         };
-        if due {
+        // A file written to within CLOSE_WAIT may be in the middle of being written in place:
+        // the poll leaves it to the watcher (which waits for its writer to close it) or to a
+        // later tick, and never catches half of it.
+        let settled = std::fs::metadata(&self.path)
+            .and_then(|m| m.modified())
+            .is_ok_and(|at| SystemTime::now().duration_since(at).unwrap_or_default() >= CLOSE_WAIT);
+        if due && settled {
             let _ = self.reload("poll");
         }
     }
 
     fn start_watcher(
         &self,
-        tx: mpsc::UnboundedSender<()>,
+        tx: mpsc::UnboundedSender<FileEvent>,
     ) -> notify::Result<notify::RecommendedWatcher> {
+        use notify::event::{AccessKind, AccessMode, ModifyKind};
         let file_name = self.path.file_name().map(|n| n.to_os_string());
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
                 let Ok(event) = event else { return };
-                // Reading the file fires access events; reloading on them would loop forever.
-                if matches!(event.kind, EventKind::Access(_) | EventKind::Other) {
-                    return;
-                }
-                let relevant = event.paths.iter().any(|p| {
-                    let name = p.file_name();
-                    name == file_name.as_deref()
-                        || name.is_some_and(|n| n.to_string_lossy().starts_with(".."))
-                });
+                let names = || event.paths.iter().map(|p| p.file_name());
+                let the_file = names().any(|n| n == file_name.as_deref());
+                let relevant = the_file
+                    || names().any(|n| n.is_some_and(|n| n.to_string_lossy().starts_with("..")));
+                let kind = match event.kind {
+                    // A writer done with the file. Other access events are ignored: reading the
+                    // file fires them, and reloading on them would loop forever.
+                    EventKind::Access(AccessKind::Close(AccessMode::Write)) if the_file => {
+                        FileEvent::Closed
+                    }
+                    EventKind::Access(_) | EventKind::Other => return,
+                    EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) if the_file => {
+                        FileEvent::Written
+                    }
+                    _ => FileEvent::Changed,
+                };
                 if relevant {
-                    let _ = tx.send(());
+                    let _ = tx.send(kind);
                 }
             })?;
         let dir = match self.path.parent() {
@@ -572,6 +621,17 @@ routes:
         )
     }
 
+    /// Writes `text` to `path` dated a while back, as a file the poll finds settled.
+    fn write_settled(path: &Path, text: &str) {
+        std::fs::write(path, text).expect("write config");
+        let file = std::fs::File::options()
+            .write(true)
+            .open(path)
+            .expect("open");
+        let past = SystemTime::now() - CLOSE_WAIT * 2;
+        file.set_modified(past).expect("set mtime");
+    }
+
     /// Makes the poll's next look at refused content due, as if the backoff had passed.
     fn backoff_passed(reloader: &Reloader) {
         if let Some(refused) = reloader.refused.lock().as_mut() {
@@ -579,6 +639,38 @@ routes:
                 .checked_sub(RETRY_REFUSED_EVERY)
                 .expect("the clock is past the backoff");
         }
+    }
+
+    #[test]
+    fn the_poll_leaves_a_file_written_just_now_for_later() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("idemgate.yaml");
+        let text = |ttl: &str| {
+            format!(
+                "upstreams: {{app: {{addrs: [\"127.0.0.1:8080\"]}}}}\n\
+                 routes:\n  - {{name: orders, path_prefix: /orders, upstream: app, idempotency: {{ttl: {ttl}}}}}\n"
+            )
+        };
+        std::fs::write(&path, text("1h")).expect("write config");
+        let metrics = Arc::new(Metrics::new());
+        let config = Config::load(&path).expect("initial config");
+        let generation = Generation::new(config, &metrics).expect("generation");
+        let current = Arc::new(ArcSwap::from_pointee(generation));
+        let reloader = Reloader::new(path.clone(), current.clone(), metrics);
+        let ttl = || {
+            current.load().config.routes[0]
+                .idempotency
+                .as_ref()
+                .map(|i| i.ttl)
+        };
+        // Written just now: its writer may not be done, so the poll does not read it yet.
+        std::fs::write(&path, text("2h")).expect("edit");
+        reloader.reload_if_changed();
+        assert_eq!(ttl(), Some(Duration::from_secs(3600)));
+        // Untouched for a while: the poll takes it.
+        write_settled(&path, &text("2h"));
+        reloader.reload_if_changed();
+        assert_eq!(ttl(), Some(Duration::from_secs(7200)));
     }
 
     #[test]
@@ -598,7 +690,7 @@ routes:
         let tried_at = || reloader.refused.lock().as_ref().map(|r| r.at);
 
         // v9 is neither built in nor in the directory (yet): refused, counted once.
-        std::fs::write(&path, with_scripts(&scripts, "v9")).expect("edit");
+        write_settled(&path, &with_scripts(&scripts, "v9"));
         reloader.reload_if_changed();
         assert_eq!(failures(), 1);
         assert_eq!(stats.last_successful.load(Ordering::Relaxed), 0);

@@ -229,3 +229,69 @@ async fn a_hundred_reloads_under_load_fail_no_request() {
         .unwrap();
     assert!(reloads >= 100.0, "{reloads} reloads");
 }
+
+/// A file written in place by a slow writer (a shell redirect over a slow link, an editor that
+/// writes in place) is valid YAML halfway through: cut before the orders route's idempotency
+/// block, it says that route forwards untouched. That half must never go live.
+#[tokio::test]
+async fn a_file_written_in_place_goes_live_only_once_its_writer_closes_it() {
+    use std::io::Write;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let no_key = || Request::post("/orders").body("{}");
+    assert_eq!(no_key().send(proxy.addr).await.result(), Some("INVALID"));
+    let before = reloads(&proxy).await;
+
+    let whole = proxy.yaml.replacen(
+        "      key: required\n",
+        "      key: required\n      ttl: 2h\n",
+        1,
+    );
+    let cut = whole
+        .find("    idempotency:\n      key: required")
+        .expect("orders block");
+    let (head, tail) = whole.split_at(cut);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&proxy.config_path)
+        .expect("open config");
+    file.write_all(head.as_bytes()).expect("first half");
+    file.flush().expect("flush");
+    // The writer stalls well past the watcher's debounce; requests keep coming meanwhile.
+    let stalled = Instant::now();
+    while stalled.elapsed() < Duration::from_millis(900) {
+        let r = no_key().send(proxy.addr).await;
+        assert_eq!(
+            r.result(),
+            Some("INVALID"),
+            "the half-written file went live ({} {}); log:\n{}",
+            r.status,
+            r.text(),
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    file.write_all(tail.as_bytes()).expect("second half");
+    drop(file);
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads(&proxy).await < before + 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "never reloaded:\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        reloads(&proxy).await,
+        before + 1.0,
+        "one reload, of the whole file"
+    );
+    assert_eq!(no_key().send(proxy.addr).await.result(), Some("INVALID"));
+}
+
+async fn reloads(proxy: &common::Proxy) -> f64 {
+    common::metric(&proxy.metrics().await, "idemgate_config_reloads_total").unwrap_or(0.0)
+}
