@@ -113,6 +113,13 @@ impl Admin {
             }
         };
         let query = Query(req.uri.query().unwrap_or(""));
+        // Stored bodies are shown only with the admin token, as by record id: the tenant here
+        // is whatever the caller writes in the path, where through the proxy it comes from the
+        // layer that authenticated the client, so a key (with `scope_headers: []`, nothing
+        // more) would let anyone who reaches the admin port read another tenant's responses.
+        if query.get("body") == Some("true") && !self.authorized(session) {
+            return unauthorized();
+        }
         let route = match query.get("route") {
             Some(name) => config.routes.iter().find(|r| r.name == name),
             None => config.routes.iter().find(|r| r.idempotency.is_some()),

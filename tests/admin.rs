@@ -55,9 +55,15 @@ async fn inspect_and_purge_a_record() {
         without_time(serde_json::from_slice(&by_id.body).unwrap()),
         without_time(v.clone())
     );
-    let with_body = as_alice(Request::get(&format!("{path}?body=true&fingerprint={fp}")))
+    // The stored body only with the admin token, by key as by id.
+    let body_path = format!("{path}?body=true&fingerprint={fp}");
+    let without_token = as_alice(Request::get(&body_path)).send(proxy.admin).await;
+    assert_eq!(without_token.status, 401, "{}", without_token.text());
+    let with_body = as_alice(Request::get(&body_path))
+        .header("Authorization", format!("Bearer {TOKEN}"))
         .send(proxy.admin)
         .await;
+    assert_eq!(with_body.status, 200, "{}", with_body.text());
     let v: serde_json::Value = serde_json::from_slice(&with_body.body).unwrap();
     assert!(v["body_base64"].as_str().is_some());
     assert_eq!(v["fingerprint_matches"], true);
