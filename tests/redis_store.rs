@@ -314,6 +314,47 @@ async fn a_cluster_reloads_a_flushed_script_on_the_key_s_primary_while_another_n
     assert_eq!(store.scripts_version(), "v2");
 }
 
+/// While a slot migrates, a key not moved yet is asked of the importing node, which the store's
+/// slot map does not name: a script unknown there must still run (not fail the claim until the
+/// migration ends, and under `on_unavailable: pass` run the request unprotected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_in_a_migrating_slot_runs_on_the_importing_node_without_its_script() {
+    let cluster = RedisCluster::start(3);
+    let config = settings(cluster.urls(), RedisTopology::Cluster);
+    let store = Arc::new(RedisStore::new(&config).expect("store"));
+    store.connect().await.expect("connect");
+    let key = fresh_key();
+    let name = store.record_key(&key);
+    // The slot's owner answers for the key; the others redirect (MOVED).
+    let owner = cluster
+        .nodes
+        .iter()
+        .find(|n| n.try_cmd(&["EXISTS", &name]).is_ok())
+        .expect("the slot's owner");
+    let target = cluster
+        .nodes
+        .iter()
+        .find(|n| n.port != owner.port)
+        .expect("another node");
+    let slot: i64 = owner.cmd(&["CLUSTER", "KEYSLOT", &name]);
+    let slot = slot.to_string();
+    let id = |node: &RedisServer| -> String { node.cmd(&["CLUSTER", "MYID"]) };
+    let _: String = target.cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &id(owner)]);
+    let _: String = owner.cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &id(target)]);
+    // The importing node never loaded the scripts (a node added for the migration).
+    let _: String = target.cmd(&["SCRIPT", "FLUSH"]);
+
+    let req = claim_request(&key);
+    let claimed = store.claim(&req).await.expect("claim during the migration");
+    assert!(
+        matches!(claimed, ClaimOutcome::Acquired { .. }),
+        "{claimed:?}"
+    );
+    // The new record went where the slot is going.
+    let on_target: Vec<String> = target.keys();
+    assert!(on_target.contains(&name), "{on_target:?}");
+}
+
 /// The SHA1 Redis names the built-in complete script by.
 fn complete_sha() -> String {
     Scripts::builtin().complete.get_hash().to_owned()

@@ -724,6 +724,7 @@ async fn exercise_secret_paths(proxy: &Proxy) {
             .header("X-Idemgate-Scope-X-User-ID", SECRET_USER)
     };
     let view = as_principal(Request::get(&format!("{path}?body=true")))
+        .header("Authorization", format!("Bearer {TOKEN}"))
         .send(proxy.admin)
         .await;
     assert_eq!(view.status, 200, "{}", view.text());
@@ -1026,7 +1027,10 @@ const NEVER_REPLAYED: [&str; 11] = [
 #[tokio::test]
 async fn hop_by_hop_headers_are_never_stored_or_replayed() {
     let (addr, executed) = raw_backend(HOP_BY_HOP_RESPONSE).await;
-    let proxy = ProxyBuilder::at(addr).start().await;
+    let proxy = ProxyBuilder::at(addr)
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
     let req = Request::post("/orders").key("hop-1").body("{}");
     let first = req.send(proxy.addr).await;
     assert_eq!(
@@ -1043,6 +1047,7 @@ async fn hop_by_hop_headers_are_never_stored_or_replayed() {
 
     // What was stored: only the end-to-end headers.
     let stored = Request::get("/admin/records/default/hop-1?body=true")
+        .header("Authorization", format!("Bearer {TOKEN}"))
         .send(proxy.admin)
         .await;
     assert_eq!(stored.status, 200, "{}", stored.text());

@@ -1371,7 +1371,20 @@ impl<'a> Call<'a> {
                     Conn::Cluster(cluster) => {
                         let slot = Route::with_slot(Slot::for_key(key), SlotAddr::Master);
                         let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(slot));
-                        cluster.route_command(load, to).await.map(drop)?
+                        cluster.route_command(load, to).await.map(drop)?;
+                        // While the slot migrates, a key not yet moved is asked (`ASK`) of the
+                        // importing node, which redis-rs's slot map does not name yet: the load
+                        // above went to the old owner and the script is still unknown where
+                        // the call lands. `EVAL` with the text follows the redirect like the
+                        // call itself and leaves the script cached on whichever node ran it.
+                        return match evalsha.query_async(conn).await {
+                            Err(err)
+                                if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
+                            {
+                                eval_of(evalsha, text).query_async(conn).await
+                            }
+                            other => other,
+                        };
                     }
                 }
                 evalsha.query_async(conn).await
@@ -1379,6 +1392,18 @@ impl<'a> Call<'a> {
             other => other,
         }
     }
+}
+
+/// `EVAL <text> ...` with the arguments of `evalsha` (`EVALSHA <sha> ...`).
+fn eval_of(evalsha: &Cmd, text: &str) -> Cmd {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(text.as_bytes());
+    for arg in evalsha.args_iter().skip(2) {
+        if let redis::Arg::Simple(bytes) = arg {
+            eval.arg(bytes);
+        }
+    }
+    eval
 }
 
 // === encoding of arguments and replies ===

@@ -334,7 +334,8 @@ impl Drop for TlsRedis {
 
 /// A Redis Cluster of TLS-only primaries (`tls-cluster yes`: the bus is TLS too), created with
 /// `redis-cli --tls --cluster create`. The `idemgate` user also gets `+cluster|slots` (the
-/// Cluster client reads the topology with it) and `+ping` (it checks node connections with it).
+/// Cluster client reads the topology with it), `+ping` (it checks node connections with it) and
+/// `+eval` (a script run on a node a slot migration asks a key of, before it has the script).
 pub struct TlsCluster {
     pub nodes: Vec<TlsRedis>,
 }
@@ -346,7 +347,7 @@ impl TlsCluster {
                 TlsRedis::start_with(
                     pki,
                     "no",
-                    "+cluster|slots +ping",
+                    "+cluster|slots +ping +eval",
                     &[
                         "--cluster-enabled",
                         "yes",
