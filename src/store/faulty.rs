@@ -24,6 +24,10 @@ pub enum Fault {
     Stall = 3,
     /// Only `delete` waits until the fault is switched; the rest go through.
     DeleteStalls = 4,
+    /// Only `get` fails.
+    GetFails = 5,
+    /// Only `get` waits until the fault is switched; the rest go through.
+    GetStalls = 6,
 }
 
 /// A [`RecordStore`] that injects faults into an inner store.
@@ -59,6 +63,8 @@ impl<S: RecordStore> FaultyStore<S> {
                 }
                 3 => tokio::time::sleep(Duration::from_millis(5)).await,
                 4 if op == "delete" => tokio::time::sleep(Duration::from_millis(5)).await,
+                5 if op == "get" => return Err(StoreError::Unavailable("injected: get".into())),
+                6 if op == "get" => tokio::time::sleep(Duration::from_millis(5)).await,
                 _ => return Ok(()),
             }
         }

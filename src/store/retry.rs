@@ -40,7 +40,7 @@ use tokio::time::Instant;
 
 use super::{
     Completion, Digest, ForgetLocal, OwnerToken, Record, RecordKey, RecordState, RecordStore,
-    WriteOutcome,
+    StoreError, WriteOutcome,
 };
 
 /// Retry settings.
@@ -298,6 +298,13 @@ async fn run(
             let result = store
                 .complete(&job.key, job.owner, job.completion.clone(), job.ttl)
                 .await;
+            // A refused write may be an earlier one that timed out and landed after all: the
+            // record is read while the job still waits, so a process that stops meanwhile
+            // dead-letters it rather than losing it with this task.
+            let read = match result {
+                Ok(WriteOutcome::NotOwner) => Some(store.get(&job.key).await),
+                _ => None,
+            };
             // Settled by someone else meanwhile (dead-lettered at shutdown): nothing to do.
             let Some(job) = jobs.take(id) else {
                 return;
@@ -308,22 +315,29 @@ async fn run(
                     stats.pending.fetch_sub(1, Ordering::AcqRel);
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
                 }
-                Ok(WriteOutcome::NotOwner) => {
-                    // An earlier write that timed out may have landed after all: then the record
-                    // already holds exactly this completion and nothing is lost.
-                    let landed = matches!(
-                        store.get(&job.key).await,
-                        Ok(Some(Record { state: RecordState::Completed(ref c), .. })) if *c == job.completion
-                    );
-                    if landed {
+                Ok(WriteOutcome::NotOwner) => match read
+                    .unwrap_or_else(|| Err(StoreError::Unavailable("not read".into())))
+                {
+                    // Landed: the record holds exactly this completion and nothing is lost.
+                    Ok(Some(Record {
+                        state: RecordState::Completed(ref c),
+                        ..
+                    })) if *c == job.completion => {
                         stats.recovered.fetch_add(1, Ordering::Relaxed);
                         stats.pending.fetch_sub(1, Ordering::AcqRel);
                         tracing::info!("a timed-out completion had been stored after all");
-                    } else {
+                    }
+                    Ok(_) => {
                         forget_local(&job.key);
                         dead.settle(&job, attempt + 1, "lock taken over", InStore::No)
                     }
-                }
+                    // Unread: whether the earlier write landed is not known.
+                    Err(e) => {
+                        forget_local(&job.key);
+                        let reason = format!("lock taken over or record gone; record unread: {e}");
+                        dead.settle(&job, attempt + 1, &reason, InStore::Unknown)
+                    }
+                },
                 // Given up only once the attempts are spent and the lock may have lapsed: until
                 // then nobody else can execute the key, so a store back in time still wins.
                 Err(e)
@@ -603,6 +617,50 @@ mod tests {
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"));
         assert!(text.contains(r#""in_store":"no""#), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_write_whose_record_cannot_be_read_is_dead_lettered_as_unknown() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut job = claimed(store.as_ref(), 19).await;
+        job.owner = OwnerToken::random();
+        store.set(Fault::GetFails);
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        settle(&retrier).await;
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("record unread"), "{text}");
+        assert!(text.contains(r#""in_store":"unknown""#), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_completion_whose_record_is_being_read_at_exit_is_dead_lettered() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut job = claimed(store.as_ref(), 20).await;
+        job.owner = OwnerToken::random();
+        // The read that follows the refused write hangs: the process stops meanwhile.
+        store.set(Fault::GetStalls);
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        let calls = || store.calls.load(Ordering::Relaxed);
+        let before = calls();
+        while calls() < before + 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            retrier.dead_letter_pending("process stopped before the store took it"),
+            1,
+            "the job still waits while its record is read"
+        );
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("process stopped"), "{text}");
+        assert_eq!(retrier.pending(), 0);
     }
 
     #[tokio::test]
