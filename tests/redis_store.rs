@@ -542,6 +542,19 @@ async fn ping_runs_the_script_path_not_just_ping() {
     conformance::case_delete_removes(&store).await;
 }
 
+/// A replica runs read-only scripts: a probe that only read would call a server that refuses
+/// every claim healthy (closing the circuit, answering ready).
+#[tokio::test]
+async fn ping_fails_on_a_server_that_takes_no_writes() {
+    let primary = RedisServer::start();
+    let replica = RedisServer::start();
+    let _: String = replica.cmd(&["REPLICAOF", "127.0.0.1", &primary.port.to_string()]);
+    let store = single(&replica);
+    let err = store.ping().await.expect_err("a replica takes no writes");
+    assert!(err.to_string().to_lowercase().contains("readonly"), "{err}");
+    single(&primary).ping().await.expect("the primary does");
+}
+
 #[tokio::test]
 async fn malformed_records_are_corrupt_not_panics() {
     let server = RedisServer::start();

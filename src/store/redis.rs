@@ -1190,10 +1190,18 @@ impl RecordStore for RedisStore {
         let set = self.scripts.load_full();
         let call = Call::script(&set.active, ScriptOp::Get, &self.ping_key, &[]);
         let reply = self.send("ping", call).await.map_err(|f| f.error)?;
-        match reply {
-            Value::Nil | Value::Boolean(false) => Ok(()),
-            other => Err(unexpected("ping", &other)),
+        if !matches!(reply, Value::Nil | Value::Boolean(false)) {
+            return Err(unexpected("ping", &reply));
         }
+        // And a write, which a replica refuses (READONLY) where it runs a read-only script: a
+        // server that takes no writes (an address still aimed at a demoted primary) must not
+        // close the circuit or answer ready. The key does not exist: nothing changes.
+        let mut write = redis::cmd("PEXPIRE");
+        write.arg(&self.ping_key).arg(1);
+        self.send("ping", Call::Command(&write))
+            .await
+            .map(drop)
+            .map_err(|f| f.error)
     }
 }
 
