@@ -967,6 +967,15 @@ impl<'de> Deserialize<'de> for Scalar {
 
 // === impl Config ===
 
+/// A duration as the config writes it: `37s`, `1500ms`.
+fn show(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
 impl Config {
     /// Reads and validates the config file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -990,6 +999,33 @@ impl Config {
             serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         let source_hash = hex::encode(Sha256::digest(text.as_bytes()));
         file.into_config(source_hash, lookup)
+    }
+
+    /// What is valid but likely a mistake, one message per finding, naming the fields: an
+    /// idempotent route whose backend may take longer than `shutdown.grace_period` (its
+    /// upstream's connect + write + read timeouts), so a request in flight at `SIGTERM` can be
+    /// cut off before its outcome is stored.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for route in self.routes.iter().filter(|r| r.idempotency.is_some()) {
+            let Some(up) = self.upstreams.get(route.upstream) else {
+                continue;
+            };
+            let budget = up.connect_timeout + up.write_timeout + up.read_timeout;
+            if budget > self.shutdown.grace_period {
+                warnings.push(format!(
+                    "routes[{}]: its upstream {} may take {} (connect_timeout + write_timeout + \
+                     read_timeout), longer than shutdown.grace_period ({}): a request still \
+                     running at SIGTERM can be cut off before its outcome is stored, its key \
+                     stays locked until lock_ttl, and a retry after that executes it again",
+                    route.name,
+                    up.name,
+                    show(budget),
+                    show(self.shutdown.grace_period)
+                ));
+            }
+        }
+        warnings
     }
 
     /// Finds where a request goes. `path` is the request path without the query, as the client

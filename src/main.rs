@@ -167,6 +167,14 @@ fn main() -> ExitCode {
         }
     };
     if cli.check {
+        // Checked as a run would: a worker id from the environment that is no id is refused.
+        if let Err(e) = idemgate::server::worker_id_from_env() {
+            eprintln!("idemgate: {e}");
+            return ExitCode::from(1);
+        }
+        for warning in config.warnings() {
+            eprintln!("idemgate: warning: {warning}");
+        }
         println!("idemgate: config {} is valid", cli.config.display());
         return ExitCode::SUCCESS;
     }

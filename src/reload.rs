@@ -209,6 +209,9 @@ impl Reloader {
                     tracing::warn!(settings = ?restart_only, "these settings changed but only take effect after a restart; until then the running values stay");
                 }
                 warn_record_identity(&running.config, &generation.config);
+                for warning in generation.config.warnings() {
+                    tracing::warn!("{warning}");
+                }
                 Ok(Some(generation))
             });
         match result {

@@ -52,6 +52,24 @@ pub enum StartError {
 /// with a message naming its key. pingora binds its listeners only inside their services'
 /// tasks, where a failure ends that task and nothing else: the process would run on with no
 /// proxy listener (or no admin one) and report itself ready.
+/// `IDEMGATE_WORKER_ID`, which lets each pod of one Deployment get its own id (e.g. from a
+/// StatefulSet ordinal) without rendering a config per pod. A value that is set but not an id
+/// is an error, not a fallback: the hashed host name could give two replicas the same id.
+/// Empty counts as unset. `--check` asks too, so it refuses what a run would.
+pub fn worker_id_from_env() -> Result<Option<u16>, String> {
+    match std::env::var("IDEMGATE_WORKER_ID") {
+        Err(_) => Ok(None),
+        Ok(v) if v.trim().is_empty() => Ok(None),
+        Ok(v) => match v.trim().parse::<u16>() {
+            Ok(id) if id <= snowflake::MAX_WORKER_ID => Ok(Some(id)),
+            _ => Err(format!(
+                "IDEMGATE_WORKER_ID: {v:?} is not a worker id (0-{})",
+                snowflake::MAX_WORKER_ID
+            )),
+        },
+    }
+}
+
 fn check_bindable(field: &'static str, addr: &str) -> Result<(), StartError> {
     std::net::TcpListener::bind(addr)
         .map(drop)
@@ -319,29 +337,17 @@ fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<Cached
 pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new());
     let stack = build_store(&config, &metrics)?;
-    // IDEMGATE_WORKER_ID lets each pod of one Deployment get its own id (e.g. from a
-    // StatefulSet ordinal) without rendering a config per pod.
-    // A value that is set but not an id is an error, not a fallback: the hashed host name could
-    // give two replicas the same id. Empty counts as unset.
-    let from_env = match std::env::var("IDEMGATE_WORKER_ID") {
-        Err(_) => None,
-        Ok(v) if v.trim().is_empty() => None,
-        Ok(v) => match v.trim().parse::<u16>() {
-            Ok(id) if id <= snowflake::MAX_WORKER_ID => Some(id),
-            _ => {
-                return Err(StartError::Config(format!(
-                    "IDEMGATE_WORKER_ID: {v:?} is not a worker id (0-{})",
-                    snowflake::MAX_WORKER_ID
-                )))
-            }
-        },
-    };
+    let from_env = worker_id_from_env().map_err(StartError::Config)?;
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     let worker_id = config
         .idempotency
         .worker_id
         .or(from_env)
         .unwrap_or_else(snowflake::default_worker_id);
 
+    let grace_period = config.shutdown.grace_period;
     let mut conf = ServerConf {
         threads: config.threads,
         work_stealing: config.work_stealing,
@@ -543,6 +549,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             in_flight,
             retrier: retrier.clone(),
             readiness,
+            grace_period,
             on_exit,
         }),
     });
@@ -766,7 +773,20 @@ struct Signals {
     in_flight: Arc<InFlightCounter>,
     retrier: CompletionRetrier,
     readiness: Arc<Readiness>,
+    grace_period: Duration,
     on_exit: fn(),
+}
+
+impl Signals {
+    /// Starts the drain: unready at once, and an exit as soon as nothing is in flight.
+    fn drain(&self) -> ShutdownSignal {
+        self.readiness.start_draining();
+        let in_flight = self.in_flight.clone();
+        let retrier = self.retrier.clone();
+        let (grace_period, on_exit) = (self.grace_period, self.on_exit);
+        std::thread::spawn(move || exit_when_drained(&in_flight, &retrier, grace_period, on_exit));
+        ShutdownSignal::GracefulTerminate
+    }
 }
 
 #[async_trait]
@@ -783,26 +803,45 @@ impl ShutdownSignalWatch for Signals {
         tokio::select! {
             _ = term.recv() => {
                 tracing::info!("SIGTERM: draining in-flight requests");
-                self.readiness.start_draining();
-                let in_flight = self.in_flight.clone();
-                let retrier = self.retrier.clone();
-                let on_exit = self.on_exit;
-                std::thread::spawn(move || exit_when_drained(&in_flight, &retrier, on_exit));
-                ShutdownSignal::GracefulTerminate
+                self.drain()
             }
             _ = int.recv() => ShutdownSignal::FastShutdown,
-            _ = quit.recv() => ShutdownSignal::GracefulUpgrade,
+            // pingora's graceful upgrade (handing the listeners to a new process) is not used:
+            // SIGQUIT drains as SIGTERM does rather than wait out the grace period unready.
+            _ = quit.recv() => {
+                tracing::info!("SIGQUIT: draining in-flight requests (as for SIGTERM)");
+                self.drain()
+            }
         }
     }
 }
 
 /// Waits until no request is in flight and no completion waits for the store, for two
-/// consecutive looks, then exits 0.
-fn exit_when_drained(in_flight: &InFlightCounter, retrier: &CompletionRetrier, on_exit: fn()) {
+/// consecutive looks, then exits 0. Says so once when `grace_period` runs out first: the
+/// requests still in flight are about to be cut off.
+fn exit_when_drained(
+    in_flight: &InFlightCounter,
+    retrier: &CompletionRetrier,
+    grace_period: Duration,
+    on_exit: fn(),
+) {
+    // Told a little before the end, while the log still has time to reach its file.
+    let deadline =
+        std::time::Instant::now() + grace_period.saturating_sub(Duration::from_millis(250));
+    let mut told = false;
     // Let the listeners close and requests already accepted reach the proxy first.
     std::thread::sleep(Duration::from_millis(200));
     let mut idle_looks = 0;
     loop {
+        if !told && std::time::Instant::now() >= deadline && in_flight.get() > 0 {
+            told = true;
+            tracing::error!(
+                requests = in_flight.get(),
+                "shutdown.grace_period is running out with requests in flight: they will be cut \
+                 off, a keyed one's key stays locked until lock_ttl and a retry after that \
+                 executes it again"
+            );
+        }
         if in_flight.get() == 0 && retrier.pending() == 0 {
             idle_looks += 1;
             if idle_looks >= 2 {

@@ -26,6 +26,55 @@ fn check_accepts_the_reference_config() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("is valid"));
+    // Its drain outlasts its slowest keyed route: nothing to warn about.
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+}
+
+#[test]
+fn check_warns_of_a_drain_shorter_than_a_keyed_request_may_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("short-drain.yaml");
+    std::fs::write(
+        &path,
+        "shutdown: {grace_period: 5s}\n\
+         upstreams:\n  app:\n    addrs: [\"127.0.0.1:8080\"]\n    read_timeout: 10s\n\
+         routes:\n  - {name: pay, path_prefix: /pay, upstream: app, idempotency: {lock_ttl: 30s}}\n  - {name: rest, path_prefix: /, upstream: app}\n",
+    )
+    .unwrap();
+    let out = idemgate()
+        .args(["--config", path.to_str().unwrap(), "--check"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "valid, with a warning: {stderr}");
+    assert!(
+        stderr.contains("warning: routes[pay]: its upstream app may take 17s")
+            && stderr.contains("shutdown.grace_period (5s)"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("routes[rest]"),
+        "a route without idempotency: {stderr}"
+    );
+}
+
+#[test]
+fn check_refuses_a_worker_id_from_the_environment_that_a_run_would_refuse() {
+    let out = idemgate()
+        .args([
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/config/idemgate.yaml"),
+            "--check",
+        ])
+        .env("IDEMGATE_WORKER_ID", "5000")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("IDEMGATE_WORKER_ID: \"5000\""),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -959,6 +959,68 @@ async fn sigterm_drains_in_flight_requests_and_exits_zero() {
 }
 
 #[tokio::test]
+async fn sigquit_drains_as_sigterm_does() {
+    let backend = Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend).start().await;
+    let addr = proxy.addr;
+    let inflight = tokio::spawn(async move {
+        Request::post("/orders/slow/800")
+            .key("quit")
+            .body("{}")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.signal("QUIT");
+    let started = std::time::Instant::now();
+    let resp = inflight.await.unwrap();
+    assert_eq!((resp.status, resp.result()), (201, Some("MISS")));
+    let (status, proxy) = tokio::task::spawn_blocking(move || {
+        let s = proxy.wait_exit(Duration::from_secs(15));
+        (s, proxy)
+    })
+    .await
+    .unwrap();
+    let status = status.expect("exited within the grace period");
+    assert!(status.success(), "exit status {status:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "did not wait out the whole grace period"
+    );
+    assert!(proxy.log().contains("drained"), "{}", proxy.log());
+}
+
+#[tokio::test]
+async fn a_drain_that_runs_out_says_which_requests_it_cuts_off() {
+    let backend = Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend)
+        .top("shutdown: {grace_period: 1s, graceful_shutdown_timeout: 1s}")
+        .start()
+        .await;
+    let addr = proxy.addr;
+    let inflight = tokio::spawn(async move {
+        Request::post("/orders/slow/4000")
+            .key("cut")
+            .body("{}")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.signal("TERM");
+    proxy
+        .log_containing("shutdown.grace_period is running out with requests in flight")
+        .await;
+    let _ = inflight.await;
+    let (status, _proxy) = tokio::task::spawn_blocking(move || {
+        let s = proxy.wait_exit(Duration::from_secs(15));
+        (s, proxy)
+    })
+    .await
+    .unwrap();
+    assert!(status.is_some(), "exited once the grace period ran out");
+}
+
+#[tokio::test]
 async fn admin_endpoints_and_metrics() {
     let (_backend, proxy) = setup().await;
     Request::post("/orders")
