@@ -179,6 +179,8 @@ impl Admin {
             // Announced whether or not the store answered: a delete whose answer was lost may
             // have landed, and then the other replicas' copies would replay a record that is
             // gone. Dropping a copy of a record that is still there only costs a round trip.
+            // A delete still queued on the server may land after the announcement, and a
+            // replica could copy the record in between: the 503 asks for the purge again.
             let announced = match &self.purge {
                 Some(bus) => match bus.publish(&record_key).await {
                     // Pub/sub is best effort: a replica reconnecting right now misses it, so

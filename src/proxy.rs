@@ -615,10 +615,9 @@ impl Gate {
         // A body under a transfer coding other than chunked (`gzip, chunked`) is kept as coded,
         // and a replay, framed by its length, would have no header saying so: such an answer is
         // stored as executed but not replayable.
-        let mut captured = (storable && !transfer_coded(&response)).then(|| {
-            let bodiless = head_request || has_no_body(status);
-            stored_response(&response, &idem.replay_exclude_headers, declared, bodiless)
-        });
+        let bodiless = head_request || has_no_body(status);
+        let mut captured = (storable && (bodiless || !transfer_coded(&response)))
+            .then(|| stored_response(&response, &idem.replay_exclude_headers, declared, bodiless));
 
         let mut downstream = response;
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
@@ -1320,7 +1319,10 @@ impl ProxyHttp for Gate {
     ) -> Result<()> {
         upstream_request.remove_header(EXECUTION_ID_HEADER);
         // An HTTP/1.0 request without Host goes on as HTTP/1.1, which requires one.
-        if !upstream_request.headers.contains_key(header::HOST) {
+        // (pingora takes an absolute-form target's authority itself.)
+        if !upstream_request.headers.contains_key(header::HOST)
+            && upstream::target_authority(upstream_request.raw_path()).is_none()
+        {
             if let Some(upstream) = ctx.upstream {
                 upstream_request
                     .insert_header(header::HOST, ctx.gen.pools[upstream].host.clone())?;

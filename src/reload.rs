@@ -68,9 +68,12 @@ enum FileEvent {
     Closed,
 }
 
-/// How long the watcher waits for a file written in place to be closed before reading it all
-/// the same (a writer that keeps it open).
+/// How long the watcher waits, after the last write into a file written in place, for its
+/// writer to close it before reading it all the same (a writer that keeps it open).
 const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+/// The longest the watcher waits on a file still being written into.
+const WRITE_WAIT_MAX: Duration = Duration::from_secs(10);
 
 /// The last file content that failed to load, and how.
 struct Refused {
@@ -288,7 +291,10 @@ impl Reloader {
                     // writer has closed it (or after CLOSE_WAIT): read in between, a file cut
                     // off mid-write can be valid YAML that says less (a route without its
                     // idempotency block), and it would go live.
-                    let until = tokio::time::Instant::now() + CLOSE_WAIT;
+                    // CLOSE_WAIT counts from the last write; a writer still writing is waited
+                    // for up to WRITE_WAIT_MAX in all.
+                    let started = tokio::time::Instant::now();
+                    let mut until = started + CLOSE_WAIT;
                     let mut writing = first == FileEvent::Written;
                     loop {
                         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -296,7 +302,11 @@ impl Reloader {
                         while let Ok(event) = rx.try_recv() {
                             more = true;
                             match event {
-                                FileEvent::Written => writing = true,
+                                FileEvent::Written => {
+                                    writing = true;
+                                    until = (tokio::time::Instant::now() + CLOSE_WAIT)
+                                        .min(started + WRITE_WAIT_MAX);
+                                }
                                 FileEvent::Closed => writing = false,
                                 FileEvent::Changed => {}
                             }
@@ -338,7 +348,12 @@ impl Reloader {
         // later tick, and never catches half of it.
         let settled = std::fs::metadata(&self.path)
             .and_then(|m| m.modified())
-            .is_ok_and(|at| SystemTime::now().duration_since(at).unwrap_or_default() >= CLOSE_WAIT);
+            // A time in the future (clock skew on a network filesystem) counts as settled.
+            .is_ok_and(|at| {
+                SystemTime::now()
+                    .duration_since(at)
+                    .map_or(true, |age| age >= CLOSE_WAIT)
+            });
         if due && settled {
             let _ = self.reload("poll");
         }

@@ -382,6 +382,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     // Found out now, not when a completion the store never took has nowhere else to go.
     if let Err(e) = std::fs::OpenOptions::new()
         .create(true)
+        .read(true)
         .append(true)
         .open(&r.dead_letter_path)
     {

@@ -255,9 +255,10 @@ pub fn request_head(
     });
     // Only an HTTP/1.0 request comes without Host (an HTTP/1.1 one is refused): it goes on as
     // HTTP/1.1, which requires one.
+    // The target's own authority (absolute-form, `GET http://shop/orders HTTP/1.0`) first.
     if !req.headers.contains_key(header::HOST) {
         buf.extend_from_slice(b"Host: ");
-        buf.extend_from_slice(host_if_absent);
+        buf.extend_from_slice(target_authority(req.raw_path()).unwrap_or(host_if_absent));
         buf.extend_from_slice(b"\r\n");
     }
     if let Some(len) = body_len {
@@ -272,6 +273,17 @@ pub fn request_head(
         buf.extend_from_slice(b"\r\n");
     }
     buf.extend_from_slice(b"\r\n");
+}
+
+/// The authority of an absolute-form request target (`shop:8080` in `http://shop:8080/orders`).
+pub fn target_authority(target: &[u8]) -> Option<&[u8]> {
+    let start = target.windows(3).position(|w| w == b"://")? + 3;
+    let rest = &target[start..];
+    let end = rest
+        .iter()
+        .position(|&b| b == b'/' || b == b'?' || b == b'#')
+        .unwrap_or(rest.len());
+    Some(&rest[..end]).filter(|a| !a.is_empty())
 }
 
 /// Header names listed in `Connection` values (other than the usual `close` / `keep-alive`).
@@ -1183,6 +1195,18 @@ mod tests {
         h.insert("connection", HeaderValue::from_static("x-a, X-B, close"));
         let names = connection_tokens(h.get_all("connection"));
         assert_eq!(names, [&b"x-a"[..], &b"X-B"[..]]);
+    }
+
+    #[test]
+    fn an_absolute_form_target_names_its_authority() {
+        assert_eq!(
+            target_authority(b"http://shop:8080/orders?x"),
+            Some(&b"shop:8080"[..])
+        );
+        assert_eq!(target_authority(b"https://shop"), Some(&b"shop"[..]));
+        assert_eq!(target_authority(b"http://shop?x=1"), Some(&b"shop"[..]));
+        assert_eq!(target_authority(b"/orders"), None);
+        assert_eq!(target_authority(b"http:///orders"), None);
     }
 
     #[test]

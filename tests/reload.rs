@@ -258,21 +258,25 @@ async fn a_file_written_in_place_goes_live_only_once_its_writer_closes_it() {
         .expect("open config");
     file.write_all(head.as_bytes()).expect("first half");
     file.flush().expect("flush");
-    // The writer stalls well past the watcher's debounce; requests keep coming meanwhile.
-    let stalled = Instant::now();
-    while stalled.elapsed() < Duration::from_millis(900) {
-        let r = no_key().send(proxy.addr).await;
-        assert_eq!(
-            r.result(),
-            Some("INVALID"),
-            "the half-written file went live ({} {}); log:\n{}",
-            r.status,
-            r.text(),
-            proxy.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // The writer stalls well past the watcher's debounce, writes a little, stalls again: in
+    // all longer than the watcher waits after one write. Requests keep coming meanwhile.
+    for piece in ["    # (written in pieces)\n", tail] {
+        let stalled = Instant::now();
+        while stalled.elapsed() < Duration::from_millis(1300) {
+            let r = no_key().send(proxy.addr).await;
+            assert_eq!(
+                r.result(),
+                Some("INVALID"),
+                "the half-written file went live ({} {}); log:\n{}",
+                r.status,
+                r.text(),
+                proxy.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        file.write_all(piece.as_bytes()).expect("next piece");
+        file.flush().expect("flush");
     }
-    file.write_all(tail.as_bytes()).expect("second half");
     drop(file);
 
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -488,11 +488,18 @@ async fn an_http_1_0_request_without_host_is_sent_on_with_the_upstreams_and_http
     );
     assert_eq!(backend.count(), 3);
 
+    // An absolute-form target names its host: that one, not the upstream's.
+    let r = raw_exchange(&proxy, b"GET http://shop.example/plain/d HTTP/1.0\r\n\r\n").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let head = backend.heads().last().cloned().unwrap_or_default();
+    assert!(head.contains("\r\nHost: shop.example\r\n"), "{head}");
+    assert_eq!(backend.count(), 4);
+
     // HTTP/1.1 requires Host: refused, never forwarded.
     let r = raw_exchange(&proxy, b"GET /plain/c HTTP/1.1\r\n\r\n").await;
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.problem_type(), "request-malformed");
-    assert_eq!(backend.count(), 3);
+    assert_eq!(backend.count(), 4);
 }
 
 #[tokio::test]
