@@ -967,15 +967,6 @@ impl<'de> Deserialize<'de> for Scalar {
 
 // === impl Config ===
 
-/// A duration as the config writes it: `37s`, `1500ms`.
-fn show(d: Duration) -> String {
-    if d.subsec_millis() == 0 {
-        format!("{}s", d.as_secs())
-    } else {
-        format!("{}ms", d.as_millis())
-    }
-}
-
 impl Config {
     /// Reads and validates the config file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -1020,8 +1011,8 @@ impl Config {
                      stays locked until lock_ttl, and a retry after that executes it again",
                     route.name,
                     up.name,
-                    show(budget),
-                    show(self.shutdown.grace_period)
+                    fmt_duration(budget),
+                    fmt_duration(self.shutdown.grace_period)
                 ));
             }
         }

@@ -48,10 +48,6 @@ pub enum StartError {
     },
 }
 
-/// Binds `addr` and lets it go again, so an address that cannot be listened on stops the start
-/// with a message naming its key. pingora binds its listeners only inside their services'
-/// tasks, where a failure ends that task and nothing else: the process would run on with no
-/// proxy listener (or no admin one) and report itself ready.
 /// `IDEMGATE_WORKER_ID`, which lets each pod of one Deployment get its own id (e.g. from a
 /// StatefulSet ordinal) without rendering a config per pod. A value that is set but not an id
 /// is an error, not a fallback: the hashed host name could give two replicas the same id.
@@ -70,6 +66,10 @@ pub fn worker_id_from_env() -> Result<Option<u16>, String> {
     }
 }
 
+/// Binds `addr` and lets it go again, so an address that cannot be listened on stops the start
+/// with a message naming its key. pingora binds its listeners only inside their services'
+/// tasks, where a failure ends that task and nothing else: the process would run on with no
+/// proxy listener (or no admin one) and report itself ready.
 fn check_bindable(field: &'static str, addr: &str) -> Result<(), StartError> {
     std::net::TcpListener::bind(addr)
         .map(drop)

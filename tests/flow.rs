@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Backend, ProxyBuilder, Request};
+use common::{Backend, Proxy, ProxyBuilder, Request, Response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn setup() -> (Backend, common::Proxy) {
@@ -922,65 +922,37 @@ async fn full_store_refuses_new_claims_with_503() {
     assert_eq!(first.result(), Some("HIT"));
 }
 
-#[tokio::test]
-async fn sigterm_drains_in_flight_requests_and_exits_zero() {
-    let backend = Backend::start().await;
-    let mut proxy = ProxyBuilder::new(&backend).start().await;
-    let addr = proxy.addr;
-    let inflight = tokio::spawn(async move {
-        Request::post("/orders/slow/1000")
-            .key("drain")
-            .body("{}")
-            .send(addr)
-            .await
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    proxy.signal("TERM");
-    let started = std::time::Instant::now();
-    let resp = inflight.await.unwrap();
-    assert_eq!(resp.status, 201);
-    assert_eq!(resp.result(), Some("MISS"));
-    let status = tokio::task::spawn_blocking(move || {
-        let s = proxy.wait_exit(Duration::from_secs(15));
-        (s, proxy)
-    })
-    .await
-    .unwrap();
-    let (status, proxy) = status;
-    let status = status.expect("exited within the grace period");
-    assert!(status.success(), "exit status {status:?}");
-    assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "did not wait out the whole grace period"
+/// A slow keyed request, sent in the background once `proxy` is up.
+fn slow_order(proxy: &Proxy, ms: u64, key: &str) -> tokio::task::JoinHandle<Response> {
+    let (addr, req) = (
+        proxy.addr,
+        Request::post(&format!("/orders/slow/{ms}"))
+            .key(key)
+            .body("{}"),
     );
-    assert!(proxy.log().contains("drained"));
-    // New connections are refused once draining.
-    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+    tokio::spawn(async move { req.send(addr).await })
 }
 
-#[tokio::test]
-async fn sigquit_drains_as_sigterm_does() {
+/// Waits (off the runtime) for `proxy` to exit, and gives it back for its log.
+async fn exit_of(mut proxy: Proxy) -> (Option<std::process::ExitStatus>, Proxy) {
+    tokio::task::spawn_blocking(move || (proxy.wait_exit(Duration::from_secs(15)), proxy))
+        .await
+        .unwrap()
+}
+
+/// `signal` drains: the request in flight finishes and is stored, then the process exits 0
+/// without sitting out the grace period, and new connections are refused.
+async fn drains_on(signal: &str) {
     let backend = Backend::start().await;
-    let mut proxy = ProxyBuilder::new(&backend).start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
     let addr = proxy.addr;
-    let inflight = tokio::spawn(async move {
-        Request::post("/orders/slow/800")
-            .key("quit")
-            .body("{}")
-            .send(addr)
-            .await
-    });
+    let inflight = slow_order(&proxy, 1000, "drain");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    proxy.signal("QUIT");
+    proxy.signal(signal);
     let started = std::time::Instant::now();
     let resp = inflight.await.unwrap();
     assert_eq!((resp.status, resp.result()), (201, Some("MISS")));
-    let (status, proxy) = tokio::task::spawn_blocking(move || {
-        let s = proxy.wait_exit(Duration::from_secs(15));
-        (s, proxy)
-    })
-    .await
-    .unwrap();
+    let (status, proxy) = exit_of(proxy).await;
     let status = status.expect("exited within the grace period");
     assert!(status.success(), "exit status {status:?}");
     assert!(
@@ -988,35 +960,35 @@ async fn sigquit_drains_as_sigterm_does() {
         "did not wait out the whole grace period"
     );
     assert!(proxy.log().contains("drained"), "{}", proxy.log());
+    // New connections are refused once draining.
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_requests_and_exits_zero() {
+    drains_on("TERM").await;
+}
+
+#[tokio::test]
+async fn sigquit_drains_as_sigterm_does() {
+    drains_on("QUIT").await;
 }
 
 #[tokio::test]
 async fn a_drain_that_runs_out_says_which_requests_it_cuts_off() {
     let backend = Backend::start().await;
-    let mut proxy = ProxyBuilder::new(&backend)
+    let proxy = ProxyBuilder::new(&backend)
         .top("shutdown: {grace_period: 1s, graceful_shutdown_timeout: 1s}")
         .start()
         .await;
-    let addr = proxy.addr;
-    let inflight = tokio::spawn(async move {
-        Request::post("/orders/slow/4000")
-            .key("cut")
-            .body("{}")
-            .send(addr)
-            .await
-    });
+    let inflight = slow_order(&proxy, 4000, "cut");
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.signal("TERM");
     proxy
         .log_containing("shutdown.grace_period is running out with requests in flight")
         .await;
     let _ = inflight.await;
-    let (status, _proxy) = tokio::task::spawn_blocking(move || {
-        let s = proxy.wait_exit(Duration::from_secs(15));
-        (s, proxy)
-    })
-    .await
-    .unwrap();
+    let (status, _proxy) = exit_of(proxy).await;
     assert!(status.is_some(), "exited once the grace period ran out");
 }
 

@@ -612,16 +612,32 @@ mod tests {
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
     }
 
+    /// Submits the completion of a claim on `store` under an owner token the store no longer
+    /// knows (another request took the lock), with `fault` set: every write of it is refused.
+    async fn submit_taken_over(
+        store: &Arc<FaultyStore<MemoryStore>>,
+        n: u8,
+        fault: Fault,
+        dir: &std::path::Path,
+    ) -> CompletionRetrier {
+        let mut job = claimed(store.as_ref(), n).await;
+        job.owner = OwnerToken::random();
+        store.set(fault);
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        retrier
+    }
+
+    fn faulty() -> Arc<FaultyStore<MemoryStore>> {
+        Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)))
+    }
+
     #[tokio::test]
     async fn a_taken_over_lock_dead_letters_instead_of_overwriting() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(MemoryStore::new(1 << 20, 1));
-        let mut job = claimed(store.as_ref(), 3).await;
-        job.owner = OwnerToken::random();
-        let (retrier, worker) =
-            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
-        tokio::spawn(worker);
-        retrier.submit(job);
+        let retrier = submit_taken_over(&faulty(), 3, Fault::None, dir.path()).await;
         settle(&retrier).await;
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"));
@@ -631,14 +647,7 @@ mod tests {
     #[tokio::test]
     async fn a_refused_write_whose_record_cannot_be_read_is_dead_lettered_as_unknown() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
-        let mut job = claimed(store.as_ref(), 19).await;
-        job.owner = OwnerToken::random();
-        store.set(Fault::GetFails);
-        let (retrier, worker) =
-            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
-        tokio::spawn(worker);
-        retrier.submit(job);
+        let retrier = submit_taken_over(&faulty(), 19, Fault::GetFails, dir.path()).await;
         settle(&retrier).await;
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("record unread"), "{text}");
@@ -648,18 +657,13 @@ mod tests {
     #[tokio::test]
     async fn a_completion_whose_record_is_being_read_at_exit_is_dead_lettered() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
-        let mut job = claimed(store.as_ref(), 20).await;
-        job.owner = OwnerToken::random();
+        let store = faulty();
         // The read that follows the refused write hangs: the process stops meanwhile.
-        store.set(Fault::GetStalls);
-        let (retrier, worker) =
-            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
-        tokio::spawn(worker);
-        retrier.submit(job);
+        let before = store.calls.load(Ordering::Relaxed);
+        let retrier = submit_taken_over(&store, 20, Fault::GetStalls, dir.path()).await;
+        // The claim, then the refused write and the read that hangs.
         let calls = || store.calls.load(Ordering::Relaxed);
-        let before = calls();
-        while calls() < before + 2 {
+        while calls() < before + 3 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(
