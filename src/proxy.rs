@@ -115,8 +115,8 @@ pub struct UpstreamPool {
     peers: Vec<HttpPeer>,
     /// The same addresses for idemgate's own client, same order.
     backends: Vec<Backend>,
-    /// The first address as configured (`orders:8080`): the `Host` of an HTTP/1.0 request that
-    /// came without one, which HTTP/1.1, what idemgate speaks to backends, requires.
+    /// The first address as configured (`orders:8080`): the `Host` [`add_host`] gives an
+    /// HTTP/1.0 request that came without one.
     host: http::HeaderValue,
     next: AtomicUsize,
 }
@@ -545,13 +545,7 @@ impl Gate {
             None => &[],
         };
         let mut head = Vec::with_capacity(512);
-        upstream::request_head(
-            req,
-            had_body.then_some(body.len()),
-            extra,
-            pool.host.as_bytes(),
-            &mut head,
-        );
+        upstream::request_head(req, had_body.then_some(body.len()), extra, &mut head);
         let head_request = req.method == http::Method::HEAD;
 
         let started = Instant::now();
@@ -763,7 +757,7 @@ impl Gate {
         };
         let req = session.req_header();
         let mut head = Vec::with_capacity(512);
-        upstream::request_head(req, declared, &[], pool.host.as_bytes(), &mut head);
+        upstream::request_head(req, declared, &[], &mut head);
         let method = req.method.clone();
         let head_request = method == http::Method::HEAD;
         // A request that changes nothing may go again on a new connection if a pooled one was
@@ -1162,9 +1156,19 @@ fn transfer_coded(resp: &ResponseHeader) -> bool {
     resp.headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .map(<[u8]>::trim_ascii)
-        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"chunked"))
+        .flat_map(|v| upstream::codings(v.as_bytes()))
+        .any(|c| !c.eq_ignore_ascii_case(b"chunked"))
+}
+
+/// Gives an HTTP/1.0 request that came without `Host` one (it goes on as HTTP/1.1, which
+/// requires it, by idemgate's client and pingora's alike): its absolute-form target's host,
+/// else the upstream's first configured address.
+fn add_host(session: &mut Session, pool: &UpstreamPool) -> Result<()> {
+    let req = session.req_header_mut();
+    let host = upstream::target_authority(req.raw_path())
+        .and_then(|authority| HeaderValue::from_bytes(authority).ok())
+        .unwrap_or_else(|| pool.host.clone());
+    req.insert_header(header::HOST, host)
 }
 
 /// The head of a replay of `stored`: its status and stored headers, byte for byte. Hop-by-hop
@@ -1271,9 +1275,8 @@ impl ProxyHttp for Gate {
             return Ok(true);
         }
         // HTTP/1.1 requires Host (RFC 9112 §3.2: a server answers 400 without it).
-        if !is_routable_target(req)
-            || (req.version == http::Version::HTTP_11 && !req.headers.contains_key(header::HOST))
-        {
+        let has_host = req.headers.contains_key(header::HOST);
+        if !is_routable_target(req) || (req.version == http::Version::HTTP_11 && !has_host) {
             // No route is known, so no idempotency header; the connection closes, as the
             // problem's detail says for every request that is not valid HTTP.
             session.set_keepalive(None);
@@ -1288,12 +1291,18 @@ impl ProxyHttp for Gate {
             RouteMatch::Forward { route, upstream } => {
                 ctx.route = route;
                 ctx.upstream = Some(upstream);
+                if !has_host {
+                    add_host(session, &gen.pools[upstream])?;
+                }
                 self.forward(session, ctx, upstream).await
             }
             RouteMatch::Idempotent(i) => {
                 let route = &gen.config.routes[i];
                 ctx.route = Some(i);
                 ctx.upstream = Some(route.upstream);
+                if !has_host {
+                    add_host(session, &gen.pools[route.upstream])?;
+                }
                 let Some(idem) = route.idempotency.as_ref() else {
                     return self.forward(session, ctx, route.upstream).await;
                 };
@@ -1315,19 +1324,9 @@ impl ProxyHttp for Gate {
         &self,
         _session: &mut Session,
         upstream_request: &mut RequestHeader,
-        ctx: &mut Self::CTX,
+        _ctx: &mut Self::CTX,
     ) -> Result<()> {
         upstream_request.remove_header(EXECUTION_ID_HEADER);
-        // An HTTP/1.0 request without Host goes on as HTTP/1.1, which requires one.
-        // (pingora takes an absolute-form target's authority itself.)
-        if !upstream_request.headers.contains_key(header::HOST)
-            && upstream::target_authority(upstream_request.raw_path()).is_none()
-        {
-            if let Some(upstream) = ctx.upstream {
-                upstream_request
-                    .insert_header(header::HOST, ctx.gen.pools[upstream].host.clone())?;
-            }
-        }
         Ok(())
     }
 

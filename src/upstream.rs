@@ -220,14 +220,12 @@ async fn connect(backend: &Backend) -> Result<TcpStream, UpstreamError> {
 // === request ===
 
 /// Writes the request line and headers of `req` for the backend: hop-by-hop headers, headers
-/// named by `Connection`, `Expect` and the client's framing are left out, `Host:
-/// host_if_absent` is added when the request has none, `Content-Length` is written for
-/// `body_len`, then `extra` headers. Header names keep the client's spelling.
+/// named by `Connection`, `Expect` and the client's framing are left out, `Content-Length` is
+/// written for `body_len`, then `extra` headers. Header names keep the client's spelling.
 pub fn request_head(
     req: &RequestHeader,
     body_len: Option<usize>,
     extra: &[(&str, &[u8])],
-    host_if_absent: &[u8],
     buf: &mut Vec<u8>,
 ) {
     buf.extend_from_slice(req.method.as_str().as_bytes());
@@ -253,14 +251,6 @@ pub fn request_head(
         }
         Ok(())
     });
-    // Only an HTTP/1.0 request comes without Host (an HTTP/1.1 one is refused): it goes on as
-    // HTTP/1.1, which requires one.
-    // The target's own authority (absolute-form, `GET http://shop/orders HTTP/1.0`) first.
-    if !req.headers.contains_key(header::HOST) {
-        buf.extend_from_slice(b"Host: ");
-        buf.extend_from_slice(target_authority(req.raw_path()).unwrap_or(host_if_absent));
-        buf.extend_from_slice(b"\r\n");
-    }
     if let Some(len) = body_len {
         buf.extend_from_slice(b"Content-Length: ");
         buf.extend_from_slice(itoa(len as u64, &mut [0u8; 20]));
@@ -804,7 +794,7 @@ fn head_may_end(buf: &[u8], from: usize) -> bool {
 }
 
 /// The codings a `Transfer-Encoding` value lists, without empty list items (RFC 9110 §5.6.1).
-fn codings(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub fn codings(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     value
         .split(|&b| b == b',')
         .map(|c| c.trim_ascii())
@@ -1176,13 +1166,7 @@ mod tests {
         req.append_header("Content-Length", "99").unwrap();
         req.append_header("X-Request-ID", "r1").unwrap();
         let mut buf = Vec::new();
-        request_head(
-            &req,
-            Some(2),
-            &[("x-idempotency-id", b"42")],
-            b"backend:8080",
-            &mut buf,
-        );
+        request_head(&req, Some(2), &[("x-idempotency-id", b"42")], &mut buf);
         assert_eq!(
             String::from_utf8(buf).unwrap(),
             "POST /orders?x=1 HTTP/1.1\r\nHost: shop\r\nX-Request-ID: r1\r\nContent-Length: 2\r\nx-idempotency-id: 42\r\n\r\n"

@@ -397,6 +397,18 @@ impl<S: RecordStore> CachedStore<S> {
         true
     }
 
+    /// Keeps a copy of `record`, read from the store by a call sent at `sent` with `mark` taken
+    /// before it, when it is completed elsewhere (another replica, or this one before a restart)
+    /// and the store told its life: for no longer than that life counted from `sent` (the
+    /// store's copy lives at least as long), and not if a purge came while the call was out.
+    fn keep_copy(&self, key: &RecordKey, record: &Record, sent: Instant, mark: Mark) {
+        if let (RecordState::Completed(_), Some(life)) = (&record.state, record.expires_in) {
+            if self.remember(key, record.clone(), sent + life, Origin::Copy(mark)) {
+                self.stats.copied.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Drops every copy of a record read from the store, keeping the records completed here
     /// (each may be the only trace of a completion whose write is still being retried). Called
     /// whenever the purge channel is subscribed again: purges announced while it was not
@@ -447,15 +459,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         let sent = Instant::now();
         let outcome = self.inner.claim(req).await?;
         if let ClaimOutcome::Existing(record) = &outcome {
-            // A record completed elsewhere (another replica, or this one before a restart) whose
-            // life the store told: keep a copy for no longer than that life, counted from before
-            // the claim was sent (the store's copy lives at least as long), unless a purge came
-            // while the claim was out.
-            if let (RecordState::Completed(_), Some(life)) = (&record.state, record.expires_in) {
-                if self.remember(&req.key, record.clone(), sent + life, Origin::Copy(mark)) {
-                    self.stats.copied.fetch_add(1, Ordering::Relaxed);
-                }
-            }
+            self.keep_copy(&req.key, record, sent, mark);
         }
         if let ClaimOutcome::Acquired { execution_id } = outcome {
             let now = Instant::now();
@@ -529,17 +533,8 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         // A wait that ends on a completed record (another replica's execution, waited for) keeps
         // a copy, as a claim that finds one does: the next retry here needs no round trip. Its
         // life is counted from before the wait began, earlier than the read that told it.
-        if let Some(
-            read @ Record {
-                state: RecordState::Completed(_),
-                expires_in: Some(life),
-                ..
-            },
-        ) = &record
-        {
-            if self.remember(key, read.clone(), sent + *life, Origin::Copy(mark)) {
-                self.stats.copied.fetch_add(1, Ordering::Relaxed);
-            }
+        if let Some(read) = &record {
+            self.keep_copy(key, read, sent, mark);
         }
         Ok(record)
     }

@@ -301,23 +301,22 @@ async fn run(
             // A refused write may be an earlier one that timed out and landed after all: the
             // record is read while the job still waits, so a process that stops meanwhile
             // dead-letters it rather than losing it with this task.
-            let read = match result {
-                Ok(WriteOutcome::NotOwner) => Some(store.get(&job.key).await),
-                _ => None,
+            let written = match result {
+                Ok(WriteOutcome::Applied) => Written::Applied,
+                Ok(WriteOutcome::NotOwner) => Written::Refused(store.get(&job.key).await),
+                Err(e) => Written::Failed(e),
             };
             // Settled by someone else meanwhile (dead-lettered at shutdown): nothing to do.
             let Some(job) = jobs.take(id) else {
                 return;
             };
-            match result {
-                Ok(WriteOutcome::Applied) => {
+            match written {
+                Written::Applied => {
                     stats.recovered.fetch_add(1, Ordering::Relaxed);
                     stats.pending.fetch_sub(1, Ordering::AcqRel);
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
                 }
-                Ok(WriteOutcome::NotOwner) => match read
-                    .unwrap_or_else(|| Err(StoreError::Unavailable("not read".into())))
-                {
+                Written::Refused(read) => match read {
                     // Landed: the record holds exactly this completion and nothing is lost.
                     Ok(Some(Record {
                         state: RecordState::Completed(ref c),
@@ -340,7 +339,7 @@ async fn run(
                 },
                 // Given up only once the attempts are spent and the lock may have lapsed: until
                 // then nobody else can execute the key, so a store back in time still wins.
-                Err(e)
+                Written::Failed(e)
                     if attempt + 1 >= options.attempts && Instant::now() >= job.lock_deadline =>
                 {
                     dead.settle(
@@ -350,7 +349,7 @@ async fn run(
                         InStore::Unknown,
                     )
                 }
-                Err(_) => {
+                Written::Failed(_) => {
                     jobs.put_back(id, job);
                     let sent = match requeue {
                         Some(tx) => tx.try_send((id, attempt + 1)).is_ok(),
@@ -365,6 +364,13 @@ async fn run(
             }
         });
     }
+}
+
+/// How a retried write ended; a refused one carries the record read after it.
+enum Written {
+    Applied,
+    Refused(Result<Option<Record>, StoreError>),
+    Failed(StoreError),
 }
 
 impl DeadLetters {
