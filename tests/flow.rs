@@ -922,15 +922,12 @@ async fn full_store_refuses_new_claims_with_503() {
     assert_eq!(first.result(), Some("HIT"));
 }
 
-/// A slow keyed request, sent in the background once `proxy` is up.
+/// A slow keyed request, sent in the background.
 fn slow_order(proxy: &Proxy, ms: u64, key: &str) -> tokio::task::JoinHandle<Response> {
-    let (addr, req) = (
-        proxy.addr,
-        Request::post(&format!("/orders/slow/{ms}"))
-            .key(key)
-            .body("{}"),
-    );
-    tokio::spawn(async move { req.send(addr).await })
+    Request::post(&format!("/orders/slow/{ms}"))
+        .key(key)
+        .body("{}")
+        .spawn_send(proxy.addr)
 }
 
 /// Waits (off the runtime) for `proxy` to exit, and gives it back for its log.
@@ -984,9 +981,17 @@ async fn a_drain_that_runs_out_says_which_requests_it_cuts_off() {
     let inflight = slow_order(&proxy, 4000, "cut");
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.signal("TERM");
-    proxy
+    let log = proxy
         .log_containing("shutdown.grace_period is running out with requests in flight")
         .await;
+    let told = log
+        .lines()
+        .find(|l| l.contains("is running out"))
+        .unwrap_or_default();
+    assert!(
+        told.contains("requests=1"),
+        "the one request in flight: {told}"
+    );
     let _ = inflight.await;
     let (status, _proxy) = exit_of(proxy).await;
     assert!(status.is_some(), "exited once the grace period ran out");

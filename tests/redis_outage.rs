@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::faultproxy::{Fault, FaultProxy};
-use common::redis::RedisServer;
+use common::redis::{script_dir, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
 /// The admin token of the proxies that need one.
@@ -37,15 +37,6 @@ fn with_a_2s_lock(builder: ProxyBuilder) -> ProxyBuilder {
 
 fn metric(text: &str, name: &str) -> f64 {
     common::metric(text, name).unwrap_or(0.0)
-}
-
-/// Sends `req` to `addr` from a task of its own; the handle gives its response.
-fn send_in_background(
-    req: &Request,
-    addr: SocketAddr,
-) -> tokio::task::JoinHandle<common::Response> {
-    let req = req.clone();
-    tokio::spawn(async move { req.send(addr).await })
 }
 
 /// Sends SIGSTOP or SIGCONT to a process.
@@ -175,22 +166,13 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
     // Version vx: v1, with a claim that fails from its third call on a key: the original's
     // claim, the waiter's (which finds it in flight), then the waiter's after its wait.
     let scripts = tempfile::tempdir().expect("scripts dir");
-    let dir = scripts.path().join("vx");
-    std::fs::create_dir(&dir).expect("vx");
-    let lua = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("lua")
-        .join("v1");
-    for name in ["claim", "complete", "release", "get"] {
-        let mut text = std::fs::read_to_string(lua.join(format!("{name}.lua"))).expect("script");
-        if name == "claim" {
-            text.insert_str(
-                0,
-                "if redis.call('INCR', KEYS[1] .. ':calls') >= 3 then \
-                 return redis.error_reply('ERR store trouble') end\n",
-            );
-        }
-        std::fs::write(dir.join(format!("{name}.lua")), text).expect("write script");
-    }
+    script_dir(scripts.path(), "vx", "v1", |name, text| match name {
+        "claim" => format!(
+            "if redis.call('INCR', KEYS[1] .. ':calls') >= 3 then \
+             return redis.error_reply('ERR store trouble') end\n{text}"
+        ),
+        _ => text,
+    });
     let proxy = ProxyBuilder::new(&backend)
         .redis(&[redis.url()])
         .store(&format!(
@@ -203,10 +185,7 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
         .start()
         .await;
     let order = || Request::post("/orders/slow/1500").key("held").body("{}");
-    let original = tokio::spawn({
-        let (req, addr) = (order(), proxy.addr);
-        async move { req.send(addr).await }
-    });
+    let original = order().spawn_send(proxy.addr);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let retry = order().send(proxy.addr).await;
     assert_eq!(retry.status, 503, "{}", retry.text());
@@ -226,7 +205,7 @@ async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
         .key("late")
         .body("{\"n\":1}");
     let addr = a.addr;
-    let first = send_in_background(&req, addr);
+    let first = req.spawn_send(addr);
     // Redis stalls after the claim, before the backend answers: the completion write fails.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let pid = redis.pid().unwrap();
@@ -285,13 +264,10 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
         .start()
         .await;
     let addr = proxy.addr;
-    let first = tokio::spawn(async move {
-        Request::post("/orders/slow/500")
-            .key("lost")
-            .body("{}")
-            .send(addr)
-            .await
-    });
+    let first = Request::post("/orders/slow/500")
+        .key("lost")
+        .body("{}")
+        .spawn_send(addr);
     tokio::time::sleep(Duration::from_millis(250)).await;
     let pid = redis.pid().unwrap();
     signal(pid, "STOP");
@@ -523,7 +499,7 @@ async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_
     let a = build().start().await;
     let b = build().start().await;
     let req = Request::post("/orders/slow/500").key("outage").body("{}");
-    let first = send_in_background(&req, a.addr);
+    let first = req.spawn_send(a.addr);
     // Claimed, the backend is working: now every Redis connection breaks until further notice.
     tokio::time::sleep(Duration::from_millis(250)).await;
     link.set(Fault::Reset);
@@ -572,7 +548,7 @@ async fn a_retried_completion_that_lost_its_key_is_dead_lettered_not_taken_from_
         .start()
         .await;
     let req = Request::post("/orders/slow/500").key("taken").body("{}");
-    let first = send_in_background(&req, a.addr);
+    let first = req.spawn_send(a.addr);
     // Claimed; A's completion cannot reach Redis, so it waits in A's retry queue (and A's local
     // cache keeps the answer meanwhile).
     tokio::time::sleep(Duration::from_millis(250)).await;
@@ -672,7 +648,7 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
         .start()
         .await;
     let req = Request::post("/orders/slow/7000").key("renew").body("{}");
-    let first = send_in_background(&req, proxy.addr);
+    let first = req.spawn_send(proxy.addr);
     // Redis is cut off over the first renewal (6 s) and back well before the answer.
     tokio::time::sleep(Duration::from_millis(5500)).await;
     link.set(Fault::Reset);

@@ -6,15 +6,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::proxy::Edit;
-use common::redis::RedisServer;
+use common::redis::{repo_lua, script_dir, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request};
 use idemgate::config::{CanaryConfig, RedisConfig, RedisTopology, ScriptsConfig};
-use idemgate::scripts::SCRIPT_NAMES;
 use idemgate::store::redis::{ScriptsApplied, ScriptsError};
 use idemgate::store::{
     conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
@@ -24,31 +23,6 @@ use idemgate::store::{
 const SECOND: Duration = Duration::from_secs(1);
 /// The line of the built-in v2 scripts that names the version they stamp on records.
 const V2_STAMP: &str = "local VERSION = 'v2'";
-
-fn repo_lua(version: &str, name: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("lua")
-        .join(version)
-        .join(format!("{name}.lua"));
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// A script directory holding `version` as a copy of the repository's `from` version, with
-/// `edit` applied to each script's text (by script name).
-fn script_dir(
-    root: &Path,
-    version: &str,
-    from: &str,
-    edit: impl Fn(&str, String) -> String,
-) -> PathBuf {
-    let dir = root.join(version);
-    std::fs::create_dir_all(&dir).unwrap();
-    for name in SCRIPT_NAMES {
-        let text = edit(name, repo_lua(from, name));
-        std::fs::write(dir.join(format!("{name}.lua")), text).unwrap();
-    }
-    dir
-}
 
 /// `script`'s text with `line` put before the first `anchor` (asserted to be there); other
 /// scripts as they are.

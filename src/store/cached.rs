@@ -858,10 +858,7 @@ mod tests {
         let calls = store.inner().calls.load(Ordering::Relaxed);
         for _ in 0..2 {
             tokio::time::advance(Duration::from_secs(70)).await;
-            let again = ClaimRequest {
-                owner: OwnerToken::random(),
-                ..claim("t", 10)
-            };
+            let again = claim("t", 10);
             assert!(matches!(
                 store.claim(&again).await.unwrap(),
                 ClaimOutcome::Existing(_)
@@ -876,27 +873,16 @@ mod tests {
         tokio::time::pause();
         let store = cached();
         store.set_window(Duration::from_secs(3600));
-        let req = claim("t", 17);
-        store.claim(&req).await.unwrap();
-        store
-            .complete(
-                &req.key,
-                req.owner,
-                response(b"{}"),
-                Duration::from_secs(3600),
-            )
-            .await
-            .unwrap();
+        let mut req = claim("t", 17);
+        req.ttl = Duration::from_secs(3600);
+        executed(&store, &req, b"{}").await;
         // A reload lowers every route's ttl to 60 s: the entry cached for an hour (maybe the
         // only trace of a completion the shared store has not taken) must stay findable.
         store.set_window(Duration::from_secs(60));
         let calls = store.inner().calls.load(Ordering::Relaxed);
         for _ in 0..5 {
             tokio::time::advance(Duration::from_secs(610)).await;
-            let again = ClaimRequest {
-                owner: OwnerToken::random(),
-                ..claim("t", 17)
-            };
+            let again = claim("t", 17);
             assert!(matches!(
                 store.claim(&again).await.unwrap(),
                 ClaimOutcome::Existing(_)
@@ -914,10 +900,7 @@ mod tests {
         let negatives = store.stats().bloom_negatives.load(Ordering::Relaxed);
         for _ in 0..2 {
             tokio::time::advance(Duration::from_secs(61)).await;
-            let again = ClaimRequest {
-                owner: OwnerToken::random(),
-                ..claim("t", 18)
-            };
+            let again = claim("t", 18);
             store.claim(&again).await.unwrap();
         }
         assert_eq!(
@@ -935,10 +918,7 @@ mod tests {
         req.ttl = Duration::from_secs(3600);
         executed(&store, &req, b"{}").await;
         let retry = |store: Arc<CachedStore<FaultyStore<MemoryStore>>>| async move {
-            let again = ClaimRequest {
-                owner: OwnerToken::random(),
-                ..claim("t", 9)
-            };
+            let again = claim("t", 9);
             store.claim(&again).await.unwrap()
         };
         // One rotation later the key is in the previous generation: still a local hit.

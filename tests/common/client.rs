@@ -90,6 +90,13 @@ impl Request {
         out
     }
 
+    /// [`Request::send`] in the background: the answer is the task's result.
+    #[allow(dead_code)]
+    pub fn spawn_send(&self, addr: SocketAddr) -> tokio::task::JoinHandle<Response> {
+        let req = self.clone();
+        tokio::spawn(async move { req.send(addr).await })
+    }
+
     /// Sends on a fresh connection and reads the whole response.
     pub async fn send(&self, addr: SocketAddr) -> Response {
         let mut stream = TcpStream::connect(addr).await.expect("connect to proxy");

@@ -70,6 +70,8 @@ impl RawBackend {
         let b = backend.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
+                // Each scripted write goes out as written (a head sent a byte at a time is one).
+                let _ = stream.set_nodelay(true);
                 b.connections.fetch_add(1, Ordering::SeqCst);
                 tokio::spawn(serve(stream, scripts.clone(), b.clone(), head_only));
             }

@@ -3,7 +3,7 @@
 //! break Redis on purpose. Everything is killed on drop, panics included.
 
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -404,4 +404,32 @@ impl Drop for RedisSentinel {
             let _ = child.wait();
         }
     }
+}
+
+/// The text of one of the repository's scripts (`lua/<version>/<name>.lua`).
+#[allow(dead_code)]
+pub fn repo_lua(version: &str, name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("lua")
+        .join(version)
+        .join(format!("{name}.lua"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A script directory holding `version` as a copy of the repository's `from` version, with
+/// `edit` applied to each script's text (by script name).
+#[allow(dead_code)]
+pub fn script_dir(
+    root: &Path,
+    version: &str,
+    from: &str,
+    edit: impl Fn(&str, String) -> String,
+) -> PathBuf {
+    let dir = root.join(version);
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in idemgate::scripts::SCRIPT_NAMES {
+        let text = edit(name, repo_lua(from, name));
+        std::fs::write(dir.join(format!("{name}.lua")), text).unwrap();
+    }
+    dir
 }
