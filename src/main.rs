@@ -50,7 +50,8 @@ fn flush_logs() {
     }
 }
 
-/// Crates whose trace output carries raw request headers or store commands.
+/// Crates whose debug and trace output carries raw request headers or store commands
+/// (pingora-proxy logs every header it sends upstream at debug).
 const SECRET_DUMPING_TARGETS: [&str; 4] =
     ["pingora_core", "pingora_proxy", "pingora_http", "redis"];
 
@@ -60,16 +61,16 @@ fn init_logging() {
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::{fmt, EnvFilter};
     let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    // At trace these crates dump raw requests and commands (keys, `Authorization`, bodies):
-    // whatever level is asked for, they stop at debug. A second filter, so it only ever lowers
-    // what `IDEMGATE_LOG` enables (a directive in the EnvFilter would also raise it).
+    // At debug and trace these crates dump raw requests and commands (keys, `Authorization`,
+    // bodies): whatever level is asked for, they stop at info. A second filter, so it only ever
+    // lowers what `IDEMGATE_LOG` enables (a directive in the EnvFilter would also raise it).
     // Its default is the most verbose level the filter can enable (not TRACE): the subscriber's
     // level hint then stays that of `IDEMGATE_LOG`, and the `log` crate's max level with it, so
     // pingora's per-request `debug!` calls stop at a static check instead of reaching the bridge.
     let most = filter.max_level_hint().unwrap_or(LevelFilter::TRACE);
     let cap = Targets::new()
         .with_default(most)
-        .with_targets(SECRET_DUMPING_TARGETS.map(|t| (t, LevelFilter::DEBUG.min(most))));
+        .with_targets(SECRET_DUMPING_TARGETS.map(|t| (t, LevelFilter::INFO.min(most))));
     let writer = LOG_WRITER
         .get_or_init(|| BatchWriter::new(Box::new(std::io::stderr())))
         .clone();
