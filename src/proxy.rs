@@ -427,6 +427,8 @@ impl Gate {
                         tracing::error!("stored response cannot be written as HTTP");
                         return self.refuse(session, Problem::StoreRecordUnreadable).await;
                     };
+                    // Set before the writes: a client gone mid-replay still counts as a hit.
+                    ctx.outcome = Some(Outcome::Hit);
                     self.replay(session, head, &stored).await?;
                     return Ok(Some(Handled {
                         outcome: Outcome::Hit,
@@ -529,6 +531,9 @@ impl Gate {
         mut claim: Option<Claim<'_>>,
         outcome: Outcome,
     ) -> Result<Handled> {
+        // Set now: a response cut off mid-body ends the request with an error, and its log line
+        // and metrics still count the execution it was.
+        ctx.outcome = Some(outcome);
         let pool = &ctx.gen.pools[route.upstream];
         let backend = &pool.backends[pool.pick()];
 
@@ -703,6 +708,8 @@ impl Gate {
         }
         out.finish(session).await;
         if out.gone {
+            // A write gave up partway (a chunk half out, say): the connection is not reused.
+            session.set_keepalive(None);
             tracing::info!(route = %route.name, status, "client left before the response; outcome stored");
         }
         Ok(Handled { outcome })
@@ -988,7 +995,12 @@ impl Gate {
         problem: Problem,
         outcome: Outcome,
     ) -> Result<Handled> {
-        write_problem(session, &problem, Some(outcome)).await?;
+        // A client gone before the answer is out still had this outcome (its log line and
+        // metrics say so); its connection is not used again. The answer is framed by its
+        // length, so nothing written after the failure could make it look whole.
+        if write_problem(session, &problem, Some(outcome)).await.is_err() {
+            session.set_keepalive(None);
+        }
         Ok(Handled { outcome })
     }
 }

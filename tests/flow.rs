@@ -692,6 +692,15 @@ async fn a_response_cut_off_mid_body_keeps_the_claim() {
     assert_eq!((retry.status, retry.result()), (409, Some("CONFLICT")));
     assert_eq!(count.load(Ordering::SeqCst), 1, "never executed twice");
     proxy.log_containing("backend answer cut off").await;
+    // The request that ended in an error was still an execution: counted as a MISS.
+    let metrics = proxy
+        .metrics_containing("idemgate_requests_total{result=\"CONFLICT\"")
+        .await;
+    assert!(
+        metrics.contains("idemgate_requests_total{result=\"MISS\",route=\"orders\"} 1"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("result=\"FORWARD\""), "{metrics}");
 }
 
 #[tokio::test]
