@@ -339,7 +339,7 @@ impl Gate {
         );
 
         // Step 5: claim or read, waiting on an in-flight twin when the route says so.
-        let claim_req = ClaimRequest {
+        let mut claim_req = ClaimRequest {
             key: record_key,
             fingerprint,
             owner: OwnerToken::random(),
@@ -365,6 +365,11 @@ impl Gate {
             self.observe_store(StoreOp::Claim, started, answer.is_err());
             let existing = match answer {
                 Ok(ClaimOutcome::Acquired { execution_id }) => {
+                    // A re-claimed record keeps its earlier execution id, which the backend is
+                    // sent. Renewals send this request again, and one that finds the record gone
+                    // (purged, or lost in a failover) makes it afresh: with this id, not a new
+                    // one, so a retry after a release still carries the id the backend saw.
+                    claim_req.execution_id = execution_id;
                     let claim = Claim {
                         store,
                         req: &claim_req,

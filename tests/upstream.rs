@@ -736,6 +736,74 @@ async fn a_response_still_streaming_as_the_lock_runs_out_is_never_executed_twice
         .await;
 }
 
+/// A record purged while its re-claimed execution runs is made again by the next lock renewal,
+/// with the execution id the backend was sent (the first execution's), not the id minted for
+/// the retry: after another release, the next retry still carries the id the backend saw.
+#[tokio::test]
+async fn a_renewal_that_remakes_a_purged_record_keeps_its_execution_id() {
+    const TOKEN: &str = "admin-token-for-renewal-tests-0123";
+    let unavailable = send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n");
+    // Second request on the pooled connection: interim answers for 2 s (the 1 s lock is
+    // renewed meanwhile), then 503 again, which releases the remade record.
+    let mut slow = Vec::new();
+    for _ in 0..5 {
+        slow.push(Step::Pause(Duration::from_millis(400)));
+        slow.push(send(b"HTTP/1.1 102 Processing\r\n\r\n"));
+    }
+    slow.push(unavailable.clone());
+    let backend = RawBackend::start_sequence(vec![
+        vec![unavailable.clone()],
+        slow,
+        vec![created("{\"id\":\"third\"}")],
+    ])
+    .await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .threads(1)
+        .idem("lock_ttl: 1s")
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 200ms")
+        .upstream("read_timeout: 500ms")
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    let first = order("purged-in-flight").send(proxy.addr).await;
+    assert_eq!(first.status, 503, "{}", first.text());
+    let addr = proxy.addr;
+    let second = tokio::spawn(async move { order("purged-in-flight").send(addr).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let del = Request::new("DELETE", "/admin/records/default/purged-in-flight")
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(del.status, 200, "{}", del.text());
+    let second = second.await.unwrap();
+    assert_eq!(second.status, 503, "{}", second.text());
+    let third = order("purged-in-flight").send(proxy.addr).await;
+    assert_eq!(third.status, 201, "{}", third.text());
+
+    let ids: Vec<String> = backend
+        .heads()
+        .iter()
+        .filter_map(|head| {
+            head.lines()
+                .find_map(|l| l.strip_prefix("x-idempotency-id: "))
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(ids.len(), 3, "{:?}", backend.heads());
+    assert!(
+        ids.iter().all(|id| *id == ids[0]),
+        "one execution id for the key throughout: {ids:?}"
+    );
+    let renewals = proxy
+        .metrics_containing("idemgate_lock_renewals_total")
+        .await;
+    assert!(
+        !renewals.contains("idemgate_lock_renewals_total 0"),
+        "{renewals}"
+    );
+}
+
 #[tokio::test]
 async fn a_backend_still_answering_keeps_its_lock_renewed() {
     // 102 Processing every 400 ms for 2 s, then the answer: each interim answer restarts the
