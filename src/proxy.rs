@@ -1344,6 +1344,17 @@ impl ProxyHttp for Gate {
         _ctx: &mut Self::CTX,
     ) -> Result<()> {
         upstream_request.remove_header(EXECUTION_ID_HEADER);
+        // pingora removes hop-by-hop headers and writes its own framing, but passes the same
+        // names spelt with `_` for `-`, which CGI-style backends read as the real ones.
+        let spoofed: Vec<HeaderName> = upstream_request
+            .headers
+            .keys()
+            .filter(|n| n.as_str().contains('_') && upstream::is_reserved(n.as_str().as_bytes()))
+            .cloned()
+            .collect();
+        for name in spoofed {
+            upstream_request.remove_header(&name);
+        }
         Ok(())
     }
 

@@ -238,11 +238,7 @@ pub fn request_head(
             pingora::http::HeaderNameVariant::Case(n) => n.as_slice(),
             pingora::http::HeaderNameVariant::Titled(n) => n.as_bytes(),
         };
-        let skip = HOP_BY_HOP
-            .iter()
-            .chain(WRITTEN_HERE)
-            .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
-            || named.iter().any(|h| name.eq_ignore_ascii_case(h));
+        let skip = is_reserved(name) || named.iter().any(|h| name.eq_ignore_ascii_case(h));
         if !skip {
             buf.extend_from_slice(name);
             buf.extend_from_slice(b": ");
@@ -274,6 +270,22 @@ pub fn target_authority(target: &[u8]) -> Option<&[u8]> {
         .position(|&b| b == b'/' || b == b'?' || b == b'#')
         .unwrap_or(rest.len());
     Some(&rest[..end]).filter(|a| !a.is_empty())
+}
+
+/// Whether a request header is one the client may not pass to the backend: hop-by-hop, or
+/// written here ([`HOP_BY_HOP`], [`WRITTEN_HERE`]), spelt with `_` for `-` too. Backends on
+/// CGI-style stacks (`HTTP_X_IDEMPOTENCY_ID`, `CONTENT_LENGTH`) read `X_Idempotency_Id` as
+/// `X-Idempotency-Id`, so a client could otherwise still choose the execution id, or send a
+/// second framing header, under the other spelling.
+pub fn is_reserved(name: &[u8]) -> bool {
+    let same = |h: &str| {
+        name.len() == h.len()
+            && name
+                .iter()
+                .zip(h.as_bytes())
+                .all(|(&a, &b)| a.eq_ignore_ascii_case(&b) || (a == b'_' && b == b'-'))
+    };
+    HOP_BY_HOP.iter().chain(WRITTEN_HERE).any(|h| same(h))
 }
 
 /// Header names listed in `Connection` values (other than the usual `close` / `keep-alive`).
@@ -837,7 +849,8 @@ fn decode_chunked(
                     .ok_or(UpstreamError::Malformed("chunk size line without CRLF"))?;
                 // chunk-size [ chunk-ext ]: extensions (after `;`) are ignored.
                 let size = line.split(|&b| b == b';').next().unwrap_or(&[]);
-                let size = size.trim_ascii_end();
+                // Only spaces and tabs may stand before the line's end (RFC 9112 §7.1.1, BWS).
+                let size = trim_end_blanks(size);
                 if size.is_empty() || size.len() > 16 || !size.iter().all(u8::is_ascii_hexdigit) {
                     return Err(UpstreamError::Malformed("invalid chunk size"));
                 }
@@ -896,6 +909,15 @@ fn decode_chunked(
         }
     }
     Ok((Some(state), out.map(BytesMut::freeze).or(single)))
+}
+
+/// `bytes` without the spaces and tabs at its end.
+fn trim_end_blanks(bytes: &[u8]) -> &[u8] {
+    let keep = bytes
+        .iter()
+        .rposition(|&b| b != b' ' && b != b'\t')
+        .map_or(0, |i| i + 1);
+    &bytes[..keep]
 }
 
 #[cfg(test)]
@@ -972,6 +994,30 @@ mod tests {
     #[test]
     fn an_incomplete_head_asks_for_more() {
         assert!(parse(b"HTTP/1.1 200 OK\r\nContent-Le").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_chunk_size_line_allows_only_blanks_before_its_end() {
+        assert_eq!(decode_all(b"5 \t\r\nhello\r\n0\r\n\r\n", 64).unwrap().0, b"hello");
+        for line in [&b"5\r\r\n"[..], b"5\x0c\r\n", b"5\x0b\r\n"] {
+            let mut raw = line.to_vec();
+            raw.extend_from_slice(b"hello\r\n0\r\n\r\n");
+            assert!(
+                matches!(decode_all(&raw, 64), Err(UpstreamError::Malformed(_))),
+                "{:?}",
+                String::from_utf8_lossy(line)
+            );
+        }
+    }
+
+    #[test]
+    fn reserved_request_headers_are_known_in_either_spelling() {
+        for name in ["X-Idempotency-Id", "x_idempotency_id", "Content_Length", "TRANSFER_ENCODING"] {
+            assert!(is_reserved(name.as_bytes()), "{name}");
+        }
+        for name in ["X-Request-Id", "x_request_id", "content-lengths", "content"] {
+            assert!(!is_reserved(name.as_bytes()), "{name}");
+        }
     }
 
     #[test]
