@@ -1062,7 +1062,8 @@ impl Downstream {
         if self.gone {
             return;
         }
-        if let Some(header) = self.header.take() {
+        if let Some(mut header) = self.header.take() {
+            frame_for_client(session, &mut header);
             if session.write_response_header(header, false).await.is_err() {
                 self.gone = true;
                 return;
@@ -1071,6 +1072,20 @@ impl Downstream {
         if data.is_some() || end {
             self.gone = session.write_response_body(data, end).await.is_err();
         }
+    }
+}
+
+/// Fits a backend's response head to the client's HTTP version before it is written. An
+/// HTTP/1.0 client knows no transfer codings (RFC 9112 §6.1): pingora would chunk the body
+/// for it all the same, and the client would take the chunk sizes for body bytes. Without
+/// `Transfer-Encoding` (a `Content-Length` never stands beside it) the body goes as it is,
+/// ended by closing the connection.
+fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
+    if session.req_header().version == http::Version::HTTP_10
+        && header.headers.contains_key(header::TRANSFER_ENCODING)
+    {
+        header.remove_header(&header::TRANSFER_ENCODING);
+        session.set_keepalive(None);
     }
 }
 
@@ -1374,10 +1389,11 @@ impl ProxyHttp for Gate {
     /// Marks forwarded responses of idempotent routes (`BYPASS`).
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        frame_for_client(session, upstream_response);
         if let Some(outcome) = ctx.outcome {
             upstream_response.insert_header(RESULT_HEADER, outcome.as_str())?;
         }

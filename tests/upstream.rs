@@ -458,6 +458,46 @@ async fn raw_exchange(proxy: &Proxy, request: &[u8]) -> common::Response {
     common::client::read_response(&mut s, false).await.unwrap()
 }
 
+/// An HTTP/1.0 client knows no chunked coding: a chunked answer reaches it as the bare body,
+/// ended by the close, on every path (keyed, idemgate's client, pingora's streaming path).
+#[tokio::test]
+async fn an_http_1_0_client_gets_a_chunked_answer_unchunked_and_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let chunked = send(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n");
+    let backend = RawBackend::start(vec![chunked]).await;
+    let proxy = proxy(&backend).await;
+    let large = format!(
+        "POST /plain/b HTTP/1.0\r\nHost: t\r\nContent-Length: 70000\r\n\r\n{}",
+        "x".repeat(70_000)
+    );
+    let requests: [&[u8]; 4] = [
+        // Asking to keep the connection: the unframed body can only end with it.
+        b"POST /orders HTTP/1.0\r\nHost: t\r\nIdempotency-Key: old-client\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /orders HTTP/1.0\r\nHost: t\r\nIdempotency-Key: old-client\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /plain/a HTTP/1.0\r\nHost: t\r\nConnection: keep-alive\r\n\r\n",
+        large.as_bytes(),
+    ];
+    for (i, request) in requests.iter().enumerate() {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(request).await.unwrap();
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut raw))
+            .await
+            .unwrap_or_else(|_| panic!("request {i}: the answer ends with the connection"))
+            .unwrap();
+        let text = String::from_utf8_lossy(&raw);
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        assert!(head.starts_with("HTTP/1.1 201"), "request {i}: {text}");
+        assert!(
+            !head.to_ascii_lowercase().contains("transfer-encoding"),
+            "request {i}: {text}"
+        );
+        // The first executes; the second, the same key, is a replay framed by its length.
+        assert_eq!(body, "hello world", "request {i}: {text}");
+    }
+    assert_eq!(backend.count(), 3, "the keyed retry was replayed");
+}
+
 #[tokio::test]
 async fn an_http_1_0_request_without_host_is_sent_on_with_the_upstreams_and_http_1_1_is_refused() {
     let backend = RawBackend::start(vec![created("{}")]).await;
