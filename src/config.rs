@@ -38,6 +38,9 @@ pub struct Config {
     pub max_request_header_bytes: usize,
     /// Longest pause allowed between two reads of a request body.
     pub request_body_timeout: Duration,
+    /// Longest a whole request body may take to arrive, from the end of its header: a client
+    /// trickling a byte now and then, each inside `request_body_timeout`, is cut off by this.
+    pub request_body_total_timeout: Duration,
     /// Longest a write of a response may wait for the client to take it (a client that stopped
     /// reading); then the client's connection is closed.
     pub response_send_timeout: Duration,
@@ -482,6 +485,8 @@ struct FileConfig {
     max_request_header_bytes: Scalar,
     #[serde(default = "default_request_body_timeout")]
     request_body_timeout: Scalar,
+    #[serde(default = "default_request_body_total_timeout")]
+    request_body_total_timeout: Scalar,
     #[serde(default = "default_response_send_timeout")]
     response_send_timeout: Scalar,
     #[serde(default)]
@@ -741,6 +746,10 @@ fn default_max_request_header_bytes() -> Scalar {
 
 fn default_request_body_timeout() -> Scalar {
     Scalar::text("10s")
+}
+
+fn default_request_body_total_timeout() -> Scalar {
+    Scalar::text("60s")
 }
 
 fn default_response_send_timeout() -> Scalar {
@@ -1200,6 +1209,10 @@ impl FileConfig {
         )?;
         let request_body_timeout =
             positive_duration("request_body_timeout".into(), &self.request_body_timeout)?;
+        let request_body_total_timeout = positive_duration(
+            "request_body_total_timeout".into(),
+            &self.request_body_total_timeout,
+        )?;
         let response_send_timeout =
             positive_duration("response_send_timeout".into(), &self.response_send_timeout)?;
 
@@ -1278,6 +1291,7 @@ impl FileConfig {
             request_header_timeout,
             max_request_header_bytes,
             request_body_timeout,
+            request_body_total_timeout,
             response_send_timeout,
             shutdown,
             admin,
@@ -2851,6 +2865,7 @@ routes:
         assert_eq!(config.request_header_timeout, secs(10));
         assert_eq!(config.max_request_header_bytes, 64 << 10);
         assert_eq!(config.request_body_timeout, secs(10));
+        assert_eq!(config.request_body_total_timeout, secs(60));
         assert_eq!(config.response_send_timeout, secs(60));
         assert_eq!(
             config.shutdown,
@@ -3079,6 +3094,10 @@ routes:
         assert_field(
             &format!("request_body_timeout: 0s\n{MINIMAL}"),
             "request_body_timeout",
+        );
+        assert_field(
+            &format!("request_body_total_timeout: 0s\n{MINIMAL}"),
+            "request_body_total_timeout",
         );
         assert_field(
             &format!("response_send_timeout: 0s\n{MINIMAL}"),

@@ -202,6 +202,9 @@ pub struct RequestCtx {
     upstream: Option<usize>,
     outcome: Option<Outcome>,
     record_label: Option<key::HashLabel>,
+    /// When a body pingora streams must have arrived whole (`request_body_total_timeout`);
+    /// none for a tunnel, whose conversation may rightly last.
+    body_deadline: Option<Instant>,
     _guard: InFlightGuard,
 }
 
@@ -323,7 +326,7 @@ impl Gate {
 
         // Step 4: the whole body, then the fingerprint.
         let body = match self
-            .read_body(session, idem.max_request_bytes, config.request_body_timeout)
+            .read_body(session, idem.max_request_bytes, config)
             .await
         {
             Ok(b) => b,
@@ -481,8 +484,11 @@ impl Gate {
         &self,
         session: &mut Session,
         limit: usize,
-        timeout: Duration,
+        config: &Config,
     ) -> std::result::Result<Bytes, Problem> {
+        // Each read waits request_body_timeout at most, and all of them together
+        // request_body_total_timeout: a client trickling a byte inside every pause is cut off.
+        let deadline = Instant::now() + config.request_body_total_timeout;
         let req = session.req_header();
         let declared = req.headers.get(header::CONTENT_LENGTH).and_then(length);
         if declared.is_some_and(|n| n > limit) {
@@ -507,7 +513,9 @@ impl Gate {
         }
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
         loop {
-            let chunk = upstream::within(timeout, session.read_request_body()).await;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let wait = config.request_body_timeout.min(left);
+            let chunk = upstream::within(wait, session.read_request_body()).await;
             match chunk {
                 Err(_) => return Err(Problem::RequestTimeout),
                 Ok(Err(_)) => return Err(Problem::RequestBodyUnreadable),
@@ -746,6 +754,8 @@ impl Gate {
             // as idemgate's own reads do, instead of pingora's 60 s.
             if !tunnel {
                 session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
+                ctx.body_deadline =
+                    Some(Instant::now() + ctx.gen.config.request_body_total_timeout);
             }
             return Ok(false);
         }
@@ -754,11 +764,7 @@ impl Gate {
         let config = &gen.config;
 
         let body = match self
-            .read_body(
-                session,
-                upstream::FORWARD_BODY_BYTES,
-                config.request_body_timeout,
-            )
+            .read_body(session, upstream::FORWARD_BODY_BYTES, config)
             .await
         {
             Ok(body) => body,
@@ -1003,7 +1009,10 @@ impl Gate {
         // A client gone before the answer is out still had this outcome (its log line and
         // metrics say so); its connection is not used again. The answer is framed by its
         // length, so nothing written after the failure could make it look whole.
-        if write_problem(session, &problem, Some(outcome)).await.is_err() {
+        if write_problem(session, &problem, Some(outcome))
+            .await
+            .is_err()
+        {
             session.set_keepalive(None);
         }
         Ok(Handled { outcome })
@@ -1286,6 +1295,7 @@ impl ProxyHttp for Gate {
             upstream: None,
             outcome: None,
             record_label: None,
+            body_deadline: None,
             _guard: InFlightGuard::new(self.in_flight.clone()),
         }
     }
@@ -1387,6 +1397,26 @@ impl ProxyHttp for Gate {
     }
 
     /// Marks forwarded responses of idempotent routes (`BYPASS`).
+    /// Holds a body pingora streams to `request_body_total_timeout`: its reads are timed one
+    /// by one (request_body_timeout), so a client trickling a byte inside every pause is only
+    /// found out here, at the next piece that arrives after the deadline.
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        _body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Self::CTX,
+    ) -> Result<()> {
+        if ctx.body_deadline.is_some_and(|d| Instant::now() > d) {
+            return Err(Error::explain(
+                pingora::ErrorType::ReadTimedout,
+                "request body took longer than request_body_total_timeout",
+            )
+            .into_down());
+        }
+        Ok(())
+    }
+
     async fn response_filter(
         &self,
         session: &mut Session,

@@ -998,7 +998,10 @@ mod tests {
 
     #[test]
     fn a_chunk_size_line_allows_only_blanks_before_its_end() {
-        assert_eq!(decode_all(b"5 \t\r\nhello\r\n0\r\n\r\n", 64).unwrap().0, b"hello");
+        assert_eq!(
+            decode_all(b"5 \t\r\nhello\r\n0\r\n\r\n", 64).unwrap().0,
+            b"hello"
+        );
         for line in [&b"5\r\r\n"[..], b"5\x0c\r\n", b"5\x0b\r\n"] {
             let mut raw = line.to_vec();
             raw.extend_from_slice(b"hello\r\n0\r\n\r\n");
@@ -1012,7 +1015,12 @@ mod tests {
 
     #[test]
     fn reserved_request_headers_are_known_in_either_spelling() {
-        for name in ["X-Idempotency-Id", "x_idempotency_id", "Content_Length", "TRANSFER_ENCODING"] {
+        for name in [
+            "X-Idempotency-Id",
+            "x_idempotency_id",
+            "Content_Length",
+            "TRANSFER_ENCODING",
+        ] {
             assert!(is_reserved(name.as_bytes()), "{name}");
         }
         for name in ["X-Request-Id", "x_request_id", "content-lengths", "content"] {

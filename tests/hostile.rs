@@ -265,6 +265,66 @@ async fn a_body_that_never_ends_is_cut_off_by_the_read_timeout() {
     assert!(started.elapsed() < Duration::from_secs(3));
 }
 
+/// A body trickled a byte at a time, each inside request_body_timeout, is cut off by
+/// request_body_total_timeout: on a keyed route, a small body on a plain route (idemgate's own
+/// client) and a large one (pingora's streaming path).
+#[tokio::test]
+async fn a_body_trickled_inside_every_pause_is_cut_off_by_the_total_timeout() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("request_body_timeout: 1s")
+        .top("request_body_total_timeout: 2s")
+        .start()
+        .await;
+    for head in [
+        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: trickle\r\nContent-Length: 100\r\n\r\n",
+        "POST /plain HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n",
+        "POST /plain HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n",
+    ] {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        let started = std::time::Instant::now();
+        // A byte every 250 ms: never a pause near request_body_timeout. Written from a thread
+        // of its own over a second handle, so the answer is read while the trickle goes on.
+        let std = s.into_std().unwrap();
+        let mut writer = std.try_clone().unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let trickle = std::thread::spawn(move || {
+            use std::io::Write;
+            while !stopped.load(std::sync::atomic::Ordering::SeqCst) {
+                match writer.write(b"x") {
+                    Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => return,
+                    _ => std::thread::sleep(Duration::from_millis(250)),
+                }
+            }
+        });
+        let mut s = tokio::net::TcpStream::from_std(std).unwrap();
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            common::client::read_response(&mut s, false),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{head}: never cut off"))
+        .unwrap();
+        let took = started.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        trickle.join().unwrap();
+        assert_eq!(r.status, 408, "{head}: {}", r.text());
+        assert_eq!(r.problem_type(), "request-timeout");
+        assert!(
+            took >= Duration::from_millis(1900) && took < Duration::from_secs(6),
+            "{head}: cut off after {took:?}"
+        );
+        // Bodies idemgate reads whole never reach the backend; pingora streams the large one
+        // as it comes, so the backend saw a request whose body never ended.
+        if !head.contains("100000") {
+            assert_eq!(backend.count(), 0, "{head}: not forwarded");
+        }
+    }
+}
+
 #[tokio::test]
 async fn an_http_1_0_client_is_not_sent_100_continue() {
     let backend = Backend::start().await;
