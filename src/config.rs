@@ -1011,6 +1011,18 @@ impl Config {
             let Some(up) = self.upstreams.get(route.upstream) else {
                 continue;
             };
+            if route
+                .idempotency
+                .as_ref()
+                .is_some_and(|i| i.cache_statuses.is_empty())
+            {
+                warnings.push(format!(
+                    "routes[{}].idempotency.cache_statuses stores no status: every response \
+                     is released, so every retry executes again; the key only holds off \
+                     concurrent duplicates",
+                    route.name
+                ));
+            }
             let budget = up.connect_timeout + up.write_timeout + up.read_timeout;
             if budget > self.shutdown.grace_period {
                 warnings.push(format!(
@@ -2518,6 +2530,11 @@ impl StatusSet {
         }
         let class = status / 100;
         (2..=5).contains(&class) && self.classes & (1 << class) != 0
+    }
+
+    /// Whether no status at all is stored (an empty list, or exclusions only).
+    pub fn is_empty(&self) -> bool {
+        (200..600).all(|status| !self.contains(status))
     }
 
     fn from_entries(field: &str, entries: &[Scalar]) -> Result<StatusSet, ConfigError> {

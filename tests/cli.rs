@@ -39,7 +39,7 @@ fn check_warns_of_a_drain_shorter_than_a_keyed_request_may_take() {
         &path,
         "shutdown: {grace_period: 5s}\n\
          upstreams:\n  app:\n    addrs: [\"127.0.0.1:8080\"]\n    read_timeout: 10s\n\
-         routes:\n  - {name: pay, path_prefix: /pay, upstream: app, idempotency: {lock_ttl: 30s}}\n  - {name: rest, path_prefix: /, upstream: app}\n",
+         routes:\n  - {name: pay, path_prefix: /pay, upstream: app, idempotency: {lock_ttl: 30s}}\n  - {name: refunds, path_prefix: /refunds, upstream: app, idempotency: {lock_ttl: 30s, cache_statuses: [\"!200\"]}}\n  - {name: rest, path_prefix: /, upstream: app}\n",
     )
     .unwrap();
     let out = idemgate()
@@ -57,6 +57,12 @@ fn check_warns_of_a_drain_shorter_than_a_keyed_request_may_take() {
         !stderr.contains("routes[rest]"),
         "a route without idempotency: {stderr}"
     );
+    // Exclusions only: nothing is ever stored.
+    assert!(
+        stderr.contains("warning: routes[refunds].idempotency.cache_statuses stores no status"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("routes[pay].idempotency"), "{stderr}");
 }
 
 #[test]
