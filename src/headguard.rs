@@ -1,5 +1,6 @@
-//! Limits on receiving a request header: a deadline for the whole header
-//! (`request_header_timeout`) and a size (`max_request_header_bytes`).
+//! Limits on a client connection: a deadline for the whole request header
+//! (`request_header_timeout`), a size (`max_request_header_bytes`), and a deadline on every write
+//! that waits for the client to read (`response_send_timeout`).
 //!
 //! pingora times each read of a request header on its own (60 s on a new connection, the
 //! keep-alive timeout on a reused one), so a client that trickles a header a byte at a time,
@@ -28,8 +29,22 @@
 //! A header within the limit is never refused (it is a prefix of what was read, so it completes
 //! within the limit), and no connection holds more than the limit of a header's bytes.
 //!
+//! Writes are held to `response_send_timeout` here too. pingora times only the writes of a
+//! response body: the head, the last chunk of a chunked body and the flush that ends every
+//! response wait for the client with no deadline. A small response sits in the stream's write
+//! buffer until that flush, so a keep-alive client that sends request after request and reads
+//! nothing parks its task in a flush for good once the kernel buffers are full; and after a
+//! body write timed out, pingora still writes the last chunk. So every write, flush and close
+//! that has to wait arms a stall timer, timed from when it began waiting (not pushed back
+//! when it is polled again), and disarmed by any progress: bytes taken, a flush done. When it
+//! fires the write fails with `TimedOut` and pingora drops the connection. Bytes taken into the
+//! stream's write buffer count as progress, and bytes the buffer passes on while a write still
+//! waits do not, so a client reading less than a buffer's worth (1460 bytes) per
+//! `response_send_timeout` is cut off too.
+//!
 //! Costs on the hot path: a header that arrives in one read (nearly all of them) takes one clock
-//! reading and no timer; a timer is armed only when a header needs a second read that has to wait.
+//! reading and no timer; a timer is armed only when a header needs a second read that has to
+//! wait, or a write has to wait for the client.
 
 use std::future::Future;
 use std::io;
@@ -81,6 +96,8 @@ pub struct HeadGuard {
     deadline: Instant,
     /// Armed only when a header's second read has to wait.
     alarm: Option<Pin<Box<Sleep>>>,
+    /// Times a write that waits for the client.
+    stall: Stall,
     /// The guard's own answer to a refused header, and how much of it is out.
     answer: Vec<u8>,
     answer_sent: usize,
@@ -120,6 +137,7 @@ impl HeadGuard {
             read: 0,
             deadline: Instant::now(),
             alarm: None,
+            stall: Stall::default(),
             answer: Vec::new(),
             answer_sent: 0,
             refused,
@@ -189,6 +207,18 @@ impl HeadGuard {
         Poll::Ready(Ok(()))
     }
 
+    /// Finishes writing the guard's answer, if it has one, then polls `then` on the stream.
+    fn poll_answered(
+        &mut self,
+        cx: &mut Context<'_>,
+        then: impl FnOnce(&mut Stream, &mut Context<'_>) -> Poll<io::Result<()>>,
+    ) -> Poll<io::Result<()>> {
+        if self.phase.load(Ordering::Relaxed) == ANSWERED {
+            std::task::ready!(self.poll_answer(cx))?;
+        }
+        then(&mut self.inner, cx)
+    }
+
     /// Whether a write is pingora's answer being replaced, after taking the answer over if this
     /// write starts it.
     fn answering(&mut self, first: &[u8]) -> bool {
@@ -246,9 +276,58 @@ struct Limits {
     timeout: Duration,
     /// `max_request_header_bytes`.
     bytes: usize,
-    /// `response_send_timeout`: how long closing may wait for the client to take what is
-    /// left to send.
+    /// `response_send_timeout`: how long a write or a close may wait for the client to take
+    /// what is left to send.
     send: Duration,
+}
+
+/// The timer of a write that waits for the client: started when the write first has to wait,
+/// stopped by any progress. Its sleep is kept between stalls, so a response that stalls again
+/// and again (one larger than the socket buffers, to a slow reader) allocates it once.
+#[derive(Default)]
+struct Stall {
+    /// Allocated by the first stall, reset by each later one.
+    alarm: Option<Pin<Box<Sleep>>>,
+    /// Whether a write is waiting now: the alarm times it. It stays set after the alarm fired,
+    /// or after its caller gave up on a waiting write (pingora's own body timeout): a later
+    /// write that has to wait, with nothing taken since, fails at once.
+    waiting: bool,
+}
+
+// === impl Stall ===
+
+impl Stall {
+    /// Passes on what a write (or flush, or close) `polled`; a write still waiting for the
+    /// client `limit` after it began to wait fails with `TimedOut` instead.
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        limit: Duration,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.waiting = false;
+            return polled;
+        }
+        if !self.waiting {
+            self.waiting = true;
+            let deadline = Instant::now() + limit;
+            match self.alarm.as_mut() {
+                Some(alarm) => alarm.as_mut().reset(deadline),
+                None => self.alarm = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+        }
+        match self.alarm.as_mut().map(|alarm| alarm.as_mut().poll(cx)) {
+            Some(Poll::Ready(())) => {
+                tracing::debug!(timeout = ?limit, "client took nothing of a response; connection dropped");
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client took nothing within response_send_timeout",
+                )))
+            }
+            _ => Poll::Pending,
+        }
+    }
 }
 
 /// The guard of the connection a session runs on, if it has one (HTTP/1 connections accepted
@@ -335,10 +414,12 @@ impl AsyncWrite for HeadGuard {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.answering(buf) {
-            return this.poll_answer(cx).map_ok(|()| buf.len());
-        }
-        Pin::new(&mut this.inner).poll_write(cx, buf)
+        let polled = if this.answering(buf) {
+            this.poll_answer(cx).map_ok(|()| buf.len())
+        } else {
+            Pin::new(&mut this.inner).poll_write(cx, buf)
+        };
+        this.stall.watch(cx, this.limits.send, polled)
     }
 
     fn poll_write_vectored(
@@ -351,11 +432,13 @@ impl AsyncWrite for HeadGuard {
             .iter()
             .find(|b| !b.is_empty())
             .map_or(&[][..], |b| &b[..]);
-        if this.answering(first) {
+        let polled = if this.answering(first) {
             let len = bufs.iter().map(|b| b.len()).sum();
-            return this.poll_answer(cx).map_ok(|()| len);
-        }
-        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+            this.poll_answer(cx).map_ok(|()| len)
+        } else {
+            Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+        };
+        this.stall.watch(cx, this.limits.send, polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -364,18 +447,14 @@ impl AsyncWrite for HeadGuard {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.phase.load(Ordering::Relaxed) == ANSWERED {
-            std::task::ready!(this.poll_answer(cx))?;
-        }
-        Pin::new(&mut this.inner).poll_flush(cx)
+        let polled = this.poll_answered(cx, |inner, cx| Pin::new(inner).poll_flush(cx));
+        this.stall.watch(cx, this.limits.send, polled)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.phase.load(Ordering::Relaxed) == ANSWERED {
-            std::task::ready!(this.poll_answer(cx))?;
-        }
-        Pin::new(&mut this.inner).poll_shutdown(cx)
+        let polled = this.poll_answered(cx, |inner, cx| Pin::new(inner).poll_shutdown(cx));
+        this.stall.watch(cx, this.limits.send, polled)
     }
 }
 

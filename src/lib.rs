@@ -16,8 +16,8 @@
 //! - [`proxy`]: the pingora `ProxyHttp` implementation: the request flow.
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`, `/admin/...`.
 //! - [`reload`]: live config reload; [`script_reload`]: live Lua script versions.
-//! - [`headguard`]: limits on request headers (deadline, size) and problem+json for the ones
-//!   pingora refuses itself.
+//! - [`headguard`]: limits on request headers (deadline, size), problem+json for the ones
+//!   pingora refuses itself, and a deadline on writes that wait for the client.
 //! - [`server`]: wires pingora services, logging and graceful shutdown.
 
 pub mod accesslog;
