@@ -524,6 +524,217 @@ async fn a_canary_redis_refuses_at_start_up_is_disabled_until_its_text_is_fixed(
     assert!(!store.scripts_status().canary.unwrap().rolled_back);
 }
 
+// === numbers the scripts give Redis ===
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// Put before a script's text: every `redis.call`/`redis.pcall` in it then fails on an
+/// argument that is a Lua number.
+///
+/// Redis 7.2.0-7.2.4 turn a Lua number argument into text with fpconv_dtoa, which writes
+/// 900000000 as "9e+08" (redis/redis#13113), so PEXPIRE fails after the script has written.
+/// The Redis these tests run (7.0) writes it as "900000000", so the bug itself never shows
+/// here; and a grep over the script sources would miss a number that reaches a call through a
+/// variable. This makes the scripts' own rule (every argument a string) checkable at run time
+/// on any Redis: a `local redis` shadows the global for the rest of the chunk, and wraps its
+/// `call`/`pcall` with a check of every argument's Lua type. It is stricter than the bug (any
+/// number fails, not only those with eight trailing zeros), so it does not depend on which
+/// values a test happens to pick.
+const STRICT_PROLOGUE: &str = "\
+local redis = (function(real)
+  local function strict(call)
+    return function(...)
+      for i = 1, select('#', ...) do
+        if type((select(i, ...))) == 'number' then
+          error('argument ' .. i .. ' of ' .. tostring((...)) .. ' is a Lua number', 2)
+        end
+      end
+      return call(...)
+    end
+  end
+  return setmetatable({call = strict(real.call), pcall = strict(real.pcall)}, {__index = real})
+end)(redis)
+";
+
+fn pttl(server: &RedisServer, key: &str) -> i64 {
+    server.cmd(&["PTTL", key])
+}
+
+/// The server's clock in milliseconds (what the scripts judge locks by).
+fn server_now_ms(server: &RedisServer) -> i64 {
+    let time: Vec<String> = server.cmd(&["TIME"]);
+    time[0].parse::<i64>().unwrap() * 1000 + time[1].parse::<i64>().unwrap() / 1000
+}
+
+/// Asserts that `key` lives `ms` from about now (a little less: time passed since it was set).
+fn assert_lives(server: &RedisServer, key: &str, ms: u64, what: &str) {
+    let left = pttl(server, key);
+    let ms = ms as i64;
+    assert!(
+        left <= ms && left > ms - 10_000,
+        "{what}: PTTL {left}, expected about {ms}"
+    );
+}
+
+/// Asserts that the record's lock deadline (field `l`) is a plain decimal about `lock` from now.
+fn assert_lock_deadline(server: &RedisServer, key: &str, lock: Duration, what: &str) {
+    let l = hget(server, key, "l").expect("lock deadline");
+    assert!(
+        !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()),
+        "{what}: lock deadline {l:?} is not a decimal integer"
+    );
+    let ahead = l.parse::<i64>().unwrap() - server_now_ms(server);
+    let lock = lock.as_millis() as i64;
+    assert!(
+        ahead <= lock && ahead > lock - 10_000,
+        "{what}: lock deadline {ahead} ms ahead, expected about {lock}"
+    );
+}
+
+/// Claims, renews, completes and releases records whose ttls in milliseconds end in eight or
+/// more zeros (250h, 1000h, 125d, 100000s), checking each record's life, state and lock
+/// deadline in Redis after every step.
+async fn trailing_zero_ttls_round_trip(server: &RedisServer, store: &RedisStore, version: &str) {
+    // Claimed (lock 100000s, ttl 250h), renewed by its owner, completed to live 1000h.
+    let key = fresh_key();
+    let name = store.record_key(&key);
+    let req = ClaimRequest {
+        lock_ttl: Duration::from_secs(100_000),
+        ttl: 250 * HOUR,
+        ..claim_request(&key)
+    };
+    for step in ["claim", "renewal"] {
+        let what = format!("{version} {step}");
+        let outcome = store
+            .claim(&req)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(
+            outcome,
+            ClaimOutcome::Acquired {
+                execution_id: req.execution_id
+            },
+            "{what}"
+        );
+        assert_eq!(hget(server, &name, "s").as_deref(), Some("i"), "{what}");
+        assert_lives(server, &name, 900_000_000, &what);
+        assert_lock_deadline(server, &name, req.lock_ttl, &what);
+    }
+    let done = store
+        .complete(&key, req.owner, response(), 1000 * HOUR)
+        .await;
+    assert_eq!(done.expect("complete"), WriteOutcome::Applied, "{version}");
+    assert_eq!(hget(server, &name, "s").as_deref(), Some("c"), "{version}");
+    assert_lives(server, &name, 3_600_000_000, &format!("{version} complete"));
+    let record = store.get(&key).await.expect("get").expect("record");
+    assert!(matches!(record.state, RecordState::Completed(_)));
+    let life = record.expires_in.expect("a completed record's life");
+    assert!(
+        life > 1000 * HOUR - 10 * SECOND && life <= 1000 * HOUR,
+        "{life:?}"
+    );
+
+    // A lock longer than the record's ttl (1000h against 100000s): the record lives as long as
+    // the lock. Released, then claimed again for 125d: the record's life grows to the lock's.
+    let key = fresh_key();
+    let name = store.record_key(&key);
+    let req = ClaimRequest {
+        lock_ttl: 1000 * HOUR,
+        ttl: Duration::from_secs(100_000),
+        ..claim_request(&key)
+    };
+    let what = format!("{version} long lock");
+    store
+        .claim(&req)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_lives(server, &name, 3_600_000_000, &what);
+    assert_lock_deadline(server, &name, req.lock_ttl, &what);
+    let released = store.release(&key, req.owner).await.expect("release");
+    assert_eq!(released, WriteOutcome::Applied, "{version}");
+    assert_eq!(hget(server, &name, "s").as_deref(), Some("r"), "{version}");
+    assert_lives(server, &name, 3_600_000_000, &format!("{version} release"));
+    let again = ClaimRequest {
+        owner: OwnerToken::random(),
+        execution_id: req.execution_id + 1,
+        lock_ttl: 125 * 24 * HOUR,
+        ttl: 250 * HOUR,
+        ..req.clone()
+    };
+    let what = format!("{version} re-claim");
+    let outcome = store
+        .claim(&again)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(
+        outcome,
+        ClaimOutcome::Acquired {
+            execution_id: req.execution_id
+        },
+        "{what}"
+    );
+    assert_eq!(hget(server, &name, "s").as_deref(), Some("i"), "{what}");
+    assert_lives(server, &name, 10_800_000_000, &what);
+    assert_lock_deadline(server, &name, again.lock_ttl, &what);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttls_ending_in_many_zeros_claim_complete_and_release_on_both_versions() {
+    let server = RedisServer::start();
+    for version in ["v1", "v2"] {
+        let store = store(&server, scripts(None, version, None)).await;
+        trailing_zero_ttls_round_trip(&server, &store, version).await;
+        assert_eq!(counts(&store, version).1, 0, "{version} script errors");
+    }
+}
+
+/// Fails on any Redis (7.0 here too) if a script gives `redis.call` a Lua number anywhere the
+/// conformance suite or the trailing-zero round trip drives it: each built-in version runs
+/// with [`STRICT_PROLOGUE`] in front of every script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_script_gives_redis_a_lua_number() {
+    let server = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    let strict = |_: &str, text: String| format!("{STRICT_PROLOGUE}{text}");
+    for version in ["v1", "v2"] {
+        let name = format!("{version}-strict");
+        script_dir(root.path(), &name, version, strict);
+        let store = store(&server, scripts(Some(root.path()), &name, None)).await;
+        trailing_zero_ttls_round_trip(&server, &store, &name).await;
+        conformance::run_all(|| {
+            let store = store.clone();
+            async move { store }
+        })
+        .await;
+        assert_eq!(counts(&store, &name).1, 0, "{name} script errors");
+    }
+
+    // The check itself: a claim that hands the record's life to PEXPIRE as a number, as the
+    // scripts did before, fails under it on this Redis, with a life of 60 s as with 250h.
+    script_dir(root.path(), "v2-number", "v2", |name, text| {
+        let text = strict(name, text);
+        if name != "claim" {
+            return text;
+        }
+        let edited = text.replace(
+            "redis.call('PEXPIRE', key, life)",
+            "redis.call('PEXPIRE', key, life_ms)",
+        );
+        assert_ne!(edited, text, "the claim script changed shape");
+        edited
+    });
+    let store = store(&server, scripts(Some(root.path()), "v2-number", None)).await;
+    let err = store
+        .claim(&claim_request(&fresh_key()))
+        .await
+        .expect_err("a Lua number reached PEXPIRE unnoticed");
+    assert!(
+        err.to_string()
+            .contains("argument 3 of PEXPIRE is a Lua number"),
+        "{err}"
+    );
+}
+
 // === through the proxy ===
 
 /// A proxy on `redis` with `scripts` as its `store.redis.scripts` block (flow style) and no

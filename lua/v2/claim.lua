@@ -8,8 +8,8 @@
 -- ARGV[1]  fingerprint of the request (32 raw bytes)
 -- ARGV[2]  owner token of the claimer (32 hex digits)
 -- ARGV[3]  execution id to keep if the record is created (decimal u64)
--- ARGV[4]  lock ttl, milliseconds (>= 1)
--- ARGV[5]  record ttl, milliseconds (>= 1)
+-- ARGV[4]  lock ttl, milliseconds (decimal integer >= 1, no sign or leading zeros)
+-- ARGV[5]  record ttl, milliseconds (likewise)
 --
 -- Reply:
 --   {1, execution_id}
@@ -34,6 +34,14 @@
 -- Fields: f fingerprint, x execution id, s state, o owner, l lock deadline (ms, server clock),
 -- p payload, w id of the last applied complete/release, v version of the script that last
 -- wrote the record (v2 and later stamp it; v1 leaves it as it is).
+--
+-- Numbers: every argument this script gives redis.call is a string. Redis 7.2.0-7.2.4 turn a
+-- Lua number argument into text with fpconv_dtoa, which writes a whole number ending in 8 or
+-- more zeros in exponent form (900000000 -> "9e+08", redis/redis#13113): PEXPIRE then fails with
+-- "value is not an integer" after this script's writes, and the record is left without an
+-- expiry. So a ttl goes on as the ARGV text the proxy sent, and the lock deadline as
+-- string.format('%.0f'), exact for every integer below 2^53 ('%d' casts to a C long, 32 bits
+-- on some builds).
 
 local VERSION = 'v2'
 
@@ -45,8 +53,13 @@ end
 local key = KEYS[1]
 local fingerprint, owner, execution_id = ARGV[1], ARGV[2], ARGV[3]
 local lock_ms, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-local life = math.max(ttl_ms, lock_ms)
+-- The record's life: a number to compare with, and the same as text to send (see Numbers).
+local life_ms, life = ttl_ms, ARGV[5]
+if lock_ms > ttl_ms then
+  life_ms, life = lock_ms, ARGV[4]
+end
 local now = now_ms()
+local lock_until = string.format('%.0f', now + lock_ms)
 
 -- HMGET answers false for a missing field, so the list has no holes to trip unpack.
 local f, x, s, o, l, p = unpack(redis.call('HMGET', key, 'f', 'x', 's', 'o', 'l', 'p'))
@@ -55,7 +68,7 @@ if not f then
   -- Absent. A hash without a fingerprint is no record any script writes: start afresh.
   redis.call('DEL', key)
   redis.call('HSET', key, 'f', fingerprint, 'x', execution_id, 's', 'i', 'o', owner,
-    'l', now + lock_ms, 'v', VERSION)
+    'l', lock_until, 'v', VERSION)
   redis.call('PEXPIRE', key, life)
   return {1, execution_id}
 end
@@ -71,8 +84,8 @@ if not (free and f == fingerprint) then
   end
   return {0, f, x, s, lock_left, p or ''}
 end
-redis.call('HSET', key, 's', 'i', 'o', owner, 'l', now + lock_ms, 'v', VERSION)
-if redis.call('PTTL', key) < life then
+redis.call('HSET', key, 's', 'i', 'o', owner, 'l', lock_until, 'v', VERSION)
+if redis.call('PTTL', key) < life_ms then
   redis.call('PEXPIRE', key, life)
 end
 return {1, x}

@@ -6,7 +6,8 @@
 -- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
 -- ARGV[1]  owner token of the caller (32 hex digits)
 -- ARGV[2]  the encoded completion (see src/store/codec.rs)
--- ARGV[3]  record ttl from now, milliseconds (>= 1)
+-- ARGV[3]  record ttl from now, milliseconds (decimal integer >= 1, no sign or leading zeros;
+--          it goes to PEXPIRE as this text, never as a Lua number: see claim.lua on numbers)
 -- ARGV[4]  write id: random per call, the same when the proxy sends this very call again
 --          (after a dropped connection, or on the active version after a canary failed)
 --
