@@ -27,7 +27,7 @@ use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::purge::PurgeBus;
-use crate::store::retry::{CompletionRetrier, RetryOptions};
+use crate::store::retry::{CompletionRetrier, LocalHooks, RetryOptions};
 use crate::store::{ForgetLocal, MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 
 /// Why the server could not start.
@@ -128,6 +128,24 @@ impl StoreStack {
                 Arc::new(move |key: &RecordKey| cache.forget(key))
             }
             None => Arc::new(|_: &RecordKey| {}),
+        }
+    }
+
+    /// What the completion retrier tells the local cache (nothing without one): a completion
+    /// that lost its key is dropped, and one the retry stored becomes a copy that a missed
+    /// purge can take ([`CachedStore::completion_stored`]).
+    fn retry_hooks(&self) -> LocalHooks {
+        match &self.cache {
+            Some(cache) => {
+                let cache = cache.clone();
+                LocalHooks {
+                    forget: self.forget_local(),
+                    stored: Arc::new(move |key: &RecordKey, execution_id: u64| {
+                        cache.completion_stored(key, execution_id)
+                    }),
+                }
+            }
+            None => LocalHooks::none(),
         }
     }
 }
@@ -444,7 +462,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         );
     }
     let (retrier, retry_worker) =
-        CompletionRetrier::new(stack.shared.clone(), stack.forget_local(), retry_options);
+        CompletionRetrier::new(stack.shared.clone(), stack.retry_hooks(), retry_options);
     register_store_metrics(&metrics, &retrier);
     metrics.pull_from(
         &in_flight,

@@ -206,10 +206,10 @@ async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
     // Listening again, B no longer trusts the copy it read before: it asks Redis, finds
     // nothing, and executes.
     let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let second = loop {
         let r = req.send(b.addr).await;
         if r.result() == Some("MISS") {
-            break;
+            break r;
         }
         assert_eq!(r.body, first.body);
         assert!(
@@ -217,9 +217,25 @@ async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
             "B still replays its copy of a record gone from Redis"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    };
     assert_eq!(backend.count(), 2);
     b.log_containing("dropped the local copies").await;
+    // A completed the record itself and Redis took it: listening again, A drops it as well,
+    // and replays what Redis holds now (B's execution), not the answer that was purged.
+    loop {
+        let r = req.send(a.addr).await;
+        if r.body != first.body {
+            assert_eq!((r.result(), &r.body), (Some("HIT"), &second.body));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "A still replays its own completion of a record gone from Redis"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(backend.count(), 2);
+    a.log_containing("dropped the local copies").await;
 }
 
 async fn two_replicas(backend: &Backend, url: &str) -> (Proxy, Proxy) {

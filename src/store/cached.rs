@@ -89,9 +89,8 @@ struct CacheEntry {
     execution_id: u64,
     completion: Completion,
     expires_at: Instant,
-    /// Read completed from the store (another replica's completion), not completed here: what
-    /// [`CachedStore::forget_copies`] drops.
-    copy: bool,
+    /// Whether a drop of every copy ([`CachedStore::forget_copies`]) takes it.
+    held: Held,
     size: usize,
     /// When the entry was inserted, in its shard's count: tells its place in `order` from a
     /// stale place left by an earlier entry of the same record.
@@ -125,12 +124,31 @@ struct Mark {
 /// Where an entry comes from, with the [`Mark`] taken before its data left for the store.
 #[derive(Clone, Copy, Debug)]
 enum Origin {
-    /// Completed here: not kept across a purge of its shard. A drop of every copy leaves it,
-    /// since it may be the only trace of a completion whose write is still being retried.
-    Completed(Mark),
+    /// Completed here, and the store took the write: a copy of a stored record like any other.
+    /// Not kept across a purge of its shard or a drop of every copy: the write may have landed
+    /// before a purge that the drop stands for.
+    Stored(Mark),
+    /// Completed here, and the store failed to take the write (it is retried in the
+    /// background): not kept across a purge of its shard. A drop of every copy leaves it, since
+    /// it is the only trace of the completion until the write lands.
+    Unstored(Mark),
     /// Read completed from the store: not kept across a purge of its shard or a drop of every
     /// copy.
     Copy(Mark),
+}
+
+/// Why an entry is held, which says whether a drop of every copy takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    /// The store has the record (read from it, or completed here and written to it): a purge
+    /// of it may be missed while the purge channel is down, so
+    /// [`CachedStore::forget_copies`] drops it.
+    Copy,
+    /// Completed here, the write still being retried: kept by a drop of every copy, so a retry
+    /// here replays it instead of executing again, until the retrier stores it
+    /// ([`CachedStore::completion_stored`]). `copy_resets` is its shard's count from before
+    /// the first write went out.
+    Unstored { copy_resets: u64 },
 }
 
 /// What an entry costs beyond its response and tenant: its map slot (twice, for the slack a hash
@@ -346,17 +364,23 @@ impl<S: RecordStore> CachedStore<S> {
         let mut cache = self.shard(&key.hash).lock();
         // Checked under the lock the counts change under, so a purge either came before (and
         // the entry is not kept) or comes after (and finds it).
-        let (copy, unchanged) = match origin {
-            Origin::Completed(mark) => (false, cache.purges == mark.purges),
-            Origin::Copy(mark) => (
-                true,
+        let (held, unchanged) = match origin {
+            Origin::Unstored(mark) => (
+                Held::Unstored {
+                    copy_resets: mark.copy_resets,
+                },
+                cache.purges == mark.purges,
+            ),
+            Origin::Stored(mark) | Origin::Copy(mark) => (
+                Held::Copy,
                 cache.purges == mark.purges && cache.copy_resets == mark.copy_resets,
             ),
         };
-        // A copy never replaces a live entry: one completed here says the same and may be the
-        // only trace of a write still being retried.
+        // A copy read from the store never replaces a live entry: one completed here says the
+        // same and may be the only trace of a write still being retried.
         let live = |e: &CacheEntry| e.expires_at > Instant::now();
-        if !unchanged || (copy && cache.map.get(&key.hash).is_some_and(live)) {
+        let read = matches!(origin, Origin::Copy(_));
+        if !unchanged || (read && cache.map.get(&key.hash).is_some_and(live)) {
             return false;
         }
         let seq = cache.next_seq;
@@ -367,7 +391,7 @@ impl<S: RecordStore> CachedStore<S> {
             execution_id: record.execution_id,
             completion,
             expires_at,
-            copy,
+            held,
             size,
             seq,
         };
@@ -409,27 +433,54 @@ impl<S: RecordStore> CachedStore<S> {
         }
     }
 
-    /// Drops every copy of a record read from the store, keeping the records completed here
-    /// (each may be the only trace of a completion whose write is still being retried). Called
-    /// whenever the purge channel is subscribed again: purges announced while it was not
-    /// listening were missed, and the copies are what they would have dropped. Returns how many
-    /// went.
+    /// Drops every entry of a record the store has: copies read from it, and completions of
+    /// this replica the store took. Keeps only the completions whose write is still being
+    /// retried (each is the only trace of its answer until the write lands). Called whenever
+    /// the purge channel is subscribed again: purges announced while it was not listening were
+    /// missed, and these entries are what they would have dropped. Returns how many went.
     pub fn forget_copies(&self) -> usize {
         let mut dropped = 0;
         for shard in self.cache.iter() {
             let mut cache = shard.lock();
-            // A copy whose read is out now is not kept when it lands.
+            // A copy whose read is out now, or a completion whose write is out now and then
+            // lands, is not kept when it comes back.
             cache.copy_resets += 1;
             let Cache { map, bytes, .. } = &mut *cache;
             map.retain(|_, e| {
-                if e.copy {
+                let copy = e.held == Held::Copy;
+                if copy {
                     *bytes -= e.size;
                     dropped += 1;
                 }
-                !e.copy
+                !copy
             });
         }
         dropped
+    }
+
+    /// The store took this replica's completion of `key` (execution `execution_id`) on a retry,
+    /// after its first write failed: the entry kept meanwhile is from now on a copy of a stored
+    /// record, which [`CachedStore::forget_copies`] drops. It goes at once instead when every
+    /// copy was dropped since the first write went out: the write may have landed before a
+    /// purge that drop stood for (a retry here then reads the record from the store).
+    pub fn completion_stored(&self, key: &RecordKey, execution_id: u64) {
+        let mut cache = self.shard(&key.hash).lock();
+        let resets = cache.copy_resets;
+        let Some(entry) = cache.map.get_mut(&key.hash) else {
+            return;
+        };
+        // Another entry of the record (a later execution's) is not this write's to settle.
+        let Held::Unstored { copy_resets } = entry.held else {
+            return;
+        };
+        if entry.tenant != key.tenant || entry.execution_id != execution_id {
+            return;
+        }
+        if copy_resets == resets {
+            entry.held = Held::Copy;
+        } else if let Some(e) = cache.map.remove(&key.hash) {
+            cache.bytes -= e.size;
+        }
     }
 
     /// Records held and bytes used by the local cache.
@@ -496,19 +547,21 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             .complete(key, owner, completion.clone(), ttl)
             .await;
         // Remember the outcome when it was stored, and also when the store failed: it is the
-        // backend's real answer, so replaying it here is right while the write is retried.
-        let keep = matches!(
-            written,
-            Ok(WriteOutcome::Applied) | Err(StoreError::Unavailable(_))
-        );
-        if let (true, Some(p)) = (keep, pending) {
+        // backend's real answer, so replaying it here is right while the write is retried (and
+        // the only trace of it until the retrier lands it: see `completion_stored`).
+        let origin = match written {
+            Ok(WriteOutcome::Applied) => Some(Origin::Stored(mark)),
+            Err(StoreError::Unavailable(_)) => Some(Origin::Unstored(mark)),
+            _ => None,
+        };
+        if let (Some(origin), Some(p)) = (origin, pending) {
             let record = Record {
                 fingerprint: p.fingerprint,
                 execution_id: p.execution_id,
                 state: RecordState::Completed(completion),
                 expires_in: None,
             };
-            self.remember(key, record, expires_at, Origin::Completed(mark));
+            self.remember(key, record, expires_at, origin);
         }
         written
     }
@@ -656,7 +709,7 @@ mod tests {
                 &key,
                 record,
                 Instant::now() + Duration::from_secs(60),
-                Origin::Completed(mark),
+                Origin::Stored(mark),
             );
         }
         let (records, bytes) = store.cache_usage();
@@ -702,7 +755,7 @@ mod tests {
         // A is cached, dropped (a purge) and cached again after B: A's first place is stale.
         let keep = |n: u32| {
             let k = key(n);
-            store.remember(&k, record(n), until, Origin::Completed(store.mark(&k.hash)))
+            store.remember(&k, record(n), until, Origin::Stored(store.mark(&k.hash)))
         };
         keep(0);
         store.forget(&key(0));
@@ -1057,21 +1110,47 @@ mod tests {
         );
     }
 
+    /// Claims `req` on `store` and completes it with a 201 of `body` while the shared store
+    /// refuses writes: the completion is kept locally, its write to be retried.
+    async fn executed_unstored(
+        store: &CachedStore<Shared>,
+        shared: &Shared,
+        req: &ClaimRequest,
+        body: &'static [u8],
+    ) {
+        store.claim(req).await.unwrap();
+        shared.set(Fault::CompleteFails);
+        let written = store.complete(&req.key, req.owner, response(body), req.ttl);
+        assert!(written.await.is_err());
+        shared.set(Fault::None);
+    }
+
     #[tokio::test]
-    async fn forgetting_copies_keeps_the_records_completed_here() {
+    async fn forgetting_copies_keeps_only_completions_whose_write_is_pending() {
         let (shared, a, b) = two_replicas();
-        let (mine, theirs) = (claim("t", 10), claim("t", 11));
-        for (store, req) in [(&b, &mine), (&a, &theirs)] {
-            executed(store, req, b"x").await;
-        }
+        let (stored, pending, theirs) = (claim("t", 10), claim("t", 11), claim("t", 12));
+        executed(&b, &stored, b"x").await;
+        executed_unstored(&b, &shared, &pending, b"x").await;
+        executed(&a, &theirs, b"x").await;
         let retry = retry_of(&theirs);
         b.claim(&retry).await.unwrap();
-        assert_eq!(b.cache_usage().0, 2, "B's completion and its copy of A's");
-        assert_eq!(b.forget_copies(), 1);
+        assert_eq!(
+            b.cache_usage().0,
+            3,
+            "B's two completions and its copy of A's"
+        );
+        assert_eq!(b.forget_copies(), 2);
         assert_eq!(b.cache_usage().0, 1);
-        assert!(b.cached(&mine.key).is_some(), "B's own completion stays");
+        assert!(
+            b.cached(&pending.key).is_some(),
+            "the only trace of a completion the store has not taken went"
+        );
+        assert!(
+            b.cached(&stored.key).is_none(),
+            "a completion the store took stayed"
+        );
         assert!(b.cached(&theirs.key).is_none());
-        // The bytes follow: the copy's are given back.
+        // The bytes follow: only the pending completion's are left.
         let (_, bytes) = b.cache_usage();
         let one = ENTRY_OVERHEAD + 1 + response_size(&response(b"x"));
         assert_eq!(bytes, one);
@@ -1080,6 +1159,129 @@ mod tests {
         b.claim(&retry).await.unwrap();
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls + 1);
         assert_eq!(b.stats().copied.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn a_completion_the_retrier_stores_goes_with_the_copies_from_then_on() {
+        use crate::store::retry::{CompletionRetrier, LocalHooks, PendingCompletion, RetryOptions};
+        let (shared, a, _b) = two_replicas();
+        let a = Arc::new(a);
+        let req = claim("t", 21);
+        executed_unstored(&a, &shared, &req, b"x").await;
+        // The retrier over the shared store, wired to A's cache as the server wires it.
+        let dir = tempfile::tempdir().unwrap();
+        let hooks = LocalHooks {
+            forget: {
+                let a = a.clone();
+                Arc::new(move |key: &RecordKey| a.forget(key))
+            },
+            stored: {
+                let a = a.clone();
+                Arc::new(move |key: &RecordKey, id: u64| a.completion_stored(key, id))
+            },
+        };
+        let options = RetryOptions {
+            base_delay: Duration::from_millis(5),
+            max_delay: Duration::from_millis(20),
+            dead_letter_path: dir.path().join("dead.jsonl"),
+            ..RetryOptions::default()
+        };
+        let (retrier, worker) = CompletionRetrier::new(shared.clone(), hooks, options);
+        tokio::spawn(worker);
+        retrier.submit(PendingCompletion {
+            key: req.key.clone(),
+            owner: req.owner,
+            completion: response(b"x"),
+            ttl: req.ttl,
+            execution_id: req.execution_id,
+            fingerprint: req.fingerprint,
+            lock_deadline: Instant::now() + req.lock_ttl,
+        });
+        for _ in 0..200 {
+            if retrier.pending() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
+        // Still answered here without a round trip...
+        let calls = shared.calls.load(Ordering::Relaxed);
+        assert!(matches!(
+            a.claim(&retry_of(&req)).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls, "no round trip");
+        // ...but a copy of a stored record now: a missed purge may have been for it.
+        assert_eq!(a.forget_copies(), 1);
+        assert!(a.cached(&req.key).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_completion_stored_after_every_copy_was_dropped_is_read_again() {
+        let (shared, a, _b) = two_replicas();
+        let req = claim("t", 22);
+        executed_unstored(&a, &shared, &req, b"x").await;
+        // The purge channel comes back while the write is retried: the entry stays.
+        assert_eq!(a.forget_copies(), 0);
+        // Another execution's write of the record says nothing about this one.
+        a.completion_stored(&req.key, req.execution_id + 1);
+        assert!(a.cached(&req.key).is_some());
+        assert_eq!(a.forget_copies(), 0);
+        // The retry lands. It may have landed before a purge the drop stood for: the entry
+        // goes at once, and the store answers.
+        a.completion_stored(&req.key, req.execution_id);
+        assert!(a.cached(&req.key).is_none(), "kept across a missed purge");
+        let calls = shared.calls.load(Ordering::Relaxed);
+        assert!(matches!(
+            a.claim(&retry_of(&req)).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls + 1);
+    }
+
+    #[tokio::test]
+    async fn a_completion_stored_while_every_copy_was_dropped_is_not_kept() {
+        let store = cached();
+        let req = claim("t", 23);
+        store.claim(&req).await.unwrap();
+        store.inner().set(Fault::Stall);
+        let writing = tokio::spawn({
+            let (store, req) = (store.clone(), req.clone());
+            async move {
+                store
+                    .complete(&req.key, req.owner, response(b"x"), req.ttl)
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // The purge channel comes back while the write is out, and the write then lands: it may
+        // have landed before a purge the drop stood for.
+        store.forget_copies();
+        store.inner().set(Fault::None);
+        assert_eq!(writing.await.unwrap().unwrap(), WriteOutcome::Applied);
+        assert!(
+            store.cached(&req.key).is_none(),
+            "kept across a missed purge"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_purge_missed_while_unsubscribed_takes_a_completion_of_this_replica_too() {
+        let (_shared, a, b) = two_replicas();
+        let req = claim("t", 20);
+        executed(&a, &req, b"first").await;
+        // Purged through B (its admin API) while A's purge channel is down: A misses it.
+        assert!(b.delete(&req.key).await.unwrap());
+        // A listens again and drops what the missed purges may have been for: the store took
+        // A's completion, so it is A's copy of a stored record like any other.
+        assert_eq!(a.forget_copies(), 1);
+        assert!(a.cached(&req.key).is_none(), "A kept the purged answer");
+        // A retry on A executes again, as one on B would: no replay of the purged answer.
+        let outcome = a.claim(&retry_of(&req)).await.unwrap();
+        assert!(
+            matches!(outcome, ClaimOutcome::Acquired { .. }),
+            "{outcome:?}"
+        );
     }
 
     fn response_size(completion: &Completion) -> usize {

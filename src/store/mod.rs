@@ -48,6 +48,11 @@ pub fn parse_digest(hex_digits: &str) -> Option<Digest> {
 /// purge announced by any replica, and when a completion lost its key to a newer execution.
 pub type ForgetLocal = Arc<dyn Fn(&RecordKey) + Send + Sync>;
 
+/// Tells this replica's local cache that the store took its completion of a record (by
+/// execution id) after the first write failed: the entry kept meanwhile is a copy of a stored
+/// record from then on.
+pub type StoredLocal = Arc<dyn Fn(&RecordKey, u64) + Send + Sync>;
+
 /// Identifies one record: the tenant (kept readable for key naming and admin) and the scoped hash.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RecordKey {

@@ -15,7 +15,10 @@
 //! reconcile (or re-inject) what the store never received. A `NotOwner` answer during a retry
 //! means the lock lapsed and another request took the key over: that response is dead-lettered
 //! too, since the store now belongs to the newer execution, and this replica's local copy of it
-//! is dropped so the replica replays what the store holds, like every other replica.
+//! is dropped so the replica replays what the store holds, like every other replica. A
+//! completion a retry stores is reported to the local cache too: its entry there was kept as the
+//! only trace of the answer, and is from then on a copy of a stored record, which a missed purge
+//! must be able to take ([`LocalHooks`]).
 //!
 //! The retrier writes to and reads from the shared store itself, beneath the local cache: the
 //! cache keeps the completion whose first write failed (it is the backend's real answer), so
@@ -40,7 +43,7 @@ use tokio::time::Instant;
 
 use super::{
     Completion, Digest, ForgetLocal, OwnerToken, Record, RecordKey, RecordState, RecordStore,
-    StoreError, WriteOutcome,
+    StoreError, StoredLocal, WriteOutcome,
 };
 
 /// Retry settings.
@@ -111,6 +114,26 @@ pub struct RetryStats {
     pub pending: AtomicUsize,
 }
 
+/// What the retrier tells the local cache in front of the store (nothing without one).
+#[derive(Clone)]
+pub struct LocalHooks {
+    /// Drops the local entry of a record whose completion lost to a newer execution.
+    pub forget: ForgetLocal,
+    /// The store took the completion of this record and execution id: the local entry kept
+    /// while the write was retried is now a copy of a stored record.
+    pub stored: StoredLocal,
+}
+
+impl LocalHooks {
+    /// Hooks for a store with no local cache in front.
+    pub fn none() -> Self {
+        LocalHooks {
+            forget: Arc::new(|_: &RecordKey| {}),
+            stored: Arc::new(|_: &RecordKey, _: u64| {}),
+        }
+    }
+}
+
 /// Handle to the background retrier.
 #[derive(Clone)]
 pub struct CompletionRetrier {
@@ -163,12 +186,12 @@ struct DeadLetters {
 // === impl CompletionRetrier ===
 
 impl CompletionRetrier {
-    /// Creates the retrier over `shared`, the store beneath any local cache, with `forget_local`
-    /// dropping a local copy that lost to a newer execution. The returned worker future must be
-    /// spawned (it ends when every handle is dropped and the queue is empty).
+    /// Creates the retrier over `shared`, the store beneath any local cache, with `local`
+    /// keeping that cache's entries true to what the retries find. The returned worker future
+    /// must be spawned (it ends when every handle is dropped and the queue is empty).
     pub fn new(
         shared: Arc<dyn RecordStore>,
-        forget_local: ForgetLocal,
+        local: LocalHooks,
         options: RetryOptions,
     ) -> (Self, impl std::future::Future<Output = ()> + Send) {
         let capacity = options.queue_capacity.max(1);
@@ -187,7 +210,7 @@ impl CompletionRetrier {
             jobs: jobs.clone(),
             capacity,
         };
-        let worker = run(shared, forget_local, options, rx, tx, dead, stats, jobs);
+        let worker = run(shared, local, options, rx, tx, dead, stats, jobs);
         (handle, worker)
     }
 
@@ -271,7 +294,7 @@ fn backoff(options: &RetryOptions, attempt: u32, lock_deadline: Instant) -> Dura
 #[allow(clippy::too_many_arguments)]
 async fn run(
     store: Arc<dyn RecordStore>,
-    forget_local: ForgetLocal,
+    local: LocalHooks,
     options: RetryOptions,
     mut rx: mpsc::Receiver<(Job, u32)>,
     tx: mpsc::Sender<(Job, u32)>,
@@ -288,7 +311,7 @@ async fn run(
         let dead = dead.clone();
         let stats = stats.clone();
         let jobs = jobs.clone();
-        let forget_local = forget_local.clone();
+        let local = local.clone();
         let requeue = tx.upgrade();
         tokio::spawn(async move {
             let Some(job) = jobs.get(id) else {
@@ -312,6 +335,9 @@ async fn run(
             };
             match written {
                 Written::Applied => {
+                    // Before the pending count drops: whoever waits for the retries to settle
+                    // finds the local cache told.
+                    (local.stored)(&job.key, job.execution_id);
                     stats.recovered.fetch_add(1, Ordering::Relaxed);
                     stats.pending.fetch_sub(1, Ordering::AcqRel);
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
@@ -322,17 +348,18 @@ async fn run(
                         state: RecordState::Completed(ref c),
                         ..
                     })) if *c == job.completion => {
+                        (local.stored)(&job.key, job.execution_id);
                         stats.recovered.fetch_add(1, Ordering::Relaxed);
                         stats.pending.fetch_sub(1, Ordering::AcqRel);
                         tracing::info!("a timed-out completion had been stored after all");
                     }
                     Ok(_) => {
-                        forget_local(&job.key);
+                        (local.forget)(&job.key);
                         dead.settle(&job, attempt + 1, "lock taken over", InStore::No)
                     }
                     // Unread: whether the earlier write landed is not known.
                     Err(e) => {
-                        forget_local(&job.key);
+                        (local.forget)(&job.key);
                         let reason = format!("lock taken over or record gone; record unread: {e}");
                         dead.settle(&job, attempt + 1, &reason, InStore::Unknown)
                     }
@@ -561,8 +588,24 @@ mod tests {
         }
     }
 
-    fn no_local_copies() -> ForgetLocal {
-        Arc::new(|_: &RecordKey| {})
+    fn no_local_copies() -> LocalHooks {
+        LocalHooks::none()
+    }
+
+    /// What the retrier reported stored: (record, execution id).
+    type Noted = Arc<Mutex<Vec<(RecordKey, u64)>>>;
+
+    /// Hooks that note what the retrier reports stored.
+    fn noting_stored() -> (LocalHooks, Noted) {
+        let noted = Arc::new(Mutex::new(Vec::new()));
+        let hooks = LocalHooks {
+            stored: {
+                let noted = noted.clone();
+                Arc::new(move |key: &RecordKey, id: u64| noted.lock().push((key.clone(), id)))
+            },
+            ..LocalHooks::none()
+        };
+        (hooks, noted)
     }
 
     async fn settle(r: &CompletionRetrier) {
@@ -581,14 +624,17 @@ mod tests {
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
         let job = claimed(store.as_ref(), 1).await;
         store.set(Fault::CompleteFails);
-        let (retrier, worker) =
-            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
+        let (hooks, stored) = noting_stored();
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), hooks, options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job.clone());
         tokio::time::sleep(Duration::from_millis(15)).await;
+        assert!(stored.lock().is_empty(), "reported stored while failing");
         store.set(Fault::None);
         settle(&retrier).await;
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
+        // The local cache hears of it: its entry is now a copy of a stored record.
+        assert_eq!(*stored.lock(), vec![(job.key.clone(), 42)]);
         let record = store.get(&job.key).await.unwrap().unwrap();
         assert_eq!(record.state, RecordState::Completed(job.completion));
         assert!(!dir.path().join("dead.jsonl").exists());
@@ -600,11 +646,15 @@ mod tests {
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
         let job = claimed(store.as_ref(), 2).await;
         store.set(Fault::Down);
-        let (retrier, worker) =
-            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
+        let (hooks, stored) = noting_stored();
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), hooks, options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job);
         settle(&retrier).await;
+        assert!(
+            stored.lock().is_empty(),
+            "a dead letter was reported stored"
+        );
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
         assert_eq!(line["attempts"], 3);
@@ -690,13 +740,14 @@ mod tests {
         // The "timed out" write did reach the store.
         let first = store.complete(&job.key, job.owner, job.completion.clone(), job.ttl);
         assert_eq!(first.await.unwrap(), WriteOutcome::Applied);
-        let (retrier, worker) =
-            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
+        let (hooks, stored) = noting_stored();
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), hooks, options(dir.path()));
         tokio::spawn(worker);
-        retrier.submit(job);
+        retrier.submit(job.clone());
         settle(&retrier).await;
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
         assert!(!dir.path().join("dead.jsonl").exists());
+        assert_eq!(*stored.lock(), vec![(job.key, 42)]);
     }
 
     #[tokio::test]
@@ -918,11 +969,14 @@ mod tests {
         // The store loses the claim (a failover without persistence) before a retry gets in.
         shared.set(Fault::None);
         assert!(shared.delete(&job.key).await.unwrap());
-        let forget: ForgetLocal = {
-            let cached = cached.clone();
-            Arc::new(move |key: &RecordKey| cached.forget(key))
+        let local = LocalHooks {
+            forget: {
+                let cached = cached.clone();
+                Arc::new(move |key: &RecordKey| cached.forget(key))
+            },
+            ..LocalHooks::none()
         };
-        let (retrier, worker) = CompletionRetrier::new(shared.clone(), forget, options(dir.path()));
+        let (retrier, worker) = CompletionRetrier::new(shared.clone(), local, options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job.clone());
         settle(&retrier).await;
