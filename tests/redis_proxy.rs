@@ -265,3 +265,74 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
     );
     assert_eq!(backend.count(), 2);
 }
+
+/// The proxy's sockets to `port`, as (timer kind, inode) from /proc/net/tcp: the connections
+/// whose socket inode the process holds.
+fn redis_sockets(pid: u32, port: u16) -> Vec<(String, String)> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| {
+            dir.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|target| {
+                    let t = target.to_string_lossy().into_owned();
+                    t.strip_prefix("socket:[")?
+                        .strip_suffix(']')
+                        .map(str::to_owned)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // local, remote, state, queues, "timer:expires", retransmits, uid, timeout, inode
+            let remote_port = u16::from_str_radix(cols.get(2)?.rsplit(':').next()?, 16).ok()?;
+            let established = *cols.get(3)? == "01";
+            let inode = cols.get(9)?.to_string();
+            let timer = cols.get(5)?.split(':').next()?.to_string();
+            (remote_port == port && established && inodes.contains(&inode))
+                .then_some((timer, inode))
+        })
+        .collect()
+}
+
+/// Every connection to Redis probes an idle peer (TCP keepalive): the purge channel only reads,
+/// and a connection dropped without a reset (a NAT, a vanished host) would otherwise leave it
+/// waiting for good, missing every purge from then on.
+#[tokio::test]
+async fn idle_redis_connections_are_kept_alive() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .start()
+        .await;
+    let first = Request::post("/orders")
+        .key("kept-alive")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(first.result(), Some("MISS"));
+    // The store's connection and the purge channel's, both idle now.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let sockets = loop {
+        let sockets = redis_sockets(proxy.pid(), redis.port);
+        if sockets.len() >= 2 || Instant::now() > deadline {
+            break sockets;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        sockets.len() >= 2,
+        "store and purge connections: {sockets:?}"
+    );
+    // Timer 2 is the keepalive timer; an idle socket without keepalive has none (0).
+    for (timer, inode) in &sockets {
+        assert_eq!(
+            timer, "02",
+            "socket {inode} has no keepalive timer: {sockets:?}"
+        );
+    }
+}

@@ -119,9 +119,12 @@ impl<S: RecordStore> Breaker<S> {
         if self.view.state() == CircuitState::Closed {
             return Ok(());
         }
-        let opened_at = *self.opened_at.lock();
-        let ready_to_probe = opened_at.is_none_or(|t| t.elapsed() >= self.options.open_for);
-        if !ready_to_probe {
+        let ready_to_probe = || {
+            self.opened_at
+                .lock()
+                .is_none_or(|t| t.elapsed() >= self.options.open_for)
+        };
+        if !ready_to_probe() {
             return Err(StoreError::Unavailable("circuit open".into()));
         }
         let Ok(_probe) = self.probing.try_lock() else {
@@ -131,6 +134,12 @@ impl<S: RecordStore> Breaker<S> {
         };
         if self.view.state() == CircuitState::Closed {
             return Ok(());
+        }
+        // Looked at again under the probe's lock: a probe that failed between the look above
+        // and this one opened the circuit anew, and another probe now would wait on the same
+        // dead store instead of failing fast for open_for.
+        if !ready_to_probe() {
+            return Err(StoreError::Unavailable("circuit open".into()));
         }
         self.set_state(CircuitState::HalfOpen);
         match self.inner.ping().await {

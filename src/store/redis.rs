@@ -214,8 +214,22 @@ enum Backend {
 /// TCP settings of every Redis connection. redis-rs leaves Nagle's algorithm on; with many small
 /// pipelined commands on one connection that met delayed ACKs and stalled calls for ~40 ms
 /// (seen as the keyed-miss benchmark's p99).
+///
+/// Keepalive probes after 10 s of silence (every 5 s, 3 unanswered end it) and a 20 s limit on
+/// unacknowledged data: a connection that a NAT, a load balancer or a vanished host dropped
+/// without a reset is found dead within about 25 s. The purge channel only ever reads, so
+/// without them its connection could wait for good, and purges from other replicas would be
+/// missed for as long as the process lives.
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
-    redis::io::tcp::TcpSettings::default().set_nodelay(true)
+    use redis::io::tcp::socket2::TcpKeepalive;
+    let keepalive = TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(5))
+        .with_retries(3);
+    redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive)
+        .set_user_timeout(Duration::from_secs(20))
 }
 
 /// A client for one server (`redis://` or `rediss://`), with the `store.redis.tls` certificates
