@@ -154,7 +154,19 @@ fn reconcile(config: &Config, dead_letters: &std::path::Path, apply: bool) -> Ex
     }
 }
 
+/// Ignores SIGHUP until the config watcher listens for it (it then triggers a reload). Its
+/// default action is to terminate: a config-reloader sidecar that signals while the process is
+/// still starting would stop it. One that arrives meanwhile is lost, which costs nothing: the
+/// watcher compares the file with what was loaded when it starts.
+fn ignore_sighup_until_watched() {
+    // SAFETY: sets the disposition of one signal to SIG_IGN; no handler of ours runs.
+    unsafe {
+        libc::signal(libc::SIGHUP, libc::SIG_IGN);
+    }
+}
+
 fn main() -> ExitCode {
+    ignore_sighup_until_watched();
     no_transparent_huge_pages();
     let cli = Cli::parse();
     let config = match Config::load(&cli.config) {

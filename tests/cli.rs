@@ -323,3 +323,80 @@ async fn the_proxy_runs_without_transparent_huge_pages() {
         .unwrap_or_default();
     assert_eq!(line.split_whitespace().nth(1), Some("0"), "{line}");
 }
+
+/// A SIGHUP while the process is still starting (a config-reloader sidecar that fires early)
+/// is not the default "terminate": the process starts and runs on.
+#[test]
+fn a_sighup_during_start_up_does_not_stop_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.yaml");
+    let (port, admin) = common::proxy::free_port_pair();
+    std::fs::write(
+        &path,
+        format!(
+            "listen: \"127.0.0.1:{port}\"\nadmin: {{listen: \"127.0.0.1:{admin}\"}}\n\
+             upstreams:\n  app:\n    addrs: [\"127.0.0.1:9\"]\nroutes: []\n"
+        ),
+    )
+    .unwrap();
+    /// Kills the process when the test ends, failed or not.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut guard = Killed(
+        idemgate()
+            .args(["--config", path.to_str().unwrap()])
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let child = &mut guard.0;
+    let pid = child.id() as libc::pid_t;
+    let started = std::time::Instant::now();
+    // Between exec and main nothing can hold a signal off: the signals start once the process
+    // ignores SIGHUP (its SigIgn mask in /proc), which it does from main's start until the
+    // config watcher catches the signal (a build that never ignores it fails here).
+    let ignores_sighup = || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|status| {
+                let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:"))?;
+                u64::from_str_radix(mask.trim(), 16).ok()
+            })
+            .is_some_and(|mask| mask & 1 << (libc::SIGHUP - 1) != 0)
+    };
+    while !ignores_sighup() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "SIGHUP was never ignored while starting"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "exited while starting");
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    let mut sent = 0;
+    // From the first moment, until the admin listener answers (then a little longer).
+    let mut ready_at = None;
+    while started.elapsed() < std::time::Duration::from_secs(10) {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("stopped by SIGHUP number {sent} while starting: {status:?}");
+        }
+        // SAFETY: kill(2) on the pid of a child this test spawned and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGHUP) };
+        sent += 1;
+        if ready_at.is_none() && std::net::TcpStream::connect(("127.0.0.1", admin)).is_ok() {
+            ready_at = Some(std::time::Instant::now());
+        }
+        if ready_at.is_some_and(|t| t.elapsed() > std::time::Duration::from_millis(300)) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(ready_at.is_some(), "never started");
+    assert!(child.try_wait().unwrap().is_none(), "still running");
+}
