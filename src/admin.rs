@@ -264,9 +264,24 @@ impl Admin {
             .await
             .unwrap_or_else(|e| Err(format!("reload task failed: {e}")));
         match result {
-            Ok(ReloadOutcome::Applied { hash }) => json(
+            Ok(ReloadOutcome::Applied {
+                hash,
+                restart_required,
+            }) => json(
                 StatusCode::OK,
-                serde_json::json!({ "result": "applied", "hash": hash }),
+                serde_json::json!({
+                    "result": "applied",
+                    "hash": hash,
+                    "restart_required": restart_required,
+                }),
+            ),
+            Ok(ReloadOutcome::RestartRequired { hash, settings }) => json(
+                StatusCode::OK,
+                serde_json::json!({
+                    "result": "restart_required",
+                    "hash": hash,
+                    "restart_required": settings,
+                }),
             ),
             Ok(ReloadOutcome::Unchanged) => {
                 json(StatusCode::OK, serde_json::json!({ "result": "unchanged" }))

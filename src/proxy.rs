@@ -109,6 +109,16 @@ impl Generation {
     }
 }
 
+impl Generation {
+    /// The resolved addresses of every upstream, in config order.
+    pub fn addresses(&self) -> Vec<Vec<std::net::SocketAddr>> {
+        self.pools
+            .iter()
+            .map(|pool| pool.backends.iter().map(|b| b.addr).collect())
+            .collect()
+    }
+}
+
 /// Round-robin over the resolved addresses of one upstream.
 pub struct UpstreamPool {
     /// The addresses as pingora peers, for requests that take pingora's proxy path.

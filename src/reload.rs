@@ -32,9 +32,28 @@ pub enum ReloadOutcome {
     Applied {
         /// Hash of the new config text.
         hash: String,
+        /// Settings that changed in the file but only take effect after a restart (their
+        /// running values stay).
+        restart_required: Vec<&'static str>,
+    },
+    /// The file changed only in settings read at start-up: nothing new is in force until a
+    /// restart (the file is taken as read, so the change is not reported again).
+    RestartRequired {
+        /// Hash of the new config text.
+        hash: String,
+        /// The settings that changed.
+        settings: Vec<&'static str>,
     },
     /// The file has not changed since the running config was loaded.
     Unchanged,
+}
+
+/// What a reload found in the file: the generation to swap in and what it changes.
+struct Found {
+    generation: Generation,
+    restart_required: Vec<&'static str>,
+    /// Whether anything in it takes effect (false: only restart-only settings changed).
+    takes_effect: bool,
 }
 
 /// Counters and timestamps of reloads, exported as metrics.
@@ -193,29 +212,55 @@ impl Reloader {
         let text_hash = std::fs::read(&self.path)
             .ok()
             .map(|t| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&t)));
+        // Asked for by someone (SIGHUP, the admin endpoint), not found by the watcher.
+        let forced = !matches!(trigger, "file change" | "poll");
         let result = Config::load(&self.path)
             .map_err(|e| e.to_string())
             .and_then(|config| {
                 let running = self.current.load();
                 if config.source_hash == running.config.source_hash {
-                    return Ok(None);
+                    // Upstream host names are resolved when a generation is built: a forced
+                    // reload of the same file looks them up again, and takes the result when
+                    // it differs (a backend that moved to another address).
+                    if !forced {
+                        return Ok(None);
+                    }
+                    let generation = Generation::new(config, &self.metrics)?;
+                    if generation.addresses() == running.addresses() {
+                        return Ok(None);
+                    }
+                    tracing::info!(trigger, "config unchanged; upstream addresses resolved anew");
+                    return Ok(Some(Found {
+                        generation,
+                        restart_required: Vec::new(),
+                        takes_effect: true,
+                    }));
                 }
                 // What is read only at start-up keeps its running value in the new generation,
                 // so the running config (and `/admin/config`) says what is in force and the
                 // next reload compares against that, warning again while the file differs.
                 let mut config = config;
                 let restart_only = keep_restart_only(&running.config, &mut config);
+                let takes_effect = {
+                    let mut same = config.clone();
+                    same.source_hash.clone_from(&running.config.source_hash);
+                    same != running.config
+                };
                 let generation = Generation::new(config, &self.metrics)?;
                 // Only for a config that goes live: refused content is tried again by the poll,
                 // and each try would repeat the warning.
                 if !restart_only.is_empty() {
-                    tracing::warn!(settings = ?restart_only, "these settings changed but only take effect after a restart; until then the running values stay");
+                    tracing::warn!(trigger, settings = ?restart_only, "these settings changed but only take effect after a restart; until then the running values stay");
                 }
                 warn_record_identity(&running.config, &generation.config);
                 for warning in generation.config.warnings() {
                     tracing::warn!("{warning}");
                 }
-                Ok(Some(generation))
+                Ok(Some(Found {
+                    generation,
+                    restart_required: restart_only,
+                    takes_effect,
+                }))
             });
         match result {
             Ok(None) => {
@@ -223,22 +268,33 @@ impl Reloader {
                 *self.refused.lock() = None;
                 Ok(ReloadOutcome::Unchanged)
             }
-            Ok(Some(generation)) => {
-                let hash = generation.config.source_hash.clone();
-                let generation = Arc::new(generation);
+            Ok(Some(found)) => {
+                let hash = found.generation.config.source_hash.clone();
+                let generation = Arc::new(found.generation);
+                // Swapped in even when nothing takes effect: the file is then taken as read,
+                // and the next look compares against it.
                 self.current.store(generation.clone());
                 for hook in self.on_swap.lock().iter() {
                     hook(&generation.config);
                 }
                 self.stats.last_successful.store(1, Ordering::Relaxed);
+                *self.refused.lock() = None;
+                if !found.takes_effect {
+                    return Ok(ReloadOutcome::RestartRequired {
+                        hash,
+                        settings: found.restart_required,
+                    });
+                }
                 self.stats
                     .last_success_unix
                     .store(now_unix(), Ordering::Relaxed);
                 self.stats.reloads.fetch_add(1, Ordering::Relaxed);
                 self.loaded_at.store(now_unix(), Ordering::Relaxed);
-                *self.refused.lock() = None;
                 tracing::info!(trigger, hash = %&hash[..12.min(hash.len())], "config reloaded");
-                Ok(ReloadOutcome::Applied { hash })
+                Ok(ReloadOutcome::Applied {
+                    hash,
+                    restart_required: found.restart_required,
+                })
             }
             Err(e) => {
                 // A watcher event or a poll retry of content already refused the same way is not

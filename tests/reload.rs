@@ -299,3 +299,60 @@ async fn a_file_written_in_place_goes_live_only_once_its_writer_closes_it() {
 async fn reloads(proxy: &common::Proxy) -> f64 {
     common::metric(&proxy.metrics().await, "idemgate_config_reloads_total").unwrap_or(0.0)
 }
+
+/// An edit of settings read only at start-up says so: the admin reload answers
+/// `restart_required` naming them, nothing counts as reloaded, and an edit that also changes
+/// something live is `applied` with the same list.
+#[tokio::test]
+async fn an_edit_of_restart_only_settings_is_reported_as_needing_a_restart() {
+    let backend = Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend)
+        .threads(1)
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    let reload = |proxy: &Proxy| {
+        let admin = proxy.admin;
+        async move {
+            Request::post("/admin/reload")
+                .header("Authorization", format!("Bearer {TOKEN}"))
+                .send(admin)
+                .await
+        }
+    };
+    let before = reloads(&proxy).await;
+    proxy.edit_config(Edit::Rename, |y| y.replacen("threads: 1", "threads: 3", 1));
+    let r = reload(&proxy).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    // The file watcher waits 150 ms after an edit; on a stalled machine it may find the edit
+    // first, and then the admin endpoint finds the file already taken as read.
+    let watcher_first = v["result"] == "unchanged"
+        && proxy
+            .log()
+            .lines()
+            .any(|l| l.contains("only take effect after a restart") && l.contains("file change"));
+    if !watcher_first {
+        assert_eq!(v["result"], "restart_required", "{v}");
+        assert_eq!(v["restart_required"], serde_json::json!(["threads"]), "{v}");
+    }
+    proxy.log_containing("settings=[\"threads\"]").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(reloads(&proxy).await, before, "nothing was reloaded");
+    // Taken as read: asked again, the same file is unchanged.
+    let again: serde_json::Value = serde_json::from_slice(&reload(&proxy).await.body).unwrap();
+    assert_eq!(again["result"], "unchanged", "{again}");
+
+    // A live change with it: applied, and the restart-only part still named.
+    proxy.edit_config(Edit::Rename, |y| {
+        y.replacen("threads: 3", "threads: 4", 1)
+            .replacen("key: required", "key: optional", 1)
+    });
+    let v: serde_json::Value = serde_json::from_slice(&reload(&proxy).await.body).unwrap();
+    if v["result"] != "unchanged" {
+        assert_eq!(v["result"], "applied", "{v}");
+        assert_eq!(v["restart_required"], serde_json::json!(["threads"]), "{v}");
+    }
+    wait_for_result(&proxy, "BYPASS", Duration::from_secs(5)).await;
+    assert_eq!(reloads(&proxy).await, before + 1.0);
+}
