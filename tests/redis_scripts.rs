@@ -506,6 +506,20 @@ async fn a_canary_redis_refuses_at_start_up_is_disabled_until_its_text_is_fixed(
         ScriptsApplied::Unchanged
     );
 
+    // A change to the active version goes live beside it: the canary, off, is not loaded
+    // again, and its refused text does not hold the change back.
+    let other_active = scripts(Some(root.path()), "v2", Some(canary("v3", 100, 20, 0.05)));
+    assert!(
+        matches!(
+            store.apply_scripts(&other_active).await,
+            Ok(ScriptsApplied::Applied { .. })
+        ),
+        "{:?}",
+        store.scripts_status().last_reload_error
+    );
+    assert_eq!(store.scripts_version(), "v2");
+    assert_eq!(store.canary_percent(), 0);
+
     // Other settings do not smuggle the refused text in without loading it.
     let half = scripts(Some(root.path()), "v1", Some(canary("v3", 50, 20, 0.05)));
     assert!(matches!(

@@ -614,7 +614,15 @@ impl RedisStore {
             &self.version_stats,
         );
         let mut loaded = Vec::new();
-        let versions = std::iter::once(&set.active).chain(set.canary.as_ref().map(|c| &c.version));
+        // A canary kept from the running set that is off already (rolled back, or refused
+        // when it was loaded) serves nothing: it is not loaded again, and text Redis refused
+        // then cannot hold back a change to the rest (a fix of the active version).
+        let serving_canary = set
+            .canary
+            .as_ref()
+            .filter(|c| !c.is_disabled())
+            .map(|c| &c.version);
+        let versions = std::iter::once(&set.active).chain(serving_canary);
         for version in versions {
             // Text already in force is loaded (or will be, by the warm-up or NOSCRIPT), unless
             // Redis refused it at start-up.
