@@ -59,7 +59,9 @@ const MAX_SHARDS: usize = 1 << 16;
 /// must not turn into a flood of full sweeps. Timed from the end, so a sweep of a large store
 /// that takes longer than this still leaves the shards alone in between. The price: a record
 /// that expired within this window may not be collected in time for a claim, which is then
-/// refused as if the store were full of live records.
+/// refused as if the store were full of live records (503; the client may retry). A completion
+/// does not pay it: it waits out the interval instead (see
+/// [`MemoryStore::sweep_for_completion`]).
 const ROOM_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
 
 /// A background round sweeps `1 / SWEEP_ROUNDS` of the shards, so each second's sweep costs an
@@ -87,9 +89,11 @@ pub struct MemoryStore {
     used: AtomicUsize,
     /// Records held, including expired ones not yet collected.
     records: AtomicUsize,
-    /// When the last make-room sweep ended; see [`ROOM_SWEEP_INTERVAL`]. Locked for the whole
-    /// of a sweep, so a write that finds it locked knows one is running.
-    last_room_sweep: Mutex<Option<Instant>>,
+    /// The last make-room sweep; see [`ROOM_SWEEP_INTERVAL`]. Locked for the whole of a sweep
+    /// (and by a completion waiting out the interval before its own), so a claim that finds it
+    /// locked knows one is running or about to. An async lock: a completion waits for it
+    /// without blocking a worker thread.
+    last_room_sweep: tokio::sync::Mutex<RoomSweep>,
     /// The first shard the next [`MemoryStore::sweep_round`] visits (modulo the shard count).
     sweep_cursor: AtomicUsize,
     /// What the entries' [`Moment`]s count from.
@@ -123,6 +127,15 @@ enum EntryState {
     Completed(Completion),
 }
 
+/// What the last make-room sweep left to go by.
+#[derive(Default)]
+struct RoomSweep {
+    /// When it began, on the store's clock: every record expired by then has been collected.
+    began: Option<Moment>,
+    /// When it ended; the next one starts [`ROOM_SWEEP_INTERVAL`] later at the earliest.
+    ended: Option<Instant>,
+}
+
 /// What one locked attempt at a write decided.
 enum Attempt<T> {
     Done(T),
@@ -148,7 +161,7 @@ impl MemoryStore {
             capacity: capacity_bytes,
             used: AtomicUsize::new(0),
             records: AtomicUsize::new(0),
-            last_room_sweep: Mutex::new(None),
+            last_room_sweep: tokio::sync::Mutex::default(),
             sweep_cursor: AtomicUsize::new(0),
             base: Instant::now(),
         }
@@ -230,8 +243,8 @@ impl MemoryStore {
         })
     }
 
-    /// Sweeps to make room for a write that did not fit, unless a sweep is running or the last
-    /// one ended within [`ROOM_SWEEP_INTERVAL`]. A write that does not sweep goes on as if the
+    /// Sweeps to make room for a claim that did not fit, unless a sweep is running or the last
+    /// one ended within [`ROOM_SWEEP_INTERVAL`]. A claim that does not sweep goes on as if the
     /// sweep had found nothing: it retries once and is refused if there is still no room.
     fn sweep_for_room(&self) {
         self.sweep_for_room_with(|| {
@@ -242,18 +255,63 @@ impl MemoryStore {
     /// [`MemoryStore::sweep_for_room`] with the sweep given (tests make it slow); returns whether
     /// it ran.
     fn sweep_for_room_with(&self, sweep: impl FnOnce()) -> bool {
-        // `try_lock`: a write that finds a sweep running must not queue behind it and then
+        // `try_lock`: a claim that finds a sweep running must not queue behind it and then
         // sweep again. The guard is held across the sweep, which locks shards one at a time;
         // no path takes this lock while holding a shard lock, and `try_lock` never waits.
-        let Some(mut last_end) = self.last_room_sweep.try_lock() else {
+        let Ok(mut last) = self.last_room_sweep.try_lock() else {
             return false;
         };
-        if last_end.is_some_and(|end| Instant::now() < end + ROOM_SWEEP_INTERVAL) {
+        if last
+            .ended
+            .is_some_and(|end| Instant::now() < end + ROOM_SWEEP_INTERVAL)
+        {
             return false;
         }
-        sweep();
-        *last_end = Some(Instant::now());
+        self.run_room_sweep(&mut last, sweep);
         true
+    }
+
+    /// Makes room for a completion that found no room at `found_full`: once every record that
+    /// had expired by then is collected, what it still does not fit in is live records.
+    ///
+    /// Unlike a refused claim (a 503 the client retries), a completion that gives up is kept
+    /// as not replayable for the record's whole ttl, so it does not skip the sweep as a claim
+    /// does: it waits for a running sweep and then, unless a sweep that began after
+    /// `found_full` has run meanwhile, waits out [`ROOM_SWEEP_INTERVAL`] and sweeps itself.
+    /// The wait (at most a running sweep, the interval and its own sweep) falls only on
+    /// completions that do not fit a full store; the spacing between sweeps still holds.
+    async fn sweep_for_completion(&self, found_full: Moment) {
+        self.sweep_for_completion_with(found_full, || {
+            self.sweep_expired();
+        })
+        .await;
+    }
+
+    /// [`MemoryStore::sweep_for_completion`] with the sweep given; returns whether it ran.
+    async fn sweep_for_completion_with(&self, found_full: Moment, sweep: impl FnOnce()) -> bool {
+        // Waiting completions queue here and the first one sweeps; those that found no room
+        // before that sweep began then return without sweeping again.
+        let mut last = self.last_room_sweep.lock().await;
+        if last.began.is_some_and(|began| began >= found_full) {
+            return false;
+        }
+        if let Some(end) = last.ended {
+            // Holding the lock: claims meanwhile skip the sweep as the interval has them do.
+            tokio::time::sleep_until(end + ROOM_SWEEP_INTERVAL).await;
+        }
+        self.run_room_sweep(&mut last, sweep);
+        true
+    }
+
+    /// Runs a make-room sweep with its lock held and notes when it began and ended.
+    fn run_room_sweep(&self, last: &mut RoomSweep, sweep: impl FnOnce()) {
+        // Read before the sweep reads the clock itself, so `began` never claims more than it did.
+        let began = self.now();
+        sweep();
+        *last = RoomSweep {
+            began: Some(began),
+            ended: Some(Instant::now()),
+        };
     }
 
     fn shard(&self, key: &RecordKey) -> &Shard {
@@ -401,15 +459,17 @@ impl RecordStore for MemoryStore {
             if let Attempt::Done(outcome) = self.try_complete(key, owner, &completion, extra, ttl) {
                 return Ok(outcome);
             }
-            self.sweep_for_room();
+            let found_full = self.now();
+            self.sweep_for_completion(found_full).await;
             if let Attempt::Done(outcome) = self.try_complete(key, owner, &completion, extra, ttl) {
                 return Ok(outcome);
             }
         }
-        // Still no room for the response. Refusing the write would leave the record in flight,
-        // so after its lock lapses a retry would execute the request a second time; dropping the
-        // record would do the same at once. Keeping it as Unreplayable costs no extra bytes and
-        // keeps the key spent: retries get a 409 instead of a second execution.
+        // Still no room for the response once expired records are gone. Refusing the write
+        // would leave the record in flight, so after its lock lapses a retry would execute the
+        // request a second time; dropping the record would do the same at once. Keeping it as
+        // Unreplayable costs no extra bytes and keeps the key spent: retries get a 409 instead
+        // of a second execution.
         let status = match &completion {
             Completion::Response(response) => response.status,
             Completion::Unreplayable { status } => *status,
@@ -737,6 +797,7 @@ mod tests {
     use crate::store::{conformance, StoredResponse};
 
     const SECOND: Duration = Duration::from_secs(1);
+    const MS: Duration = Duration::from_millis(1);
 
     #[test]
     fn a_map_slot_stays_small() {
@@ -1003,6 +1064,90 @@ mod tests {
         let record = store.get(&k).await.unwrap().unwrap();
         assert_eq!(record.state, RecordState::Completed(completion));
         assert_eq!(store.usage().unwrap().records, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_waits_out_the_room_sweep_interval_rather_than_lose_its_response() {
+        let store = MemoryStore::new(4 * CHARGE, 2);
+        let k = key(1);
+        let req = claim_req(&k, 60 * SECOND);
+        store.claim(&req).await.unwrap();
+        for n in 2..=4 {
+            store.claim(&claim_req(&key(n), 5 * SECOND)).await.unwrap();
+        }
+        // Just before those expire, a refused claim sweeps and finds nothing to collect.
+        tokio::time::advance(5 * SECOND - 10 * MS).await;
+        assert!(matches!(
+            store.claim(&claim_req(&key(5), 60 * SECOND)).await,
+            Err(StoreError::Full { .. })
+        ));
+        // Now they have expired, uncollected, and the last sweep ended within the interval.
+        tokio::time::advance(20 * MS).await;
+        assert_eq!(store.usage().unwrap().records, 4);
+        let completion = response(100);
+        let started = Instant::now();
+        let done = store
+            .complete(&k, req.owner, completion.clone(), 60 * SECOND)
+            .await
+            .unwrap();
+        assert_eq!(done, WriteOutcome::Applied);
+        let record = store.get(&k).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed(completion));
+        assert_eq!(store.usage().unwrap().records, 1);
+        // It waited for the rest of the interval, no longer.
+        assert_eq!(started.elapsed(), 30 * MS);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_waits_for_a_running_room_sweep_rather_than_lose_its_response() {
+        let store = Arc::new(MemoryStore::new(4 * CHARGE, 2));
+        let k = key(1);
+        let req = claim_req(&k, 60 * SECOND);
+        store.claim(&req).await.unwrap();
+        for n in 2..=4 {
+            store.claim(&claim_req(&key(n), 5 * SECOND)).await.unwrap();
+        }
+        tokio::time::advance(6 * SECOND).await;
+        // Stands for a make-room sweep that is running and, begun before the records expired,
+        // collects none of them.
+        let running = store.last_room_sweep.try_lock().unwrap();
+        let completion = response(100);
+        let completing = tokio::spawn({
+            let (store, k, completion) = (Arc::clone(&store), k.clone(), completion.clone());
+            async move {
+                store
+                    .complete(&k, req.owner, completion, 60 * SECOND)
+                    .await
+                    .unwrap()
+            }
+        });
+        tokio::time::sleep(MS).await;
+        assert!(
+            !completing.is_finished(),
+            "the completion did not wait for the running sweep"
+        );
+        drop(running);
+        assert_eq!(completing.await.unwrap(), WriteOutcome::Applied);
+        let record = store.get(&k).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed(completion));
+        assert_eq!(store.usage().unwrap().records, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn completions_that_queue_behind_a_room_sweep_share_it() {
+        let store = MemoryStore::new(1 << 20, 2);
+        let swept = std::cell::Cell::new(0);
+        let count = || swept.set(swept.get() + 1);
+        let found_full = store.now();
+        assert!(store.sweep_for_completion_with(found_full, count).await);
+        // Found no room before that sweep began: it has collected what they were waiting for.
+        assert!(!store.sweep_for_completion_with(found_full, count).await);
+        // Found no room after it began: sweeps again, once the interval has passed.
+        tokio::time::advance(MS).await;
+        let started = Instant::now();
+        assert!(store.sweep_for_completion_with(store.now(), count).await);
+        assert_eq!(started.elapsed(), ROOM_SWEEP_INTERVAL - MS);
+        assert_eq!(swept.get(), 2);
     }
 
     #[tokio::test(start_paused = true)]
