@@ -6,13 +6,14 @@
 //! two shard locks at once, so there is no global lock on the hot path and no lock ordering to
 //! get wrong. Expired records are treated as absent on every access and removed then; a
 //! background sweeper ([`MemoryStore::sweep_round`], an eighth of the shards per round) and a
-//! full sweep before refusing for lack of room collect the rest. When full the store refuses
-//! new claims rather than forget a live record.
+//! full sweep before refusing for lack of room collect the rest; a sweep also shrinks a table
+//! its records have mostly left. When full the store refuses new claims rather than forget a
+//! live record.
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{Hash, Hasher, RandomState};
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -208,7 +209,8 @@ impl MemoryStore {
 
     fn sweep_shard(&self, shard: &Shard, now: Moment) -> usize {
         let mut removed = 0;
-        shard.lock().retain(|_, entry| {
+        let mut map = shard.lock();
+        map.retain(|_, entry| {
             if entry.expired(now) {
                 self.forget(entry);
                 removed += 1;
@@ -217,6 +219,7 @@ impl MemoryStore {
                 true
             }
         });
+        shrink_if_sparse(&mut map);
         removed
     }
 
@@ -756,6 +759,24 @@ impl PartialEq for MapKey {
 
 impl Eq for MapKey {}
 
+/// Gives back most of a table its records have left. A map never shrinks by itself, but a
+/// record is charged for its slot only as a table that grows would hold it (at least 7/16 of
+/// the slots filled, see [`record_overhead`]): after a burst of records has expired and been
+/// collected, the empty table would stay allocated and uncharged, and the freed capacity could
+/// fill with new records on top of it. Holding less than a quarter of what it has room for
+/// (7/32 of its slots), the table is rebuilt to fit its records, which fills it above 7/16
+/// again (tables of a few slots aside), so their charge covers it. Not sooner: a table
+/// just below 7/16 would be rebuilt and then doubled back by the next inserts, one rehash of
+/// the shard under its lock each, every sweep; between 7/32 and 7/16 full it may take up to
+/// twice what its records are charged for slots. A rebuild moves every record once, about
+/// what the insert that doubled the table did, and happens only after at least as many
+/// records have gone.
+fn shrink_if_sparse<S: BuildHasher>(map: &mut HashMap<MapKey, Entry, S>) {
+    if map.len() < map.capacity() / 4 {
+        map.shrink_to(map.len());
+    }
+}
+
 /// The `index`-th little-endian 64-bit word of a digest (`index` < 4).
 fn digest_word(digest: &Digest, index: usize) -> u64 {
     let mut word = [0u8; 8];
@@ -813,7 +834,6 @@ mod tests {
         // A digest's words alone must not decide where it lands: the same key hashes
         // differently in every map (each has its own random keys), so ground keys cannot be
         // aimed at one table slot.
-        use std::hash::BuildHasher;
         let store = MemoryStore::new(1 << 20, 4);
         let k = MapKey::from(&key(1));
         let hashes: std::collections::HashSet<u64> = store
@@ -1148,6 +1168,43 @@ mod tests {
         assert!(store.sweep_for_completion_with(store.now(), count).await);
         assert_eq!(started.elapsed(), ROOM_SWEEP_INTERVAL - MS);
         assert_eq!(swept.get(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sweep_shrinks_a_table_its_records_have_left() {
+        // One shard: one table takes every record.
+        let store = MemoryStore::new(1 << 30, 1);
+        let random_key = || RecordKey {
+            tenant: "t".into(),
+            hash: rand::random(),
+        };
+        let burst = 4096;
+        for _ in 0..burst {
+            store
+                .claim(&claim_req(&random_key(), SECOND))
+                .await
+                .unwrap();
+        }
+        for _ in 0..20 {
+            store
+                .claim(&claim_req(&random_key(), 60 * SECOND))
+                .await
+                .unwrap();
+        }
+        assert!(store.shards[0].lock().capacity() > burst);
+        tokio::time::advance(2 * SECOND).await;
+        assert_eq!(store.sweep_expired(), burst);
+        let map = store.shards[0].lock();
+        assert_eq!(map.len(), 20);
+        // The table's slots (a power of two, 8/7 of its capacity) take no more than its
+        // records are charged for slots, as when it had grown to hold them.
+        let slots = (map.capacity() * 8 / 7).next_power_of_two();
+        let table = slots * (std::mem::size_of::<(MapKey, Entry)>() + 1);
+        assert!(
+            table <= map.len() * SLOT_BYTES,
+            "{slots} slots ({table} bytes) left for {} records",
+            map.len()
+        );
     }
 
     #[tokio::test(start_paused = true)]
