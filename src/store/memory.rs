@@ -1,10 +1,10 @@
 //! The embedded record store: in-process, sharded, TTL-evicting, bounded by a byte capacity.
 //!
 //! Records live in a fixed set of shards, each a `parking_lot::Mutex<HashMap>`; the shard is
-//! picked from the record hash (already SHA-256, so its bytes are uniform and need no rehash).
-//! Every operation locks exactly one shard and never across an `.await`, and no code path holds
-//! two shard locks at once, so there is no global lock on the hot path and no lock ordering to
-//! get wrong. Expired records are treated as absent on every access and removed then; a
+//! picked by a hash of the record hash keyed per store, so clients cannot choose it. Every
+//! operation locks exactly one shard and never across an `.await`, and no code path holds two
+//! shard locks at once, so there is no global lock on the hot path and no lock ordering to get
+//! wrong. Expired records are treated as absent on every access and removed then; a
 //! background sweeper ([`MemoryStore::sweep_round`], an eighth of the shards per round) and a
 //! full sweep before refusing for lack of room collect the rest; a sweep also shrinks a table
 //! its records have mostly left. When full the store refuses new claims rather than forget a
@@ -85,6 +85,8 @@ pub struct MemoryStore {
     shards: Box<[Shard]>,
     /// `shards.len() - 1`; the shard count is a power of two.
     shard_mask: usize,
+    /// Random keys for picking a record's shard; see [`MemoryStore::shard`].
+    shard_keys: RandomState,
     capacity: usize,
     /// Bytes charged by live (and not yet collected expired) records; never exceeds `capacity`.
     used: AtomicUsize,
@@ -159,6 +161,7 @@ impl MemoryStore {
         MemoryStore {
             shards,
             shard_mask: count - 1,
+            shard_keys: RandomState::new(),
             capacity: capacity_bytes,
             used: AtomicUsize::new(0),
             records: AtomicUsize::new(0),
@@ -318,10 +321,22 @@ impl MemoryStore {
     }
 
     fn shard(&self, key: &RecordKey) -> &Shard {
-        // Low bits of the first digest word pick the shard; the map inside hashes the second
-        // word, so the two choices stay independent.
-        let index = digest_word(&key.hash, 0) as usize & self.shard_mask;
-        &self.shards[index]
+        &self.shards[self.shard_index(&key.hash)]
+    }
+
+    /// The shard for a record hash: the first digest word through SipHash with this store's
+    /// random keys. Record hashes are SHA-256 of what clients send, so a client grinding a few
+    /// thousand tries per key can fix any dozen bits of them; were those bits the index, it
+    /// could pile its records into one shard, whose lock and table would then take all its
+    /// traffic while the capacity is sized as if spread. It cannot aim at keys it does not
+    /// know. The cost is one more short SipHash per operation (~15 ns; a multiply by a random
+    /// odd constant is ~1 ns, but it is linear enough that placements, were they observed,
+    /// would give its key away). The map inside hashes the second word with its own keys, so
+    /// the two choices stay independent.
+    fn shard_index(&self, hash: &Digest) -> usize {
+        let mixed = self.shard_keys.hash_one(digest_word(hash, 0));
+        // Truncating is fine: only the low bits are kept.
+        mixed as usize & self.shard_mask
     }
 
     /// Charges `bytes` against the capacity if they fit; never lets `used` exceed `capacity`.
@@ -730,8 +745,8 @@ impl<'a> Borrow<dyn KeyView + 'a> for MapKey {
 
 impl Hash for dyn KeyView + '_ {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        // Word 0 chose the shard; word 1, through the shard's keyed hasher, places the key
-        // within it.
+        // Word 0, through the store's keyed hash, chose the shard; word 1, through the shard's
+        // keyed hasher, places the key within it.
         state.write_u64(digest_word(self.digest(), 1));
     }
 }
@@ -846,12 +861,61 @@ mod tests {
         assert!(!hashes.contains(&plain), "the digest word is not the hash");
     }
 
+    /// The shard index each digest gets in `store`.
+    fn placement(store: &MemoryStore, digests: &[Digest]) -> Vec<usize> {
+        digests
+            .iter()
+            .map(|&hash| {
+                let k = RecordKey {
+                    tenant: "t".into(),
+                    hash,
+                };
+                let shard = store.shard(&k);
+                store
+                    .shards
+                    .iter()
+                    .position(|s| std::ptr::eq(s, shard))
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn clients_cannot_choose_the_shard() {
+        // What grinding buys: digests that agree on any bits a client picks, here the whole
+        // low half of the first word. They must still spread, and differently in every store.
+        let digests: Vec<Digest> = (0..256u32)
+            .map(|n| {
+                let mut hash = [0u8; 32];
+                hash[4..8].copy_from_slice(&n.to_le_bytes());
+                hash
+            })
+            .collect();
+        let stores = [MemoryStore::new(1 << 20, 16), MemoryStore::new(1 << 20, 16)];
+        let placements = stores.map(|store| placement(&store, &digests));
+        for shards in &placements {
+            let mut load = [0usize; 16];
+            for &shard in shards {
+                load[shard] += 1;
+            }
+            // 16 a shard on average: fewer than 8 shards used, or more than 64 records in one,
+            // has a chance below 1e-20.
+            let used = load.iter().filter(|&&n| n > 0).count();
+            let most = load.iter().max().copied().unwrap_or(0);
+            assert!(used >= 8 && most <= 64, "shard loads {load:?}");
+        }
+        assert_ne!(
+            placements[0], placements[1],
+            "two stores put the same digests in the same shards"
+        );
+    }
+
     /// What a record of [`key`] is charged before any response.
     const CHARGE: usize = record_overhead(1);
 
     fn key(n: u8) -> RecordKey {
         let mut hash = [0u8; 32];
-        // Vary the first byte so keys spread over shards, and the last so they differ anyway.
+        // Vary the first word so keys spread over shards, and the last so they differ anyway.
         hash[0] = n;
         hash[31] = n;
         RecordKey {
@@ -1016,9 +1080,14 @@ mod tests {
             .unwrap();
         tokio::time::advance(2 * SECOND).await;
         let removed: Vec<usize> = (0..SWEEP_ROUNDS).map(|_| store.sweep_round()).collect();
+        // Shards are picked with random keys: count the expired records the first round's
+        // shards (the first eighth) hold, about 20 of the 160.
+        let first_slice = (1..=160)
+            .filter(|&n| store.shard_index(&key(n).hash) < 16 / SWEEP_ROUNDS)
+            .count();
         assert!(
-            removed[0] > 0 && removed[0] < 160 / 4,
-            "one round visits an eighth of the shards: {removed:?}"
+            removed[0] == first_slice && removed[0] > 0 && removed[0] < 160 / 2,
+            "one round visits an eighth of the shards ({first_slice} expired there): {removed:?}"
         );
         assert_eq!(removed.iter().sum::<usize>(), 160, "{removed:?}");
         assert_eq!(store.sweep_round(), 0);
