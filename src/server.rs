@@ -836,15 +836,17 @@ impl ShutdownSignalWatch for Signals {
 }
 
 /// Waits until no request is in flight and no completion waits for the store, for two
-/// consecutive looks, then exits 0. Says so once when `grace_period` runs out first: the
-/// requests still in flight are about to be cut off.
+/// consecutive looks, then exits 0. When `grace_period` runs out first, says so once for the
+/// requests still in flight (they are about to be cut off), and dead-letters the completions
+/// still waiting for the store, then and at every look after.
 fn exit_when_drained(
     in_flight: &InFlightCounter,
     retrier: &CompletionRetrier,
     grace_period: Duration,
     on_exit: fn(),
 ) {
-    // Told a little before the end, while the log still has time to reach its file.
+    // A little before the end, while the log still has time to reach its file and the
+    // dead-letter file time to take what waits.
     let deadline =
         std::time::Instant::now() + grace_period.saturating_sub(Duration::from_millis(250));
     let mut told = false;
@@ -852,7 +854,8 @@ fn exit_when_drained(
     std::thread::sleep(Duration::from_millis(200));
     let mut idle_looks = 0;
     loop {
-        if !told && std::time::Instant::now() >= deadline && in_flight.get() > 0 {
+        let past_deadline = std::time::Instant::now() >= deadline;
+        if !told && past_deadline && in_flight.get() > 0 {
             told = true;
             tracing::error!(
                 requests = in_flight.get(),
@@ -860,6 +863,22 @@ fn exit_when_drained(
                  off, a keyed one's key stays locked until lock_ttl and a retry after that \
                  executes it again"
             );
+        }
+        if past_deadline {
+            // Nothing waits for the retries any longer. Left to the end of `run`, they would be
+            // written only once pingora has stopped its runtimes (up to
+            // graceful_shutdown_timeout later), and a SIGKILL before that (a Kubernetes
+            // terminationGracePeriodSeconds that leaves no room for it) would lose them all.
+            // Again at every look: a completion of a request still in flight may come after.
+            let left = retrier
+                .dead_letter_pending("shutdown.grace_period ran out before the store took it");
+            if left > 0 {
+                tracing::error!(
+                    completions = left,
+                    "shutdown.grace_period ran out with completions the store never took; \
+                     dead-lettered"
+                );
+            }
         }
         if in_flight.get() == 0 && retrier.pending() == 0 {
             idle_looks += 1;

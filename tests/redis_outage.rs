@@ -675,3 +675,97 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
         proxy.log()
     );
 }
+
+/// Whether a thread of process `pid` waits in `open` of a FIFO no one writes.
+fn blocked_on_a_fifo(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|task| {
+        std::fs::read_to_string(task.path().join("wchan")).is_ok_and(|w| w == "wait_for_partner")
+    })
+}
+
+/// A completion still waiting for Redis when shutdown.grace_period runs out is dead-lettered
+/// then, by the drain, not once pingora has stopped its runtimes: that takes up to
+/// graceful_shutdown_timeout more, and a SIGKILL meanwhile (a terminationGracePeriodSeconds
+/// with no room for it) lost every such completion.
+///
+/// Something must keep a runtime from stopping, or the two moments are a few milliseconds
+/// apart: the config file becomes a FIFO no one writes, so the config watcher's read of it
+/// blocks its runtime's shutdown for the whole graceful_shutdown_timeout (60 s). Ten seconds
+/// after the SIGTERM (grace period 2 s) is then far from both moments, whatever the load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_waiting_when_the_grace_period_ends_is_dead_lettered_before_the_runtimes_stop()
+{
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    // Retried while the 60 s lock holds: only the shutdown can dead-letter it.
+    let mut proxy = builder(&backend, &redis)
+        .store(&format!(
+            "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 200ms, dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .idem("lock_ttl: 60s")
+        .top("shutdown: {grace_period: 2s, graceful_shutdown_timeout: 60s}")
+        .start()
+        .await;
+    let first = Request::post("/orders/slow/500")
+        .key("drain")
+        .body("{}")
+        .spawn_send(proxy.addr);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    redis.kill();
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    proxy
+        .metrics_containing("idemgate_completion_retry_pending 1")
+        .await;
+
+    let fifo = dir.path().join("config.fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+    std::fs::rename(&fifo, &proxy.config_path).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !blocked_on_a_fifo(proxy.pid()) {
+        assert!(Instant::now() < deadline, "the config read never blocked");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    proxy.signal("TERM");
+    let termed = Instant::now();
+    let text = loop {
+        let text = std::fs::read_to_string(&dead).unwrap_or_default();
+        if !text.is_empty() {
+            break text;
+        }
+        assert!(
+            termed.elapsed() < Duration::from_secs(10),
+            "no dead letter 10 s after SIGTERM:\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let line: serde_json::Value = serde_json::from_str(text.trim_end()).unwrap();
+    assert_eq!(
+        line["reason"], "shutdown.grace_period ran out before the store took it",
+        "{text}"
+    );
+    assert_eq!(line["in_store"], "unknown");
+    assert_eq!(line["response"]["status"], 201);
+    // With nothing left in flight or waiting, the drain exits at once: no wait on the runtimes.
+    let (status, proxy) =
+        tokio::task::spawn_blocking(move || (proxy.wait_exit(Duration::from_secs(5)), proxy))
+            .await
+            .unwrap();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        proxy.log()
+    );
+    assert!(proxy
+        .log()
+        .contains("ran out with completions the store never took"));
+}

@@ -9,7 +9,8 @@
 //! completion before another request can claim the key. (Attempts made while the circuit
 //! breaker is open fail at once; a fixed attempt budget used to run out during a few seconds'
 //! outage, and the key then executed again once its lock lapsed.) A completion still waiting when
-//! the process stops is dead-lettered then ([`CompletionRetrier::dead_letter_pending`]).
+//! a shutdown's grace period runs out, or when the process stops, is dead-lettered then
+//! ([`CompletionRetrier::dead_letter_pending`]).
 //!
 //! The dead-letter file is JSON lines, one record per line, body in base64, so an operator can
 //! reconcile (or re-inject) what the store never received. A `NotOwner` answer during a retry
@@ -257,6 +258,12 @@ impl CompletionRetrier {
 
     /// Dead-letters every completion still waiting: the process is stopping and nothing will
     /// retry them (the shutdown drain waited as long as it could). Returns how many.
+    ///
+    /// Safe beside retry tasks still running: a job is taken out of `Jobs` under its lock
+    /// by exactly one settler, so a task whose write comes back after this finds its job gone
+    /// and leaves it (a write of it that lands is what `in_store: unknown` says may happen). A
+    /// job a task holds between taking it and putting it back for another attempt is not seen
+    /// here: it is back in a moment, and a later call takes it.
     pub fn dead_letter_pending(&self, reason: &str) -> usize {
         let waiting: Vec<PendingCompletion> = {
             let mut w = self.jobs.waiting.lock();
