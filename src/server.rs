@@ -581,6 +581,8 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             "stopping with completions the store never took; dead-lettered"
         );
     }
+    // Their lines are written by the dead-letter thread, which dies with the process.
+    retrier.flush_dead_letters();
     on_exit();
     Ok(())
 }

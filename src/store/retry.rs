@@ -21,6 +21,13 @@
 //! only trace of the answer, and is from then on a copy of a stored record, which a missed purge
 //! must be able to take ([`LocalHooks`]).
 //!
+//! Dead-letter lines are written by a thread of their own, never by the caller: each write takes
+//! an exclusive `flock` (another process may hold it: the other half of a rolling restart) and
+//! an fsync, and during an outage every keyed completion may be dead-lettered, so on a request
+//! thread each would wait that long. A line counts as pending until it is written, so shutdown
+//! waits for it as for a retry. When the file cannot take a line, it is logged whole at `error`
+//! instead.
+//!
 //! The retrier writes to and reads from the shared store itself, beneath the local cache: the
 //! cache keeps the completion whose first write failed (it is the backend's real answer), so
 //! asking the cache whether a write landed would always say yes.
@@ -111,7 +118,8 @@ pub struct RetryStats {
     /// Dead letters the file could not take (a full disk, a missing directory): each survives
     /// only as its error log line, which carries the whole line.
     pub dead_letter_write_failures: AtomicU64,
-    /// Completions waiting right now.
+    /// Completions waiting right now: to be retried, or for their dead-letter line to be
+    /// written.
     pub pending: AtomicUsize,
 }
 
@@ -178,11 +186,45 @@ impl Jobs {
     }
 }
 
+/// Hands dead letters to the writer thread (or, when none could be started, writes them
+/// itself).
 struct DeadLetters {
+    /// The writer thread's queue; `None` when the thread could not be started.
+    queue: Option<std::sync::mpsc::SyncSender<Letter>>,
+    file: Arc<DeadLetterFile>,
+}
+
+/// What the writer thread is handed.
+enum Letter {
+    /// One line to write; pending until it is written.
+    Line(LetterLine),
+    /// Answered once every line handed over before it is written.
+    Flush(std::sync::mpsc::Sender<()>),
+}
+
+/// A dead-lettered completion and why.
+struct LetterLine {
+    job: PendingCompletion,
+    attempts: u32,
+    reason: String,
+    in_store: InStore,
+    /// When it was dead-lettered (the line is formatted later, on the writer thread).
+    at: SystemTime,
+}
+
+/// The dead-letter file.
+struct DeadLetterFile {
     path: PathBuf,
-    file: Mutex<()>,
     stats: Arc<RetryStats>,
 }
+
+/// Lines the writer thread may fall behind by. Past it, whoever dead-letters waits for room:
+/// memory stays bounded, and the writer writes every line queued in one append and one fsync,
+/// so only a disk (or another process holding the lock) slower than that for a thousand lines
+/// makes a caller wait.
+const LETTER_BACKLOG: usize = 1024;
+/// Lines written in one append at most.
+const LETTER_BATCH: usize = 256;
 
 // === impl CompletionRetrier ===
 
@@ -198,11 +240,11 @@ impl CompletionRetrier {
         let capacity = options.queue_capacity.max(1);
         let (tx, rx) = mpsc::channel(capacity);
         let stats = Arc::new(RetryStats::default());
-        let dead = Arc::new(DeadLetters {
+        let file = DeadLetterFile {
             path: options.dead_letter_path.clone(),
-            file: Mutex::new(()),
             stats: stats.clone(),
-        });
+        };
+        let dead = Arc::new(DeadLetters::start(file));
         let jobs = Arc::new(Jobs::default());
         let handle = CompletionRetrier {
             tx: tx.clone(),
@@ -231,14 +273,14 @@ impl CompletionRetrier {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         if self.stats.pending.fetch_add(1, Ordering::AcqRel) >= self.capacity {
             self.dead
-                .settle(&job, 0, "retry queue full", InStore::Unknown);
+                .settle(job, 0, "retry queue full", InStore::Unknown);
             return;
         }
         let id = self.jobs.add(job);
         if self.tx.try_send((id, 0)).is_err() {
             if let Some(job) = self.jobs.take(id) {
                 self.dead
-                    .settle(&job, 0, "retry queue full", InStore::Unknown);
+                    .settle(job, 0, "retry queue full", InStore::Unknown);
             }
         }
     }
@@ -252,12 +294,15 @@ impl CompletionRetrier {
         reason: &str,
         in_store: InStore,
     ) {
-        // Never queued, so never counted as pending: nothing to take off.
-        self.dead.write(job, attempts, reason, in_store);
+        // Never queued: pending only until its line is written, so shutdown waits for that.
+        self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        self.dead.settle(job.clone(), attempts, reason, in_store);
     }
 
     /// Dead-letters every completion still waiting: the process is stopping and nothing will
-    /// retry them (the shutdown drain waited as long as it could). Returns how many.
+    /// retry them (the shutdown drain waited as long as it could). Returns how many. Their
+    /// lines are written by the writer thread: [`CompletionRetrier::flush_dead_letters`] waits
+    /// for them, and they count as pending until then.
     ///
     /// Safe beside retry tasks still running: a job is taken out of `Jobs` under its lock
     /// by exactly one settler, so a task whose write comes back after this finds its job gone
@@ -269,11 +314,18 @@ impl CompletionRetrier {
             let mut w = self.jobs.waiting.lock();
             w.drain().map(|(_, job)| job).collect()
         };
+        let count = waiting.len();
         // Each is here because a write failed without an answer (or one is out right now).
-        for job in &waiting {
+        for job in waiting {
             self.dead.settle(job, 0, reason, InStore::Unknown);
         }
-        waiting.len()
+        count
+    }
+
+    /// Blocks until every dead letter handed over so far is written (to the file or, failing
+    /// that, to the log). For the end of the process and for tests: never on a request thread.
+    pub fn flush_dead_letters(&self) {
+        self.dead.flush();
     }
 }
 
@@ -362,13 +414,13 @@ async fn run(
                     }
                     Ok(_) => {
                         (local.forget)(&job.key);
-                        dead.settle(&job, attempt + 1, "lock taken over", InStore::No)
+                        dead.settle(job, attempt + 1, "lock taken over", InStore::No)
                     }
                     // Unread: whether the earlier write landed is not known.
                     Err(e) => {
                         (local.forget)(&job.key);
                         let reason = format!("lock taken over or record gone; record unread: {e}");
-                        dead.settle(&job, attempt + 1, &reason, InStore::Unknown)
+                        dead.settle(job, attempt + 1, &reason, InStore::Unknown)
                     }
                 },
                 // Given up only once the attempts are spent and the lock may have lapsed: until
@@ -376,12 +428,8 @@ async fn run(
                 Written::Failed(e)
                     if attempt + 1 >= options.attempts && Instant::now() >= job.lock_deadline =>
                 {
-                    dead.settle(
-                        &job,
-                        attempt + 1,
-                        &format!("store failed: {e}"),
-                        InStore::Unknown,
-                    )
+                    let reason = format!("store failed: {e}");
+                    dead.settle(job, attempt + 1, &reason, InStore::Unknown)
                 }
                 Written::Failed(_) => {
                     jobs.put_back(id, job);
@@ -391,7 +439,7 @@ async fn run(
                     };
                     if !sent {
                         if let Some(job) = jobs.take(id) {
-                            dead.settle(&job, attempt + 1, "retry queue full", InStore::Unknown);
+                            dead.settle(job, attempt + 1, "retry queue full", InStore::Unknown);
                         }
                     }
                 }
@@ -407,52 +455,138 @@ enum Written {
     Failed(StoreError),
 }
 
+// === impl DeadLetters ===
+
 impl DeadLetters {
-    /// Writes `job`, which was counted as pending, and takes it off that count: only then is
-    /// the completion accounted for (shutdown waits on the count).
-    fn settle(&self, job: &PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
-        self.write(job, attempts, reason, in_store);
-        self.stats.pending.fetch_sub(1, Ordering::AcqRel);
+    /// Starts the writer thread over `file`; without one, callers write themselves.
+    fn start(file: DeadLetterFile) -> Self {
+        let file = Arc::new(file);
+        let (tx, rx) = std::sync::mpsc::sync_channel(LETTER_BACKLOG);
+        let writer = file.clone();
+        let spawned = std::thread::Builder::new()
+            .name("dead letters".into())
+            .spawn(move || writer.run(rx));
+        let queue = match spawned {
+            Ok(_) => Some(tx),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the dead-letter writer thread; dead letters are written by the threads that make them");
+                None
+            }
+        };
+        DeadLetters { queue, file }
     }
 
-    fn write(&self, job: &PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
-        self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-        let line = dead_letter_line(job, attempts, reason, in_store);
-        let _guard = self.file.lock();
+    /// Dead-letters `job`, which is counted as pending: the count drops once its line is
+    /// written, so shutdown (which waits on the count) waits for the write.
+    fn settle(&self, job: PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
+        let letter = Letter::Line(LetterLine {
+            job,
+            attempts,
+            reason: reason.to_string(),
+            in_store,
+            at: SystemTime::now(),
+        });
+        let unsent = match &self.queue {
+            // Blocks only when the writer is LETTER_BACKLOG lines behind.
+            Some(queue) => queue.send(letter).err().map(|e| e.0),
+            None => Some(letter),
+        };
+        // No writer thread (it could not start, or it is gone): written here rather than lost.
+        if let Some(Letter::Line(line)) = unsent {
+            self.file.write(vec![line]);
+        }
+    }
+
+    /// Waits until every line handed over before this call is written.
+    fn flush(&self) {
+        let Some(queue) = &self.queue else {
+            return;
+        };
+        let (done, written) = std::sync::mpsc::channel();
+        if queue.send(Letter::Flush(done)).is_ok() {
+            // An error means the thread is gone, and with it anything to wait for.
+            let _ = written.recv();
+        }
+    }
+}
+
+// === impl DeadLetterFile ===
+
+impl DeadLetterFile {
+    /// The writer thread: writes what is queued, as many lines at once as are waiting, until
+    /// every sender is gone.
+    fn run(&self, queue: std::sync::mpsc::Receiver<Letter>) {
+        while let Ok(first) = queue.recv() {
+            let mut lines = Vec::new();
+            let mut flushes = Vec::new();
+            let mut next = Some(first);
+            while let Some(letter) = next.take() {
+                match letter {
+                    Letter::Line(line) => lines.push(line),
+                    Letter::Flush(done) => flushes.push(done),
+                }
+                if lines.len() < LETTER_BATCH {
+                    next = queue.try_recv().ok();
+                }
+            }
+            if !lines.is_empty() {
+                self.write(lines);
+            }
+            for done in flushes {
+                let _ = done.send(());
+            }
+        }
+    }
+
+    /// Appends `letters` in one write (one lock, one fsync) and takes them off the pending
+    /// count. What the file cannot take is logged, whole.
+    fn write(&self, letters: Vec<LetterLine>) {
+        let lines: Vec<String> = letters
+            .iter()
+            .map(|l| dead_letter_line_at(&l.job, l.attempts, &l.reason, l.in_store, l.at))
+            .collect();
+        let text = lines.concat();
         let written = std::fs::OpenOptions::new()
             .create(true)
             .read(true)
             .append(true)
             .open(&self.path)
-            .and_then(|f| append_line(&f, line.as_bytes(), |mut f, bytes| f.write_all(bytes)));
-        match written {
-            Ok(()) => tracing::error!(
-                path = %self.path.display(),
-                record = %crate::key::hash_label(&job.key.hash),
-                reason,
-                "completion written to the dead-letter file"
-            ),
-            // Last resort: the log line carries the whole record.
-            Err(e) => {
-                self.stats
-                    .dead_letter_write_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
+            .and_then(|f| append_line(&f, text.as_bytes(), |mut f, bytes| f.write_all(bytes)));
+        for (letter, line) in letters.iter().zip(&lines) {
+            let record = crate::key::hash_label(&letter.job.key.hash);
+            match &written {
+                Ok(()) => tracing::error!(
                     path = %self.path.display(),
-                    error = %e,
-                    dead_letter = %line.trim_end(),
-                    "cannot write the dead-letter file"
-                )
+                    %record,
+                    reason = %letter.reason,
+                    "completion written to the dead-letter file"
+                ),
+                Err(e) => {
+                    self.stats
+                        .dead_letter_write_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    // Last resort: the log line carries the whole record.
+                    tracing::error!(
+                        path = %self.path.display(),
+                        error = %e,
+                        %record,
+                        dead_letter = %line.trim_end(),
+                        "cannot write the dead-letter file"
+                    );
+                }
             }
+            self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            self.stats.pending.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
 
-/// Appends one dead-letter line (`line` ends in a newline) to `file` and syncs it, so that every
-/// line the file holds is whole whatever fails: a write that fails part way (a full disk) is cut
-/// back off, and a file that does not end in a newline all the same (that cut failed too, or a
-/// copy was made mid-write) gets one first, so the new line never glues onto a broken one and
-/// `--reconcile` reads it. `write` is the write itself (a seam for the tests).
+/// Appends dead-letter lines (`line`: one or more whole lines, ending in a newline) to `file`
+/// and syncs them, so that every line the file holds is whole whatever fails: a write that
+/// fails part way (a full disk) is cut back off, and a file that does not end in a newline all
+/// the same (that cut failed too, or a copy was made mid-write) gets one first, so the new line
+/// never glues onto a broken one and `--reconcile` reads it. `write` is the write itself (a
+/// seam for the tests).
 fn append_line(
     file: &std::fs::File,
     line: &[u8],
@@ -516,10 +650,19 @@ pub fn dead_letter_line(
     reason: &str,
     in_store: InStore,
 ) -> String {
+    dead_letter_line_at(job, attempts, reason, in_store, SystemTime::now())
+}
+
+/// One dead-letter JSON line for a completion dead-lettered `at`.
+fn dead_letter_line_at(
+    job: &PendingCompletion,
+    attempts: u32,
+    reason: &str,
+    in_store: InStore,
+    at: SystemTime,
+) -> String {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let at_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
+    let at_ms = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let response = match &job.completion {
         Completion::Response(r) => serde_json::json!({
             "status": r.status,
@@ -734,6 +877,7 @@ mod tests {
             1,
             "the job still waits while its record is read"
         );
+        retrier.flush_dead_letters();
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("process stopped"), "{text}");
         assert_eq!(retrier.pending(), 0);
@@ -829,6 +973,7 @@ mod tests {
         retrier.submit(job);
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(retrier.dead_letter_pending("stopping"), 1);
+        retrier.flush_dead_letters();
         assert_eq!(retrier.pending(), 0);
         // The retry task that was asleep finds the job settled and leaves it alone.
         store.set(Fault::None);
@@ -940,6 +1085,7 @@ mod tests {
             // Each is taken off the channel at once and waits out its backoff in a task.
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        retrier.flush_dead_letters();
         assert_eq!(
             retrier.pending(),
             2,
@@ -996,6 +1142,57 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_dead_letter_waits_for_the_file_lock_off_the_callers_thread() {
+        use std::os::unix::io::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        // Another process (the other half of a rolling restart) holds the file's lock.
+        let held = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        // SAFETY: flock on a descriptor `held` keeps open.
+        assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let store = faulty();
+        let (taken, full) = (
+            claimed(store.as_ref(), 24).await,
+            claimed(store.as_ref(), 25).await,
+        );
+        let mut o = options(dir.path());
+        o.queue_capacity = 1;
+        // No worker: the first submit fills the queue.
+        let (retrier, _worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
+        retrier.submit(claimed(store.as_ref(), 26).await);
+        // The two ways a request thread dead-letters: a write refused as not the owner's
+        // (`proxy::complete`), and a submit to a full queue.
+        let (returned, done) = std::sync::mpsc::channel();
+        let caller = std::thread::spawn({
+            let retrier = retrier.clone();
+            move || {
+                retrier.dead_letter(&taken, 1, "lock taken over", InStore::No);
+                retrier.submit(full);
+                let _ = returned.send(());
+            }
+        });
+        assert!(
+            done.recv_timeout(Duration::from_secs(5)).is_ok(),
+            "the caller waited for the file lock"
+        );
+        // Not written yet, and pending until it is: shutdown waits for the lines.
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+        assert_eq!(retrier.pending(), 3);
+        drop(held);
+        retrier.flush_dead_letters();
+        caller.join().unwrap();
+        assert_eq!(retrier.pending(), 1, "only the queued one");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 2, "{text}");
+        assert!(text.contains("lock taken over") && text.contains("retry queue full"));
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
     async fn a_full_queue_dead_letters_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
@@ -1009,6 +1206,7 @@ mod tests {
         let b = claimed(store.as_ref(), 5).await;
         retrier.submit(a);
         retrier.submit(b);
+        retrier.flush_dead_letters();
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
         assert_eq!(retrier.pending(), 1);
     }
