@@ -768,13 +768,13 @@ fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {
             ),
             (
                 "idemgate_dead_letters_total",
-                "Completions dead-lettered (written to the dead-letter file, or only to the log when it could not take them)",
+                "Completions dead-lettered (written to the dead-letter file, or only to stderr when it could not take them)",
                 Pull::Counter,
                 |s| s.dead_lettered.load(Ordering::Relaxed) as f64,
             ),
             (
                 "idemgate_dead_letter_write_failures_total",
-                "Dead letters the dead-letter file could not take: each is only in its error log line",
+                "Dead letters the dead-letter file could not take: each is only in its line on stderr",
                 Pull::Counter,
                 |s| s.dead_letter_write_failures.load(Ordering::Relaxed) as f64,
             ),

@@ -769,3 +769,48 @@ async fn a_completion_waiting_when_the_grace_period_ends_is_dead_lettered_before
         .log()
         .contains("ran out with completions the store never took"));
 }
+
+/// The last copy of a dead letter the file cannot take goes straight to stderr: not through
+/// the log pipeline, whose filter may be off and whose batched writer may drop lines.
+#[tokio::test]
+async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_level() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("missing-dir").join("dead.jsonl");
+    let proxy = with_a_2s_lock(builder(&backend, &redis))
+        .store(&format!(
+            "completion_retry: {{ attempts: 1, base_delay: 20ms, max_delay: 40ms, dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .env("IDEMGATE_LOG", "off")
+        .start()
+        .await;
+    let first = Request::post("/orders/slow/500")
+        .key("unlogged")
+        .body("{}")
+        .spawn_send(proxy.addr);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    redis.kill();
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    // Dead-lettered once the attempt has failed and the 2 s lock may have lapsed.
+    let needle = "idemgate: dead letter not written to ";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let stderr = loop {
+        let stderr = proxy.log();
+        if stderr.contains(needle) {
+            break stderr;
+        }
+        assert!(Instant::now() < deadline, "not on stderr:\n{stderr}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let text = stderr.lines().find(|l| l.contains(needle)).unwrap();
+    let line: serde_json::Value = serde_json::from_str(&text[text.find('{').unwrap()..]).unwrap();
+    let id = &backend.executions()[0].execution_id;
+    assert_eq!(line["execution_id"].as_str(), id.as_deref());
+    assert_eq!(line["response"]["status"], 201);
+    assert_eq!(line["record"].as_str().map(str::len), Some(64));
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_dead_letter_write_failures_total"), 1.0);
+}

@@ -25,8 +25,9 @@
 //! an exclusive `flock` (another process may hold it: the other half of a rolling restart) and
 //! an fsync, and during an outage every keyed completion may be dead-lettered, so on a request
 //! thread each would wait that long. A line counts as pending until it is written, so shutdown
-//! waits for it as for a retry. When the file cannot take a line, it is logged whole at `error`
-//! instead.
+//! waits for it as for a retry. When the file cannot take a line, the whole line goes straight
+//! to stderr instead: the batched log writer may drop lines (over its cap, or at exit), and
+//! this is the completion's last copy.
 //!
 //! The retrier writes to and reads from the shared store itself, beneath the local cache: the
 //! cache keeps the completion whose first write failed (it is the backend's real answer), so
@@ -112,11 +113,11 @@ pub struct RetryStats {
     pub queued: AtomicU64,
     /// Completions stored by a retry.
     pub recovered: AtomicU64,
-    /// Completions dead-lettered: written to the dead-letter file, or to the log when the file
+    /// Completions dead-lettered: written to the dead-letter file, or to stderr when the file
     /// could not take them.
     pub dead_lettered: AtomicU64,
     /// Dead letters the file could not take (a full disk, a missing directory): each survives
-    /// only as its error log line, which carries the whole line.
+    /// only as its line on stderr.
     pub dead_letter_write_failures: AtomicU64,
     /// Completions waiting right now: to be retried, or for their dead-letter line to be
     /// written.
@@ -212,10 +213,13 @@ struct LetterLine {
     at: SystemTime,
 }
 
-/// The dead-letter file.
+/// The dead-letter file, and where a line goes when the file cannot take it.
 struct DeadLetterFile {
     path: PathBuf,
     stats: Arc<RetryStats>,
+    /// Takes a line the file could not (the whole text, newline included): stderr, written at
+    /// once. A seam for the tests.
+    last_resort: Box<dyn Fn(&str) + Send + Sync>,
 }
 
 /// Lines the writer thread may fall behind by. Past it, whoever dead-letters waits for room:
@@ -243,6 +247,7 @@ impl CompletionRetrier {
         let file = DeadLetterFile {
             path: options.dead_letter_path.clone(),
             stats: stats.clone(),
+            last_resort: Box::new(to_stderr),
         };
         let dead = Arc::new(DeadLetters::start(file));
         let jobs = Arc::new(Jobs::default());
@@ -323,7 +328,7 @@ impl CompletionRetrier {
     }
 
     /// Blocks until every dead letter handed over so far is written (to the file or, failing
-    /// that, to the log). For the end of the process and for tests: never on a request thread.
+    /// that, to stderr). For the end of the process and for tests: never on a request thread.
     pub fn flush_dead_letters(&self) {
         self.dead.flush();
     }
@@ -539,7 +544,7 @@ impl DeadLetterFile {
     }
 
     /// Appends `letters` in one write (one lock, one fsync) and takes them off the pending
-    /// count. What the file cannot take is logged, whole.
+    /// count. What the file cannot take goes to [`DeadLetterFile::last_resort`], whole.
     fn write(&self, letters: Vec<LetterLine>) {
         let lines: Vec<String> = letters
             .iter()
@@ -565,13 +570,16 @@ impl DeadLetterFile {
                     self.stats
                         .dead_letter_write_failures
                         .fetch_add(1, Ordering::Relaxed);
-                    // Last resort: the log line carries the whole record.
+                    // Straight out, before the count drops: this is the completion's last copy.
+                    (self.last_resort)(&format!(
+                        "idemgate: dead letter not written to {} ({e}): {line}",
+                        self.path.display()
+                    ));
                     tracing::error!(
                         path = %self.path.display(),
                         error = %e,
                         %record,
-                        dead_letter = %line.trim_end(),
-                        "cannot write the dead-letter file"
+                        "cannot write the dead-letter file; the whole line went to stderr"
                     );
                 }
             }
@@ -579,6 +587,15 @@ impl DeadLetterFile {
             self.stats.pending.fetch_sub(1, Ordering::AcqRel);
         }
     }
+}
+
+/// The last resort for a dead letter: stderr, written before this returns. Not through the
+/// batched log writer, which drops lines past its cap or when its buffer is full and gives up
+/// flushing at exit; nor through the log filter, which may be off.
+fn to_stderr(text: &str) {
+    let mut stderr = std::io::stderr().lock();
+    let _ = stderr.write_all(text.as_bytes());
+    let _ = stderr.flush();
 }
 
 /// Appends dead-letter lines (`line`: one or more whole lines, ending in a newline) to `file`
@@ -1190,6 +1207,38 @@ mod tests {
         assert_eq!(text.lines().count(), 2, "{text}");
         assert!(text.contains("lock taken over") && text.contains("retry queue full"));
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn a_dead_letter_the_file_cannot_take_goes_whole_to_the_last_resort() {
+        let dir = tempfile::tempdir().unwrap();
+        let stats = Arc::new(RetryStats::default());
+        let seen = Arc::new(Mutex::new(String::new()));
+        let dead = DeadLetters::start(DeadLetterFile {
+            path: dir.path().join("missing-dir").join("dead.jsonl"),
+            stats: stats.clone(),
+            last_resort: Box::new({
+                let seen = seen.clone();
+                move |text: &str| seen.lock().push_str(text)
+            }),
+        });
+        let job = claimed(faulty().as_ref(), 27).await;
+        stats.pending.fetch_add(1, Ordering::AcqRel);
+        dead.settle(job.clone(), 2, "store failed", InStore::Unknown);
+        dead.flush();
+        let text = seen.lock().clone();
+        assert!(
+            text.starts_with("idemgate: dead letter not written to "),
+            "{text}"
+        );
+        let line = &text[text.find('{').unwrap()..];
+        let read: serde_json::Value = serde_json::from_str(line.trim_end()).unwrap();
+        assert_eq!(read["record"], "1b".repeat(32));
+        assert_eq!(read["attempts"], 2);
+        assert!(text.ends_with('\n'), "one whole line");
+        assert_eq!(stats.dead_letter_write_failures.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.pending.load(Ordering::Acquire), 0);
     }
 
     #[tokio::test]
