@@ -100,7 +100,8 @@ type LocalCache = CachedStore<Arc<Breaker<Arc<RedisStore>>>>;
 
 impl StoreStack {
     /// Drops every copy of a record this replica read from Redis, when the purge channel is
-    /// subscribed again (nothing without a local cache).
+    /// subscribed again (nothing without a local cache); then, Redis being back, drops the
+    /// completions given up on that it holds after all.
     fn forget_copies(&self) -> Arc<dyn Fn() + Send + Sync> {
         match &self.cache {
             Some(cache) => {
@@ -114,6 +115,21 @@ impl StoreStack {
                              read from redis, as purges may have been missed"
                         );
                     }
+                    // Called by the purge listener, on its runtime.
+                    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                        return;
+                    };
+                    let cache = cache.clone();
+                    runtime.spawn(async move {
+                        let stored = cache.check_given_up().await;
+                        if stored > 0 {
+                            tracing::info!(
+                                stored,
+                                "dead-lettered completions found in redis after all; their \
+                                 local entries now follow redis"
+                            );
+                        }
+                    });
                 })
             }
             None => Arc::new(|| {}),
@@ -132,16 +148,22 @@ impl StoreStack {
     }
 
     /// What the completion retrier tells the local cache (nothing without one): a completion
-    /// that lost its key is dropped, and one the retry stored becomes a copy that a missed
-    /// purge can take ([`CachedStore::completion_stored`]).
+    /// that lost its key is dropped, one the retry stored becomes a copy that a missed purge
+    /// can take ([`CachedStore::completion_stored`]), and one given up on without knowing
+    /// whether the store took it is checked against the store later
+    /// ([`CachedStore::completion_given_up`]).
     fn retry_hooks(&self) -> LocalHooks {
         match &self.cache {
             Some(cache) => {
                 let cache = cache.clone();
+                let gave_up = cache.clone();
                 LocalHooks {
                     forget: self.forget_local(),
                     stored: Arc::new(move |key: &RecordKey, execution_id: u64| {
                         cache.completion_stored(key, execution_id)
+                    }),
+                    given_up: Arc::new(move |key: &RecordKey, execution_id: u64| {
+                        gave_up.completion_given_up(key, execution_id)
                     }),
                 }
             }

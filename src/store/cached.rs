@@ -149,6 +149,10 @@ enum Held {
     /// ([`CachedStore::completion_stored`]). `copy_resets` is its shard's count from before
     /// the first write went out.
     Unstored { copy_resets: u64 },
+    /// Completed here, and dead-lettered without knowing whether the store took it
+    /// ([`CachedStore::completion_given_up`]): kept as `Unstored` is, until the store is found
+    /// to hold this very completion ([`CachedStore::check_given_up`]).
+    GivenUp,
 }
 
 /// What an entry costs beyond its response and tenant: its map slot (twice, for the slack a hash
@@ -435,7 +439,7 @@ impl<S: RecordStore> CachedStore<S> {
 
     /// Drops every entry of a record the store has: copies read from it, and completions of
     /// this replica the store took. Keeps only the completions whose write is still being
-    /// retried (each is the only trace of its answer until the write lands). Called whenever
+    /// retried, or was given up on (each may be the only trace of its answer). Called whenever
     /// the purge channel is subscribed again: purges announced while it was not listening were
     /// missed, and these entries are what they would have dropped. Returns how many went.
     pub fn forget_copies(&self) -> usize {
@@ -481,6 +485,79 @@ impl<S: RecordStore> CachedStore<S> {
         } else if let Some(e) = cache.map.remove(&key.hash) {
             cache.bytes -= e.size;
         }
+    }
+
+    /// The retrier dead-lettered this replica's completion of `key` (execution `execution_id`)
+    /// without knowing whether the store took it: nothing will report it stored now. The entry
+    /// is neither dropped nor made a copy, as either would let a retry here execute the key
+    /// again whenever the store does not hold the completion (the write never landed, and the
+    /// lock has lapsed or soon will), while this replica knows the answer. It stays until the
+    /// store is found to hold it ([`CachedStore::check_given_up`]), a purge reaches it, or its
+    /// ttl ends.
+    pub fn completion_given_up(&self, key: &RecordKey, execution_id: u64) {
+        let mut cache = self.shard(&key.hash).lock();
+        let Some(entry) = cache.map.get_mut(&key.hash) else {
+            return;
+        };
+        if matches!(entry.held, Held::Unstored { .. })
+            && entry.tenant == key.tenant
+            && entry.execution_id == execution_id
+        {
+            entry.held = Held::GivenUp;
+        }
+    }
+
+    /// Reads the record of every completion given up on ([`CachedStore::completion_given_up`])
+    /// from the store, and drops the entry of each the store holds after all (its write
+    /// landed): a retry here then reads it from the store, where a purge takes it, as it would
+    /// anywhere else. One the store does not hold (or that cannot be read) stays: it is the
+    /// only trace of its answer. Returns how many went. Called when the purge channel is
+    /// subscribed again, when Redis is back and purges may have been missed.
+    pub async fn check_given_up(&self) -> usize {
+        let given_up: Vec<(RecordKey, Completion)> = self
+            .cache
+            .iter()
+            .flat_map(|shard| {
+                let cache = shard.lock();
+                cache
+                    .map
+                    .iter()
+                    .filter(|(_, e)| e.held == Held::GivenUp)
+                    .map(|(hash, e)| {
+                        let key = RecordKey {
+                            tenant: e.tenant.clone(),
+                            hash: *hash,
+                        };
+                        (key, e.completion.clone())
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let mut dropped = 0;
+        for (key, completion) in given_up {
+            let stored = match self.inner.get(&key).await {
+                Ok(Some(Record {
+                    state: RecordState::Completed(c),
+                    ..
+                })) => c == completion,
+                _ => false,
+            };
+            if !stored {
+                continue;
+            }
+            let mut cache = self.shard(&key.hash).lock();
+            // Still the entry that was read for (not purged meanwhile, nor cached anew).
+            let same = cache.map.get(&key.hash).is_some_and(|e| {
+                e.held == Held::GivenUp && e.tenant == key.tenant && e.completion == completion
+            });
+            if same {
+                if let Some(e) = cache.map.remove(&key.hash) {
+                    cache.bytes -= e.size;
+                    dropped += 1;
+                }
+            }
+        }
+        dropped
     }
 
     /// Records held and bytes used by the local cache.
@@ -1179,6 +1256,7 @@ mod tests {
                 let a = a.clone();
                 Arc::new(move |key: &RecordKey, id: u64| a.completion_stored(key, id))
             },
+            ..LocalHooks::none()
         };
         let options = RetryOptions {
             base_delay: Duration::from_millis(5),
@@ -1214,6 +1292,86 @@ mod tests {
         // ...but a copy of a stored record now: a missed purge may have been for it.
         assert_eq!(a.forget_copies(), 1);
         assert!(a.cached(&req.key).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_completion_given_up_on_stays_until_the_store_is_found_to_hold_it() {
+        use crate::store::retry::{CompletionRetrier, LocalHooks, PendingCompletion, RetryOptions};
+        let (shared, a, _b) = two_replicas();
+        let a = Arc::new(a);
+        let (landed, lost) = (claim("t", 24), claim("t", 25));
+        executed_unstored(&a, &shared, &landed, b"x").await;
+        executed_unstored(&a, &shared, &lost, b"y").await;
+        // The retrier, wired to A's cache as the server wires it, gets nowhere: one attempt
+        // each, and their locks taken as lapsed, so both are dead-lettered.
+        let dir = tempfile::tempdir().unwrap();
+        let hooks = LocalHooks {
+            given_up: {
+                let a = a.clone();
+                Arc::new(move |key: &RecordKey, id: u64| a.completion_given_up(key, id))
+            },
+            ..LocalHooks::none()
+        };
+        let options = RetryOptions {
+            attempts: 1,
+            base_delay: Duration::from_millis(5),
+            max_delay: Duration::from_millis(5),
+            dead_letter_path: dir.path().join("dead.jsonl"),
+            ..RetryOptions::default()
+        };
+        shared.set(Fault::Down);
+        let (retrier, worker) = CompletionRetrier::new(shared.clone(), hooks, options);
+        tokio::spawn(worker);
+        for (req, body) in [(&landed, b"x"), (&lost, b"y")] {
+            retrier.submit(PendingCompletion {
+                key: req.key.clone(),
+                owner: req.owner,
+                completion: response(body),
+                ttl: req.ttl,
+                execution_id: req.execution_id,
+                fingerprint: req.fingerprint,
+                lock_deadline: Instant::now(),
+            });
+        }
+        for _ in 0..200 {
+            if retrier.pending() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 2);
+        shared.set(Fault::None);
+        // The first write of one had reached the store after all (it timed out here).
+        let late = shared.complete(&landed.key, landed.owner, response(b"x"), landed.ttl);
+        assert_eq!(late.await.unwrap(), WriteOutcome::Applied);
+        // The purge channel is back: a drop of every copy leaves both, as either may be the
+        // only trace of its answer...
+        assert_eq!(a.forget_copies(), 0);
+        assert!(a.cached(&landed.key).is_some() && a.cached(&lost.key).is_some());
+        // ...until the store is found to hold it.
+        assert_eq!(a.check_given_up().await, 1);
+        assert!(
+            a.cached(&landed.key).is_none(),
+            "kept apart from the store that holds it"
+        );
+        let calls = shared.calls.load(Ordering::Relaxed);
+        let replay = a.claim(&retry_of(&landed)).await.unwrap();
+        assert!(matches!(replay, ClaimOutcome::Existing(_)), "{replay:?}");
+        assert_eq!(
+            shared.calls.load(Ordering::Relaxed),
+            calls + 1,
+            "from the store"
+        );
+        // The one the store lacks is still replayed here, never executed again.
+        let replay = a.claim(&retry_of(&lost)).await.unwrap();
+        assert!(matches!(replay, ClaimOutcome::Existing(_)), "{replay:?}");
+        assert_eq!(
+            shared.calls.load(Ordering::Relaxed),
+            calls + 1,
+            "from the cache"
+        );
+        assert_eq!(a.check_given_up().await, 0);
+        assert!(a.cached(&lost.key).is_some());
     }
 
     #[tokio::test]

@@ -19,7 +19,8 @@
 //! is dropped so the replica replays what the store holds, like every other replica. A
 //! completion a retry stores is reported to the local cache too: its entry there was kept as the
 //! only trace of the answer, and is from then on a copy of a stored record, which a missed purge
-//! must be able to take ([`LocalHooks`]).
+//! must be able to take ([`LocalHooks`]). So is one dead-lettered without knowing whether the
+//! store took it: no retry will say, so the cache finds out for itself.
 //!
 //! Dead-letter lines are written by a thread of their own, never by the caller: each write takes
 //! an exclusive `flock` (another process may hold it: the other half of a rolling restart) and
@@ -132,6 +133,11 @@ pub struct LocalHooks {
     /// The store took the completion of this record and execution id: the local entry kept
     /// while the write was retried is now a copy of a stored record.
     pub stored: StoredLocal,
+    /// The completion of this record and execution id was dead-lettered without knowing
+    /// whether the store took it (the queue was full, or the last attempt failed): no retry
+    /// will report it stored, so whether the local entry is a copy is for the cache to find out
+    /// ([`crate::store::cached::CachedStore::completion_given_up`]).
+    pub given_up: StoredLocal,
 }
 
 impl LocalHooks {
@@ -140,6 +146,7 @@ impl LocalHooks {
         LocalHooks {
             forget: Arc::new(|_: &RecordKey| {}),
             stored: Arc::new(|_: &RecordKey, _: u64| {}),
+            given_up: Arc::new(|_: &RecordKey, _: u64| {}),
         }
     }
 }
@@ -149,6 +156,7 @@ impl LocalHooks {
 pub struct CompletionRetrier {
     tx: mpsc::Sender<(Job, u32)>,
     dead: Arc<DeadLetters>,
+    local: LocalHooks,
     stats: Arc<RetryStats>,
     jobs: Arc<Jobs>,
     capacity: usize,
@@ -254,6 +262,7 @@ impl CompletionRetrier {
         let handle = CompletionRetrier {
             tx: tx.clone(),
             dead: dead.clone(),
+            local: local.clone(),
             stats: stats.clone(),
             jobs: jobs.clone(),
             capacity,
@@ -277,15 +286,13 @@ impl CompletionRetrier {
     pub fn submit(&self, job: PendingCompletion) {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         if self.stats.pending.fetch_add(1, Ordering::AcqRel) >= self.capacity {
-            self.dead
-                .settle(job, 0, "retry queue full", InStore::Unknown);
+            give_up(&self.dead, &self.local, job, 0, "retry queue full");
             return;
         }
         let id = self.jobs.add(job);
         if self.tx.try_send((id, 0)).is_err() {
             if let Some(job) = self.jobs.take(id) {
-                self.dead
-                    .settle(job, 0, "retry queue full", InStore::Unknown);
+                give_up(&self.dead, &self.local, job, 0, "retry queue full");
             }
         }
     }
@@ -322,7 +329,7 @@ impl CompletionRetrier {
         let count = waiting.len();
         // Each is here because a write failed without an answer (or one is out right now).
         for job in waiting {
-            self.dead.settle(job, 0, reason, InStore::Unknown);
+            give_up(&self.dead, &self.local, job, 0, reason);
         }
         count
     }
@@ -332,6 +339,19 @@ impl CompletionRetrier {
     pub fn flush_dead_letters(&self) {
         self.dead.flush();
     }
+}
+
+/// Dead-letters `job`, counted as pending, whose write failed without an answer, and tells the
+/// local cache first: nothing will report it stored now, and the store may hold it after all.
+fn give_up(
+    dead: &DeadLetters,
+    local: &LocalHooks,
+    job: PendingCompletion,
+    attempts: u32,
+    reason: &str,
+) {
+    (local.given_up)(&job.key, job.execution_id);
+    dead.settle(job, attempts, reason, InStore::Unknown);
 }
 
 /// The shortest pause between two attempts as a lock's deadline nears.
@@ -434,7 +454,7 @@ async fn run(
                     if attempt + 1 >= options.attempts && Instant::now() >= job.lock_deadline =>
                 {
                     let reason = format!("store failed: {e}");
-                    dead.settle(job, attempt + 1, &reason, InStore::Unknown)
+                    give_up(&dead, &local, job, attempt + 1, &reason)
                 }
                 Written::Failed(_) => {
                     jobs.put_back(id, job);
@@ -444,7 +464,7 @@ async fn run(
                     };
                     if !sent {
                         if let Some(job) = jobs.take(id) {
-                            dead.settle(job, attempt + 1, "retry queue full", InStore::Unknown);
+                            give_up(&dead, &local, job, attempt + 1, "retry queue full");
                         }
                     }
                 }
