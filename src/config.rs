@@ -38,8 +38,9 @@ pub struct Config {
     pub max_request_header_bytes: usize,
     /// Longest pause allowed between two reads of a request body.
     pub request_body_timeout: Duration,
-    /// Longest a whole request body may take to arrive, from the end of its header: a client
-    /// trickling a byte now and then, each inside `request_body_timeout`, is cut off by this.
+    /// Longest a request body idemgate reads whole may take, from its first read that has to
+    /// wait: a client trickling a byte now and then, each inside `request_body_timeout`, is cut
+    /// off by this. Bodies pingora streams (large uploads) are timed read by read only.
     pub request_body_total_timeout: Duration,
     /// Longest a write of a response may wait for the client to take it (a client that stopped
     /// reading); then the client's connection is closed.

@@ -110,11 +110,16 @@ impl Generation {
 }
 
 impl Generation {
-    /// The resolved addresses of every upstream, in config order.
+    /// The resolved addresses of every upstream, in config order, each upstream's sorted (a
+    /// resolver that rotates its answers gives the same set in another order).
     pub fn addresses(&self) -> Vec<Vec<std::net::SocketAddr>> {
         self.pools
             .iter()
-            .map(|pool| pool.backends.iter().map(|b| b.addr).collect())
+            .map(|pool| {
+                let mut addrs: Vec<_> = pool.backends.iter().map(|b| b.addr).collect();
+                addrs.sort_unstable();
+                addrs
+            })
             .collect()
     }
 }
@@ -212,9 +217,6 @@ pub struct RequestCtx {
     upstream: Option<usize>,
     outcome: Option<Outcome>,
     record_label: Option<key::HashLabel>,
-    /// When a body pingora streams must have arrived whole (`request_body_total_timeout`);
-    /// none for a tunnel, whose conversation may rightly last.
-    body_deadline: Option<Instant>,
     _guard: InFlightGuard,
 }
 
@@ -497,8 +499,9 @@ impl Gate {
         config: &Config,
     ) -> std::result::Result<Bytes, Problem> {
         // Each read waits request_body_timeout at most, and all of them together
-        // request_body_total_timeout: a client trickling a byte inside every pause is cut off.
-        let deadline = Instant::now() + config.request_body_total_timeout;
+        // request_body_total_timeout from the first that has to wait: a client trickling a
+        // byte inside every pause is cut off. A body that came with its header reads no clock.
+        let mut deadline = None;
         let req = session.req_header();
         let declared = req.headers.get(header::CONTENT_LENGTH).and_then(length);
         if declared.is_some_and(|n| n > limit) {
@@ -523,9 +526,14 @@ impl Gate {
         }
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let wait = config.request_body_timeout.min(left);
-            let chunk = upstream::within(wait, session.read_request_body()).await;
+            let chunk = upstream::bounded(session.read_request_body(), || {
+                let now = Instant::now();
+                let end = *deadline.get_or_insert(now + config.request_body_total_timeout);
+                config
+                    .request_body_timeout
+                    .min(end.saturating_duration_since(now))
+            })
+            .await;
             match chunk {
                 Err(_) => return Err(Problem::RequestTimeout),
                 Ok(Err(_)) => return Err(Problem::RequestBodyUnreadable),
@@ -764,8 +772,6 @@ impl Gate {
             // as idemgate's own reads do, instead of pingora's 60 s.
             if !tunnel {
                 session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
-                ctx.body_deadline =
-                    Some(Instant::now() + ctx.gen.config.request_body_total_timeout);
             }
             return Ok(false);
         }
@@ -1104,7 +1110,12 @@ fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
         && header.headers.contains_key(header::TRANSFER_ENCODING)
     {
         header.remove_header(&header::TRANSFER_ENCODING);
-        session.set_keepalive(None);
+        // An answer with no body by definition needs no close to end it.
+        let bodiless = session.req_header().method == http::Method::HEAD
+            || has_no_body(header.status.as_u16());
+        if !bodiless {
+            session.set_keepalive(None);
+        }
     }
 }
 
@@ -1305,7 +1316,6 @@ impl ProxyHttp for Gate {
             upstream: None,
             outcome: None,
             record_label: None,
-            body_deadline: None,
             _guard: InFlightGuard::new(self.in_flight.clone()),
         }
     }
@@ -1407,26 +1417,6 @@ impl ProxyHttp for Gate {
     }
 
     /// Marks forwarded responses of idempotent routes (`BYPASS`).
-    /// Holds a body pingora streams to `request_body_total_timeout`: its reads are timed one
-    /// by one (request_body_timeout), so a client trickling a byte inside every pause is only
-    /// found out here, at the next piece that arrives after the deadline.
-    async fn request_body_filter(
-        &self,
-        _session: &mut Session,
-        _body: &mut Option<Bytes>,
-        _end_of_stream: bool,
-        ctx: &mut Self::CTX,
-    ) -> Result<()> {
-        if ctx.body_deadline.is_some_and(|d| Instant::now() > d) {
-            return Err(Error::explain(
-                pingora::ErrorType::ReadTimedout,
-                "request body took longer than request_body_total_timeout",
-            )
-            .into_down());
-        }
-        Ok(())
-    }
-
     async fn response_filter(
         &self,
         session: &mut Session,

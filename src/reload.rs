@@ -225,7 +225,9 @@ impl Reloader {
                     if !forced {
                         return Ok(None);
                     }
-                    let generation = Generation::new(config, &self.metrics)?;
+                    // Built from the running config, which is the file's with the running
+                    // values of restart-only settings kept.
+                    let generation = Generation::new(running.config.clone(), &self.metrics)?;
                     if generation.addresses() == running.addresses() {
                         return Ok(None);
                     }

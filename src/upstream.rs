@@ -129,7 +129,7 @@ pub async fn until<F: Future>(deadline: Instant, fut: F) -> Result<F::Output, El
 }
 
 /// Polls `fut` once; only if it is pending is `limit` asked for and a timer armed.
-async fn bounded<F: Future>(
+pub async fn bounded<F: Future>(
     fut: F,
     limit: impl FnOnce() -> Duration,
 ) -> Result<F::Output, Elapsed> {

@@ -326,13 +326,19 @@ async fn an_edit_of_restart_only_settings_is_reported_as_needing_a_restart() {
     assert_eq!(r.status, 200, "{}", r.text());
     let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
     // The file watcher waits 150 ms after an edit; on a stalled machine it may find the edit
-    // first, and then the admin endpoint finds the file already taken as read.
-    let watcher_first = v["result"] == "unchanged"
-        && proxy
-            .log()
-            .lines()
-            .any(|l| l.contains("only take effect after a restart") && l.contains("file change"));
-    if !watcher_first {
+    // first, and then the admin endpoint finds the file already taken as read (the watcher's
+    // warning then names its trigger; the log is written in batches, so it is waited for).
+    if v["result"] == "unchanged" {
+        let log = proxy
+            .log_containing("only take effect after a restart")
+            .await;
+        assert!(
+            log.lines().any(
+                |l| l.contains("only take effect after a restart") && l.contains("file change")
+            ),
+            "{v}\n{log}"
+        );
+    } else {
         assert_eq!(v["result"], "restart_required", "{v}");
         assert_eq!(v["restart_required"], serde_json::json!(["threads"]), "{v}");
     }

@@ -48,6 +48,27 @@ fn proxy_side_state(proxy: SocketAddr, client: SocketAddr) -> Option<u8> {
     })
 }
 
+/// Bytes the proxy's end of the connection from `client` holds unsent (its send queue).
+fn proxy_side_unsent(proxy: SocketAddr, client: SocketAddr) -> u64 {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
+    let port = |addr: &str| {
+        addr.rsplit(':')
+            .next()
+            .and_then(|p| u16::from_str_radix(p, 16).ok())
+    };
+    table
+        .lines()
+        .skip(1)
+        .find_map(|row| {
+            let fields: Vec<&str> = row.split_whitespace().collect();
+            let (local, remote, queues) = (fields.get(1)?, fields.get(2)?, fields.get(4)?);
+            (port(local)? == proxy.port() && port(remote)? == client.port())
+                .then(|| u64::from_str_radix(queues.split(':').next()?, 16).ok())
+                .flatten()
+        })
+        .unwrap_or(0)
+}
+
 /// Waits until the proxy has let go of the connection from `client`, failing if it still holds
 /// it `within` after `since`.
 async fn given_up(proxy: SocketAddr, client: SocketAddr, since: Instant, within: Duration) {
@@ -146,16 +167,29 @@ async fn a_keep_alive_client_that_sends_small_requests_and_never_reads_is_given_
     let request = Request::get("/plain/large/1000").to_bytes();
     // One request at a time, each once the one before it reached the backend (so none is
     // pipelined): the answers pile up in the kernel buffers until the proxy's flush of one has
-    // to wait. Then the backend sees no more.
+    // to wait. Then the backend sees no more, and the proxy's socket holds unsent bytes or is
+    // already given up (a proxy that is only slow, on a loaded machine, has neither: it is
+    // waited for).
     let mut stalled_at = None;
     for sent in 1..=20_000 {
         client.write_all(&request).await.expect("write request");
         let wait = Instant::now();
-        while backend.count() < sent && wait.elapsed() < Duration::from_millis(1500) {
+        while backend.count() < sent {
+            let stalled = || {
+                proxy_side_unsent(proxy.addr, local) > 0
+                    || proxy_side_state(proxy.addr, local) != Some(ESTABLISHED)
+            };
+            if wait.elapsed() > Duration::from_millis(1500) && stalled() {
+                stalled_at = Some(wait);
+                break;
+            }
+            assert!(
+                wait.elapsed() < Duration::from_secs(30),
+                "request {sent} never reached the backend, and the proxy neither has anything unsent nor gave up"
+            );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        if backend.count() < sent {
-            stalled_at = Some(wait);
+        if stalled_at.is_some() {
             break;
         }
     }

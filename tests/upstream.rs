@@ -783,10 +783,11 @@ async fn a_response_still_streaming_as_the_lock_runs_out_is_never_executed_twice
 async fn a_renewal_that_remakes_a_purged_record_keeps_its_execution_id() {
     const TOKEN: &str = "admin-token-for-renewal-tests-0123";
     let unavailable = send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n");
-    // Second request on the pooled connection: interim answers for 2 s (the 1 s lock is
-    // renewed meanwhile), then 503 again, which releases the remade record.
+    // Second request on the pooled connection: interim answers for 2.8 s (the 3 s lock is
+    // renewed meanwhile, at three quarters of its life), then 503 again, which releases the
+    // remade record.
     let mut slow = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..7 {
         slow.push(Step::Pause(Duration::from_millis(400)));
         slow.push(send(b"HTTP/1.1 102 Processing\r\n\r\n"));
     }
@@ -799,10 +800,10 @@ async fn a_renewal_that_remakes_a_purged_record_keeps_its_execution_id() {
     .await;
     let proxy = ProxyBuilder::at(backend.addr)
         .threads(1)
-        .idem("lock_ttl: 1s")
+        .idem("lock_ttl: 3s")
         .upstream("connect_timeout: 200ms")
         .upstream("write_timeout: 200ms")
-        .upstream("read_timeout: 500ms")
+        .upstream("read_timeout: 1s")
         .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
         .start()
         .await;
@@ -810,7 +811,15 @@ async fn a_renewal_that_remakes_a_purged_record_keeps_its_execution_id() {
     assert_eq!(first.status, 503, "{}", first.text());
     let addr = proxy.addr;
     let second = tokio::spawn(async move { order("purged-in-flight").send(addr).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Purged once the backend has the re-claimed request (its claim came first).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while backend.count() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the retry never reached the backend"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let del = Request::new("DELETE", "/admin/records/default/purged-in-flight")
         .header("Authorization", format!("Bearer {TOKEN}"))
         .send(proxy.admin)

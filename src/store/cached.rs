@@ -184,6 +184,8 @@ pub struct CachedStore<S> {
     filters: Mutex<Filters>,
     /// Shards picked by the record hash; each has `capacity_bytes / shards.len()` bytes.
     cache: Box<[Mutex<Cache>]>,
+    /// Keys of the hash that picks a shard, random per store.
+    shard_keys: std::hash::RandomState,
     pending: Mutex<HashMap<(Digest, u128), Pending>>,
     stats: Arc<LocalCacheStats>,
 }
@@ -213,14 +215,21 @@ impl<S: RecordStore> CachedStore<S> {
             options,
             filters: Mutex::new(filters),
             cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
+            shard_keys: std::hash::RandomState::new(),
             pending: Mutex::new(HashMap::new()),
             stats: Arc::default(),
         })
     }
 
-    /// The cache shard holding `hash` (record hashes are uniform: any byte picks evenly).
+    /// The cache shard holding `hash`, picked by a hash keyed per store: a record hash is a
+    /// SHA-256 of what the client sends, so a client grinding keys (about 256 tries each for
+    /// one byte) could otherwise crowd one shard and flush its entries on purpose.
     fn shard(&self, hash: &Digest) -> &Mutex<Cache> {
-        &self.cache[usize::from(hash[0]) % self.cache.len()]
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&hash[..8]);
+        let mixed = std::hash::BuildHasher::hash_one(&self.shard_keys, u64::from_le_bytes(word));
+        // Truncating is fine: only the remainder is kept.
+        &self.cache[mixed as usize % self.cache.len()]
     }
 
     /// Bytes one cache shard may hold.
@@ -406,6 +415,11 @@ impl<S: RecordStore> CachedStore<S> {
         cache.bytes += size;
         // Oldest first: entries are evicted in completion order, which approximates expiry order
         // (per shard; records spread evenly over the shards).
+        // A completion the store may not hold (its write still retried, or given up on) is
+        // never evicted: it is the only thing here that stops a retry from executing again,
+        // and there are few (the retry queue bounds the first kind, an outage the second). It
+        // counts against the budget, so copies make room for it.
+        let mut kept = Vec::new();
         while cache.bytes > budget {
             let Some((oldest, seq)) = cache.order.pop_front() else {
                 break;
@@ -413,9 +427,17 @@ impl<S: RecordStore> CachedStore<S> {
             // A stale place (the entry was dropped, or cached again later) evicts nothing.
             if let Entry::Occupied(entry) = cache.map.entry(oldest) {
                 if entry.get().seq == seq {
+                    if entry.get().held != Held::Copy {
+                        kept.push((oldest, seq));
+                        continue;
+                    }
                     cache.bytes -= entry.remove().size;
                 }
             }
+        }
+        // Still the oldest, in their order.
+        for place in kept.into_iter().rev() {
+            cache.order.push_front(place);
         }
         // Keep the order queue from growing without bound after removals.
         if cache.order.len() > cache.map.len() * 2 + 1024 {
@@ -811,6 +833,38 @@ mod tests {
         );
     }
 
+    /// Record hashes that share their first bytes (ground by a client) still spread over the
+    /// shards, and two stores place them differently.
+    #[test]
+    fn clients_cannot_choose_the_cache_shard() {
+        let mut o = options();
+        o.capacity_bytes = 16 << 20;
+        let a = CachedStore::new(MemoryStore::new(1 << 20, 1), o.clone()).unwrap();
+        let b = CachedStore::new(MemoryStore::new(1 << 20, 1), o).unwrap();
+        assert_eq!(a.cache.len(), 16);
+        let index = |store: &CachedStore<MemoryStore>, hash: &Digest| {
+            let shard = store.shard(hash) as *const Mutex<Cache>;
+            store
+                .cache
+                .iter()
+                .position(|s| std::ptr::eq(s, shard))
+                .unwrap()
+        };
+        let hashes: Vec<Digest> = (0..256u32)
+            .map(|n| {
+                let mut hash = [0u8; 32];
+                hash[4..8].copy_from_slice(&n.to_le_bytes());
+                hash
+            })
+            .collect();
+        let used: std::collections::HashSet<usize> = hashes.iter().map(|h| index(&a, h)).collect();
+        assert!(used.len() >= 8, "{} shards used", used.len());
+        assert!(
+            hashes.iter().any(|h| index(&a, h) != index(&b, h)),
+            "two stores place alike"
+        );
+    }
+
     #[test]
     fn an_entry_cached_again_is_not_evicted_by_the_place_of_its_dropped_predecessor() {
         let store = CachedStore::new(MemoryStore::new(1 << 20, 1), options()).unwrap();
@@ -1200,6 +1254,31 @@ mod tests {
         let written = store.complete(&req.key, req.owner, response(body), req.ttl);
         assert!(written.await.is_err());
         shared.set(Fault::None);
+    }
+
+    /// Copies make room past the budget; a completion the store does not hold yet is never
+    /// evicted for it, so a retry here still replays it instead of executing again.
+    #[tokio::test]
+    async fn a_completion_whose_write_is_pending_is_never_evicted() {
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
+        let mut o = options();
+        o.capacity_bytes = 4096;
+        let store = CachedStore::new(shared.clone(), o).unwrap();
+        let pending = claim("t", 200);
+        executed_unstored(&store, &shared, &pending, &[1u8; 200]).await;
+        for n in 0..50u8 {
+            executed(&store, &claim("t", n), &[0u8; 200]).await;
+        }
+        let (records, bytes) = store.cache_usage();
+        assert!(
+            records < 50,
+            "copies were evicted: {records} records, {bytes} bytes"
+        );
+        assert!(
+            store.cached(&pending.key).is_some(),
+            "the completion only this replica holds was evicted"
+        );
+        assert!(bytes <= 4096 + 1024, "{bytes} bytes");
     }
 
     #[tokio::test]

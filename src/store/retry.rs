@@ -512,8 +512,21 @@ impl DeadLetters {
             at: SystemTime::now(),
         });
         let unsent = match &self.queue {
-            // Blocks only when the writer is LETTER_BACKLOG lines behind.
-            Some(queue) => queue.send(letter).err().map(|e| e.0),
+            // Never waits: the callers are request threads and retry tasks.
+            Some(queue) => match queue.try_send(letter) {
+                Ok(()) => None,
+                // The writer is LETTER_BACKLOG lines behind (a disk that hangs): the line goes
+                // to stderr at once rather than stall the caller or be lost.
+                Err(std::sync::mpsc::TrySendError::Full(Letter::Line(line))) => {
+                    self.file
+                        .last_resort(&line, "the dead-letter writer is too far behind");
+                    None
+                }
+                Err(
+                    std::sync::mpsc::TrySendError::Full(letter)
+                    | std::sync::mpsc::TrySendError::Disconnected(letter),
+                ) => Some(letter),
+            },
             None => Some(letter),
         };
         // No writer thread (it could not start, or it is gone): written here rather than lost.
@@ -587,25 +600,47 @@ impl DeadLetterFile {
                     "completion written to the dead-letter file"
                 ),
                 Err(e) => {
-                    self.stats
-                        .dead_letter_write_failures
-                        .fetch_add(1, Ordering::Relaxed);
-                    // Straight out, before the count drops: this is the completion's last copy.
-                    (self.last_resort)(&format!(
-                        "idemgate: dead letter not written to {} ({e}): {line}",
-                        self.path.display()
-                    ));
-                    tracing::error!(
-                        path = %self.path.display(),
-                        error = %e,
-                        %record,
-                        "cannot write the dead-letter file; the whole line went to stderr"
-                    );
+                    self.to_stderr(line, &record, &e.to_string());
+                    continue;
                 }
             }
             self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
             self.stats.pending.fetch_sub(1, Ordering::AcqRel);
         }
+    }
+
+    /// Settles `letter` on stderr alone, without the file (`why` says why).
+    fn last_resort(&self, letter: &LetterLine, why: &str) {
+        let line = dead_letter_line_at(
+            &letter.job,
+            letter.attempts,
+            &letter.reason,
+            letter.in_store,
+            letter.at,
+        );
+        let record = crate::key::hash_label(&letter.job.key.hash);
+        self.to_stderr(&line, &record, why);
+    }
+
+    /// Writes a dead letter the file did not take to stderr, counts it, and takes it off the
+    /// pending count.
+    fn to_stderr(&self, line: &str, record: &crate::key::HashLabel, why: &str) {
+        self.stats
+            .dead_letter_write_failures
+            .fetch_add(1, Ordering::Relaxed);
+        // Straight out, before the count drops: this is the completion's last copy.
+        (self.last_resort)(&format!(
+            "idemgate: dead letter not written to {} ({why}): {line}",
+            self.path.display()
+        ));
+        tracing::error!(
+            path = %self.path.display(),
+            error = why,
+            %record,
+            "cannot write the dead-letter file; the whole line went to stderr"
+        );
+        self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        self.stats.pending.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1258,6 +1293,62 @@ mod tests {
         assert!(text.ends_with('\n'), "one whole line");
         assert_eq!(stats.dead_letter_write_failures.load(Ordering::Relaxed), 1);
         assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.pending.load(Ordering::Acquire), 0);
+    }
+
+    /// A writer far behind (a disk that hangs: here, another process holds the file's lock)
+    /// never stalls the threads that make dead letters: past LETTER_BACKLOG lines waiting,
+    /// each goes whole to the last resort at once.
+    #[tokio::test]
+    async fn a_dead_letter_writer_far_behind_sends_the_overflow_to_the_last_resort() {
+        use std::os::unix::io::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        let held = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        // SAFETY: flock on a descriptor `held` keeps open.
+        assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let stats = Arc::new(RetryStats::default());
+        let seen = Arc::new(Mutex::new(0usize));
+        let dead = Arc::new(DeadLetters::start(DeadLetterFile {
+            path: path.clone(),
+            stats: stats.clone(),
+            last_resort: Box::new({
+                let seen = seen.clone();
+                move |_: &str| *seen.lock() += 1
+            }),
+        }));
+        let job = claimed(faulty().as_ref(), 28).await;
+        let letters = LETTER_BACKLOG + LETTER_BATCH + 100;
+        let (returned, done) = std::sync::mpsc::channel();
+        let caller = std::thread::spawn({
+            let (dead, stats) = (dead.clone(), stats.clone());
+            move || {
+                for _ in 0..letters {
+                    stats.pending.fetch_add(1, Ordering::AcqRel);
+                    dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
+                }
+                let _ = returned.send(());
+            }
+        });
+        assert!(
+            done.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "the caller waited for the writer"
+        );
+        caller.join().unwrap();
+        let overflow = *seen.lock();
+        assert!(overflow >= 100, "{overflow} lines went to the last resort");
+        drop(held);
+        dead.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text.lines().count() + overflow,
+            letters,
+            "every line is somewhere"
+        );
         assert_eq!(stats.pending.load(Ordering::Acquire), 0);
     }
 
