@@ -114,11 +114,13 @@ fn main() {
         }
     };
     start_order_service();
+    // Colour codes only at a terminal, as the idemgate binary does.
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     println!("idemgate: proxying http://127.0.0.1:6180 -> http://{BACKEND} (admin http://127.0.0.1:6181)");
     if let Err(e) = idemgate::server::run(path.into(), config, || {}) {
