@@ -176,6 +176,8 @@ pub struct RetryConfig {
     pub max_delay: Duration,
     /// Completions waiting at most.
     pub queue_capacity: usize,
+    /// Bytes of stored responses waiting at most.
+    pub queue_bytes: usize,
     /// JSON-lines file for completions that could not be stored.
     pub dead_letter_path: std::path::PathBuf,
 }
@@ -597,6 +599,7 @@ struct FileRetry {
     base_delay: Scalar,
     max_delay: Scalar,
     queue_capacity: i64,
+    queue_bytes: Scalar,
     dead_letter_path: String,
 }
 
@@ -607,6 +610,7 @@ impl Default for FileRetry {
             base_delay: Scalar::Text("50ms".into()),
             max_delay: Scalar::Text("5s".into()),
             queue_capacity: 10_000,
+            queue_bytes: Scalar::Text("256MiB".into()),
             dead_letter_path: "idemgate-dead-letter.jsonl".into(),
         }
     }
@@ -1526,6 +1530,12 @@ impl FileStore {
                 r.queue_capacity,
                 1,
                 10_000_000,
+            )?,
+            queue_bytes: byte_size_in_range(
+                "store.completion_retry.queue_bytes".into(),
+                &r.queue_bytes,
+                1 << 20,
+                1 << 40,
             )?,
             dead_letter_path: std::path::PathBuf::from(&r.dead_letter_path),
         };
@@ -2939,6 +2949,7 @@ routes:
                     base_delay: Duration::from_millis(50),
                     max_delay: Duration::from_secs(5),
                     queue_capacity: 10_000,
+                    queue_bytes: 256 << 20,
                     dead_letter_path: "idemgate-dead-letter.jsonl".into(),
                 },
             }
@@ -4533,6 +4544,10 @@ routes:
             (
                 "store: {completion_retry: {dead_letter_path: \"\"}}",
                 "store.completion_retry.dead_letter_path",
+            ),
+            (
+                "store: {completion_retry: {queue_bytes: 1KiB}}",
+                "store.completion_retry.queue_bytes",
             ),
         ] {
             let err = load_err(&format!("{yaml}\n{MINIMAL}"));

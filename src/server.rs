@@ -417,6 +417,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         base_delay: r.base_delay,
         max_delay: r.max_delay,
         queue_capacity: r.queue_capacity,
+        queue_bytes: r.queue_bytes,
         dead_letter_path: r.dead_letter_path.clone(),
     };
     // Found out now, not when a completion the store never took has nowhere else to go.

@@ -68,6 +68,10 @@ pub struct RetryOptions {
     /// Completions waiting at most (queued or between attempts); beyond it they go straight to
     /// the dead-letter file.
     pub queue_capacity: usize,
+    /// Bytes of stored responses waiting at most: a long outage of large responses would
+    /// otherwise hold `queue_capacity` × `max_response_bytes`; beyond it they go straight to
+    /// the dead-letter file too.
+    pub queue_bytes: usize,
     /// Where dead letters are appended.
     pub dead_letter_path: PathBuf,
 }
@@ -79,6 +83,7 @@ impl Default for RetryOptions {
             base_delay: Duration::from_millis(50),
             max_delay: Duration::from_secs(5),
             queue_capacity: 10_000,
+            queue_bytes: 256 << 20,
             dead_letter_path: PathBuf::from("idemgate-dead-letter.jsonl"),
         }
     }
@@ -160,6 +165,7 @@ pub struct CompletionRetrier {
     stats: Arc<RetryStats>,
     jobs: Arc<Jobs>,
     capacity: usize,
+    capacity_bytes: usize,
 }
 
 /// A queued completion: its id in [`Jobs`].
@@ -172,11 +178,14 @@ type Job = u64;
 struct Jobs {
     next: AtomicU64,
     waiting: Mutex<HashMap<Job, PendingCompletion>>,
+    /// Bytes of the stored responses in `waiting`.
+    bytes: AtomicUsize,
 }
 
 impl Jobs {
     fn add(&self, job: PendingCompletion) -> Job {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(job_bytes(&job), Ordering::AcqRel);
         self.waiting.lock().insert(id, job);
         id
     }
@@ -186,12 +195,32 @@ impl Jobs {
     }
 
     fn take(&self, id: Job) -> Option<PendingCompletion> {
-        self.waiting.lock().remove(&id)
+        let job = self.waiting.lock().remove(&id)?;
+        self.bytes.fetch_sub(job_bytes(&job), Ordering::AcqRel);
+        Some(job)
     }
 
     /// Returns a taken job for another attempt, under the same id.
     fn put_back(&self, id: Job, job: PendingCompletion) {
+        self.bytes.fetch_add(job_bytes(&job), Ordering::AcqRel);
         self.waiting.lock().insert(id, job);
+    }
+
+    /// Takes every waiting job out.
+    fn drain(&self) -> Vec<PendingCompletion> {
+        let jobs: Vec<PendingCompletion> = self.waiting.lock().drain().map(|(_, j)| j).collect();
+        let bytes: usize = jobs.iter().map(job_bytes).sum();
+        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+        jobs
+    }
+}
+
+/// What a waiting completion holds in memory: its stored response (nothing for one stored as
+/// not replayable).
+fn job_bytes(job: &PendingCompletion) -> usize {
+    match &job.completion {
+        Completion::Response(response) => response.size_bytes(),
+        Completion::Unreplayable { .. } => 0,
     }
 }
 
@@ -266,6 +295,7 @@ impl CompletionRetrier {
             stats: stats.clone(),
             jobs: jobs.clone(),
             capacity,
+            capacity_bytes: options.queue_bytes,
         };
         let worker = run(shared, local, options, rx, tx, dead, stats, jobs);
         (handle, worker)
@@ -287,6 +317,17 @@ impl CompletionRetrier {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         if self.stats.pending.fetch_add(1, Ordering::AcqRel) >= self.capacity {
             give_up(&self.dead, &self.local, job, 0, "retry queue full");
+            return;
+        }
+        let bytes = self.jobs.bytes.load(Ordering::Acquire);
+        if bytes.saturating_add(job_bytes(&job)) > self.capacity_bytes {
+            give_up(
+                &self.dead,
+                &self.local,
+                job,
+                0,
+                "retry queue full (queue_bytes)",
+            );
             return;
         }
         let id = self.jobs.add(job);
@@ -322,10 +363,7 @@ impl CompletionRetrier {
     /// job a task holds between taking it and putting it back for another attempt is not seen
     /// here: it is back in a moment, and a later call takes it.
     pub fn dead_letter_pending(&self, reason: &str) -> usize {
-        let waiting: Vec<PendingCompletion> = {
-            let mut w = self.jobs.waiting.lock();
-            w.drain().map(|(_, job)| job).collect()
-        };
+        let waiting = self.jobs.drain();
         let count = waiting.len();
         // Each is here because a write failed without an answer (or one is out right now).
         for job in waiting {
@@ -773,6 +811,7 @@ mod tests {
             base_delay: Duration::from_millis(10),
             max_delay: Duration::from_millis(40),
             queue_capacity: 8,
+            queue_bytes: 1 << 20,
             dead_letter_path: dir.join("dead.jsonl"),
         }
     }
@@ -1350,6 +1389,46 @@ mod tests {
             "every line is somewhere"
         );
         assert_eq!(stats.pending.load(Ordering::Acquire), 0);
+    }
+
+    /// Past `queue_bytes` of stored responses waiting, the next completion is dead-lettered at
+    /// once however few are waiting: an outage of large responses cannot hold
+    /// `queue_capacity` × `max_response_bytes`. What leaves the queue gives its bytes back.
+    #[tokio::test]
+    async fn the_queue_is_bounded_by_the_bytes_it_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(16 << 20, 1)));
+        let mut o = options(dir.path());
+        o.queue_bytes = 1 << 20;
+        // No worker: nothing drains the queue.
+        let (retrier, _worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
+        let large = |mut job: PendingCompletion| {
+            job.completion = Completion::Response(Arc::new(StoredResponse::new(
+                201,
+                Vec::<(&str, Bytes)>::new(),
+                Bytes::from(vec![7u8; 600 << 10]),
+            )));
+            job
+        };
+        retrier.submit(large(claimed(store.as_ref(), 40).await));
+        assert_eq!(
+            retrier.jobs.waiting.lock().len(),
+            1,
+            "600 KiB fits the 1 MiB"
+        );
+        retrier.submit(large(claimed(store.as_ref(), 41).await));
+        retrier.flush_dead_letters();
+        assert_eq!(retrier.jobs.waiting.lock().len(), 1, "a second would not");
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("queue_bytes"), "{text}");
+        // Small ones still fit beside it.
+        retrier.submit(claimed(store.as_ref(), 42).await);
+        assert_eq!(retrier.jobs.waiting.lock().len(), 2);
+        // Leaving gives the bytes back.
+        assert_eq!(retrier.dead_letter_pending("stopping"), 2);
+        assert_eq!(retrier.jobs.bytes.load(Ordering::Acquire), 0);
+        retrier.submit(large(claimed(store.as_ref(), 43).await));
+        assert_eq!(retrier.jobs.waiting.lock().len(), 1);
     }
 
     #[tokio::test]
