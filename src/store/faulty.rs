@@ -28,6 +28,8 @@ pub enum Fault {
     GetFails = 5,
     /// Only `get` waits until the fault is switched; the rest go through.
     GetStalls = 6,
+    /// Only `complete` panics (a bug in a store, as far as its caller can tell).
+    CompletePanics = 7,
 }
 
 /// A [`RecordStore`] that injects faults into an inner store.
@@ -65,6 +67,7 @@ impl<S: RecordStore> FaultyStore<S> {
                 4 if op == "delete" => tokio::time::sleep(Duration::from_millis(5)).await,
                 5 if op == "get" => return Err(StoreError::Unavailable("injected: get".into())),
                 6 if op == "get" => tokio::time::sleep(Duration::from_millis(5)).await,
+                7 if op == "complete" => panic!("injected: complete panics"),
                 _ => return Ok(()),
             }
         }

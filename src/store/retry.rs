@@ -40,12 +40,14 @@
 
 use std::collections::HashMap;
 use std::io::Write;
+use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
+use futures_util::FutureExt;
 use parking_lot::Mutex;
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -435,7 +437,8 @@ async fn run(
         let jobs = jobs.clone();
         let local = local.clone();
         let requeue = tx.upgrade();
-        tokio::spawn(async move {
+        let (jobs_after, dead_after, local_after) = (jobs.clone(), dead.clone(), local.clone());
+        let attempt_once = async move {
             let Some(job) = jobs.get(id) else {
                 return;
             };
@@ -505,6 +508,23 @@ async fn run(
                             give_up(&dead, &local, job, attempt + 1, "retry queue full");
                         }
                     }
+                }
+            }
+        };
+        // A panic in the attempt (a store's bug) would leave its job waiting with no task to
+        // retry it until the process stops, holding the drain the whole grace period: the job
+        // is dead-lettered at once instead.
+        tokio::spawn(async move {
+            if AssertUnwindSafe(attempt_once).catch_unwind().await.is_err() {
+                if let Some(job) = jobs_after.take(id) {
+                    tracing::error!("a completion retry panicked; the completion is dead-lettered");
+                    give_up(
+                        &dead_after,
+                        &local_after,
+                        job,
+                        attempt + 1,
+                        "retry task panicked",
+                    );
                 }
             }
         });
@@ -1429,6 +1449,25 @@ mod tests {
         assert_eq!(retrier.jobs.bytes.load(Ordering::Acquire), 0);
         retrier.submit(large(claimed(store.as_ref(), 43).await));
         assert_eq!(retrier.jobs.waiting.lock().len(), 1);
+    }
+
+    /// A retry that panics (a bug in a store) dead-letters its completion at once rather than
+    /// leave it waiting, with no task to retry it, until the process stops.
+    #[tokio::test]
+    async fn a_retry_that_panics_dead_letters_its_completion() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = faulty();
+        let job = claimed(store.as_ref(), 44).await;
+        store.set(Fault::CompletePanics);
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job);
+        settle(&retrier).await;
+        retrier.flush_dead_letters();
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("retry task panicked"), "{text}");
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
     }
 
     #[tokio::test]
