@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::redis::{RedisCluster, RedisServer};
+use common::tcp;
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
 /// `count` proxies in front of `backend`, all on the Redis at `urls`.
@@ -266,35 +267,13 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
     assert_eq!(backend.count(), 2);
 }
 
-/// The proxy's sockets to `port`, as (timer kind, inode) from /proc/net/tcp: the connections
-/// whose socket inode the process holds.
-fn redis_sockets(pid: u32, port: u16) -> Vec<(String, String)> {
-    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|dir| {
-            dir.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-                .filter_map(|target| {
-                    let t = target.to_string_lossy().into_owned();
-                    t.strip_prefix("socket:[")?
-                        .strip_suffix(']')
-                        .map(str::to_owned)
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    table
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let cols: Vec<&str> = line.split_whitespace().collect();
-            // local, remote, state, queues, "timer:expires", retransmits, uid, timeout, inode
-            let remote_port = u16::from_str_radix(cols.get(2)?.rsplit(':').next()?, 16).ok()?;
-            let established = *cols.get(3)? == "01";
-            let inode = cols.get(9)?.to_string();
-            let timer = cols.get(5)?.split(':').next()?.to_string();
-            (remote_port == port && established && inodes.contains(&inode))
-                .then_some((timer, inode))
-        })
+/// The ESTABLISHED sockets process `pid` holds to `port`.
+fn redis_sockets(pid: u32, port: u16) -> Vec<tcp::TcpSocket> {
+    let inodes = tcp::inodes_of(pid);
+    tcp::sockets()
+        .into_iter()
+        .filter(|s| s.remote_port == port && s.state == tcp::ESTABLISHED)
+        .filter(|s| inodes.contains(&s.inode))
         .collect()
 }
 
@@ -329,10 +308,7 @@ async fn idle_redis_connections_are_kept_alive() {
         "store and purge connections: {sockets:?}"
     );
     // Timer 2 is the keepalive timer; an idle socket without keepalive has none (0).
-    for (timer, inode) in &sockets {
-        assert_eq!(
-            timer, "02",
-            "socket {inode} has no keepalive timer: {sockets:?}"
-        );
+    for socket in &sockets {
+        assert_eq!(socket.timer, 2, "no keepalive timer: {sockets:?}");
     }
 }

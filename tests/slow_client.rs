@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::rawbackend::{RawBackend, Step};
+use common::tcp::{self, ESTABLISHED};
 use common::{Backend, ProxyBuilder, Request};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -26,47 +27,15 @@ const SLACK: Duration = Duration::from_secs(5);
 /// A chunked response body far larger than the kernel buffers between proxy and client.
 const BODY: usize = 4 << 20;
 
-/// `/proc/net/tcp`'s code for ESTABLISHED.
-const ESTABLISHED: u8 = 0x01;
-
 /// The kernel's state of the proxy's end of the connection from `client`, `None` once the
 /// socket is gone.
 fn proxy_side_state(proxy: SocketAddr, client: SocketAddr) -> Option<u8> {
-    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
-    // Rows: `sl local_address rem_address st ...`, addresses as `HEXIP:HEXPORT`.
-    let port = |addr: &str| {
-        addr.rsplit(':')
-            .next()
-            .and_then(|p| u16::from_str_radix(p, 16).ok())
-    };
-    table.lines().skip(1).find_map(|row| {
-        let fields: Vec<&str> = row.split_whitespace().collect();
-        let (local, remote, state) = (fields.get(1)?, fields.get(2)?, fields.get(3)?);
-        (port(local)? == proxy.port() && port(remote)? == client.port())
-            .then(|| u8::from_str_radix(state, 16).ok())
-            .flatten()
-    })
+    tcp::socket(proxy.port(), client.port()).map(|s| s.state)
 }
 
 /// Bytes the proxy's end of the connection from `client` holds unsent (its send queue).
 fn proxy_side_unsent(proxy: SocketAddr, client: SocketAddr) -> u64 {
-    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
-    let port = |addr: &str| {
-        addr.rsplit(':')
-            .next()
-            .and_then(|p| u16::from_str_radix(p, 16).ok())
-    };
-    table
-        .lines()
-        .skip(1)
-        .find_map(|row| {
-            let fields: Vec<&str> = row.split_whitespace().collect();
-            let (local, remote, queues) = (fields.get(1)?, fields.get(2)?, fields.get(4)?);
-            (port(local)? == proxy.port() && port(remote)? == client.port())
-                .then(|| u64::from_str_radix(queues.split(':').next()?, 16).ok())
-                .flatten()
-        })
-        .unwrap_or(0)
+    tcp::socket(proxy.port(), client.port()).map_or(0, |s| s.tx_queue)
 }
 
 /// Waits until the proxy has let go of the connection from `client`, failing if it still holds

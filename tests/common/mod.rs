@@ -8,6 +8,7 @@ pub mod proxy;
 pub mod rawbackend;
 pub mod redis;
 pub mod soak_backend;
+pub mod tcp;
 pub mod tls;
 
 pub use backend::Backend;
