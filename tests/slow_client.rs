@@ -60,7 +60,16 @@ async fn given_up(proxy: SocketAddr, client: SocketAddr, since: Instant, within:
 async fn non_reader(proxy: SocketAddr) -> TcpStream {
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket.set_recv_buffer_size(4096).expect("receive buffer");
-    socket.connect(proxy).await.expect("connect to proxy")
+    let stream = socket.connect(proxy).await.expect("connect to proxy");
+    // The proxy's end is in the kernel's table from the start: `given_up` reading no row as
+    // "let go" is then a real change, not a lookup that never matched.
+    let local = stream.local_addr().expect("client addr");
+    assert_eq!(
+        proxy_side_state(proxy, local),
+        Some(ESTABLISHED),
+        "the proxy's end of {local} is not in /proc/net/tcp"
+    );
+    stream
 }
 
 /// A backend answering every request with [`BODY`] bytes, chunked.
