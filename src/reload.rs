@@ -243,7 +243,9 @@ impl Reloader {
                 // next reload compares against that, warning again while the file differs.
                 let mut config = config;
                 let restart_only = keep_restart_only(&running.config, &mut config);
-                let takes_effect = {
+                // Only a file that changed nothing but restart-only settings takes no effect (an
+                // edit of comments alone changes nothing at all, and goes live as before).
+                let takes_effect = restart_only.is_empty() || {
                     let mut same = config.clone();
                     same.source_hash.clone_from(&running.config.source_hash);
                     same != running.config

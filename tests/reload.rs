@@ -320,6 +320,10 @@ async fn an_edit_of_restart_only_settings_is_reported_as_needing_a_restart() {
                 .await
         }
     };
+    // An edit of a comment alone changes no setting: not a restart-only edit.
+    proxy.edit_config(Edit::Rename, |y| format!("# a comment\n{y}"));
+    let v: serde_json::Value = serde_json::from_slice(&reload(&proxy).await.body).unwrap();
+    assert_ne!(v["result"], "restart_required", "{v}");
     let before = reloads(&proxy).await;
     proxy.edit_config(Edit::Rename, |y| y.replacen("threads: 1", "threads: 3", 1));
     let r = reload(&proxy).await;
