@@ -306,6 +306,11 @@ fn trim_ows(mut v: &[u8]) -> &[u8] {
     while let Some((b' ' | b'\t', rest)) = v.split_first() {
         v = rest;
     }
+    trim_ows_end(v)
+}
+
+/// `v` without the spaces and tabs (optional whitespace, RFC 9110 §5.6.3) at its end.
+pub(crate) fn trim_ows_end(mut v: &[u8]) -> &[u8] {
     while let Some((b' ' | b'\t', rest)) = v.split_last() {
         v = rest;
     }

@@ -107,9 +107,7 @@ impl Generation {
         let i = route.unwrap_or(self.config.routes.len());
         &self.route_metrics[i.min(self.route_metrics.len() - 1)]
     }
-}
 
-impl Generation {
     /// The resolved addresses of every upstream, in config order, each upstream's sorted (a
     /// resolver that rotates its answers gives the same set in another order).
     pub fn addresses(&self) -> Vec<Vec<std::net::SocketAddr>> {

@@ -850,7 +850,7 @@ fn decode_chunked(
                 // chunk-size [ chunk-ext ]: extensions (after `;`) are ignored.
                 let size = line.split(|&b| b == b';').next().unwrap_or(&[]);
                 // Only spaces and tabs may stand before the line's end (RFC 9112 §7.1.1, BWS).
-                let size = trim_end_blanks(size);
+                let size = crate::key::trim_ows_end(size);
                 if size.is_empty() || size.len() > 16 || !size.iter().all(u8::is_ascii_hexdigit) {
                     return Err(UpstreamError::Malformed("invalid chunk size"));
                 }
@@ -909,15 +909,6 @@ fn decode_chunked(
         }
     }
     Ok((Some(state), out.map(BytesMut::freeze).or(single)))
-}
-
-/// `bytes` without the spaces and tabs at its end.
-fn trim_end_blanks(bytes: &[u8]) -> &[u8] {
-    let keep = bytes
-        .iter()
-        .rposition(|&b| b != b' ' && b != b'\t')
-        .map_or(0, |i| i + 1);
-    &bytes[..keep]
 }
 
 #[cfg(test)]

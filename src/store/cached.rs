@@ -221,13 +221,10 @@ impl<S: RecordStore> CachedStore<S> {
         })
     }
 
-    /// The cache shard holding `hash`, picked by a hash keyed per store: a record hash is a
-    /// SHA-256 of what the client sends, so a client grinding keys (about 256 tries each for
-    /// one byte) could otherwise crowd one shard and flush its entries on purpose.
+    /// The cache shard holding `hash` (see [`super::keyed_shard_word`]): a client grinding
+    /// keys could otherwise crowd one shard and flush its entries on purpose.
     fn shard(&self, hash: &Digest) -> &Mutex<Cache> {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(&hash[..8]);
-        let mixed = std::hash::BuildHasher::hash_one(&self.shard_keys, u64::from_le_bytes(word));
+        let mixed = super::keyed_shard_word(&self.shard_keys, hash);
         // Truncating is fine: only the remainder is kept.
         &self.cache[mixed as usize % self.cache.len()]
     }
@@ -358,12 +355,7 @@ impl<S: RecordStore> CachedStore<S> {
         let RecordState::Completed(completion) = record.state else {
             return false;
         };
-        let size = ENTRY_OVERHEAD
-            + key.tenant.len()
-            + match &completion {
-                Completion::Response(r) => r.size_bytes(),
-                Completion::Unreplayable { .. } => 0,
-            };
+        let size = ENTRY_OVERHEAD + key.tenant.len() + completion.response_bytes();
         let budget = self.shard_budget();
         // An entry already expired (a copy whose life, counted from before a long wait, ran
         // out while waiting) would only take budget from live ones.
@@ -1308,7 +1300,7 @@ mod tests {
         assert!(b.cached(&theirs.key).is_none());
         // The bytes follow: only the pending completion's are left.
         let (_, bytes) = b.cache_usage();
-        let one = ENTRY_OVERHEAD + 1 + response_size(&response(b"x"));
+        let one = ENTRY_OVERHEAD + 1 + response(b"x").response_bytes();
         assert_eq!(bytes, one);
         // The next read copies it again.
         let calls = shared.calls.load(Ordering::Relaxed);
@@ -1519,13 +1511,6 @@ mod tests {
             matches!(outcome, ClaimOutcome::Acquired { .. }),
             "{outcome:?}"
         );
-    }
-
-    fn response_size(completion: &Completion) -> usize {
-        match completion {
-            Completion::Response(r) => r.size_bytes(),
-            Completion::Unreplayable { .. } => 0,
-        }
     }
 
     #[tokio::test]

@@ -334,7 +334,7 @@ impl MemoryStore {
     /// would give its key away). The map inside hashes the second word with its own keys, so
     /// the two choices stay independent.
     fn shard_index(&self, hash: &Digest) -> usize {
-        let mixed = self.shard_keys.hash_one(digest_word(hash, 0));
+        let mixed = super::keyed_shard_word(&self.shard_keys, hash);
         // Truncating is fine: only the low bits are kept.
         mixed as usize & self.shard_mask
     }
@@ -469,10 +469,7 @@ impl RecordStore for MemoryStore {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        let extra = match &completion {
-            Completion::Response(response) => response.size_bytes(),
-            Completion::Unreplayable { .. } => 0,
-        };
+        let extra = completion.response_bytes();
         if extra <= self.capacity {
             if let Attempt::Done(outcome) = self.try_complete(key, owner, &completion, extra, ttl) {
                 return Ok(outcome);

@@ -102,6 +102,26 @@ pub enum Completion {
     },
 }
 
+/// The word a store picks a record's shard by: the record hash's first eight bytes through
+/// SipHash with the store's own random `keys`. Record hashes are SHA-256 of what clients send, so
+/// a client grinding keys could fix any few bits of them and pile its records into one shard;
+/// it cannot aim at keys it does not know.
+pub(crate) fn keyed_shard_word(keys: &std::hash::RandomState, hash: &Digest) -> u64 {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&hash[..8]);
+    std::hash::BuildHasher::hash_one(keys, u64::from_le_bytes(word))
+}
+
+impl Completion {
+    /// Bytes its stored response holds in memory (none for one not replayable).
+    pub fn response_bytes(&self) -> usize {
+        match self {
+            Completion::Response(response) => response.size_bytes(),
+            Completion::Unreplayable { .. } => 0,
+        }
+    }
+}
+
 /// The state of a record as read from the store.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RecordState {

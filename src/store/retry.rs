@@ -43,6 +43,7 @@ use std::io::Write;
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::TrySendError;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -220,10 +221,7 @@ impl Jobs {
 /// What a waiting completion holds in memory: its stored response (nothing for one stored as
 /// not replayable).
 fn job_bytes(job: &PendingCompletion) -> usize {
-    match &job.completion {
-        Completion::Response(response) => response.size_bytes(),
-        Completion::Unreplayable { .. } => 0,
-    }
+    job.completion.response_bytes()
 }
 
 /// Hands dead letters to the writer thread (or, when none could be started, writes them
@@ -562,34 +560,31 @@ impl DeadLetters {
     /// Dead-letters `job`, which is counted as pending: the count drops once its line is
     /// written, so shutdown (which waits on the count) waits for the write.
     fn settle(&self, job: PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
-        let letter = Letter::Line(LetterLine {
+        let line = LetterLine {
             job,
             attempts,
             reason: reason.to_string(),
             in_store,
             at: SystemTime::now(),
-        });
-        let unsent = match &self.queue {
-            // Never waits: the callers are request threads and retry tasks.
-            Some(queue) => match queue.try_send(letter) {
-                Ok(()) => None,
-                // The writer is LETTER_BACKLOG lines behind (a disk that hangs): the line goes
-                // to stderr at once rather than stall the caller or be lost.
-                Err(std::sync::mpsc::TrySendError::Full(Letter::Line(line))) => {
-                    self.file
-                        .last_resort(&line, "the dead-letter writer is too far behind");
-                    None
-                }
-                Err(
-                    std::sync::mpsc::TrySendError::Full(letter)
-                    | std::sync::mpsc::TrySendError::Disconnected(letter),
-                ) => Some(letter),
-            },
-            None => Some(letter),
         };
-        // No writer thread (it could not start, or it is gone): written here rather than lost.
-        if let Some(Letter::Line(line)) = unsent {
-            self.file.write(vec![line]);
+        let Some(queue) = &self.queue else {
+            // No writer thread (it could not start): written here rather than lost.
+            return self.file.write(vec![line]);
+        };
+        // Never waits: the callers are request threads and retry tasks.
+        match queue.try_send(Letter::Line(line)) {
+            Ok(()) => {}
+            // The writer is LETTER_BACKLOG lines behind (a disk that hangs): the line goes to
+            // stderr at once rather than stall the caller or be lost.
+            Err(TrySendError::Full(Letter::Line(line))) => self
+                .file
+                .last_resort(&line, "the dead-letter writer is too far behind"),
+            // The writer is gone: written here rather than lost.
+            Err(TrySendError::Disconnected(Letter::Line(line))) => self.file.write(vec![line]),
+            // Only lines are sent here.
+            Err(
+                TrySendError::Full(Letter::Flush(_)) | TrySendError::Disconnected(Letter::Flush(_)),
+            ) => {}
         }
     }
 
