@@ -1007,20 +1007,17 @@ impl Config {
     }
 
     /// What is valid but likely a mistake, one message per finding, naming the fields: an
-    /// idempotent route whose backend may take longer than `shutdown.grace_period` (its
-    /// upstream's connect + write + read timeouts), so a request in flight at `SIGTERM` can be
-    /// cut off before its outcome is stored.
+    /// idempotent route that stores no status, or whose backend may take longer than
+    /// `shutdown.grace_period` (its upstream's connect + write + read timeouts), so a request in
+    /// flight at `SIGTERM` can be cut off before its outcome is stored.
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
-        for route in self.routes.iter().filter(|r| r.idempotency.is_some()) {
-            let Some(up) = self.upstreams.get(route.upstream) else {
-                continue;
-            };
-            if route
-                .idempotency
-                .as_ref()
-                .is_some_and(|i| i.cache_statuses.is_empty())
-            {
+        let keyed = self
+            .routes
+            .iter()
+            .filter_map(|r| r.idempotency.as_ref().map(|idem| (r, idem)));
+        for (route, idem) in keyed {
+            if idem.cache_statuses.is_empty() {
                 warnings.push(format!(
                     "routes[{}].idempotency.cache_statuses stores no status: every response \
                      is released, so every retry executes again; the key only holds off \
@@ -1028,6 +1025,9 @@ impl Config {
                     route.name
                 ));
             }
+            let Some(up) = self.upstreams.get(route.upstream) else {
+                continue;
+            };
             let budget = up.connect_timeout + up.write_timeout + up.read_timeout;
             if budget > self.shutdown.grace_period {
                 warnings.push(format!(

@@ -212,8 +212,8 @@ impl Reloader {
         let text_hash = std::fs::read(&self.path)
             .ok()
             .map(|t| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&t)));
-        // Asked for by someone (SIGHUP, the admin endpoint), not found by the watcher.
-        let forced = !matches!(trigger, "file change" | "poll");
+        // Found by the watcher, not asked for by someone (SIGHUP, the admin endpoint).
+        let automatic = matches!(trigger, "file change" | "poll");
         let result = Config::load(&self.path)
             .map_err(|e| e.to_string())
             .and_then(|config| {
@@ -222,7 +222,7 @@ impl Reloader {
                     // Upstream host names are resolved when a generation is built: a forced
                     // reload of the same file looks them up again, and takes the result when
                     // it differs (a backend that moved to another address).
-                    if !forced {
+                    if automatic {
                         return Ok(None);
                     }
                     // Built from the running config, which is the file's with the running
@@ -304,7 +304,6 @@ impl Reloader {
                 // A watcher event or a poll retry of content already refused the same way is not
                 // a new error: neither logged nor counted again. SIGHUP and the admin endpoint
                 // are asked for by someone who wants the answer, so they always report it.
-                let automatic = matches!(trigger, "file change" | "poll");
                 let mut refused = self.refused.lock();
                 let repeat = automatic
                     && refused.as_ref().is_some_and(|r| {

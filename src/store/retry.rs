@@ -250,6 +250,19 @@ struct LetterLine {
     at: SystemTime,
 }
 
+impl LetterLine {
+    /// The JSON line written for it.
+    fn text(&self) -> String {
+        dead_letter_line_at(
+            &self.job,
+            self.attempts,
+            &self.reason,
+            self.in_store,
+            self.at,
+        )
+    }
+}
+
 /// The dead-letter file, and where a line goes when the file cannot take it.
 struct DeadLetterFile {
     path: PathBuf,
@@ -576,9 +589,11 @@ impl DeadLetters {
             Ok(()) => {}
             // The writer is LETTER_BACKLOG lines behind (a disk that hangs): the line goes to
             // stderr at once rather than stall the caller or be lost.
-            Err(TrySendError::Full(Letter::Line(line))) => self
-                .file
-                .last_resort(&line, "the dead-letter writer is too far behind"),
+            Err(TrySendError::Full(Letter::Line(line))) => self.file.settle_on_stderr(
+                &line,
+                &line.text(),
+                "the dead-letter writer is too far behind",
+            ),
             // The writer is gone: written here rather than lost.
             Err(TrySendError::Disconnected(Letter::Line(line))) => self.file.write(vec![line]),
             // Only lines are sent here.
@@ -632,10 +647,7 @@ impl DeadLetterFile {
     /// Appends `letters` in one write (one lock, one fsync) and takes them off the pending
     /// count. What the file cannot take goes to [`DeadLetterFile::last_resort`], whole.
     fn write(&self, letters: Vec<LetterLine>) {
-        let lines: Vec<String> = letters
-            .iter()
-            .map(|l| dead_letter_line_at(&l.job, l.attempts, &l.reason, l.in_store, l.at))
-            .collect();
+        let lines: Vec<String> = letters.iter().map(LetterLine::text).collect();
         let text = lines.concat();
         let written = std::fs::OpenOptions::new()
             .create(true)
@@ -653,7 +665,7 @@ impl DeadLetterFile {
                     "completion written to the dead-letter file"
                 ),
                 Err(e) => {
-                    self.to_stderr(line, &record, &e.to_string());
+                    self.settle_on_stderr(letter, line, &e.to_string());
                     continue;
                 }
             }
@@ -662,22 +674,10 @@ impl DeadLetterFile {
         }
     }
 
-    /// Settles `letter` on stderr alone, without the file (`why` says why).
-    fn last_resort(&self, letter: &LetterLine, why: &str) {
-        let line = dead_letter_line_at(
-            &letter.job,
-            letter.attempts,
-            &letter.reason,
-            letter.in_store,
-            letter.at,
-        );
+    /// Settles `letter` (its `line`) on stderr alone, without the file (`why` says why):
+    /// writes it, counts it, and takes it off the pending count.
+    fn settle_on_stderr(&self, letter: &LetterLine, line: &str, why: &str) {
         let record = crate::key::hash_label(&letter.job.key.hash);
-        self.to_stderr(&line, &record, why);
-    }
-
-    /// Writes a dead letter the file did not take to stderr, counts it, and takes it off the
-    /// pending count.
-    fn to_stderr(&self, line: &str, record: &crate::key::HashLabel, why: &str) {
         self.stats
             .dead_letter_write_failures
             .fetch_add(1, Ordering::Relaxed);
