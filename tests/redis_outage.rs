@@ -712,14 +712,7 @@ async fn a_completion_waiting_when_the_grace_period_ends_is_dead_lettered_before
         .top("shutdown: {grace_period: 2s, graceful_shutdown_timeout: 60s}")
         .start()
         .await;
-    let first = Request::post("/orders/slow/500")
-        .key("drain")
-        .body("{}")
-        .spawn_send(proxy.addr);
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    redis.kill();
-    let first = first.await.unwrap();
-    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    executed_as_redis_dies(&proxy, &mut redis, "drain").await;
     proxy
         .metrics_containing("idemgate_completion_retry_pending 1")
         .await;
@@ -772,6 +765,19 @@ async fn a_completion_waiting_when_the_grace_period_ends_is_dead_lettered_before
 
 /// The last copy of a dead letter the file cannot take goes straight to stderr: not through
 /// the log pipeline, whose filter may be off and whose batched writer may drop lines.
+/// A keyed request claimed while Redis is up and answered (201 MISS) after it was killed: its
+/// completion can only wait for the retrier.
+async fn executed_as_redis_dies(proxy: &Proxy, redis: &mut RedisServer, key: &str) {
+    let first = Request::post("/orders/slow/500")
+        .key(key)
+        .body("{}")
+        .spawn_send(proxy.addr);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    redis.kill();
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+}
+
 #[tokio::test]
 async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_level() {
     let mut redis = RedisServer::start();
@@ -786,14 +792,7 @@ async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_leve
         .env("IDEMGATE_LOG", "off")
         .start()
         .await;
-    let first = Request::post("/orders/slow/500")
-        .key("unlogged")
-        .body("{}")
-        .spawn_send(proxy.addr);
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    redis.kill();
-    let first = first.await.unwrap();
-    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    executed_as_redis_dies(&proxy, &mut redis, "unlogged").await;
     // Dead-lettered once the attempt has failed and the 2 s lock may have lapsed.
     let needle = "idemgate: dead letter not written to ";
     let deadline = Instant::now() + Duration::from_secs(10);

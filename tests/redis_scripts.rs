@@ -619,20 +619,7 @@ async fn trailing_zero_ttls_round_trip(server: &RedisServer, store: &RedisStore,
     };
     for step in ["claim", "renewal"] {
         let what = format!("{version} {step}");
-        let outcome = store
-            .claim(&req)
-            .await
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-        assert_eq!(
-            outcome,
-            ClaimOutcome::Acquired {
-                execution_id: req.execution_id
-            },
-            "{what}"
-        );
-        assert_eq!(hget(server, &name, "s").as_deref(), Some("i"), "{what}");
-        assert_lives(server, &name, 900_000_000, &what);
-        assert_lock_deadline(server, &name, req.lock_ttl, &what);
+        assert_claimed(server, store, &req, req.execution_id, 900_000_000, &what).await;
     }
     let done = store
         .complete(&key, req.owner, response(), 1000 * HOUR)
@@ -676,20 +663,36 @@ async fn trailing_zero_ttls_round_trip(server: &RedisServer, store: &RedisStore,
         ..req.clone()
     };
     let what = format!("{version} re-claim");
+    assert_claimed(
+        server,
+        store,
+        &again,
+        req.execution_id,
+        10_800_000_000,
+        &what,
+    )
+    .await;
+}
+
+/// Claims `req` and checks it was acquired with `execution_id`, the record in flight, living
+/// `life_ms` and locked for `req.lock_ttl`.
+async fn assert_claimed(
+    server: &RedisServer,
+    store: &RedisStore,
+    req: &ClaimRequest,
+    execution_id: u64,
+    life_ms: u64,
+    what: &str,
+) {
+    let name = store.record_key(&req.key);
     let outcome = store
-        .claim(&again)
+        .claim(req)
         .await
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert_eq!(
-        outcome,
-        ClaimOutcome::Acquired {
-            execution_id: req.execution_id
-        },
-        "{what}"
-    );
+    assert_eq!(outcome, ClaimOutcome::Acquired { execution_id }, "{what}");
     assert_eq!(hget(server, &name, "s").as_deref(), Some("i"), "{what}");
-    assert_lives(server, &name, 10_800_000_000, &what);
-    assert_lock_deadline(server, &name, again.lock_ttl, &what);
+    assert_lives(server, &name, life_ms, what);
+    assert_lock_deadline(server, &name, req.lock_ttl, what);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1123,15 +1123,16 @@ mod tests {
         assert_eq!(store.stats().hits.load(Ordering::Relaxed), 1);
     }
 
-    #[tokio::test]
-    async fn a_purge_while_the_write_is_out_is_not_undone_when_it_lands() {
-        let store = cached();
-        let req = claim("t", 7);
-        store.claim(&req).await.unwrap();
+    /// Claims `req` on `store`, then completes it while the store beneath stalls: returns the
+    /// completion, still out (it goes on once the fault is switched).
+    async fn completing_while_stalled(
+        store: &Arc<CachedStore<FaultyStore<MemoryStore>>>,
+        req: &ClaimRequest,
+    ) -> tokio::task::JoinHandle<Result<WriteOutcome, StoreError>> {
+        store.claim(req).await.unwrap();
         store.inner().set(Fault::Stall);
         let writing = tokio::spawn({
-            let store = store.clone();
-            let req = req.clone();
+            let (store, req) = (store.clone(), req.clone());
             async move {
                 store
                     .complete(&req.key, req.owner, response(b"x"), req.ttl)
@@ -1139,6 +1140,14 @@ mod tests {
             }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
+        writing
+    }
+
+    #[tokio::test]
+    async fn a_purge_while_the_write_is_out_is_not_undone_when_it_lands() {
+        let store = cached();
+        let req = claim("t", 7);
+        let writing = completing_while_stalled(&store, &req).await;
         // The purge reaches this replica (its own admin call or another's announcement).
         store.forget(&req.key);
         store.inner().set(Fault::None);
@@ -1472,17 +1481,7 @@ mod tests {
     async fn a_completion_stored_while_every_copy_was_dropped_is_not_kept() {
         let store = cached();
         let req = claim("t", 23);
-        store.claim(&req).await.unwrap();
-        store.inner().set(Fault::Stall);
-        let writing = tokio::spawn({
-            let (store, req) = (store.clone(), req.clone());
-            async move {
-                store
-                    .complete(&req.key, req.owner, response(b"x"), req.ttl)
-                    .await
-            }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let writing = completing_while_stalled(&store, &req).await;
         // The purge channel comes back while the write is out, and the write then lands: it may
         // have landed before a purge the drop stood for.
         store.forget_copies();
@@ -1548,17 +1547,7 @@ mod tests {
     async fn dropping_copies_spares_a_completion_whose_write_is_out() {
         let store = cached();
         let req = claim("t", 13);
-        store.claim(&req).await.unwrap();
-        store.inner().set(Fault::Stall);
-        let writing = tokio::spawn({
-            let (store, req) = (store.clone(), req.clone());
-            async move {
-                store
-                    .complete(&req.key, req.owner, response(b"x"), req.ttl)
-                    .await
-            }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let writing = completing_while_stalled(&store, &req).await;
         // The purge channel comes back while the write is out, and the write then fails: the
         // completion is still this replica's to replay while it is retried.
         store.forget_copies();

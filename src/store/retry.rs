@@ -1267,19 +1267,26 @@ mod tests {
         assert_eq!(cached.get(&job.key).await.unwrap(), None);
     }
 
-    #[tokio::test]
-    async fn a_dead_letter_waits_for_the_file_lock_off_the_callers_thread() {
+    /// Opens `path` (creating it) and takes its exclusive `flock`, as another process appending
+    /// to it would; the lock goes with the returned file.
+    fn hold_lock_of(path: &std::path::Path) -> std::fs::File {
         use std::os::unix::io::AsRawFd;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("dead.jsonl");
-        // Another process (the other half of a rolling restart) holds the file's lock.
         let held = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(&path)
+            .open(path)
             .unwrap();
         // SAFETY: flock on a descriptor `held` keeps open.
         assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) }, 0);
+        held
+    }
+
+    #[tokio::test]
+    async fn a_dead_letter_waits_for_the_file_lock_off_the_callers_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        // Another process (the other half of a rolling restart) holds the file's lock.
+        let held = hold_lock_of(&path);
         let store = faulty();
         let (taken, full) = (
             claimed(store.as_ref(), 24).await,
@@ -1355,16 +1362,9 @@ mod tests {
     /// each goes whole to the last resort at once.
     #[tokio::test]
     async fn a_dead_letter_writer_far_behind_sends_the_overflow_to_the_last_resort() {
-        use std::os::unix::io::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dead.jsonl");
-        let held = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .unwrap();
-        // SAFETY: flock on a descriptor `held` keeps open.
-        assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let held = hold_lock_of(&path);
         let stats = Arc::new(RetryStats::default());
         let seen = Arc::new(Mutex::new(0usize));
         let dead = Arc::new(DeadLetters::start(DeadLetterFile {
