@@ -885,13 +885,6 @@ impl Gate {
 
     async fn complete(&self, claim: &Claim<'_>, completion: Completion) {
         let (req, ttl) = (claim.req, claim.req.ttl);
-        let started = Instant::now();
-        let written = claim
-            .store
-            .complete(&req.key, req.owner, completion.clone(), ttl)
-            .await;
-        self.observe_store(StoreOp::Complete, started, written.is_err());
-        let record = key::hash_label(&req.key.hash);
         let pending = || PendingCompletion {
             key: req.key.clone(),
             owner: req.owner,
@@ -901,6 +894,21 @@ impl Gate {
             fingerprint: req.fingerprint,
             lock_deadline: tokio::time::Instant::from_std(claim.lock_deadline),
         };
+        // Until the store answers, the completion is nowhere else: the retrier learns of it
+        // only from a failed write. The guard dead-letters it if this future is dropped first.
+        let mut out = WriteOut {
+            retrier: &self.retrier,
+            pending: &pending,
+            answered: false,
+        };
+        let started = Instant::now();
+        let written = claim
+            .store
+            .complete(&req.key, req.owner, completion.clone(), ttl)
+            .await;
+        out.answered = true;
+        self.observe_store(StoreOp::Complete, started, written.is_err());
+        let record = key::hash_label(&req.key.hash);
         match written {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::NotOwner) => {
@@ -1489,6 +1497,29 @@ impl ProxyHttp for Gate {
             record: ctx.record_label,
             error,
         });
+    }
+}
+
+/// A completion's first store write, out until the store answers. Dropped unanswered, the
+/// request's task was dropped mid-write: pingora drops every request task when a shutdown's
+/// grace period ends (and unwinding drops it after a panic). The write may or may not land;
+/// either way the completion goes to the dead-letter file instead of vanishing with the task.
+struct WriteOut<'a, F: Fn() -> PendingCompletion> {
+    retrier: &'a CompletionRetrier,
+    pending: &'a F,
+    answered: bool,
+}
+
+impl<F: Fn() -> PendingCompletion> Drop for WriteOut<'_, F> {
+    fn drop(&mut self) {
+        if !self.answered {
+            let reason = if std::thread::panicking() {
+                "the store write panicked"
+            } else {
+                "process stopped with the store write out"
+            };
+            self.retrier.abandoned(&(self.pending)(), reason);
+        }
     }
 }
 

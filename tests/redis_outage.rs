@@ -7,6 +7,8 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use tokio::io::AsyncWriteExt;
+
 use common::faultproxy::{Fault, FaultProxy};
 use common::redis::{script_dir, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request};
@@ -761,6 +763,59 @@ async fn a_completion_waiting_when_the_grace_period_ends_is_dead_lettered_before
     assert!(proxy
         .log()
         .contains("ran out with completions the store never took"));
+}
+
+/// A completion whose first write to Redis is still out when the grace period ends is
+/// dead-lettered. pingora then drops every request's task, and the retrier, which learns of a
+/// completion only from a failed write, never heard of this one: it vanished with the task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_whose_first_write_is_out_when_the_process_stops_is_dead_lettered() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    // The write is never answered and never times out within the test.
+    let mut proxy = ProxyBuilder::new(&backend)
+        .redis(&[link.redis_url()])
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 30s")
+        .store(&format!(
+            "completion_retry: {{ dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .idem("lock_ttl: 60s")
+        .top("shutdown: {grace_period: 1s, graceful_shutdown_timeout: 1s}")
+        .start()
+        .await;
+    let req = Request::post("/orders/slow/500").key("cut").body("{}");
+    let addr = proxy.addr;
+    let first = tokio::spawn(async move {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(&req.to_bytes()).await.unwrap();
+        common::client::read_response(&mut stream, false).await
+    });
+    // Claimed; the backend answers at 500 ms, into a partition from Redis.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    link.set(Fault::Hold);
+    tokio::time::sleep(Duration::from_millis(750)).await;
+    proxy.signal("TERM");
+    let (status, proxy) =
+        tokio::task::spawn_blocking(move || (proxy.wait_exit(Duration::from_secs(10)), proxy))
+            .await
+            .unwrap();
+    assert!(status.is_some(), "still running\n{}", proxy.log());
+    // Cut off: the last bytes of an answer wait for its record to be stored.
+    assert!(
+        first.await.unwrap().is_err(),
+        "answered before its record was stored"
+    );
+    let text = std::fs::read_to_string(&dead).unwrap_or_default();
+    let line: serde_json::Value = serde_json::from_str(text.trim_end())
+        .unwrap_or_else(|e| panic!("no dead letter ({e}): {text:?}\n{}", proxy.log()));
+    assert_eq!(line["reason"], "process stopped with the store write out");
+    assert_eq!(line["in_store"], "unknown");
+    assert_eq!(line["response"]["status"], 201);
 }
 
 /// The last copy of a dead letter the file cannot take goes straight to stderr: not through

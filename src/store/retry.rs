@@ -10,7 +10,9 @@
 //! breaker is open fail at once; a fixed attempt budget used to run out during a few seconds'
 //! outage, and the key then executed again once its lock lapsed.) A completion still waiting when
 //! a shutdown's grace period runs out, or when the process stops, is dead-lettered then
-//! ([`CompletionRetrier::dead_letter_pending`]).
+//! ([`CompletionRetrier::dead_letter_pending`]); so is one whose first write is still out when
+//! its request's task is dropped, as pingora drops them all at the end of the grace period
+//! ([`CompletionRetrier::abandoned`]).
 //!
 //! The dead-letter file is JSON lines, one record per line, body in base64, so an operator can
 //! reconcile (or re-inject) what the store never received. A `NotOwner` answer during a retry
@@ -363,6 +365,14 @@ impl CompletionRetrier {
         // Never queued: pending only until its line is written, so shutdown waits for that.
         self.stats.pending.fetch_add(1, Ordering::AcqRel);
         self.dead.settle(job.clone(), attempts, reason, in_store);
+    }
+
+    /// Dead-letters a completion whose first write went out and was never answered: its task
+    /// was dropped mid-write (pingora drops the request tasks when a shutdown's grace period
+    /// ends) or panicked. The store may hold it after all, and the local cache is told so.
+    pub fn abandoned(&self, job: &PendingCompletion, reason: &str) {
+        self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        give_up(&self.dead, &self.local, job.clone(), 1, reason);
     }
 
     /// Dead-letters every completion still waiting: the process is stopping and nothing will
