@@ -358,8 +358,12 @@ impl<S: RecordStore> CachedStore<S> {
         let size = ENTRY_OVERHEAD + key.tenant.len() + completion.response_bytes();
         let budget = self.shard_budget();
         // An entry already expired (a copy whose life, counted from before a long wait, ran
-        // out while waiting) would only take budget from live ones.
-        if size > budget || expires_at <= Instant::now() {
+        // out while waiting) would only take budget from live ones. A completion the store may
+        // not hold is kept whatever its size (a shard's budget is 1/64 of the cache, 1 MiB by
+        // default, less than the largest replayable response): it may be the only trace of its
+        // answer, and copies make room for it.
+        let unstored = matches!(origin, Origin::Unstored(_));
+        if (size > budget && !unstored) || expires_at <= Instant::now() {
             return false;
         }
         // Set before the entry is visible, so a claim that finds the entry's bit unset can only
@@ -408,9 +412,12 @@ impl<S: RecordStore> CachedStore<S> {
         // Oldest first: entries are evicted in completion order, which approximates expiry order
         // (per shard; records spread evenly over the shards).
         // A completion the store may not hold (its write still retried, or given up on) is
-        // never evicted: it is the only thing here that stops a retry from executing again,
-        // and there are few (the retry queue bounds the first kind, an outage the second). It
-        // counts against the budget, so copies make room for it.
+        // never evicted while it lives: it is the only thing here that stops a retry from
+        // executing again, and there are few (the retry queue bounds the first kind, an outage
+        // the second). It counts against the budget, so copies make room for it. Once its ttl
+        // has passed it goes like any other entry: a retry then executes again anyway, and
+        // clients rarely retry a key they were answered for, so no lookup would remove it.
+        let now = Instant::now();
         let mut kept = Vec::new();
         while cache.bytes > budget {
             let Some((oldest, seq)) = cache.order.pop_front() else {
@@ -419,7 +426,8 @@ impl<S: RecordStore> CachedStore<S> {
             // A stale place (the entry was dropped, or cached again later) evicts nothing.
             if let Entry::Occupied(entry) = cache.map.entry(oldest) {
                 if entry.get().seq == seq {
-                    if entry.get().held != Held::Copy {
+                    let e = entry.get();
+                    if e.held != Held::Copy && e.expires_at > now {
                         kept.push((oldest, seq));
                         continue;
                     }
@@ -464,13 +472,15 @@ impl<S: RecordStore> CachedStore<S> {
             // lands, is not kept when it comes back.
             cache.copy_resets += 1;
             let Cache { map, bytes, .. } = &mut *cache;
+            let now = Instant::now();
             map.retain(|_, e| {
-                let copy = e.held == Held::Copy;
-                if copy {
+                // An expired entry of any kind goes too: it answers nothing any longer.
+                let gone = e.held == Held::Copy || e.expires_at <= now;
+                if gone {
                     *bytes -= e.size;
                     dropped += 1;
                 }
-                !copy
+                !gone
             });
         }
         dropped
@@ -528,6 +538,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// only trace of its answer. Returns how many went. Called when the purge channel is
     /// subscribed again, when Redis is back and purges may have been missed.
     pub async fn check_given_up(&self) -> usize {
+        let now = Instant::now();
         let given_up: Vec<(RecordKey, Completion)> = self
             .cache
             .iter()
@@ -536,7 +547,8 @@ impl<S: RecordStore> CachedStore<S> {
                 cache
                     .map
                     .iter()
-                    .filter(|(_, e)| e.held == Held::GivenUp)
+                    // An expired one answers nothing any longer; eviction takes it.
+                    .filter(|(_, e)| e.held == Held::GivenUp && e.expires_at > now)
                     .map(|(hash, e)| {
                         let key = RecordKey {
                             tenant: e.tenant.clone(),
@@ -640,10 +652,12 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         // Remember the outcome when it was stored, and also when the store failed: it is the
         // backend's real answer, so replaying it here is right while the write is retried (and
         // the only trace of it until the retrier lands it: see `completion_stored`).
+        // Any failed write is retried (`Corrupt`: a reply this version cannot read, which an
+        // operator's script version may give), so any keeps the trace.
         let origin = match written {
             Ok(WriteOutcome::Applied) => Some(Origin::Stored(mark)),
-            Err(StoreError::Unavailable(_)) => Some(Origin::Unstored(mark)),
-            _ => None,
+            Err(_) => Some(Origin::Unstored(mark)),
+            Ok(WriteOutcome::NotOwner) => None,
         };
         if let (Some(origin), Some(p)) = (origin, pending) {
             let record = Record {
@@ -1280,6 +1294,71 @@ mod tests {
             "the completion only this replica holds was evicted"
         );
         assert!(bytes <= 4096 + 1024, "{bytes} bytes");
+    }
+
+    /// A completion the store does not hold is kept however large: a shard's budget (1 MiB by
+    /// default) is less than the largest replayable response, and an answer over it used to
+    /// leave no trace, so a retry here executed the key again.
+    #[tokio::test]
+    async fn a_completion_whose_write_is_pending_is_kept_even_when_larger_than_its_shard() {
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
+        let mut o = options();
+        o.capacity_bytes = 4096;
+        let store = CachedStore::new(shared.clone(), o).unwrap();
+        let pending = claim("t", 201);
+        executed_unstored(&store, &shared, &pending, &[1u8; 8192]).await;
+        assert!(
+            store.cached(&pending.key).is_some(),
+            "the only trace of a large answer was not kept"
+        );
+        // Copies still come and go around it.
+        executed(&store, &claim("t", 1), &[0u8; 100]).await;
+        assert!(store.cached(&pending.key).is_some());
+        assert_eq!(store.cache_usage().0, 1, "the copy made room at once");
+    }
+
+    /// A completion the store may not hold is kept while it lives, not past its ttl: after it,
+    /// a retry executes again anyway, and one kept for ever (clients rarely retry a key they
+    /// were answered for, so no lookup removes it) took its shard's budget from the copies.
+    #[tokio::test(start_paused = true)]
+    async fn a_pending_completion_past_its_ttl_is_evicted_like_a_copy() {
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
+        let mut o = options();
+        o.capacity_bytes = 4096;
+        let store = CachedStore::new(shared.clone(), o).unwrap();
+        let pending = claim("t", 200);
+        executed_unstored(&store, &shared, &pending, &[1u8; 200]).await;
+        // Its 60 s ttl passes.
+        tokio::time::advance(Duration::from_secs(61)).await;
+        for n in 0..50u8 {
+            executed(&store, &claim("t", n), &[0u8; 200]).await;
+        }
+        let map_holds = store.cache[0].lock().map.contains_key(&pending.key.hash);
+        assert!(!map_holds, "an expired completion stayed in the cache");
+        let (_, bytes) = store.cache_usage();
+        assert!(bytes <= 4096, "{bytes} bytes");
+        // Dropping every copy drops an expired one of any kind too.
+        let gone = claim("t", 202);
+        executed_unstored(&store, &shared, &gone, b"x").await;
+        tokio::time::advance(Duration::from_secs(61)).await;
+        store.forget_copies();
+        assert_eq!(store.cache_usage().0, 0);
+    }
+
+    /// Any failed write keeps the trace, not only an unreachable store: a reply the store
+    /// gives that this version cannot read (`Corrupt`) is retried the same way.
+    #[tokio::test]
+    async fn a_completion_whose_write_came_back_unreadable_is_kept() {
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
+        let store = CachedStore::new(shared.clone(), options()).unwrap();
+        let req = claim("t", 9);
+        store.claim(&req).await.unwrap();
+        shared.set(Fault::CompleteCorrupt);
+        let written = store.complete(&req.key, req.owner, response(b"x"), req.ttl);
+        assert!(matches!(written.await, Err(StoreError::Corrupt(_))));
+        shared.set(Fault::Down);
+        let retry = store.claim(&retry_of(&req)).await.unwrap();
+        assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
     }
 
     #[tokio::test]

@@ -30,6 +30,8 @@ pub enum Fault {
     GetStalls = 6,
     /// Only `complete` panics (a bug in a store, as far as its caller can tell).
     CompletePanics = 7,
+    /// Only `complete` fails with `Corrupt` (a reply this version cannot read).
+    CompleteCorrupt = 8,
 }
 
 /// A [`RecordStore`] that injects faults into an inner store.
@@ -68,6 +70,9 @@ impl<S: RecordStore> FaultyStore<S> {
                 5 if op == "get" => return Err(StoreError::Unavailable("injected: get".into())),
                 6 if op == "get" => tokio::time::sleep(Duration::from_millis(5)).await,
                 7 if op == "complete" => panic!("injected: complete panics"),
+                8 if op == "complete" => {
+                    return Err(StoreError::Corrupt("injected: complete".into()))
+                }
                 _ => return Ok(()),
             }
         }

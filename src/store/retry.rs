@@ -499,15 +499,25 @@ async fn run(
                         stats.pending.fetch_sub(1, Ordering::AcqRel);
                         tracing::info!("a timed-out completion had been stored after all");
                     }
-                    Ok(_) => {
+                    // Another execution holds the key now: the store keeps it, and this
+                    // replica replays what the store holds, like every other replica.
+                    Ok(Some(_)) => {
                         (local.forget)(&job.key);
                         dead.settle(job, attempt + 1, "lock taken over", InStore::No)
                     }
-                    // Unread: whether the earlier write landed is not known.
+                    // No record at all: a failover lost it (asynchronous replication), or it
+                    // was evicted or purged. Nobody else executed the key, and this replica's
+                    // entry is the only trace of its answer: kept as given up, so a retry here
+                    // replays it rather than execute again (a purge still takes it).
+                    Ok(None) => {
+                        (local.given_up)(&job.key, job.execution_id);
+                        dead.settle(job, attempt + 1, "record gone", InStore::No)
+                    }
+                    // Unread: whether the earlier write landed is not known, nor who holds
+                    // the key: the entry is kept as for any write given up on.
                     Err(e) => {
-                        (local.forget)(&job.key);
                         let reason = format!("lock taken over or record gone; record unread: {e}");
-                        dead.settle(job, attempt + 1, &reason, InStore::Unknown)
+                        give_up(&dead, &local, job, attempt + 1, &reason)
                     }
                 },
                 // Given up only once the attempts are spent and the lock may have lapsed: until
@@ -1233,7 +1243,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_write_lost_by_the_store_is_dead_lettered_though_this_replica_cached_it() {
+    /// A failover that lost the record (asynchronous replication) leaves nobody else executing
+    /// the key: this replica's entry, the only trace of the answer, stays, so a retry here
+    /// replays it rather than execute again. It was dropped, as when another execution holds
+    /// the key.
+    async fn a_write_lost_by_the_store_is_dead_lettered_and_this_replica_keeps_replaying_it() {
         use crate::store::cached::{CachedStore, LocalCacheOptions};
         let dir = tempfile::tempdir().unwrap();
         let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
@@ -1263,6 +1277,10 @@ mod tests {
                 let cached = cached.clone();
                 Arc::new(move |key: &RecordKey| cached.forget(key))
             },
+            given_up: {
+                let cached = cached.clone();
+                Arc::new(move |key: &RecordKey, id: u64| cached.completion_given_up(key, id))
+            },
             ..LocalHooks::none()
         };
         let (retrier, worker) = CompletionRetrier::new(shared.clone(), local, options(dir.path()));
@@ -1272,9 +1290,21 @@ mod tests {
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 0);
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
-        assert!(text.contains("lock taken over"), "{text}");
-        // The replica no longer replays an answer the store does not hold.
-        assert_eq!(cached.get(&job.key).await.unwrap(), None);
+        assert!(text.contains("\"reason\":\"record gone\""), "{text}");
+        assert!(text.contains("\"in_store\":\"no\""), "{text}");
+        // A retry here replays the answer; the store is not asked, and nothing executes.
+        let calls = shared.calls.load(Ordering::Relaxed);
+        let retry = ClaimRequest {
+            key: job.key.clone(),
+            fingerprint: job.fingerprint,
+            owner: OwnerToken::random(),
+            execution_id: 43,
+            lock_ttl: Duration::from_secs(30),
+            ttl: job.ttl,
+        };
+        let again = cached.claim(&retry).await.unwrap();
+        assert!(matches!(again, ClaimOutcome::Existing(_)), "{again:?}");
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls);
     }
 
     /// Opens `path` (creating it) and takes its exclusive `flock`, as another process appending
