@@ -1000,8 +1000,8 @@ impl Config {
 
     /// [`Config::from_yaml_str`] with the upstream address check done the way `lookup` says.
     pub(crate) fn from_yaml_str_with(text: &str, lookup: Lookup) -> Result<Config, ConfigError> {
-        let file: FileConfig =
-            serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let file: FileConfig = serde_yaml::from_str(text)
+            .map_err(|e| ConfigError::Parse(without_quoted_values(&e.to_string())))?;
         let source_hash = hex::encode(Sha256::digest(text.as_bytes()));
         file.into_config(source_hash, lookup)
     }
@@ -1414,6 +1414,41 @@ fn admin_token(env: Option<String>, file: Option<String>) -> Result<Option<Strin
 /// in ]0, 1[): the crate asserts both.
 fn bloom_generation_bytes(expected_items: usize, false_positive_rate: f64) -> usize {
     bloomfilter::Bloom::<[u8]>::compute_bitmap_size(expected_items, false_positive_rate)
+}
+
+/// serde's message for a value of the wrong shape quotes the value (`invalid type: string
+/// "redis://:password@host", expected a sequence`), and the message goes to stderr, the log
+/// and the body of a refused `POST /admin/reload`: a URL with its password, or a token, where
+/// a list or a map was meant. Every quoted string becomes "a string"; the field path, line and
+/// column still say where it is.
+fn without_quoted_values(message: &str) -> String {
+    const QUOTED: &str = "string \"";
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find(QUOTED) {
+        out.push_str(&rest[..at]);
+        let value = &rest[at + QUOTED.len()..];
+        // The value is written as `{:?}` writes it: `\"` and `\\` inside, `"` at the end.
+        let mut escaped = false;
+        let end = value.char_indices().find_map(|(i, c)| {
+            let closes = c == '"' && !escaped;
+            escaped = c == '\\' && !escaped;
+            closes.then_some(i)
+        });
+        match end {
+            Some(end) => {
+                out.push_str("a string");
+                rest = &value[end + 1..];
+            }
+            // Unterminated (not serde's shape): nothing of it is kept.
+            None => {
+                out.push_str("a string");
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Shards of an embedded store when `store.memory.shards` is unset: one per 4 MiB of capacity,
@@ -3050,6 +3085,28 @@ routes:
         let message = err.to_string();
         assert!(message.contains("unknown field `tll`"), "{message}");
         assert!(message.contains("routes[0].idempotency"), "{message}");
+    }
+
+    /// A value of the wrong shape is not quoted back: a Redis URL where a list was meant would
+    /// put its password on stderr, in the log and in a refused reload's answer.
+    #[test]
+    fn a_parse_error_names_the_field_but_not_the_value() {
+        let err = load_err(&format!(
+            "{MINIMAL}store: {{backend: redis, redis: {{urls: \"redis://:s3cr3t-pw@127.0.0.1:6379\"}}}}\n"
+        ));
+        let message = err.to_string();
+        assert!(message.contains("store.redis.urls"), "{message}");
+        assert!(message.contains("invalid type: a string"), "{message}");
+        assert!(!message.contains("s3cr3t"), "{message}");
+        let err = load_err(&format!("{MINIMAL}admin: \"0123456789abcdef-token\"\n"));
+        assert!(!err.to_string().contains("0123456789abcdef"), "{err}");
+        // Escaped quotes inside the value, and what follows it, are handled.
+        assert_eq!(
+            without_quoted_values(r#"x: invalid type: string "a\"b\\", expected y at line 1"#),
+            "x: invalid type: a string, expected y at line 1"
+        );
+        assert_eq!(without_quoted_values("no value here"), "no value here");
+        assert_eq!(without_quoted_values(r#"string "open"#), "a string");
     }
 
     #[test]
