@@ -1406,6 +1406,21 @@ fn admin_token(env: Option<String>, file: Option<String>) -> Result<Option<Strin
             format!("must be at least {MIN_ADMIN_TOKEN_LEN} characters{overrides}"),
         ));
     }
+    // A client's `Authorization` value loses its surrounding whitespace on the way (HTTP trims
+    // header values), so a token that has any (a Secret made from a file ending in a newline)
+    // could never match, and every admin write would be refused with nothing saying why.
+    if token
+        .as_ref()
+        .is_some_and(|t| !t.bytes().all(|b| b.is_ascii_graphic()))
+    {
+        return Err(invalid(
+            source,
+            format!(
+                "must be printable ASCII with no spaces (a trailing newline from the file or \
+                 Secret it came from?){overrides}"
+            ),
+        ));
+    }
     Ok(token)
 }
 
@@ -4544,6 +4559,14 @@ routes:
         assert_eq!(err.field(), Some("admin.token"));
         let err = admin_token(Some(String::new()), Some("short".into())).unwrap_err();
         assert_eq!(err.field(), Some("admin.token"));
+        // A token no request could present (HTTP trims header values) is refused, not echoed.
+        let err = admin_token(Some("0123456789abcdef-token\n".into()), None).unwrap_err();
+        assert_eq!(err.field(), Some("IDEMGATE_ADMIN_TOKEN"));
+        assert!(!err.to_string().contains("0123456789abcdef"), "{err}");
+        for bad in [" 0123456789abcdef", "0123456789 abcdef", "0123456789abcdéf"] {
+            let err = admin_token(None, Some(bad.into())).unwrap_err();
+            assert_eq!(err.field(), Some("admin.token"), "{bad:?}");
+        }
         // The file path still checks the file's token.
         assert_field(
             &format!("admin: {{token: short}}\n{MINIMAL}"),
