@@ -716,7 +716,7 @@ admin: {token: "admin-token-0123456789-secret"}
 upstreams: {app: {addrs: ["127.0.0.1:8080"]}}
 store:
   backend: redis
-  redis: {urls: ["redis://user:hunter2-pw@127.0.0.1:7000", "redis://:other-pw@127.0.0.1:7001/0"]}
+  redis: {urls: ["redis://user:hunter2-pw@127.0.0.1:7000", "redis://user:hunter2-pw@127.0.0.1:7001/0"]}
 routes:
   - {name: orders, path_prefix: /orders, upstream: app, idempotency: {scope_headers: [Authorization]}}
 "#,

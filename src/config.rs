@@ -1680,8 +1680,23 @@ impl FileRedis {
                     "every redis+sentinel:// URL must name the same master",
                 ));
             }
+            // The primary is reached with the first URL's credentials and database: another
+            // URL's would be dropped without a word.
+            let primaries: Vec<(i64, Option<String>, Option<String>)> = urls
+                .iter()
+                .filter_map(|url| parse_sentinel_url(url).ok())
+                .map(|s| (s.db, s.username, s.password))
+                .collect();
+            if let Some(i) = primaries.iter().position(|p| *p != primaries[0]) {
+                return Err(invalid(
+                    format!("store.redis.urls[{i}]"),
+                    "every redis+sentinel:// URL must give the same user, password and database \
+                     (the first URL's are the ones used)",
+                ));
+            }
             RedisTopology::Sentinel
         } else if self.cluster || several {
+            check_cluster_seeds(&urls)?;
             RedisTopology::Cluster
         } else {
             RedisTopology::Single
@@ -1995,6 +2010,45 @@ fn check_redis_url(url: &str) -> Result<bool, String> {
         "not a valid Redis URL (use redis[s]://[user[:password]@]host[:port][/db])".to_owned()
     })?;
     Ok(false)
+}
+
+/// The seeds of a Redis Cluster: one user, password and protocol across them (the cluster
+/// client refuses to start otherwise, which `--check` would not have caught), and database 0,
+/// the only one a Cluster has (any other fails every connection with `SELECT is not allowed in
+/// cluster mode`, so every keyed request would be refused). Errors never echo the URL.
+fn check_cluster_seeds(urls: &[String]) -> Result<(), ConfigError> {
+    let mut first = None;
+    for (i, url) in urls.iter().enumerate() {
+        let field = || format!("store.redis.urls[{i}]");
+        let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) else {
+            // Checked already by check_redis_url; nothing more to compare.
+            continue;
+        };
+        let redis = info.redis_settings();
+        if redis.db() != 0 {
+            return Err(invalid(
+                field(),
+                "a Redis Cluster has only database 0; drop the /<db> from the URL",
+            ));
+        }
+        let settings = (
+            redis.username().map(str::to_owned),
+            redis.password().map(str::to_owned),
+            format!("{:?}", redis.protocol()),
+        );
+        match &first {
+            None => first = Some(settings),
+            Some(seen) if *seen != settings => {
+                return Err(invalid(
+                    field(),
+                    "every Redis Cluster seed URL must give the same user, password and \
+                     protocol",
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// Parses a `redis+sentinel://` URL (see [`SentinelUrl`]). Errors never echo the URL.
@@ -3445,6 +3499,60 @@ routes:
             assert_eq!(redis.topology, topology, "{url}");
             assert_eq!(redis.key_prefix, "idemgate");
         }
+    }
+
+    /// What the cluster client or the Sentinel primary would refuse or drop at run time is
+    /// refused at load (and so by `--check`), naming the seed, never echoing it.
+    #[test]
+    fn cluster_and_sentinel_urls_must_agree() {
+        let cases = [
+            // A Cluster has only database 0: any other fails every connection.
+            (
+                "{url: \"redis://127.0.0.1:7000/3\", cluster: true}",
+                "store.redis.urls[0]",
+            ),
+            (
+                "{urls: [\"redis://127.0.0.1:7000/0\", \"redis://127.0.0.1:7001/3\"]}",
+                "store.redis.urls[1]",
+            ),
+            // The cluster client refuses seeds with different credentials.
+            (
+                "{urls: [\"redis://user:secret-1@127.0.0.1:7000\", \"redis://:secret-2@127.0.0.1:7001\"]}",
+                "store.redis.urls[1]",
+            ),
+            (
+                "{urls: [\"redis://127.0.0.1:7000\", \"redis://127.0.0.1:7001?protocol=resp3\"]}",
+                "store.redis.urls[1]",
+            ),
+            // Behind Sentinel only the first URL's credentials and database are used.
+            (
+                "{urls: [\"redis+sentinel://:secret-1@s1/m/0\", \"redis+sentinel://:secret-2@s2/m/0\"]}",
+                "store.redis.urls[1]",
+            ),
+            (
+                "{urls: [\"redis+sentinel://s1/m/0\", \"redis+sentinel://s2/m/5\"]}",
+                "store.redis.urls[1]",
+            ),
+        ];
+        for (redis, field) in cases {
+            let message = assert_field(
+                &format!("store: {{backend: redis, redis: {redis}}}\n{MINIMAL}"),
+                field,
+            );
+            assert!(!message.contains("secret"), "{message}");
+        }
+        // Seeds that agree load, with or without an explicit /0.
+        let config = load(&format!(
+            "store: {{redis: {{urls: [\"redis://u:p@10.0.0.1:7000/0\", \"redis://u:p@10.0.0.2:7000\"]}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(config.store.redis.unwrap().topology, RedisTopology::Cluster);
+        let config = load(&format!(
+            "store: {{redis: {{urls: [\"redis+sentinel://:p@s1/m/2\", \"redis+sentinel://:p@s2/m/2\"]}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(
+            config.store.redis.unwrap().topology,
+            RedisTopology::Sentinel
+        );
     }
 
     #[test]
