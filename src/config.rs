@@ -1470,6 +1470,9 @@ fn without_quoted_values(message: &str) -> String {
 /// 64 to 4096. A shard's hash table doubles in one step while its lock is held, so the pause a
 /// growing store puts on the requests of that shard scales with the shard's size; at ~4 MiB
 /// (5–8k records) a doubling stays under a millisecond. 256 MiB gets 64 shards, 4 GiB 1024.
+/// The smallest `store.memory.capacity`: about a hundred small records.
+const MIN_MEMORY_CAPACITY: u64 = 64 << 10;
+
 fn default_memory_shards(capacity_bytes: usize) -> usize {
     const BYTES_PER_SHARD: usize = 4 << 20;
     (capacity_bytes / BYTES_PER_SHARD).clamp(64, 4096)
@@ -1477,10 +1480,12 @@ fn default_memory_shards(capacity_bytes: usize) -> usize {
 
 impl FileStore {
     fn into_config(self) -> Result<StoreConfig, ConfigError> {
+        // A few hundred bytes hold no record with its response: `capacity: 256` meant MiB,
+        // and such a store would refuse every keyed request (503) while reporting ready.
         let capacity_bytes = byte_size_in_range(
             "store.memory.capacity".into(),
             &self.memory.capacity,
-            1,
+            MIN_MEMORY_CAPACITY,
             u64::MAX,
         )?;
         let memory = MemoryStoreConfig {
@@ -3863,6 +3868,15 @@ routes:
             &format!("store: {{memory: {{capacity: 0}}}}\n{MINIMAL}"),
             "store.memory.capacity",
         );
+        // A number with no unit is bytes: 256 holds no record at all.
+        assert_field(
+            &format!("store: {{memory: {{capacity: 256}}}}\n{MINIMAL}"),
+            "store.memory.capacity",
+        );
+        let config = load(&format!(
+            "store: {{memory: {{capacity: 64KiB}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(config.store.memory.capacity_bytes, 64 << 10);
         assert_field(
             &format!("store: {{memory: {{capacity: lots}}}}\n{MINIMAL}"),
             "store.memory.capacity",

@@ -908,11 +908,11 @@ async fn routes_without_idempotency_forward_untouched() {
 async fn full_store_refuses_new_claims_with_503() {
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
-        .store("memory: { capacity: 4KiB, shards: 1 }")
+        .store("memory: { capacity: 64KiB, shards: 1 }")
         .start()
         .await;
     let mut codes = Vec::new();
-    for i in 0..200 {
+    for i in 0..1000 {
         let r = Request::post("/orders")
             .key(&format!("fill-{i}"))
             .body("{}")
