@@ -536,6 +536,15 @@ fn config_json(c: &Config) -> serde_json::Value {
             "connect_timeout": secs(r.connect_timeout),
             "response_timeout": secs(r.response_timeout),
             "key_prefix": r.key_prefix,
+            "scripts": {
+                "dir": r.scripts.dir.as_ref().map(|p| p.display().to_string()),
+                "version": r.scripts.version,
+                "canary": r.scripts.canary.as_ref().map(|k| json!({
+                    "version": k.version, "percent": k.percent, "tenants": k.tenants,
+                    "max_error_rate": k.max_error_rate, "min_calls": k.min_calls,
+                    "window": secs(k.window),
+                })),
+            },
             // Paths only: the files' contents (a private key) never leave the process.
             "tls": r.tls.as_ref().map(|t| json!({
                 "ca_file": t.ca_file.as_ref().map(|p| p.display().to_string()),
@@ -548,6 +557,16 @@ fn config_json(c: &Config) -> serde_json::Value {
         "hash": c.source_hash,
         "listen": c.listen.to_string(),
         "threads": c.threads,
+        "work_stealing": c.work_stealing,
+        "request_header_timeout": secs(c.request_header_timeout),
+        "max_request_header_bytes": c.max_request_header_bytes,
+        "request_body_timeout": secs(c.request_body_timeout),
+        "request_body_total_timeout": secs(c.request_body_total_timeout),
+        "response_send_timeout": secs(c.response_send_timeout),
+        "shutdown": {
+            "grace_period": secs(c.shutdown.grace_period),
+            "graceful_shutdown_timeout": secs(c.shutdown.graceful_shutdown_timeout),
+        },
         "admin": { "listen": c.admin.listen.to_string(), "token": c.admin.token.as_ref().map(|_| "<redacted>") },
         "upstreams": upstreams,
         "default_upstream": c.default_upstream.and_then(|i| c.upstreams.get(i)).map(|u| u.name.as_str()),
@@ -562,6 +581,24 @@ fn config_json(c: &Config) -> serde_json::Value {
             "on_unavailable": format!("{:?}", c.store.on_unavailable).to_lowercase(),
             "memory": { "capacity_bytes": c.store.memory.capacity_bytes, "shards": c.store.memory.shards },
             "redis": redis,
+            "local_cache": {
+                "enabled": c.store.local_cache.enabled,
+                "capacity_bytes": c.store.local_cache.capacity_bytes,
+                "expected_items": c.store.local_cache.expected_items,
+                "false_positive_rate": c.store.local_cache.false_positive_rate,
+            },
+            "circuit_breaker": {
+                "failure_threshold": c.store.circuit_breaker.failure_threshold,
+                "open_for": secs(c.store.circuit_breaker.open_for),
+            },
+            "completion_retry": {
+                "attempts": c.store.completion_retry.attempts,
+                "base_delay": secs(c.store.completion_retry.base_delay),
+                "max_delay": secs(c.store.completion_retry.max_delay),
+                "queue_capacity": c.store.completion_retry.queue_capacity,
+                "queue_bytes": c.store.completion_retry.queue_bytes,
+                "dead_letter_path": c.store.completion_retry.dead_letter_path.display().to_string(),
+            },
         },
         "routes": routes,
     })
@@ -743,6 +780,26 @@ routes:
             "authorization"
         );
         assert_eq!(v["routes"][0]["upstream"], "app");
+        // Every setting in force shows, restart-only ones included (a reload keeps their
+        // running values, and this is where an operator sees them).
+        for path in [
+            "/work_stealing",
+            "/request_header_timeout",
+            "/max_request_header_bytes",
+            "/request_body_timeout",
+            "/request_body_total_timeout",
+            "/response_send_timeout",
+            "/shutdown/grace_period",
+            "/shutdown/graceful_shutdown_timeout",
+            "/store/local_cache/capacity_bytes",
+            "/store/circuit_breaker/failure_threshold",
+            "/store/completion_retry/queue_bytes",
+            "/store/completion_retry/dead_letter_path",
+            "/store/redis/scripts/version",
+        ] {
+            assert!(v.pointer(path).is_some_and(|x| !x.is_null()), "{path}: {v}");
+        }
+        assert_eq!(v["shutdown"]["grace_period"], "20000ms");
     }
 
     fn record(state: RecordState) -> Record {
