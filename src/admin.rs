@@ -12,6 +12,7 @@ use pingora::protocols::http::ServerSession;
 use crate::config::{percent_decode, Config, OnUnavailable};
 use crate::key;
 use crate::metrics::Metrics;
+use crate::problem::PROBLEM_BASE;
 use crate::proxy::Generation;
 use crate::reload::{ReloadOutcome, Reloader};
 use crate::store::purge::PurgeBus;
@@ -117,11 +118,11 @@ impl Admin {
         // is whatever the caller writes in the path, where through the proxy it comes from the
         // layer that authenticated the client, so a key (with `scope_headers: []`, nothing
         // more) would let anyone who reaches the admin port read another tenant's responses.
-        if query.get("body") == Some("true") && !self.authorized(session) {
+        if query.get("body").as_deref() == Some("true") && !self.authorized(session) {
             return unauthorized();
         }
         let route = match query.get("route") {
-            Some(name) => config.routes.iter().find(|r| r.name == name),
+            Some(name) => config.routes.iter().find(|r| r.name == *name),
             None => config.routes.iter().find(|r| r.idempotency.is_some()),
         };
         let Some(idem) = route.and_then(|r| r.idempotency.as_ref()) else {
@@ -149,7 +150,7 @@ impl Admin {
         // the raw key and its principal's scope values it proves nothing: the stored body is
         // shown only with the admin token.
         let query = Query(req.uri.query().unwrap_or(""));
-        if query.get("body") == Some("true") && !self.authorized(session) {
+        if query.get("body").as_deref() == Some("true") && !self.authorized(session) {
             return unauthorized();
         }
         let (tenant, id) =
@@ -209,8 +210,8 @@ impl Admin {
                 record_json(
                     &record_key,
                     &record,
-                    query.get("body") == Some("true"),
-                    query.get("fingerprint"),
+                    query.get("body").as_deref() == Some("true"),
+                    query.get("fingerprint").as_deref(),
                 ),
             ),
             Ok(None) => error(StatusCode::NOT_FOUND, "no such record"),
@@ -231,9 +232,9 @@ impl Admin {
                 StatusCode::OK,
                 serde_json::to_value(store.scripts_status()).unwrap_or_default(),
             ),
-            None => json(
+            None => error(
                 StatusCode::NOT_FOUND,
-                serde_json::json!({ "error": "no scripts: store.backend is not redis" }),
+                "no scripts: store.backend is not redis",
             ),
         }
     }
@@ -286,10 +287,16 @@ impl Admin {
             Ok(ReloadOutcome::Unchanged) => {
                 json(StatusCode::OK, serde_json::json!({ "result": "unchanged" }))
             }
-            Err(error) => json(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                serde_json::json!({ "result": "refused", "error": error }),
-            ),
+            Err(message) => {
+                let mut extra = serde_json::Map::new();
+                extra.insert("result".into(), "refused".into());
+                problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "admin-reload-refused",
+                    &message,
+                    extra,
+                )
+            }
         }
     }
 
@@ -382,20 +389,72 @@ fn tenant_and_name(
     }
 }
 
+/// An error the admin API makes: `application/problem+json` (RFC 9457), as every error the
+/// proxy makes itself, with a `type` per kind and the message as `detail`; `error` carries the
+/// message too, the member admin errors had before they were problems.
 fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
-    json(status, serde_json::json!({ "error": message }))
+    let kind = match status {
+        StatusCode::BAD_REQUEST => "admin-request-invalid",
+        StatusCode::UNAUTHORIZED => "admin-unauthorized",
+        StatusCode::NOT_FOUND => "admin-not-found",
+        StatusCode::METHOD_NOT_ALLOWED => "admin-method-not-allowed",
+        StatusCode::UNPROCESSABLE_ENTITY => "admin-reload-refused",
+        StatusCode::SERVICE_UNAVAILABLE => "admin-store-unavailable",
+        _ => "admin-error",
+    };
+    problem(status, kind, message, serde_json::Map::new())
 }
 
-/// The query string of an admin request, read without allocation.
+/// A problem document of `kind` (its `type` is under [`PROBLEM_BASE`]) with `extra` members.
+fn problem(
+    status: StatusCode,
+    kind: &str,
+    detail: &str,
+    extra: serde_json::Map<String, serde_json::Value>,
+) -> Response<Vec<u8>> {
+    let mut value = serde_json::json!({
+        "type": format!("{PROBLEM_BASE}{kind}"),
+        "title": status.canonical_reason().unwrap_or("Error"),
+        "status": status.as_u16(),
+        "detail": detail,
+        "error": detail,
+    });
+    if let Some(members) = value.as_object_mut() {
+        members.extend(extra);
+    }
+    let mut body = serde_json::to_vec_pretty(&value).unwrap_or_default();
+    body.push(b'\n');
+    text(status, "application/problem+json", body)
+}
+
+/// 405 for `path`, naming the methods it takes.
+fn method_not_allowed(allow: &'static str) -> Response<Vec<u8>> {
+    let mut resp = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &format!("this endpoint takes {allow} only"),
+    );
+    resp.headers_mut()
+        .insert(http::header::ALLOW, http::HeaderValue::from_static(allow));
+    resp
+}
+
+/// The query string of an admin request.
 struct Query<'a>(&'a str);
 
 impl<'a> Query<'a> {
-    fn get(&self, name: &str) -> Option<&'a str> {
-        self.0
+    /// The value of `name`, percent-decoded (`?route=orders%20v2` names the route `orders v2`);
+    /// one whose encoding is malformed is taken as written, so it matches nothing.
+    fn get(&self, name: &str) -> Option<std::borrow::Cow<'a, str>> {
+        let raw = self
+            .0
             .split('&')
             .filter_map(|pair| pair.split_once('='))
             .find(|(k, _)| *k == name)
-            .map(|(_, v)| v)
+            .map(|(_, v)| v)?;
+        Some(match percent_decode(raw) {
+            Some(decoded) if decoded != raw => std::borrow::Cow::Owned(decoded),
+            _ => std::borrow::Cow::Borrowed(raw),
+        })
     }
 }
 
@@ -605,9 +664,9 @@ fn config_json(c: &Config) -> serde_json::Value {
 }
 
 fn unauthorized() -> Response<Vec<u8>> {
-    let mut resp = json(
+    let mut resp = error(
         StatusCode::UNAUTHORIZED,
-        serde_json::json!({ "error": "a valid bearer token is required (admin.token)" }),
+        "a valid bearer token is required (admin.token)",
     );
     resp.headers_mut().insert(
         http::header::WWW_AUTHENTICATE,
@@ -655,11 +714,11 @@ impl ServeHttp for Admin {
                 self.record_by_id(session, true).await
             }
             (true, "/admin/scripts") => self.scripts(),
-            (false, "/admin/scripts") => text(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "text/plain",
-                b"method not allowed\n".to_vec(),
-            ),
+            (false, p)
+                if p.starts_with("/admin/records/") || p.starts_with("/admin/record-ids/") =>
+            {
+                method_not_allowed("GET, HEAD, DELETE")
+            }
             (false, "/admin/reload") if is_post => {
                 if !self.authorized(session) {
                     return unauthorized();
@@ -676,12 +735,11 @@ impl ServeHttp for Admin {
                 "text/plain; version=0.0.4",
                 self.metrics.render(),
             ),
-            (_, "/healthz" | "/readyz" | "/metrics" | "/admin/config" | "/admin/reload") => text(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "text/plain",
-                b"method not allowed\n".to_vec(),
-            ),
-            _ => text(StatusCode::NOT_FOUND, "text/plain", b"not found\n".to_vec()),
+            (_, "/admin/reload") => method_not_allowed("POST"),
+            (_, "/healthz" | "/readyz" | "/metrics" | "/admin/config" | "/admin/scripts") => {
+                method_not_allowed("GET, HEAD")
+            }
+            _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
         }
     }
 }

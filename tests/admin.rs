@@ -381,3 +381,70 @@ async fn malformed_record_requests_are_refused_with_the_reason() {
     assert_eq!(scripts.status, 404);
     assert!(scripts.text().contains("not redis"), "{}", scripts.text());
 }
+
+/// The admin API's errors are problem documents like every error the proxy makes, a method an
+/// endpoint does not take is a 405 naming the ones it does, and query values are
+/// percent-decoded.
+#[tokio::test]
+async fn admin_errors_are_problems_and_query_values_are_decoded() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let cases = [
+        (
+            "GET",
+            "/admin/records/default/k?route=nope",
+            404,
+            "admin-not-found",
+        ),
+        (
+            "GET",
+            "/admin/records/default/k%zz",
+            400,
+            "admin-request-invalid",
+        ),
+        ("GET", "/no/such/endpoint", 404, "admin-not-found"),
+        (
+            "DELETE",
+            "/admin/records/default/k",
+            401,
+            "admin-unauthorized",
+        ),
+        (
+            "POST",
+            "/admin/records/default/k",
+            405,
+            "admin-method-not-allowed",
+        ),
+        ("GET", "/admin/reload", 405, "admin-method-not-allowed"),
+        ("DELETE", "/metrics", 405, "admin-method-not-allowed"),
+    ];
+    for (method, path, status, kind) in cases {
+        let r = Request::new(method, path).send(proxy.admin).await;
+        assert_eq!(r.status, status, "{method} {path}: {}", r.text());
+        assert_eq!(
+            r.header("content-type"),
+            Some("application/problem+json"),
+            "{method} {path}"
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(doc["type"], format!("https://idemgate.dev/problems/{kind}"));
+        assert_eq!(doc["status"], status);
+        assert!(doc["detail"].is_string(), "{doc}");
+        assert_eq!(
+            doc["error"], doc["detail"],
+            "the member clients read before"
+        );
+    }
+    let r = Request::new("POST", "/admin/record-ids/default/k")
+        .send(proxy.admin)
+        .await;
+    assert_eq!(r.header("allow"), Some("GET, HEAD, DELETE"));
+    let r = Request::get("/admin/reload").send(proxy.admin).await;
+    assert_eq!(r.header("allow"), Some("POST"));
+    // `ord%65rs` is `orders`: the route is found, and the record is not.
+    let r = Request::get("/admin/records/default/k?route=ord%65rs")
+        .send(proxy.admin)
+        .await;
+    assert_eq!(r.status, 404);
+    assert!(r.text().contains("no such record"), "{}", r.text());
+}
