@@ -776,3 +776,51 @@ async fn rediss_urls_speak_tls_and_verify_the_server() {
     // The same server in plain text works, so the refusal was the certificate's.
     single(&server).ping().await.expect("plain-text ping");
 }
+
+/// A Redis Cluster's purge channel is not tied to its first seed: with that seed gone for good,
+/// purges are still announced and heard through the next one (Cluster pub/sub reaches every
+/// node), where before every publish failed and the listener retried the dead seed forever.
+#[tokio::test]
+async fn a_cluster_purge_channel_moves_past_a_seed_that_is_gone() {
+    use idemgate::store::purge::PurgeBus;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let live = RedisServer::start();
+    let gone = format!("redis://127.0.0.1:{}", RedisServer::unused_port());
+    let bus = PurgeBus::new(
+        &settings(vec![gone, live.url()], RedisTopology::Cluster),
+        None,
+    )
+    .expect("bus");
+    let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let subscribed = Arc::new(AtomicUsize::new(0));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let listener = tokio::spawn({
+        let (bus, heard, subscribed) = (bus.clone(), heard.clone(), subscribed.clone());
+        async move {
+            bus.listen(
+                Arc::new(move |key: &RecordKey| heard.lock().unwrap().push(key.clone())),
+                Arc::new(move || {
+                    subscribed.fetch_add(1, Ordering::Relaxed);
+                }),
+                stopped,
+            )
+            .await
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while subscribed.load(Ordering::Relaxed) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "never subscribed past the dead seed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let key = fresh_key();
+    assert_eq!(bus.publish(&key).await, Ok(1));
+    while !heard.lock().unwrap().contains(&key) {
+        assert!(Instant::now() < deadline, "the purge was not heard");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(true).unwrap();
+    listener.await.unwrap();
+}

@@ -12,6 +12,7 @@
 //! publish and every (re)subscription, so purges keep reaching every replica across a failover
 //! (a listener still on a demoted primary also keeps hearing them: Redis replicates `PUBLISH`).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,8 +41,13 @@ pub struct PurgeBus {
 /// Where the channel lives. One per process, behind an `Arc`: its size does not matter.
 #[allow(clippy::large_enum_variant)]
 enum Server {
-    /// One server (the first of a Cluster's seeds: Cluster pub/sub reaches every node).
-    Direct(redis::Client),
+    /// The server, or any of a Cluster's seeds (Cluster pub/sub reaches every node): the one
+    /// at `current`, moved on to the next whenever one cannot be reached, so a seed gone for
+    /// good does not silence the channel while the cluster is healthy.
+    Direct {
+        clients: Vec<redis::Client>,
+        current: AtomicUsize,
+    },
     /// The primary a set of Sentinels names at the time.
     Sentinel(tokio::sync::Mutex<SentinelClient>),
 }
@@ -53,11 +59,32 @@ impl Server {
                 &config.urls,
                 certs,
             )?)),
-            RedisTopology::Single | RedisTopology::Cluster => {
-                let url = config.urls.first().map(String::as_str).unwrap_or_default();
-                Server::Direct(single_client(url, certs)?)
-            }
+            RedisTopology::Single | RedisTopology::Cluster => Server::Direct {
+                clients: config
+                    .urls
+                    .iter()
+                    .map(|url| single_client(url, certs))
+                    .collect::<Result<_, _>>()?,
+                current: AtomicUsize::new(0),
+            },
         })
+    }
+
+    /// Moves a Cluster's channel on to its next seed: the current one could not be reached.
+    fn next_seed(&self) {
+        if let Server::Direct { clients, current } = self {
+            if clients.len() > 1 {
+                current.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// How many servers a publish may try: every seed once.
+    fn seeds(&self) -> usize {
+        match self {
+            Server::Direct { clients, .. } => clients.len().max(1),
+            Server::Sentinel(_) => 1,
+        }
     }
 }
 
@@ -84,7 +111,12 @@ impl PurgeBus {
     async fn client(&self) -> RedisResult<redis::Client> {
         let server = self.server.load_full();
         match &*server {
-            Server::Direct(client) => Ok(client.clone()),
+            Server::Direct { clients, current } => {
+                let at = current.load(Ordering::Relaxed) % clients.len().max(1);
+                clients.get(at).cloned().ok_or_else(|| {
+                    redis::RedisError::from((redis::ErrorKind::Client, "no Redis URL"))
+                })
+            }
             Server::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
         }
     }
@@ -98,16 +130,30 @@ impl PurgeBus {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(PUBLISH_TIMEOUT))
             .set_response_timeout(Some(PUBLISH_TIMEOUT));
-        let connect = async {
+        let connect = || async {
             self.client()
                 .await?
                 .get_multiplexed_async_connection_with_config(&config)
                 .await
         };
-        let mut conn = tokio::time::timeout(PUBLISH_TIMEOUT, connect)
-            .await
-            .map_err(|_| "purge channel: connect timed out".to_string())?
-            .map_err(|e| format!("purge channel: {e}"))?;
+        // A Cluster's seeds in turn, from the one in use, until one takes the connection.
+        let mut tries = self.server.load().seeds();
+        let mut conn = loop {
+            let reached = tokio::time::timeout(PUBLISH_TIMEOUT, connect())
+                .await
+                .map_err(|_| "purge channel: connect timed out".to_string())
+                .and_then(|c| c.map_err(|e| format!("purge channel: {e}")));
+            match reached {
+                Ok(conn) => break conn,
+                Err(e) => {
+                    tries -= 1;
+                    if tries == 0 {
+                        return Err(e);
+                    }
+                    self.server.load().next_seed();
+                }
+            }
+        };
         redis::cmd("PUBLISH")
             .arg(&self.channel)
             .arg(message)
@@ -150,6 +196,8 @@ impl PurgeBus {
                 result = session => {
                     if let Err(e) = result {
                         tracing::debug!(error = %e, "purge channel lost; reconnecting");
+                        // The next try goes to a Cluster's next seed: this one may be gone.
+                        self.server.load().next_seed();
                     }
                 }
                 _ = shutdown.changed() => return,
