@@ -107,8 +107,30 @@ struct Cache {
     next_seq: u64,
     /// Purges of a record of this shard so far ([`CachedStore::forget`]).
     purges: u64,
+    /// The last [`RECENT_PURGES`] purges: each record hash with the count its purge brought
+    /// `purges` to. Tells a purge of this very record from one of another record of the shard.
+    recent_purges: VecDeque<(Digest, u64)>,
     /// Times every copy was dropped so far ([`CachedStore::forget_copies`]).
     copy_resets: u64,
+}
+
+/// Purges a shard remembers by record ([`Cache::recent_purges`]).
+const RECENT_PURGES: usize = 64;
+
+impl Cache {
+    /// Whether `hash` may have been purged since the shard's count was `since`: yes if one of
+    /// the purges since was of it, or if more purges came than the shard remembers.
+    fn purged_since(&self, hash: &Digest, since: u64) -> bool {
+        if self.purges == since {
+            return false;
+        }
+        let remembered_from = self.recent_purges.front().map_or(u64::MAX, |(_, n)| *n);
+        remembered_from > since + 1
+            || self
+                .recent_purges
+                .iter()
+                .any(|(h, n)| *n > since && h == hash)
+    }
 }
 
 /// A shard's counts at the moment a read or write went out to the store. What comes back is
@@ -282,6 +304,11 @@ impl<S: RecordStore> CachedStore<S> {
     pub fn forget(&self, key: &RecordKey) {
         let mut cache = self.shard(&key.hash).lock();
         cache.purges += 1;
+        let count = cache.purges;
+        cache.recent_purges.push_back((key.hash, count));
+        if cache.recent_purges.len() > RECENT_PURGES {
+            cache.recent_purges.pop_front();
+        }
         if let Some(e) = cache.map.remove(&key.hash) {
             cache.bytes -= e.size;
         }
@@ -378,7 +405,10 @@ impl<S: RecordStore> CachedStore<S> {
                 Held::Unstored {
                     copy_resets: mark.copy_resets,
                 },
-                cache.purges == mark.purges,
+                // Only a purge of this record takes the trace: one of another record of the
+                // shard meanwhile has nothing to do with it, and dropping the only trace of an
+                // answer the store may lack would let a retry here execute it again.
+                !cache.purged_since(&key.hash, mark.purges),
             ),
             Origin::Stored(mark) | Origin::Copy(mark) => (
                 Held::Copy,
@@ -1155,6 +1185,40 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         writing
+    }
+
+    #[tokio::test]
+    async fn a_purge_of_another_record_keeps_the_trace_of_a_write_that_failed() {
+        let store = cached();
+        let (req, other) = (claim("t", 7), claim("t", 8));
+        assert_eq!(store.cache.len(), 1, "one shard: both records share it");
+        let writing = completing_while_stalled(&store, &req).await;
+        // Another record of the shard is purged while the write is out, and the write fails.
+        store.forget(&other.key);
+        store.inner().set(Fault::Down);
+        assert!(writing.await.unwrap().is_err());
+        let retry = store.claim(&retry_of(&req)).await.unwrap();
+        assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
+        // A purge of this very record, or more purges than the shard remembers, still take it.
+        let req = claim("t", 9);
+        store.inner().set(Fault::None);
+        let writing = completing_while_stalled(&store, &req).await;
+        store.forget(&req.key);
+        store.inner().set(Fault::Down);
+        assert!(writing.await.unwrap().is_err());
+        assert!(store.cached(&req.key).is_none(), "the purge was undone");
+        let req = claim("t", 10);
+        store.inner().set(Fault::None);
+        let writing = completing_while_stalled(&store, &req).await;
+        for n in 0..=RECENT_PURGES {
+            store.forget(&claim("u", n as u8).key);
+        }
+        store.inner().set(Fault::Down);
+        assert!(writing.await.unwrap().is_err());
+        assert!(
+            store.cached(&req.key).is_none(),
+            "forgotten purges were ignored"
+        );
     }
 
     #[tokio::test]
