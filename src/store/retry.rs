@@ -489,11 +489,15 @@ async fn run(
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
                 }
                 Written::Refused(read) => match read {
-                    // Landed: the record holds exactly this completion and nothing is lost.
+                    // Landed: the record holds exactly this completion, of this execution, and
+                    // nothing is lost. The same bytes under another execution id are another
+                    // execution's (a 204, a cached 4xx): the key ran twice, which is for the
+                    // dead-letter file to say.
                     Ok(Some(Record {
                         state: RecordState::Completed(ref c),
+                        execution_id,
                         ..
-                    })) if *c == job.completion => {
+                    })) if *c == job.completion && execution_id == job.execution_id => {
                         (local.stored)(&job.key, job.execution_id);
                         stats.recovered.fetch_add(1, Ordering::Relaxed);
                         stats.pending.fetch_sub(1, Ordering::AcqRel);
@@ -1305,6 +1309,43 @@ mod tests {
         let again = cached.claim(&retry).await.unwrap();
         assert!(matches!(again, ClaimOutcome::Existing(_)), "{again:?}");
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls);
+    }
+
+    /// A refused write whose record holds the same bytes under another execution id did not
+    /// land: another execution answered the same (a 204, say) after the record was lost, and
+    /// the key ran twice. It is dead-lettered, not counted as recovered.
+    #[tokio::test]
+    async fn the_same_answer_from_another_execution_is_not_taken_for_this_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Arc::new(MemoryStore::new(1 << 20, 1));
+        let job = claimed(shared.as_ref(), 17).await;
+        // The record is lost, and another request executes the key anew, answering the same.
+        assert!(shared.delete(&job.key).await.unwrap());
+        let other = ClaimRequest {
+            key: job.key.clone(),
+            fingerprint: job.fingerprint,
+            owner: OwnerToken::random(),
+            execution_id: 43,
+            lock_ttl: Duration::from_secs(30),
+            ttl: job.ttl,
+        };
+        assert!(matches!(
+            shared.claim(&other).await.unwrap(),
+            ClaimOutcome::Acquired { execution_id: 43 }
+        ));
+        let stored = shared
+            .complete(&job.key, other.owner, job.completion.clone(), job.ttl)
+            .await
+            .unwrap();
+        assert_eq!(stored, WriteOutcome::Applied);
+        let (retrier, worker) =
+            CompletionRetrier::new(shared.clone(), LocalHooks::none(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job.clone());
+        settle(&retrier).await;
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 0);
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("lock taken over"), "{text}");
     }
 
     /// Opens `path` (creating it) and takes its exclusive `flock`, as another process appending
