@@ -108,7 +108,10 @@ impl fmt::Display for Verdict {
                 "missing: a retry would execute again; --apply writes this response back",
             ),
             Verdict::Restored => f.write_str("restored: retries now replay this response"),
-            Verdict::Expired => f.write_str("expired: its ttl has passed; nothing to restore"),
+            Verdict::Expired => f.write_str(
+                "expired: its ttl has passed (the key may have been used again since); nothing \
+                 to restore",
+            ),
             Verdict::Failed(why) => write!(f, "failed: {why}"),
         }
     }
@@ -216,6 +219,16 @@ async fn judge(store: &dyn RecordStore, letter: &Letter, apply: bool, now_ms: u6
         Err(e) => return Verdict::Failed(format!("reading the record: {e}")),
     };
     let left = Duration::from_millis(letter.expires_at_unix_ms.saturating_sub(now_ms));
+    // A record of another execution created once the line's ttl had passed is the key used
+    // again, as a client may after the ttl: no trace of a double execution. Its execution id
+    // tells when it was created (a Snowflake id is stamped with its first claim's time).
+    let reused = record.as_ref().is_some_and(|r| {
+        r.execution_id != letter.execution_id
+            && crate::snowflake::decode(r.execution_id).unix_ms >= letter.expires_at_unix_ms
+    });
+    if reused {
+        return Verdict::Expired;
+    }
     match held(record.as_ref(), letter) {
         Some(verdict) => verdict,
         None if left.is_zero() => Verdict::Expired,
@@ -782,6 +795,27 @@ mod tests {
                 ..expected
             }
         );
+    }
+
+    /// A key used again once the line's ttl had passed, as a client may, holds a new
+    /// execution's record: the line expired, and there is no double execution to report.
+    #[tokio::test]
+    async fn a_key_used_again_after_the_lines_ttl_is_expired_not_another_outcome() {
+        let store = store();
+        let mut old = letter(20, response(b"old"));
+        old.ttl = Duration::from_millis(1);
+        let text = dead_letter_line(&old, 1, "store failed", InStore::Unknown);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let again = PendingCompletion {
+            execution_id: crate::snowflake::Snowflake::new(1).next_id(),
+            owner: OwnerToken::random(),
+            ..old.clone()
+        };
+        complete_as(&store, &again, response(b"new")).await;
+        let (tally, out) = run(&store, &text, false).await;
+        assert_eq!(tally.expired, 1, "{out}");
+        assert!(!tally.needs_action(), "{out}");
+        // Created again within the line's ttl, it is another outcome still (the test above).
     }
 
     #[tokio::test]
