@@ -802,6 +802,12 @@ fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {
                 |s| s.dead_letter_write_failures.load(Ordering::Relaxed) as f64,
             ),
             (
+                "idemgate_completion_retry_fenced_total",
+                "Retried completions refused because a newer execution holds the key (dead-lettered as lock taken over)",
+                Pull::Counter,
+                |s| s.fenced.load(Ordering::Relaxed) as f64,
+            ),
+            (
                 "idemgate_completion_retry_pending",
                 "Completions waiting to be stored",
                 Pull::Gauge,

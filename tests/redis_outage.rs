@@ -575,6 +575,11 @@ async fn a_retried_completion_that_lost_its_key_is_dead_lettered_not_taken_from_
         0.0,
         "{m}"
     );
+    assert_eq!(
+        metric(&m, "idemgate_completion_retry_fenced_total"),
+        1.0,
+        "{m}"
+    );
     let text = std::fs::read_to_string(&dead).unwrap();
     assert!(text.contains("lock taken over"), "{text}");
     // And A replays what the store holds, like every other replica.

@@ -133,6 +133,9 @@ pub struct RetryStats {
     /// Completions waiting right now: to be retried, or for their dead-letter line to be
     /// written.
     pub pending: AtomicUsize,
+    /// Retried completions the store refused because a newer execution holds the key (the
+    /// lock lapsed and the key ran again): each is dead-lettered as `lock taken over`.
+    pub fenced: AtomicU64,
 }
 
 /// What the retrier tells the local cache in front of the store (nothing without one).
@@ -506,6 +509,7 @@ async fn run(
                     // Another execution holds the key now: the store keeps it, and this
                     // replica replays what the store holds, like every other replica.
                     Ok(Some(_)) => {
+                        stats.fenced.fetch_add(1, Ordering::Relaxed);
                         (local.forget)(&job.key);
                         dead.settle(job, attempt + 1, "lock taken over", InStore::No)
                     }
@@ -1346,6 +1350,7 @@ mod tests {
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 0);
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"), "{text}");
+        assert_eq!(retrier.stats().fenced.load(Ordering::Relaxed), 1);
     }
 
     /// Opens `path` (creating it) and takes its exclusive `flock`, as another process appending
