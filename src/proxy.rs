@@ -54,8 +54,10 @@ pub struct Generation {
     route_metrics: Vec<RouteHandles>,
 }
 
-/// `result` label values, indexed by [`result_index`].
-const RESULT_LABELS: [&str; 9] = [
+/// `result` label values, indexed by [`result_index`]; `REFUSED` is a request idemgate answered
+/// itself without an idempotency result (no route, not valid HTTP, a body it could not read on a
+/// route without idempotency): nothing was forwarded.
+const RESULT_LABELS: [&str; 10] = [
     "FORWARD",
     "MISS",
     "HIT",
@@ -65,7 +67,11 @@ const RESULT_LABELS: [&str; 9] = [
     "BYPASS",
     "DEGRADED",
     "UNAVAILABLE",
+    "REFUSED",
 ];
+
+/// [`RESULT_LABELS`]' index of `REFUSED`.
+const REFUSED: usize = 9;
 
 fn result_index(outcome: Option<Outcome>) -> usize {
     match outcome {
@@ -214,6 +220,8 @@ pub struct RequestCtx {
     route: Option<usize>,
     upstream: Option<usize>,
     outcome: Option<Outcome>,
+    /// Answered by idemgate itself with no idempotency result: counted as `REFUSED`.
+    refused: bool,
     record_label: Option<key::HashLabel>,
     _guard: InFlightGuard,
 }
@@ -783,6 +791,7 @@ impl Gate {
         {
             Ok(body) => body,
             Err(problem) => {
+                ctx.refused = true;
                 write_problem(session, &problem, ctx.outcome).await?;
                 return Ok(true);
             }
@@ -1321,6 +1330,7 @@ impl ProxyHttp for Gate {
             route: None,
             upstream: None,
             outcome: None,
+            refused: false,
             record_label: None,
             _guard: InFlightGuard::new(self.in_flight.clone()),
         }
@@ -1348,11 +1358,13 @@ impl ProxyHttp for Gate {
             // No route is known, so no idempotency header; the connection closes, as the
             // problem's detail says for every request that is not valid HTTP.
             session.set_keepalive(None);
+            ctx.refused = true;
             write_problem(session, &Problem::RequestMalformed, None).await?;
             return Ok(true);
         }
         match gen.config.match_route(&req.method, req.uri.path()) {
             RouteMatch::NoRoute => {
+                ctx.refused = true;
                 write_problem(session, &Problem::NoRoute, None).await?;
                 Ok(true)
             }
@@ -1478,7 +1490,10 @@ impl ProxyHttp for Gate {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         crate::headguard::request_ended(session);
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        let index = result_index(ctx.outcome);
+        let index = match ctx.outcome {
+            None if ctx.refused => REFUSED,
+            outcome => result_index(outcome),
+        };
         let result = RESULT_LABELS[index];
         let route = label(ctx);
         let elapsed = ctx.started.elapsed();

@@ -902,6 +902,13 @@ async fn routes_without_idempotency_forward_untouched() {
     let none = Request::post("/nowhere").body("{}").send(proxy.addr).await;
     assert_eq!(none.status, 404);
     assert_eq!(none.problem_type(), "no-route");
+    // Counted as refused, not as forwarded traffic.
+    let m = proxy.metrics().await;
+    assert!(
+        m.contains("idemgate_requests_total{result=\"REFUSED\",route=\"-\"} 1"),
+        "{m}"
+    );
+    assert!(!m.contains("result=\"FORWARD\",route=\"-\"} 1"), "{m}");
 }
 
 #[tokio::test]
