@@ -594,6 +594,10 @@ impl Gate {
         let mut exchange = match upstream::send(backend, &head, &body, started, true).await {
             Ok(x) => x,
             Err(e) => {
+                // A failed round counts too: a backend timing out every request must show.
+                ctx.gen
+                    .route_metrics(ctx.route)
+                    .observe_upstream(started.elapsed().as_secs_f64());
                 tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
                 if let Some(c) = &claim {
                     self.release(c).await;
@@ -633,6 +637,9 @@ impl Gate {
         let response = match head {
             Ok(r) => r,
             Err(e) => {
+                ctx.gen
+                    .route_metrics(ctx.route)
+                    .observe_upstream(started.elapsed().as_secs_f64());
                 tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
                 let problem = unknown_outcome(claim.is_some());
                 return self.refuse_executed(session, problem, outcome).await;
@@ -818,6 +825,9 @@ impl Gate {
             let mut exchange = match sent {
                 Ok(x) => x,
                 Err(e) => {
+                    // A failed round counts too: a backend timing out every request must show.
+                    gen.route_metrics(ctx.route)
+                        .observe_upstream(started.elapsed().as_secs_f64());
                     tracing::warn!(error = %e, route = label(ctx), "backend unreachable");
                     write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
                     return Ok(true);
@@ -840,6 +850,8 @@ impl Gate {
                     continue
                 }
                 Err(e) => {
+                    gen.route_metrics(ctx.route)
+                        .observe_upstream(started.elapsed().as_secs_f64());
                     tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
                     write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;
                     return Ok(true);
@@ -866,6 +878,8 @@ impl Gate {
                 }
                 Ok(None) => break,
                 Err(e) => {
+                    gen.route_metrics(ctx.route)
+                        .observe_upstream(started.elapsed().as_secs_f64());
                     tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
                     if out.header.is_some() {
                         write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;

@@ -724,6 +724,15 @@ async fn unreachable_backend_releases_the_key() {
     assert_eq!(r.problem_type(), "upstream-unreachable");
     // Released: the retry is tried again (not 409).
     assert_eq!(req.send(proxy.addr).await.status, 502);
+    let plain = Request::post("/plain").body("{}").send(proxy.addr).await;
+    assert_eq!(plain.status, 502);
+    // Failed rounds are in the backend's latency too, keyed or not: a backend that fails every
+    // request must not look idle there.
+    let m = proxy.metrics().await;
+    for (route, rounds) in [("orders", 2.0), ("plain", 1.0)] {
+        let name = format!("idemgate_upstream_duration_seconds_count{{route=\"{route}\"}}");
+        assert_eq!(common::metric(&m, &name), Some(rounds), "{route}: {m}");
+    }
 }
 
 #[tokio::test]
