@@ -284,6 +284,10 @@ struct DeadLetterFile {
 const LETTER_BACKLOG: usize = 1024;
 /// Lines written in one append at most.
 const LETTER_BATCH: usize = 256;
+/// Bytes of stored responses in one append at most (one line past it may start a batch): a
+/// line holds its response in base64 and is copied a few times on its way to the file, so
+/// 256 lines of 1 MiB responses would have taken about a gigabyte at once.
+const LETTER_BATCH_BYTES: usize = 8 << 20;
 
 // === impl CompletionRetrier ===
 
@@ -644,6 +648,32 @@ impl DeadLetters {
     }
 }
 
+/// `first` and what else waits on `queue`, up to [`LETTER_BATCH`] lines and
+/// [`LETTER_BATCH_BYTES`] of responses: the lines of one append, and the flushes answered
+/// after it.
+fn next_batch(
+    first: Letter,
+    queue: &std::sync::mpsc::Receiver<Letter>,
+) -> (Vec<LetterLine>, Vec<std::sync::mpsc::Sender<()>>) {
+    let mut lines = Vec::new();
+    let mut flushes = Vec::new();
+    let mut bytes = 0usize;
+    let mut next = Some(first);
+    while let Some(letter) = next.take() {
+        match letter {
+            Letter::Line(line) => {
+                bytes = bytes.saturating_add(line.job.completion.response_bytes());
+                lines.push(line);
+            }
+            Letter::Flush(done) => flushes.push(done),
+        }
+        if lines.len() < LETTER_BATCH && bytes < LETTER_BATCH_BYTES {
+            next = queue.try_recv().ok();
+        }
+    }
+    (lines, flushes)
+}
+
 // === impl DeadLetterFile ===
 
 impl DeadLetterFile {
@@ -651,18 +681,7 @@ impl DeadLetterFile {
     /// every sender is gone.
     fn run(&self, queue: std::sync::mpsc::Receiver<Letter>) {
         while let Ok(first) = queue.recv() {
-            let mut lines = Vec::new();
-            let mut flushes = Vec::new();
-            let mut next = Some(first);
-            while let Some(letter) = next.take() {
-                match letter {
-                    Letter::Line(line) => lines.push(line),
-                    Letter::Flush(done) => flushes.push(done),
-                }
-                if lines.len() < LETTER_BATCH {
-                    next = queue.try_recv().ok();
-                }
-            }
+            let (lines, flushes) = next_batch(first, &queue);
             if !lines.is_empty() {
                 self.write(lines);
             }
@@ -1490,6 +1509,47 @@ mod tests {
             "every line is somewhere"
         );
         assert_eq!(stats.pending.load(Ordering::Acquire), 0);
+    }
+
+    /// One append takes at most LETTER_BATCH_BYTES of responses, however many lines wait:
+    /// 256 lines of 1 MiB responses took about a gigabyte at once.
+    #[tokio::test]
+    async fn a_dead_letter_batch_is_bounded_by_bytes() {
+        let mut job = claimed(faulty().as_ref(), 29).await;
+        let letter = |job: &PendingCompletion| {
+            Letter::Line(LetterLine {
+                job: job.clone(),
+                attempts: 1,
+                reason: "store failed".into(),
+                in_store: InStore::Unknown,
+                at: SystemTime::now(),
+            })
+        };
+        job.completion = Completion::Response(Arc::new(StoredResponse::new(
+            201,
+            Vec::<(&str, Bytes)>::new(),
+            Bytes::from(vec![7u8; 3 << 20]),
+        )));
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..8 {
+            tx.send(letter(&job)).unwrap();
+        }
+        let mut sizes = Vec::new();
+        while let Ok(first) = rx.try_recv() {
+            sizes.push(next_batch(first, &rx).0.len());
+        }
+        assert_eq!(
+            sizes,
+            [3, 3, 2],
+            "8 MiB of 3 MiB responses: the third crosses it"
+        );
+        // Small lines still go many at once.
+        job.completion = Completion::Unreplayable { status: 201 };
+        for _ in 0..300 {
+            tx.send(letter(&job)).unwrap();
+        }
+        let (small, _) = next_batch(rx.recv().unwrap(), &rx);
+        assert_eq!(small.len(), LETTER_BATCH);
     }
 
     /// Past `queue_bytes` of stored responses waiting, the next completion is dead-lettered at
