@@ -277,10 +277,10 @@ struct DeadLetterFile {
     last_resort: Box<dyn Fn(&str) + Send + Sync>,
 }
 
-/// Lines the writer thread may fall behind by. Past it, whoever dead-letters waits for room:
-/// memory stays bounded, and the writer writes every line queued in one append and one fsync,
-/// so only a disk (or another process holding the lock) slower than that for a thousand lines
-/// makes a caller wait.
+/// Lines the writer thread may fall behind by. Past it, a line goes whole to stderr at once
+/// rather than wait (see `DeadLetters::settle`): memory stays bounded, and the writer writes
+/// what is queued in few appends and fsyncs, so only a disk (or another process holding the
+/// lock) slower than that for a thousand lines sends lines there.
 const LETTER_BACKLOG: usize = 1024;
 /// Lines written in one append at most.
 const LETTER_BATCH: usize = 256;
