@@ -32,6 +32,29 @@ struct Shared {
     written: Condvar,
     /// No writer thread could be started: every line goes to the sink as it is written.
     inline: AtomicBool,
+    /// The sink failed partway through a line: the next write starts with a newline.
+    torn: AtomicBool,
+}
+
+/// Writes `data` to `sink` until done or an error (retrying on `Interrupted`, and a few times
+/// on `WouldBlock`: a non-blocking stderr that is momentarily full); returns how many bytes
+/// went.
+fn write_all_counted(sink: &mut dyn Write, data: &[u8]) -> usize {
+    let mut sent = 0;
+    let mut waits = 0;
+    while sent < data.len() {
+        match sink.write(&data[sent..]) {
+            Ok(0) => break,
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && waits < 20 => {
+                waits += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(_) => break,
+        }
+    }
+    sent
 }
 
 /// The handle given to the tracing subscriber; cheap to clone.
@@ -71,6 +94,7 @@ impl BatchWriter {
                 done: Mutex::new(0),
                 written: Condvar::new(),
                 inline: AtomicBool::new(false),
+                torn: AtomicBool::new(false),
             }),
             sink: Arc::new(Mutex::new(sink)),
         }
@@ -112,16 +136,46 @@ impl BatchWriter {
         }
     }
 
-    /// Writes the count of dropped lines, if any, then `pending`, to the locked sink.
+    /// Writes the count of dropped lines, if any, then `pending`, to the locked sink. What the
+    /// sink refuses (a full disk, an I/O error) is counted as dropped, reported with the next
+    /// batch that gets through, and a line it cut short is ended before the next one starts,
+    /// so no two lines run together.
     fn write_out(&self, sink: &mut dyn Write, pending: &[u8]) {
-        let dropped = self.shared.dropped.swap(0, Ordering::Relaxed);
+        let torn = self.shared.torn.swap(false, Ordering::Relaxed);
+        let dropped = self.shared.dropped.load(Ordering::Relaxed);
+        let mut notice = Vec::new();
+        if torn {
+            notice.push(b'\n');
+        }
         if dropped > 0 {
             let _ = writeln!(
-                sink,
-                "idemgate: {dropped} log lines dropped (log sink too slow)"
+                notice,
+                "idemgate: {dropped} log lines dropped (log sink too slow or failing)"
             );
         }
-        let _ = sink.write_all(pending);
+        let sent = write_all_counted(sink, &notice);
+        if sent < notice.len() {
+            // Nothing of it may stand half written: the next try starts a fresh line.
+            self.shared.torn.store(sent > 0 || torn, Ordering::Relaxed);
+        } else if dropped > 0 {
+            // Only once told: lines dropped meanwhile are told next time.
+            self.shared.dropped.fetch_sub(dropped, Ordering::Relaxed);
+        }
+        let sent = if sent < notice.len() {
+            0
+        } else {
+            write_all_counted(sink, pending)
+        };
+        if sent < pending.len() {
+            let rest = &pending[sent..];
+            let lost = rest.iter().filter(|&&b| b == b'\n').count() as u64;
+            self.shared
+                .dropped
+                .fetch_add(lost.max(1), Ordering::Relaxed);
+            if sent > 0 && pending[sent - 1] != b'\n' {
+                self.shared.torn.store(true, Ordering::Relaxed);
+            }
+        }
         let _ = sink.flush();
     }
 
@@ -290,8 +344,62 @@ mod tests {
         let notices: Vec<&str> = text.lines().filter(|l| l.contains("dropped")).collect();
         assert_eq!(
             notices,
-            ["idemgate: 500 log lines dropped (log sink too slow)"]
+            ["idemgate: 500 log lines dropped (log sink too slow or failing)"]
         );
+    }
+
+    /// A sink that takes `room` more bytes, then fails every write (a full disk).
+    #[derive(Clone)]
+    struct FullSink {
+        out: Sink,
+        room: Arc<Mutex<usize>>,
+    }
+
+    impl Write for FullSink {
+        fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+            let mut room = self.room.lock().unwrap();
+            if *room == 0 {
+                return Err(std::io::Error::other("no space left on device"));
+            }
+            let n = data.len().min(*room);
+            *room -= n;
+            self.out.write(&data[..n])
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What a failing sink refuses is counted and told once it takes lines again, and a line
+    /// it cut short is ended before the next: no two lines run together (a JSON log line glued
+    /// to half of another parses as neither), and nothing vanishes uncounted.
+    #[test]
+    fn a_failing_sink_loses_no_line_uncounted_and_tears_none_into_another() {
+        let out = Sink::default();
+        let room = Arc::new(Mutex::new(10));
+        let w = BatchWriter::unstarted(Box::new(FullSink {
+            out: out.clone(),
+            room: room.clone(),
+        }));
+        let write = |text: &str| {
+            let mut sink = w.sink.lock().unwrap();
+            w.write_out(&mut **sink, text.as_bytes());
+        };
+        // 10 bytes go: "{\"n\":1}\n{\"" — the second line is cut, the third refused.
+        write("{\"n\":1}\n{\"n\":2}\n{\"n\":3}\n");
+        assert_eq!(w.shared.dropped.load(Ordering::Relaxed), 2);
+        // Still full: the next batch is refused whole and counted.
+        write("{\"n\":4}\n");
+        assert_eq!(w.shared.dropped.load(Ordering::Relaxed), 3);
+        *room.lock().unwrap() = 1 << 20;
+        write("{\"n\":5}\n");
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "{\"n\":1}");
+        assert_eq!(lines[1], "{\"", "the torn line, ended on its own");
+        assert!(lines[2].contains("3 log lines dropped"), "{text}");
+        assert_eq!(lines[3], "{\"n\":5}");
+        assert_eq!(w.shared.dropped.load(Ordering::Relaxed), 0, "told once");
     }
 
     #[test]
