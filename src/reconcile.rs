@@ -809,6 +809,8 @@ mod tests {
         let again = PendingCompletion {
             execution_id: crate::snowflake::Snowflake::new(1).next_id(),
             owner: OwnerToken::random(),
+            // Lives on, so the verdict comes from the record read, not from its absence.
+            ttl: Duration::from_secs(3600),
             ..old.clone()
         };
         complete_as(&store, &again, response(b"new")).await;

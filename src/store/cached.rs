@@ -562,10 +562,12 @@ impl<S: RecordStore> CachedStore<S> {
     }
 
     /// Reads the record of every completion given up on ([`CachedStore::completion_given_up`])
-    /// from the store, and drops the entry of each the store holds after all (its write
-    /// landed): a retry here then reads it from the store, where a purge takes it, as it would
-    /// anywhere else. One the store does not hold (or that cannot be read) stays: it is the
-    /// only trace of its answer. Returns how many went. Called when the purge channel is
+    /// from the store, and drops the entry of each whose record the store holds completed: this
+    /// very completion (its write landed), or another execution's (the key ran again
+    /// elsewhere; the store's answer is what every other replica replays). A retry here then
+    /// reads it from the store, where a purge takes it, as it would anywhere else. One the
+    /// store does not hold completed (or that cannot be read) stays: it is the only trace of
+    /// its answer. Returns how many went. Called when the purge channel is
     /// subscribed again, when Redis is back and purges may have been missed.
     pub async fn check_given_up(&self) -> usize {
         let now = Instant::now();
@@ -591,13 +593,13 @@ impl<S: RecordStore> CachedStore<S> {
             .collect();
         let mut dropped = 0;
         for (key, completion) in given_up {
-            let stored = match self.inner.get(&key).await {
+            let stored = matches!(
+                self.inner.get(&key).await,
                 Ok(Some(Record {
-                    state: RecordState::Completed(c),
+                    state: RecordState::Completed(_),
                     ..
-                })) => c == completion,
-                _ => false,
-            };
+                }))
+            );
             if !stored {
                 continue;
             }
@@ -1595,6 +1597,30 @@ mod tests {
         );
         assert_eq!(a.check_given_up().await, 0);
         assert!(a.cached(&lost.key).is_some());
+    }
+
+    /// A given-up entry gives way to another execution's completion the store holds (the key
+    /// ran again elsewhere once the record was lost): this replica then replays what every
+    /// other one does, instead of its own answer for the whole ttl.
+    #[tokio::test]
+    async fn a_given_up_entry_gives_way_to_the_completion_the_store_holds() {
+        let (shared, a, b) = two_replicas();
+        let req = claim("t", 23);
+        executed_unstored(&a, &shared, &req, b"mine").await;
+        a.completion_given_up(&req.key, req.execution_id);
+        // The record is lost, and B executes the key anew.
+        assert!(shared.delete(&req.key).await.unwrap());
+        executed(&b, &retry_of(&req), b"theirs").await;
+        assert_eq!(a.check_given_up().await, 1);
+        let replay = a.claim(&retry_of(&req)).await.unwrap();
+        let ClaimOutcome::Existing(Record {
+            state: RecordState::Completed(Completion::Response(r)),
+            ..
+        }) = replay
+        else {
+            panic!("{replay:?}");
+        };
+        assert_eq!(r.body(), b"theirs");
     }
 
     #[tokio::test]
