@@ -1463,7 +1463,30 @@ fn without_quoted_values(message: &str) -> String {
         }
     }
     out.push_str(rest);
-    out
+    // An enum's unknown value is quoted in backticks: `backend: "redis://:pw@host"`, a
+    // template filled into the wrong key, would show its password the same way. A short word
+    // (a misspelt `queue`, what enum values look like) is still shown; anything longer, or with
+    // other characters, is not (an admin token has 16 characters at least).
+    const VARIANT: &str = "unknown variant `";
+    let mut redacted = String::with_capacity(out.len());
+    let mut rest = out.as_str();
+    while let Some(at) = rest.find(VARIANT) {
+        redacted.push_str(&rest[..at]);
+        let value = &rest[at + VARIANT.len()..];
+        let (word, after) = value.split_once('`').unwrap_or((value, ""));
+        let plain = word.len() < 16
+            && word
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if plain {
+            redacted.push_str(&format!("unknown variant `{word}`"));
+        } else {
+            redacted.push_str("unknown variant");
+        }
+        rest = after;
+    }
+    redacted.push_str(rest);
+    redacted
 }
 
 /// Shards of an embedded store when `store.memory.shards` is unset: one per 4 MiB of capacity,
@@ -3180,6 +3203,15 @@ routes:
             "x: invalid type: a string, expected y at line 1"
         );
         assert_eq!(without_quoted_values("no value here"), "no value here");
+        let err = load_err(&format!(
+            "{MINIMAL}store: {{backend: \"redis://:s3cr3t-pw@host\"}}\n"
+        ));
+        let message = err.to_string();
+        assert!(
+            message.contains("store.backend: unknown variant, expected"),
+            "{message}"
+        );
+        assert!(!message.contains("s3cr3t"), "{message}");
         assert_eq!(without_quoted_values(r#"string "open"#), "a string");
     }
 
