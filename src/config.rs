@@ -1489,13 +1489,13 @@ fn without_quoted_values(message: &str) -> String {
     redacted
 }
 
+/// The smallest `store.memory.capacity`: about a hundred small records.
+const MIN_MEMORY_CAPACITY: u64 = 64 << 10;
+
 /// Shards of an embedded store when `store.memory.shards` is unset: one per 4 MiB of capacity,
 /// 64 to 4096. A shard's hash table doubles in one step while its lock is held, so the pause a
 /// growing store puts on the requests of that shard scales with the shard's size; at ~4 MiB
 /// (5–8k records) a doubling stays under a millisecond. 256 MiB gets 64 shards, 4 GiB 1024.
-/// The smallest `store.memory.capacity`: about a hundred small records.
-const MIN_MEMORY_CAPACITY: u64 = 64 << 10;
-
 fn default_memory_shards(capacity_bytes: usize) -> usize {
     const BYTES_PER_SHARD: usize = 4 << 20;
     (capacity_bytes / BYTES_PER_SHARD).clamp(64, 4096)
@@ -1710,17 +1710,29 @@ impl FileRedis {
             }
             // The primary is reached with the first URL's credentials and database: another
             // URL's would be dropped without a word.
-            let primaries: Vec<(i64, Option<String>, Option<String>)> = urls
+            // A later URL that gives none of them takes the first's; one that gives others
+            // would have them dropped without a word.
+            let primaries: Vec<(SentinelUrl, bool)> = urls
                 .iter()
-                .filter_map(|url| parse_sentinel_url(url).ok())
-                .map(|s| (s.db, s.username, s.password))
+                .filter_map(|url| {
+                    let parsed = parse_sentinel_url(url).ok()?;
+                    Some((parsed, sentinel_url_names_db(url)))
+                })
                 .collect();
-            if let Some(i) = primaries.iter().position(|p| *p != primaries[0]) {
-                return Err(invalid(
-                    format!("store.redis.urls[{i}]"),
-                    "every redis+sentinel:// URL must give the same user, password and database \
-                     (the first URL's are the ones used)",
-                ));
+            if let Some((first, _)) = primaries.first() {
+                let conflict = primaries.iter().position(|(p, names_db)| {
+                    let credentials = p.username.is_some() || p.password.is_some();
+                    (credentials
+                        && (&p.username, &p.password) != (&first.username, &first.password))
+                        || (*names_db && p.db != first.db)
+                });
+                if let Some(i) = conflict {
+                    return Err(invalid(
+                        format!("store.redis.urls[{i}]"),
+                        "every redis+sentinel:// URL that gives a user, password or database must \
+                         give the first URL's (the first URL's are the ones used)",
+                    ));
+                }
             }
             RedisTopology::Sentinel
         } else if self.cluster || several {
@@ -2038,6 +2050,14 @@ fn check_redis_url(url: &str) -> Result<bool, String> {
         "not a valid Redis URL (use redis[s]://[user[:password]@]host[:port][/db])".to_owned()
     })?;
     Ok(false)
+}
+
+/// Whether a `redis+sentinel://` URL names a database (`/<master>/<db>`), rather than take
+/// the default.
+fn sentinel_url_names_db(url: &str) -> bool {
+    let rest = url.split_once("://").map_or("", |(_, rest)| rest);
+    let path = rest.split_once('/').map_or("", |(_, path)| path);
+    path.split('/').filter(|s| !s.is_empty()).count() >= 2
 }
 
 /// The seeds of a Redis Cluster: one user, password and protocol across them (the cluster
@@ -3570,6 +3590,10 @@ routes:
                 "{urls: [\"redis+sentinel://s1/m/0\", \"redis+sentinel://s2/m/5\"]}",
                 "store.redis.urls[1]",
             ),
+            (
+                "{urls: [\"redis+sentinel://s1/m\", \"redis+sentinel://:secret-2@s2/m\"]}",
+                "store.redis.urls[1]",
+            ),
         ];
         for (redis, field) in cases {
             let message = assert_field(
@@ -3585,6 +3609,14 @@ routes:
         assert_eq!(config.store.redis.unwrap().topology, RedisTopology::Cluster);
         let config = load(&format!(
             "store: {{redis: {{urls: [\"redis+sentinel://:p@s1/m/2\", \"redis+sentinel://:p@s2/m/2\"]}}}}\n{MINIMAL}"
+        ));
+        assert_eq!(
+            config.store.redis.unwrap().topology,
+            RedisTopology::Sentinel
+        );
+        // A later Sentinel URL that gives neither takes the first's, as it always did.
+        let config = load(&format!(
+            "store: {{redis: {{urls: [\"redis+sentinel://:p@s1/m/2\", \"redis+sentinel://s2/m\"]}}}}\n{MINIMAL}"
         ));
         assert_eq!(
             config.store.redis.unwrap().topology,
