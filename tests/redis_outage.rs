@@ -800,8 +800,16 @@ async fn a_completion_whose_first_write_is_out_when_the_process_stops_is_dead_le
         stream.write_all(&req.to_bytes()).await.unwrap();
         common::client::read_response(&mut stream, false).await
     });
-    // Claimed; the backend answers at 500 ms, into a partition from Redis.
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    // Claimed once the backend has it; it answers 500 ms later, into a partition from Redis.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backend.count() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "never forwarded:\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     link.set(Fault::Hold);
     tokio::time::sleep(Duration::from_millis(750)).await;
     proxy.signal("TERM");
