@@ -29,7 +29,7 @@ use crate::key;
 use crate::metrics::{Metrics, RouteHandles, StoreOpHandles};
 use crate::problem::{Outcome, Problem};
 use crate::snowflake::Snowflake;
-use crate::store::retry::{CompletionRetrier, InStore, PendingCompletion};
+use crate::store::retry::{CompletionRetrier, PendingCompletion, Refusal};
 use crate::store::{
     ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
     ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
@@ -935,12 +935,23 @@ impl Gate {
         match written {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::NotOwner) => {
-                // The record belongs to a newer execution now; this one's answer, which its
-                // client already has, goes where an operator can reconcile it.
-                self.metrics.fenced_writes.inc();
-                tracing::warn!(%record, "lock lapsed and was taken over; response not stored");
-                self.retrier
-                    .dead_letter(&pending(), 1, "lock taken over", InStore::No);
+                // Refused: the record belongs to a newer execution now, or is gone (a failover
+                // lost the claim while the backend ran). This one's answer, which its client
+                // already has, goes where an operator can reconcile it; the record read says
+                // which, and whether the local entry stays as the answer's only trace.
+                match self.retrier.refused(pending()).await {
+                    Refusal::Landed => {}
+                    Refusal::TakenOver => {
+                        self.metrics.fenced_writes.inc();
+                        tracing::warn!(%record, "lock lapsed and was taken over; response not stored");
+                    }
+                    Refusal::Gone => {
+                        tracing::warn!(%record, "the record was gone (a failover lost the claim?); response not stored, replayed here only");
+                    }
+                    Refusal::Unread => {
+                        tracing::warn!(%record, "the store refused the response and its record could not be read; response not stored");
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(%record, error = %e, "storing the response failed; retrying");

@@ -314,6 +314,12 @@ impl<S: RecordStore> CachedStore<S> {
         }
     }
 
+    /// Whether `hash` is among its shard's last [`RECENT_PURGES`] purges.
+    fn recently_purged(&self, hash: &Digest) -> bool {
+        let cache = self.shard(hash).lock();
+        cache.recent_purges.iter().any(|(h, _)| h == hash)
+    }
+
     /// The counts of `hash`'s shard now, to take before a read or write goes out.
     fn mark(&self, hash: &Digest) -> Mark {
         let cache = self.shard(hash).lock();
@@ -686,10 +692,20 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         // the only trace of it until the retrier lands it: see `completion_stored`).
         // Any failed write is retried (`Corrupt`: a reply this version cannot read, which an
         // operator's script version may give), so any keeps the trace.
+        // A refused one only when no other execution holds the key and no purge took it: the
+        // record is gone (a failover lost the claim while the backend ran) or cannot be read,
+        // and the entry is the answer's only trace (see `CompletionRetrier::refused`, which
+        // then says so in the dead-letter file). One a newer execution holds replays the
+        // store's answer; one an operator purged is claimable afresh.
         let origin = match written {
             Ok(WriteOutcome::Applied) => Some(Origin::Stored(mark)),
             Err(_) => Some(Origin::Unstored(mark)),
-            Ok(WriteOutcome::NotOwner) => None,
+            Ok(WriteOutcome::NotOwner) => match self.inner.get(key).await {
+                Ok(None) | Err(_) if !self.recently_purged(&key.hash) => {
+                    Some(Origin::Unstored(mark))
+                }
+                _ => None,
+            },
         };
         if let (Some(origin), Some(p)) = (origin, pending) {
             let record = Record {

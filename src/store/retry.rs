@@ -167,6 +167,8 @@ impl LocalHooks {
 /// Handle to the background retrier.
 #[derive(Clone)]
 pub struct CompletionRetrier {
+    /// The shared store, beneath any local cache.
+    store: Arc<dyn RecordStore>,
     tx: mpsc::Sender<(Job, u32)>,
     dead: Arc<DeadLetters>,
     local: LocalHooks,
@@ -311,6 +313,7 @@ impl CompletionRetrier {
         let dead = Arc::new(DeadLetters::start(file));
         let jobs = Arc::new(Jobs::default());
         let handle = CompletionRetrier {
+            store: shared.clone(),
             tx: tx.clone(),
             dead: dead.clone(),
             local: local.clone(),
@@ -358,6 +361,22 @@ impl CompletionRetrier {
                 give_up(&self.dead, &self.local, job, 0, "retry queue full");
             }
         }
+    }
+
+    /// Settles a completion whose first write the store refused (`NotOwner`): the record is
+    /// read to tell why. Another execution holds the key (`lock taken over`: the local entry
+    /// goes, and this replica replays the store's), or the record is gone (`record gone`: a
+    /// failover lost the claim while the backend ran; nobody else executed the key, and the
+    /// local entry stays as the only trace of the answer), or it cannot be read (the entry
+    /// stays). A record that holds this very completion took it after all.
+    pub async fn refused(&self, job: PendingCompletion) -> Refusal {
+        self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        let read = self.store.get(&job.key).await;
+        let refusal = settle_refused(read, job, 1, &self.dead, &self.local);
+        if refusal == Refusal::Landed {
+            self.stats.pending.fetch_sub(1, Ordering::AcqRel);
+        }
+        refusal
     }
 
     /// Dead-letters a completion the store refused for good (`reason` says why) after
@@ -420,6 +439,67 @@ fn give_up(
 ) {
     (local.given_up)(&job.key, job.execution_id);
     dead.settle(job, attempts, reason, InStore::Unknown);
+}
+
+/// Why the store refused a completion (`NotOwner`), as the record read after it tells.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The record holds this very completion: an earlier send of it landed.
+    Landed,
+    /// Another execution holds the key (the lock lapsed and the key ran again).
+    TakenOver,
+    /// The record is gone (a failover lost it, or it was evicted or purged).
+    Gone,
+    /// The record could not be read.
+    Unread,
+}
+
+/// Settles `job`, counted as pending, whose write the store refused, by `read`, the record as
+/// read after the refusal: dead-lettered unless it landed (the local entry is then told so,
+/// and the caller takes it off the pending count).
+fn settle_refused(
+    read: Result<Option<Record>, StoreError>,
+    job: PendingCompletion,
+    attempts: u32,
+    dead: &DeadLetters,
+    local: &LocalHooks,
+) -> Refusal {
+    match read {
+        // Landed: the record holds exactly this completion, of this execution. The same
+        // bytes under another execution id are another execution's (a 204, a cached 4xx): the
+        // key ran twice, which is for the dead-letter file to say.
+        Ok(Some(Record {
+            state: RecordState::Completed(ref c),
+            execution_id,
+            ..
+        })) if *c == job.completion && execution_id == job.execution_id => {
+            (local.stored)(&job.key, job.execution_id);
+            Refusal::Landed
+        }
+        // Another execution holds the key now: the store keeps it, and this replica replays
+        // what the store holds, like every other replica.
+        Ok(Some(_)) => {
+            (local.forget)(&job.key);
+            dead.settle(job, attempts, "lock taken over", InStore::No);
+            Refusal::TakenOver
+        }
+        // No record at all: a failover lost it (asynchronous replication), or it was evicted
+        // or purged. Nobody else executed the key, and this replica's entry is the only trace
+        // of its answer: kept as given up, so a retry here replays it rather than execute
+        // again (a purge still takes it).
+        Ok(None) => {
+            (local.given_up)(&job.key, job.execution_id);
+            dead.settle(job, attempts, "record gone", InStore::No);
+            Refusal::Gone
+        }
+        // Unread: whether an earlier write landed is not known, nor who holds the key: the
+        // entry is kept as for any write given up on.
+        Err(e) => {
+            let reason = format!("lock taken over or record gone; record unread: {e}");
+            give_up(dead, local, job, attempts, &reason);
+            Refusal::Unread
+        }
+    }
 }
 
 /// The shortest pause between two attempts as a lock's deadline nears.
@@ -495,43 +575,19 @@ async fn run(
                     stats.pending.fetch_sub(1, Ordering::AcqRel);
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
                 }
-                Written::Refused(read) => match read {
-                    // Landed: the record holds exactly this completion, of this execution, and
-                    // nothing is lost. The same bytes under another execution id are another
-                    // execution's (a 204, a cached 4xx): the key ran twice, which is for the
-                    // dead-letter file to say.
-                    Ok(Some(Record {
-                        state: RecordState::Completed(ref c),
-                        execution_id,
-                        ..
-                    })) if *c == job.completion && execution_id == job.execution_id => {
-                        (local.stored)(&job.key, job.execution_id);
-                        stats.recovered.fetch_add(1, Ordering::Relaxed);
-                        stats.pending.fetch_sub(1, Ordering::AcqRel);
-                        tracing::info!("a timed-out completion had been stored after all");
+                Written::Refused(read) => {
+                    match settle_refused(read, job, attempt + 1, &dead, &local) {
+                        Refusal::Landed => {
+                            stats.recovered.fetch_add(1, Ordering::Relaxed);
+                            stats.pending.fetch_sub(1, Ordering::AcqRel);
+                            tracing::info!("a timed-out completion had been stored after all");
+                        }
+                        Refusal::TakenOver => {
+                            stats.fenced.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Refusal::Gone | Refusal::Unread => {}
                     }
-                    // Another execution holds the key now: the store keeps it, and this
-                    // replica replays what the store holds, like every other replica.
-                    Ok(Some(_)) => {
-                        stats.fenced.fetch_add(1, Ordering::Relaxed);
-                        (local.forget)(&job.key);
-                        dead.settle(job, attempt + 1, "lock taken over", InStore::No)
-                    }
-                    // No record at all: a failover lost it (asynchronous replication), or it
-                    // was evicted or purged. Nobody else executed the key, and this replica's
-                    // entry is the only trace of its answer: kept as given up, so a retry here
-                    // replays it rather than execute again (a purge still takes it).
-                    Ok(None) => {
-                        (local.given_up)(&job.key, job.execution_id);
-                        dead.settle(job, attempt + 1, "record gone", InStore::No)
-                    }
-                    // Unread: whether the earlier write landed is not known, nor who holds
-                    // the key: the entry is kept as for any write given up on.
-                    Err(e) => {
-                        let reason = format!("lock taken over or record gone; record unread: {e}");
-                        give_up(&dead, &local, job, attempt + 1, &reason)
-                    }
-                },
+                }
                 // Given up only once the attempts are spent and the lock may have lapsed: until
                 // then nobody else can execute the key, so a store back in time still wins.
                 Written::Failed(e)
@@ -1370,6 +1426,92 @@ mod tests {
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"), "{text}");
         assert_eq!(retrier.stats().fenced.load(Ordering::Relaxed), 1);
+    }
+
+    /// A first write the store refused is settled by the record read after it: gone (a failover
+    /// lost the claim while the backend ran), the answer stays this replica's to replay; held
+    /// by another execution, it gives way to the store's. It was always "lock taken over", and
+    /// no trace was kept, so a retry here executed the key again after a lost claim.
+    #[tokio::test]
+    async fn a_refused_first_write_keeps_its_trace_when_the_record_is_gone() {
+        use crate::store::cached::{CachedStore, LocalCacheOptions};
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let cached = Arc::new(
+            CachedStore::new(
+                shared.clone(),
+                LocalCacheOptions {
+                    capacity_bytes: 1 << 20,
+                    expected_items: 1000,
+                    false_positive_rate: 0.01,
+                    window: Duration::from_secs(60),
+                },
+            )
+            .unwrap(),
+        );
+        let local = LocalHooks {
+            forget: {
+                let cached = cached.clone();
+                Arc::new(move |key: &RecordKey| cached.forget(key))
+            },
+            stored: {
+                let cached = cached.clone();
+                Arc::new(move |key: &RecordKey, id: u64| cached.completion_stored(key, id))
+            },
+            given_up: {
+                let cached = cached.clone();
+                Arc::new(move |key: &RecordKey, id: u64| cached.completion_given_up(key, id))
+            },
+        };
+        let (retrier, worker) = CompletionRetrier::new(shared.clone(), local, options(dir.path()));
+        tokio::spawn(worker);
+        let retry_of = |job: &PendingCompletion| ClaimRequest {
+            key: job.key.clone(),
+            fingerprint: job.fingerprint,
+            owner: OwnerToken::random(),
+            execution_id: 99,
+            lock_ttl: Duration::from_secs(30),
+            ttl: job.ttl,
+        };
+
+        // Gone: the claim is lost before the answer comes.
+        let gone = claimed(cached.as_ref(), 30).await;
+        assert!(shared.delete(&gone.key).await.unwrap());
+        let written = cached.complete(&gone.key, gone.owner, gone.completion.clone(), gone.ttl);
+        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
+        assert_eq!(retrier.refused(gone.clone()).await, Refusal::Gone);
+        let calls = shared.calls.load(Ordering::Relaxed);
+        let again = cached.claim(&retry_of(&gone)).await.unwrap();
+        assert!(matches!(again, ClaimOutcome::Existing(_)), "{again:?}");
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls, "replayed here");
+
+        // Taken over: another request holds the key now.
+        let taken = claimed(cached.as_ref(), 31).await;
+        assert!(shared.delete(&taken.key).await.unwrap());
+        assert!(matches!(
+            shared.claim(&retry_of(&taken)).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+        let written = cached.complete(&taken.key, taken.owner, taken.completion.clone(), taken.ttl);
+        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
+        assert_eq!(retrier.refused(taken.clone()).await, Refusal::TakenOver);
+        let again = cached.claim(&retry_of(&taken)).await.unwrap();
+        assert!(
+            matches!(
+                again,
+                ClaimOutcome::Existing(Record {
+                    state: RecordState::InFlight { .. },
+                    ..
+                })
+            ),
+            "the store's record, not this replica's answer: {again:?}"
+        );
+
+        retrier.flush_dead_letters();
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("\"reason\":\"record gone\""), "{text}");
+        assert!(text.contains("\"reason\":\"lock taken over\""), "{text}");
+        assert_eq!(retrier.pending(), 0);
     }
 
     /// Opens `path` (creating it) and takes its exclusive `flock`, as another process appending
