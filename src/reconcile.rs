@@ -178,13 +178,21 @@ impl fmt::Display for Tally {
 }
 
 /// Reconciles every line of `dead_letters` (the file's text) against `store`, writing one line
-/// per dead letter and a summary to `out`; with `apply`, restores the missing ones.
+/// per dead letter and a summary to `out`; with `apply`, restores the missing ones. Every line
+/// is judged (and restored) even when `out` fails (`--apply | head` closes the pipe early): the
+/// report stops, the work does not, and the first write error is returned at the end.
 pub async fn reconcile(
     store: &Arc<dyn RecordStore>,
     dead_letters: &str,
     apply: bool,
     out: &mut dyn Write,
 ) -> io::Result<Tally> {
+    let mut report: io::Result<()> = Ok(());
+    let mut say = |text: std::fmt::Arguments<'_>| {
+        if report.is_ok() {
+            report = writeln!(out, "{text}");
+        }
+    };
     let mut tally = Tally::default();
     for (n, text) in dead_letters.lines().enumerate() {
         if text.trim().is_empty() {
@@ -206,10 +214,10 @@ pub async fn reconcile(
             ),
         };
         tally.count(&verdict);
-        writeln!(out, "line {}: {label}: {verdict}", n + 1)?;
+        say(format_args!("line {}: {label}: {verdict}", n + 1));
     }
-    writeln!(out, "{tally}")?;
-    Ok(tally)
+    say(format_args!("{tally}"));
+    report.map(|()| tally)
 }
 
 /// What became of `letter`, restoring it when `apply` and the store lacks it.
@@ -818,6 +826,50 @@ mod tests {
         assert_eq!(tally.expired, 1, "{out}");
         assert!(!tally.needs_action(), "{out}");
         // Created again within the line's ttl, it is another outcome still (the test above).
+    }
+
+    /// A report nobody reads any longer (`--apply | head -1` closes the pipe) does not stop the
+    /// work: every missing line is still restored, and the write error comes back at the end.
+    #[tokio::test]
+    async fn a_closed_report_does_not_stop_the_restores() {
+        struct Closed(usize);
+        impl Write for Closed {
+            fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+                if self.0 == 0 {
+                    return Err(io::Error::from(io::ErrorKind::BrokenPipe));
+                }
+                self.0 -= 1;
+                Ok(data.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let store = store();
+        let (a, b) = (letter(40, response(b"a")), letter(41, response(b"b")));
+        let text: String = [&a, &b]
+            .iter()
+            .map(|job| dead_letter_line(job, 1, "store failed", InStore::Unknown))
+            .collect();
+        let mut out = Closed(1);
+        let result = reconcile(&store, &text, true, &mut out).await;
+        assert_eq!(
+            result.map(|_| ()).unwrap_err().kind(),
+            io::ErrorKind::BrokenPipe
+        );
+        for job in [&a, &b] {
+            let record = store.get(&job.key).await.unwrap();
+            assert!(
+                matches!(
+                    record,
+                    Some(Record {
+                        state: RecordState::Completed(_),
+                        ..
+                    })
+                ),
+                "not restored: {record:?}"
+            );
+        }
     }
 
     #[tokio::test]
