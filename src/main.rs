@@ -106,7 +106,7 @@ fn no_transparent_huge_pages() {
 /// line per dead letter and a summary.
 fn reconcile(config: &Config, dead_letters: &std::path::Path, apply: bool) -> ExitCode {
     // Bytes, not a string: a torn or hand-damaged line must fail alone, not the whole file.
-    let text = match std::fs::read(dead_letters) {
+    let text = match idemgate::reconcile::read_dead_letters(dead_letters) {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
         Err(e) => {
             eprintln!("idemgate: cannot read {}: {e}", dead_letters.display());

@@ -177,6 +177,22 @@ impl fmt::Display for Tally {
     }
 }
 
+/// Reads the dead-letter file under a shared `flock`: a proxy appending to it (each append
+/// takes the exclusive lock) finishes its lines first, so a line being written is never read
+/// half-way and reported unreadable.
+pub fn read_dead_letters(path: &std::path::Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::io::AsRawFd;
+    let mut file = std::fs::File::open(path)?;
+    // SAFETY: flock on a descriptor `file` keeps open; the lock goes with it.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 /// Reconciles every line of `dead_letters` (the file's text) against `store`, writing one line
 /// per dead letter and a summary to `out`; with `apply`, restores the missing ones. Every line
 /// is judged (and restored) even when `out` fails (`--apply | head` closes the pipe early): the
@@ -870,6 +886,33 @@ mod tests {
                 "not restored: {record:?}"
             );
         }
+    }
+
+    /// The file is read only once an append in progress (under the exclusive lock a proxy
+    /// takes for it) is done: a half-written line is never read.
+    #[test]
+    fn the_file_is_read_between_appends() {
+        use std::os::unix::io::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        std::fs::write(&path, "{\"first\":1}\n").unwrap();
+        let writer = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        // SAFETY: flock on a descriptor `writer` keeps open.
+        assert_eq!(unsafe { libc::flock(writer.as_raw_fd(), libc::LOCK_EX) }, 0);
+        (&writer).write_all(b"{\"second\":").unwrap();
+        let reader = std::thread::spawn({
+            let path = path.clone();
+            move || read_dead_letters(&path).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!reader.is_finished(), "read during an append");
+        (&writer).write_all(b"2}\n").unwrap();
+        drop(writer);
+        let text = String::from_utf8(reader.join().unwrap()).unwrap();
+        assert_eq!(text, "{\"first\":1}\n{\"second\":2}\n");
     }
 
     #[tokio::test]
