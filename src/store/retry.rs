@@ -236,6 +236,11 @@ fn job_bytes(job: &PendingCompletion) -> usize {
 struct DeadLetters {
     /// The writer thread's queue; `None` when the thread could not be started.
     queue: Option<std::sync::mpsc::SyncSender<Letter>>,
+    /// The overflow thread's queue: lines the writer is too far behind for go whole to stderr
+    /// from there, never from the caller (a request thread), since stderr may wait too (a
+    /// reader that stalled, the log writer holding it for a batch). `None` when the thread
+    /// could not be started: the caller writes them then.
+    overflow: Option<std::sync::mpsc::Sender<Letter>>,
     file: Arc<DeadLetterFile>,
 }
 
@@ -286,6 +291,8 @@ struct DeadLetterFile {
 const LETTER_BACKLOG: usize = 1024;
 /// Lines written in one append at most.
 const LETTER_BATCH: usize = 256;
+/// Why a line the writer is too far behind for went to stderr.
+const OVERFLOW_WHY: &str = "the dead-letter writer is too far behind";
 /// Bytes of stored responses in one append at most (one line past it may start a batch): a
 /// line holds its response in base64 and is copied a few times on its way to the file, so
 /// 256 lines of 1 MiB responses would have taken about a gigabyte at once.
@@ -655,7 +662,23 @@ impl DeadLetters {
                 None
             }
         };
-        DeadLetters { queue, file }
+        let (overflow_tx, overflow_rx) = std::sync::mpsc::channel();
+        let spilled = file.clone();
+        let spawned = std::thread::Builder::new()
+            .name("dead letters to stderr".into())
+            .spawn(move || spilled.run_overflow(overflow_rx));
+        let overflow = match spawned {
+            Ok(_) => Some(overflow_tx),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the dead-letter overflow thread; its lines go to stderr from the threads that make them");
+                None
+            }
+        };
+        DeadLetters {
+            queue,
+            overflow,
+            file,
+        }
     }
 
     /// Dead-letters `job`, which is counted as pending: the count drops once its line is
@@ -675,13 +698,21 @@ impl DeadLetters {
         // Never waits: the callers are request threads and retry tasks.
         match queue.try_send(Letter::Line(line)) {
             Ok(()) => {}
-            // The writer is LETTER_BACKLOG lines behind (a disk that hangs): the line goes to
-            // stderr at once rather than stall the caller or be lost.
-            Err(TrySendError::Full(Letter::Line(line))) => self.file.settle_on_stderr(
-                &line,
-                &line.text(),
-                "the dead-letter writer is too far behind",
-            ),
+            // The writer is LETTER_BACKLOG lines behind (a disk that hangs): the line goes
+            // whole to stderr rather than stall the caller or be lost, from the overflow
+            // thread, so the caller does not wait on stderr either. Unbounded, as the lines
+            // are what the retry queue (bounded by `queue_bytes`) held a moment before; the
+            // alternative is a request thread that waits, or a completion lost.
+            Err(TrySendError::Full(Letter::Line(line))) => {
+                let spilled = match &self.overflow {
+                    Some(overflow) => overflow.send(Letter::Line(line)).map_err(|e| e.0),
+                    None => Err(Letter::Line(line)),
+                };
+                if let Err(Letter::Line(line)) = spilled {
+                    self.file
+                        .settle_on_stderr(&line, &line.text(), OVERFLOW_WHY);
+                }
+            }
             // The writer is gone: written here rather than lost.
             Err(TrySendError::Disconnected(Letter::Line(line))) => self.file.write(vec![line]),
             // Only lines are sent here.
@@ -691,15 +722,21 @@ impl DeadLetters {
         }
     }
 
-    /// Waits until every line handed over before this call is written.
+    /// Waits until every line handed over before this call is written (to the file, or from
+    /// the overflow thread to stderr).
     fn flush(&self) {
-        let Some(queue) = &self.queue else {
-            return;
-        };
-        let (done, written) = std::sync::mpsc::channel();
-        if queue.send(Letter::Flush(done)).is_ok() {
-            // An error means the thread is gone, and with it anything to wait for.
-            let _ = written.recv();
+        if let Some(queue) = &self.queue {
+            let (done, written) = std::sync::mpsc::channel();
+            if queue.send(Letter::Flush(done)).is_ok() {
+                // An error means the thread is gone, and with it anything to wait for.
+                let _ = written.recv();
+            }
+        }
+        if let Some(overflow) = &self.overflow {
+            let (done, written) = std::sync::mpsc::channel();
+            if overflow.send(Letter::Flush(done)).is_ok() {
+                let _ = written.recv();
+            }
         }
     }
 }
@@ -779,6 +816,19 @@ impl DeadLetterFile {
 
     /// Settles `letter` (its `line`) on stderr alone, without the file (`why` says why):
     /// writes it, counts it, and takes it off the pending count.
+    /// The overflow thread: writes each line it is handed whole to stderr, until every sender
+    /// is gone.
+    fn run_overflow(&self, queue: std::sync::mpsc::Receiver<Letter>) {
+        while let Ok(letter) = queue.recv() {
+            match letter {
+                Letter::Line(line) => self.settle_on_stderr(&line, &line.text(), OVERFLOW_WHY),
+                Letter::Flush(done) => {
+                    let _ = done.send(());
+                }
+            }
+        }
+    }
+
     fn settle_on_stderr(&self, letter: &LetterLine, line: &str, why: &str) {
         let record = crate::key::hash_label(&letter.job.key.hash);
         self.stats
@@ -1640,10 +1690,10 @@ mod tests {
             "the caller waited for the writer"
         );
         caller.join().unwrap();
-        let overflow = *seen.lock();
-        assert!(overflow >= 100, "{overflow} lines went to the last resort");
         drop(held);
         dead.flush();
+        let overflow = *seen.lock();
+        assert!(overflow >= 100, "{overflow} lines went to the last resort");
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(
             text.lines().count() + overflow,
@@ -1692,6 +1742,61 @@ mod tests {
         }
         let (small, _) = next_batch(rx.recv().unwrap(), &rx);
         assert_eq!(small.len(), LETTER_BATCH);
+    }
+
+    /// The overflow goes to stderr from a thread of its own: a stderr that waits (a reader that
+    /// stalled, the log writer holding it for a batch) does not hold the caller, a request
+    /// thread, which used to write there itself.
+    #[tokio::test]
+    async fn a_stalled_stderr_does_not_hold_the_caller_of_an_overflowing_dead_letter() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        let held = hold_lock_of(&path);
+        let stats = Arc::new(RetryStats::default());
+        let gate = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let seen = Arc::new(Mutex::new(0usize));
+        let dead = Arc::new(DeadLetters::start(DeadLetterFile {
+            path: path.clone(),
+            stats: stats.clone(),
+            last_resort: Box::new({
+                let (gate, seen) = (gate.clone(), seen.clone());
+                move |_: &str| {
+                    let (open, cv) = &*gate;
+                    let mut open = open.lock().unwrap();
+                    while !*open {
+                        open = cv.wait(open).unwrap();
+                    }
+                    *seen.lock() += 1;
+                }
+            }),
+        }));
+        let job = claimed(faulty().as_ref(), 32).await;
+        let letters = LETTER_BACKLOG + LETTER_BATCH + 50;
+        let (returned, done) = std::sync::mpsc::channel();
+        let caller = std::thread::spawn({
+            let (dead, stats) = (dead.clone(), stats.clone());
+            move || {
+                for _ in 0..letters {
+                    stats.pending.fetch_add(1, Ordering::AcqRel);
+                    dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
+                }
+                let _ = returned.send(());
+            }
+        });
+        assert!(
+            done.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "the caller waited on stderr"
+        );
+        caller.join().unwrap();
+        assert_eq!(*seen.lock(), 0, "the stalled stderr took nothing yet");
+        // stderr and the file come back: every line is somewhere, none twice.
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        drop(held);
+        dead.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count() + *seen.lock(), letters);
+        assert_eq!(stats.pending.load(Ordering::Acquire), 0);
     }
 
     /// Past `queue_bytes` of stored responses waiting, the next completion is dead-lettered at
