@@ -58,9 +58,6 @@ struct Letter {
     /// The store refused the line's write (`"in_store": "no"`): whatever the record holds, this
     /// execution did not write it.
     refused: bool,
-    /// The line's reason is `lock taken over`: another execution held the key when it was
-    /// written, so the line's answer is not the only one, whatever became of the record since.
-    taken_over: bool,
 }
 
 /// What became of one line.
@@ -259,14 +256,6 @@ async fn judge(store: &dyn RecordStore, letter: &Letter, apply: bool, now_ms: u6
     match held(record.as_ref(), letter) {
         Some(verdict) => verdict,
         None if left.is_zero() => Verdict::Expired,
-        // The record of the execution that took the key over is gone since (a failover, an
-        // eviction): restoring this line's answer would replay it to the clients of the other
-        // execution, which got another one.
-        None if letter.taken_over => Verdict::AnotherOutcome {
-            what: "another execution took the key over when this line was written, and its \
-                   record is gone since; not restored"
-                .into(),
-        },
         None if !apply => Verdict::Missing,
         None => restore(store, letter, left).await,
     }
@@ -456,7 +445,6 @@ fn parse(text: &str) -> Result<Letter, String> {
             }
         },
     };
-    let taken_over = v.get("reason").and_then(|r| r.as_str()) == Some("lock taken over");
     Ok(Letter {
         key,
         execution_id,
@@ -464,7 +452,6 @@ fn parse(text: &str) -> Result<Letter, String> {
         completion,
         expires_at_unix_ms,
         refused,
-        taken_over,
     })
 }
 
@@ -926,24 +913,6 @@ mod tests {
         drop(writer);
         let text = String::from_utf8(reader.join().unwrap()).unwrap();
         assert_eq!(text, "{\"first\":1}\n{\"second\":2}\n");
-    }
-
-    /// A `lock taken over` line whose successor's record is gone since is not restored: its
-    /// answer is not the only one, and the other execution's clients hold theirs.
-    #[tokio::test]
-    async fn a_taken_over_line_is_never_restored_once_the_record_is_gone() {
-        let store = store();
-        let taken = letter(42, response(b"mine"));
-        let text = dead_letter_line(&taken, 1, "lock taken over", InStore::No);
-        let (tally, out) = run(&store, &text, true).await;
-        assert_eq!(tally.another_outcome, 1, "{out}");
-        assert!(tally.needs_action(), "{out}");
-        assert_eq!(store.get(&taken.key).await.unwrap(), None, "restored");
-        // A line gone for another reason (`record gone`: nobody else executed it) is restored.
-        let gone = letter(43, response(b"only"));
-        let text = dead_letter_line(&gone, 1, "record gone", InStore::No);
-        let (tally, out) = run(&store, &text, true).await;
-        assert_eq!(tally.restored, 1, "{out}");
     }
 
     #[tokio::test]
