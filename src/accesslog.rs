@@ -30,6 +30,11 @@ pub fn install(writer: BatchWriter, json: bool) {
     let _ = SINK.set(Sink { writer, json });
 }
 
+/// Log lines dropped since start by the installed writer (0 without one).
+pub fn dropped_lines() -> u64 {
+    SINK.get().map_or(0, |sink| sink.writer.dropped_total())
+}
+
 /// One request, as logged.
 pub struct AccessLine<'a> {
     pub method: &'a str,

@@ -34,6 +34,8 @@ struct Shared {
     inline: AtomicBool,
     /// The sink failed partway through a line: the next write starts with a newline.
     torn: AtomicBool,
+    /// Lines dropped since start, never reset (`dropped` is what the next notice tells).
+    dropped_total: AtomicU64,
 }
 
 /// Writes `data` to `sink` until done or an error (retrying on `Interrupted`, and a few times
@@ -95,6 +97,7 @@ impl BatchWriter {
                 written: Condvar::new(),
                 inline: AtomicBool::new(false),
                 torn: AtomicBool::new(false),
+                dropped_total: AtomicU64::new(0),
             }),
             sink: Arc::new(Mutex::new(sink)),
         }
@@ -172,11 +175,20 @@ impl BatchWriter {
             self.shared
                 .dropped
                 .fetch_add(lost.max(1), Ordering::Relaxed);
+            self.shared
+                .dropped_total
+                .fetch_add(lost.max(1), Ordering::Relaxed);
             if sent > 0 && pending[sent - 1] != b'\n' {
                 self.shared.torn.store(true, Ordering::Relaxed);
             }
         }
         let _ = sink.flush();
+    }
+
+    /// Lines dropped since start: over the hard cap behind a stalled sink, or refused by a
+    /// failing one (`idemgate_log_lines_dropped_total`).
+    pub fn dropped_total(&self) -> u64 {
+        self.shared.dropped_total.load(Ordering::Relaxed)
     }
 
     /// Writes out everything buffered so far, waiting at most [`EXIT_FLUSH_WAIT`]. The writing
@@ -220,6 +232,7 @@ impl Write for BatchWriter {
         let mut guard = self.shared.buf.lock().unwrap_or_else(|e| e.into_inner());
         if guard.len() + data.len() > HARD_CAP {
             self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+            self.shared.dropped_total.fetch_add(1, Ordering::Relaxed);
             return Ok(data.len());
         }
         guard.extend_from_slice(data);
@@ -346,6 +359,7 @@ mod tests {
             notices,
             ["idemgate: 500 log lines dropped (log sink too slow or failing)"]
         );
+        assert_eq!(w.dropped_total(), 500, "idemgate_log_lines_dropped_total");
     }
 
     /// A sink that takes `room` more bytes, then fails every write (a full disk).
@@ -400,6 +414,7 @@ mod tests {
         assert!(lines[2].contains("3 log lines dropped"), "{text}");
         assert_eq!(lines[3], "{\"n\":5}");
         assert_eq!(w.shared.dropped.load(Ordering::Relaxed), 0, "told once");
+        assert_eq!(w.dropped_total(), 3, "counted for good");
     }
 
     #[test]

@@ -775,6 +775,15 @@ impl BackgroundService for RedisWarmup {
 
 fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {
     metrics.pull_from(
+        &Arc::new(()),
+        &[(
+            "idemgate_log_lines_dropped_total",
+            "Log lines dropped: 16 MiB behind a stalled stderr, or refused by a failing one",
+            Pull::Counter,
+            |_| crate::accesslog::dropped_lines() as f64,
+        )],
+    );
+    metrics.pull_from(
         &retrier.stats(),
         &[
             (

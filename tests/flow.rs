@@ -918,6 +918,12 @@ async fn routes_without_idempotency_forward_untouched() {
         "{m}"
     );
     assert!(!m.contains("result=\"FORWARD\",route=\"-\"} 1"), "{m}");
+    // The log writer's losses are exported (none here).
+    assert_eq!(
+        common::metric(&m, "idemgate_log_lines_dropped_total"),
+        Some(0.0),
+        "{m}"
+    );
 }
 
 #[tokio::test]
