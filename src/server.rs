@@ -604,11 +604,23 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             "stopping with completions the store never took; dead-lettered"
         );
     }
-    // Their lines are written by the dead-letter thread, which dies with the process.
-    retrier.flush_dead_letters();
+    // Their lines are written by the dead-letter thread, which dies with the process. A disk
+    // that hangs gets a bounded wait: past it the process would only wait to be killed.
+    if !retrier.flush_dead_letters_within(EXIT_DEAD_LETTER_WAIT) {
+        eprintln!(
+            "idemgate: {} dead letters could not be written within {}s at exit (the dead-letter \
+             file does not take them: a hung disk, or another process holding its lock); they \
+             are lost",
+            retrier.pending(),
+            EXIT_DEAD_LETTER_WAIT.as_secs()
+        );
+    }
     on_exit();
     Ok(())
 }
+
+/// How long the end of `run` waits for the dead-letter file to take what is queued for it.
+const EXIT_DEAD_LETTER_WAIT: Duration = Duration::from_secs(5);
 
 /// How often the `store.redis.tls` files are read for a change (a rotated certificate).
 const TLS_POLL: Duration = Duration::from_secs(2);

@@ -433,6 +433,14 @@ impl CompletionRetrier {
     pub fn flush_dead_letters(&self) {
         self.dead.flush();
     }
+
+    /// [`CompletionRetrier::flush_dead_letters`], waiting at most `wait`: at exit, a disk that
+    /// hangs (or another process holding the file's lock) must not keep the process alive
+    /// until it is killed, which loses the lines as well and tells nobody. Returns whether
+    /// everything was written.
+    pub fn flush_dead_letters_within(&self, wait: Duration) -> bool {
+        self.dead.flush_within(std::time::Instant::now() + wait)
+    }
 }
 
 /// Dead-letters `job`, counted as pending, whose write failed without an answer, and tells the
@@ -720,6 +728,45 @@ impl DeadLetters {
                 TrySendError::Full(Letter::Flush(_)) | TrySendError::Disconnected(Letter::Flush(_)),
             ) => {}
         }
+    }
+
+    /// [`DeadLetters::flush`] until `deadline` at most; returns whether it got through.
+    fn flush_within(&self, deadline: std::time::Instant) -> bool {
+        let wait = |queue: &dyn Fn(Letter) -> Result<(), Letter>| {
+            let (done, written) = std::sync::mpsc::channel();
+            let mut letter = Letter::Flush(done);
+            // The writer's queue may be full behind a hung disk: no blocking send.
+            loop {
+                match queue(letter) {
+                    Ok(()) => break,
+                    Err(back) if std::time::Instant::now() < deadline => {
+                        letter = back;
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    Err(_) => return false,
+                }
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            !matches!(
+                written.recv_timeout(left),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+            )
+        };
+        let to_writer = self.queue.as_ref().is_none_or(|queue| {
+            wait(&|letter| match queue.try_send(letter) {
+                Ok(()) => Ok(()),
+                Err(TrySendError::Full(letter)) => Err(letter),
+                // The thread is gone, and with it anything to wait for.
+                Err(TrySendError::Disconnected(_)) => Ok(()),
+            })
+        });
+        let to_stderr = self.overflow.as_ref().is_none_or(|overflow| {
+            wait(&|letter| {
+                let _ = overflow.send(letter);
+                Ok(())
+            })
+        });
+        to_writer && to_stderr
     }
 
     /// Waits until every line handed over before this call is written (to the file, or from
@@ -1797,6 +1844,40 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text.lines().count() + *seen.lock(), letters);
         assert_eq!(stats.pending.load(Ordering::Acquire), 0);
+    }
+
+    /// The exit's flush gives up at its deadline on a file that does not take the lines (here
+    /// another process holds its lock), instead of holding the process until it is killed.
+    #[tokio::test]
+    async fn the_exit_flush_gives_up_on_a_file_that_hangs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        let held = hold_lock_of(&path);
+        let stats = Arc::new(RetryStats::default());
+        let dead = DeadLetters::start(DeadLetterFile {
+            path: path.clone(),
+            stats: stats.clone(),
+            last_resort: Box::new(|_: &str| {}),
+        });
+        let job = claimed(faulty().as_ref(), 33).await;
+        stats.pending.fetch_add(1, Ordering::AcqRel);
+        dead.settle(job, 1, "store failed", InStore::Unknown);
+        let started = std::time::Instant::now();
+        assert!(!dead.flush_within(started + Duration::from_millis(200)));
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            stats.pending.load(Ordering::Acquire),
+            1,
+            "still waiting, and said so"
+        );
+        // The lock goes: the line is written, and a flush then gets through.
+        drop(held);
+        assert!(dead.flush_within(std::time::Instant::now() + Duration::from_secs(10)));
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 1);
     }
 
     /// Past `queue_bytes` of stored responses waiting, the next completion is dead-lettered at
