@@ -732,18 +732,19 @@ impl DeadLetters {
 
     /// [`DeadLetters::flush`] until `deadline` at most; returns whether it got through.
     fn flush_within(&self, deadline: std::time::Instant) -> bool {
-        let wait = |queue: &dyn Fn(Letter) -> Result<(), Letter>| {
+        // `queue` hands the letter back when it is full.
+        let wait = |queue: &dyn Fn(Letter) -> Option<Letter>| {
             let (done, written) = std::sync::mpsc::channel();
             let mut letter = Letter::Flush(done);
             // The writer's queue may be full behind a hung disk: no blocking send.
             loop {
                 match queue(letter) {
-                    Ok(()) => break,
-                    Err(back) if std::time::Instant::now() < deadline => {
+                    None => break,
+                    Some(back) if std::time::Instant::now() < deadline => {
                         letter = back;
                         std::thread::sleep(Duration::from_millis(10));
                     }
-                    Err(_) => return false,
+                    Some(_) => return false,
                 }
             }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -754,16 +755,15 @@ impl DeadLetters {
         };
         let to_writer = self.queue.as_ref().is_none_or(|queue| {
             wait(&|letter| match queue.try_send(letter) {
-                Ok(()) => Ok(()),
-                Err(TrySendError::Full(letter)) => Err(letter),
-                // The thread is gone, and with it anything to wait for.
-                Err(TrySendError::Disconnected(_)) => Ok(()),
+                Err(TrySendError::Full(letter)) => Some(letter),
+                // Sent, or the thread is gone and with it anything to wait for.
+                Ok(()) | Err(TrySendError::Disconnected(_)) => None,
             })
         });
         let to_stderr = self.overflow.as_ref().is_none_or(|overflow| {
             wait(&|letter| {
                 let _ = overflow.send(letter);
-                Ok(())
+                None
             })
         });
         to_writer && to_stderr
