@@ -154,19 +154,7 @@ impl StoreStack {
     /// ([`CachedStore::completion_given_up`]).
     fn retry_hooks(&self) -> LocalHooks {
         match &self.cache {
-            Some(cache) => {
-                let cache = cache.clone();
-                let gave_up = cache.clone();
-                LocalHooks {
-                    forget: self.forget_local(),
-                    stored: Arc::new(move |key: &RecordKey, execution_id: u64| {
-                        cache.completion_stored(key, execution_id)
-                    }),
-                    given_up: Arc::new(move |key: &RecordKey, execution_id: u64| {
-                        gave_up.completion_given_up(key, execution_id)
-                    }),
-                }
-            }
+            Some(cache) => cache.retry_hooks(),
             None => LocalHooks::none(),
         }
     }

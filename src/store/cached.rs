@@ -522,6 +522,22 @@ impl<S: RecordStore> CachedStore<S> {
         dropped
     }
 
+    /// What the completion retrier tells this cache: a completion that lost its key is dropped
+    /// ([`CachedStore::forget`]), one a retry stored becomes a copy that a missed purge can
+    /// take ([`CachedStore::completion_stored`]), and one given up on without knowing whether
+    /// the store took it stays until the store is found to hold it
+    /// ([`CachedStore::completion_given_up`]).
+    pub fn retry_hooks(self: &Arc<Self>) -> super::retry::LocalHooks {
+        let (forget, stored, given_up) = (self.clone(), self.clone(), self.clone());
+        super::retry::LocalHooks {
+            forget: Arc::new(move |key: &RecordKey| forget.forget(key)),
+            stored: Arc::new(move |key: &RecordKey, id: u64| stored.completion_stored(key, id)),
+            given_up: Arc::new(move |key: &RecordKey, id: u64| {
+                given_up.completion_given_up(key, id)
+            }),
+        }
+    }
+
     /// The store took this replica's completion of `key` (execution `execution_id`) on a retry,
     /// after its first write failed: the entry kept meanwhile is from now on a copy of a stored
     /// record, which [`CachedStore::forget_copies`] drops. It goes at once instead when every
@@ -1496,24 +1512,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_completion_the_retrier_stores_goes_with_the_copies_from_then_on() {
-        use crate::store::retry::{CompletionRetrier, LocalHooks, PendingCompletion, RetryOptions};
+        use crate::store::retry::{CompletionRetrier, PendingCompletion, RetryOptions};
         let (shared, a, _b) = two_replicas();
         let a = Arc::new(a);
         let req = claim("t", 21);
         executed_unstored(&a, &shared, &req, b"x").await;
         // The retrier over the shared store, wired to A's cache as the server wires it.
         let dir = tempfile::tempdir().unwrap();
-        let hooks = LocalHooks {
-            forget: {
-                let a = a.clone();
-                Arc::new(move |key: &RecordKey| a.forget(key))
-            },
-            stored: {
-                let a = a.clone();
-                Arc::new(move |key: &RecordKey, id: u64| a.completion_stored(key, id))
-            },
-            ..LocalHooks::none()
-        };
+        let hooks = a.retry_hooks();
         let options = RetryOptions {
             base_delay: Duration::from_millis(5),
             max_delay: Duration::from_millis(20),
@@ -1552,7 +1558,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_completion_given_up_on_stays_until_the_store_is_found_to_hold_it() {
-        use crate::store::retry::{CompletionRetrier, LocalHooks, PendingCompletion, RetryOptions};
+        use crate::store::retry::{CompletionRetrier, PendingCompletion, RetryOptions};
         let (shared, a, _b) = two_replicas();
         let a = Arc::new(a);
         let (landed, lost) = (claim("t", 24), claim("t", 25));
@@ -1561,13 +1567,7 @@ mod tests {
         // The retrier, wired to A's cache as the server wires it, gets nowhere: one attempt
         // each, and their locks taken as lapsed, so both are dead-lettered.
         let dir = tempfile::tempdir().unwrap();
-        let hooks = LocalHooks {
-            given_up: {
-                let a = a.clone();
-                Arc::new(move |key: &RecordKey, id: u64| a.completion_given_up(key, id))
-            },
-            ..LocalHooks::none()
-        };
+        let hooks = a.retry_hooks();
         let options = RetryOptions {
             attempts: 1,
             base_delay: Duration::from_millis(5),

@@ -1428,21 +1428,9 @@ mod tests {
     /// replays it rather than execute again. It was dropped, as when another execution holds
     /// the key.
     async fn a_write_lost_by_the_store_is_dead_lettered_and_this_replica_keeps_replaying_it() {
-        use crate::store::cached::{CachedStore, LocalCacheOptions};
         let dir = tempfile::tempdir().unwrap();
         let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
-        let cached = Arc::new(
-            CachedStore::new(
-                shared.clone(),
-                LocalCacheOptions {
-                    capacity_bytes: 1 << 20,
-                    expected_items: 1000,
-                    false_positive_rate: 0.01,
-                    window: Duration::from_secs(60),
-                },
-            )
-            .unwrap(),
-        );
+        let cached = cached_over(&shared);
         let job = claimed(cached.as_ref(), 16).await;
         // The first write fails; the cache keeps the backend's answer for this replica.
         shared.set(Fault::CompleteFails);
@@ -1452,18 +1440,8 @@ mod tests {
         // The store loses the claim (a failover without persistence) before a retry gets in.
         shared.set(Fault::None);
         assert!(shared.delete(&job.key).await.unwrap());
-        let local = LocalHooks {
-            forget: {
-                let cached = cached.clone();
-                Arc::new(move |key: &RecordKey| cached.forget(key))
-            },
-            given_up: {
-                let cached = cached.clone();
-                Arc::new(move |key: &RecordKey, id: u64| cached.completion_given_up(key, id))
-            },
-            ..LocalHooks::none()
-        };
-        let (retrier, worker) = CompletionRetrier::new(shared.clone(), local, options(dir.path()));
+        let (retrier, worker) =
+            CompletionRetrier::new(shared.clone(), cached.retry_hooks(), options(dir.path()));
         tokio::spawn(worker);
         retrier.submit(job.clone());
         settle(&retrier).await;
@@ -1531,36 +1509,11 @@ mod tests {
     /// no trace was kept, so a retry here executed the key again after a lost claim.
     #[tokio::test]
     async fn a_refused_first_write_keeps_its_trace_when_the_record_is_gone() {
-        use crate::store::cached::{CachedStore, LocalCacheOptions};
         let dir = tempfile::tempdir().unwrap();
         let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
-        let cached = Arc::new(
-            CachedStore::new(
-                shared.clone(),
-                LocalCacheOptions {
-                    capacity_bytes: 1 << 20,
-                    expected_items: 1000,
-                    false_positive_rate: 0.01,
-                    window: Duration::from_secs(60),
-                },
-            )
-            .unwrap(),
-        );
-        let local = LocalHooks {
-            forget: {
-                let cached = cached.clone();
-                Arc::new(move |key: &RecordKey| cached.forget(key))
-            },
-            stored: {
-                let cached = cached.clone();
-                Arc::new(move |key: &RecordKey, id: u64| cached.completion_stored(key, id))
-            },
-            given_up: {
-                let cached = cached.clone();
-                Arc::new(move |key: &RecordKey, id: u64| cached.completion_given_up(key, id))
-            },
-        };
-        let (retrier, worker) = CompletionRetrier::new(shared.clone(), local, options(dir.path()));
+        let cached = cached_over(&shared);
+        let (retrier, worker) =
+            CompletionRetrier::new(shared.clone(), cached.retry_hooks(), options(dir.path()));
         tokio::spawn(worker);
         let retry_of = |job: &PendingCompletion| ClaimRequest {
             key: job.key.clone(),
@@ -1609,6 +1562,19 @@ mod tests {
         assert!(text.contains("\"reason\":\"record gone\""), "{text}");
         assert!(text.contains("\"reason\":\"lock taken over\""), "{text}");
         assert_eq!(retrier.pending(), 0);
+    }
+
+    /// A local cache in front of `shared`, as a replica's is.
+    fn cached_over(
+        shared: &Arc<FaultyStore<MemoryStore>>,
+    ) -> Arc<crate::store::cached::CachedStore<Arc<FaultyStore<MemoryStore>>>> {
+        let options = crate::store::cached::LocalCacheOptions {
+            capacity_bytes: 1 << 20,
+            expected_items: 1000,
+            false_positive_rate: 0.01,
+            window: Duration::from_secs(60),
+        };
+        Arc::new(crate::store::cached::CachedStore::new(shared.clone(), options).unwrap())
     }
 
     /// Opens `path` (creating it) and takes its exclusive `flock`, as another process appending
