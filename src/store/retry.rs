@@ -1564,6 +1564,32 @@ mod tests {
         assert_eq!(retrier.pending(), 0);
     }
 
+    /// Dead-letters `job` `letters` times, each counted as pending, from a thread of its own as
+    /// request threads do; returns whether that thread got through every call within 10 s.
+    fn settled_from_a_thread(
+        dead: &Arc<DeadLetters>,
+        stats: &Arc<RetryStats>,
+        job: &PendingCompletion,
+        letters: usize,
+    ) -> bool {
+        let (returned, done) = std::sync::mpsc::channel();
+        let caller = std::thread::spawn({
+            let (dead, stats, job) = (dead.clone(), stats.clone(), job.clone());
+            move || {
+                for _ in 0..letters {
+                    stats.pending.fetch_add(1, Ordering::AcqRel);
+                    dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
+                }
+                let _ = returned.send(());
+            }
+        });
+        let through = done.recv_timeout(Duration::from_secs(10)).is_ok();
+        if through {
+            caller.join().unwrap();
+        }
+        through
+    }
+
     /// A local cache in front of `shared`, as a replica's is.
     fn cached_over(
         shared: &Arc<FaultyStore<MemoryStore>>,
@@ -1687,22 +1713,10 @@ mod tests {
         }));
         let job = claimed(faulty().as_ref(), 28).await;
         let letters = LETTER_BACKLOG + LETTER_BATCH + 100;
-        let (returned, done) = std::sync::mpsc::channel();
-        let caller = std::thread::spawn({
-            let (dead, stats) = (dead.clone(), stats.clone());
-            move || {
-                for _ in 0..letters {
-                    stats.pending.fetch_add(1, Ordering::AcqRel);
-                    dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
-                }
-                let _ = returned.send(());
-            }
-        });
         assert!(
-            done.recv_timeout(Duration::from_secs(10)).is_ok(),
+            settled_from_a_thread(&dead, &stats, &job, letters),
             "the caller waited for the writer"
         );
-        caller.join().unwrap();
         drop(held);
         dead.flush();
         let overflow = *seen.lock();
@@ -1785,22 +1799,10 @@ mod tests {
         }));
         let job = claimed(faulty().as_ref(), 32).await;
         let letters = LETTER_BACKLOG + LETTER_BATCH + 50;
-        let (returned, done) = std::sync::mpsc::channel();
-        let caller = std::thread::spawn({
-            let (dead, stats) = (dead.clone(), stats.clone());
-            move || {
-                for _ in 0..letters {
-                    stats.pending.fetch_add(1, Ordering::AcqRel);
-                    dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
-                }
-                let _ = returned.send(());
-            }
-        });
         assert!(
-            done.recv_timeout(Duration::from_secs(10)).is_ok(),
+            settled_from_a_thread(&dead, &stats, &job, letters),
             "the caller waited on stderr"
         );
-        caller.join().unwrap();
         assert_eq!(*seen.lock(), 0, "the stalled stderr took nothing yet");
         // stderr and the file come back: every line is somewhere, none twice.
         *gate.0.lock().unwrap() = true;
