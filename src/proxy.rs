@@ -114,6 +114,13 @@ impl Generation {
         &self.route_metrics[i.min(self.route_metrics.len() - 1)]
     }
 
+    /// Observes a backend round of `route` begun at `started`, answered or not: a backend that
+    /// fails every request must show in its latency too.
+    fn upstream_round(&self, route: Option<usize>, started: Instant) {
+        self.route_metrics(route)
+            .observe_upstream(started.elapsed().as_secs_f64());
+    }
+
     /// The resolved addresses of every upstream, in config order, each upstream's sorted (a
     /// resolver that rotates its answers gives the same set in another order).
     pub fn addresses(&self) -> Vec<Vec<std::net::SocketAddr>> {
@@ -594,10 +601,7 @@ impl Gate {
         let mut exchange = match upstream::send(backend, &head, &body, started, true).await {
             Ok(x) => x,
             Err(e) => {
-                // A failed round counts too: a backend timing out every request must show.
-                ctx.gen
-                    .route_metrics(ctx.route)
-                    .observe_upstream(started.elapsed().as_secs_f64());
+                ctx.gen.upstream_round(ctx.route, started);
                 tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
                 if let Some(c) = &claim {
                     self.release(c).await;
@@ -637,9 +641,7 @@ impl Gate {
         let response = match head {
             Ok(r) => r,
             Err(e) => {
-                ctx.gen
-                    .route_metrics(ctx.route)
-                    .observe_upstream(started.elapsed().as_secs_f64());
+                ctx.gen.upstream_round(ctx.route, started);
                 tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
                 let problem = unknown_outcome(claim.is_some());
                 return self.refuse_executed(session, problem, outcome).await;
@@ -714,9 +716,7 @@ impl Gate {
                 Err(e) => break Err(e),
             }
         };
-        ctx.gen
-            .route_metrics(ctx.route)
-            .observe_upstream(started.elapsed().as_secs_f64());
+        ctx.gen.upstream_round(ctx.route, started);
 
         if let Err(e) = body_result {
             let kept = if settled {
@@ -825,9 +825,7 @@ impl Gate {
             let mut exchange = match sent {
                 Ok(x) => x,
                 Err(e) => {
-                    // A failed round counts too: a backend timing out every request must show.
-                    gen.route_metrics(ctx.route)
-                        .observe_upstream(started.elapsed().as_secs_f64());
+                    gen.upstream_round(ctx.route, started);
                     tracing::warn!(error = %e, route = label(ctx), "backend unreachable");
                     write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
                     return Ok(true);
@@ -850,8 +848,7 @@ impl Gate {
                     continue
                 }
                 Err(e) => {
-                    gen.route_metrics(ctx.route)
-                        .observe_upstream(started.elapsed().as_secs_f64());
+                    gen.upstream_round(ctx.route, started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
                     write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;
                     return Ok(true);
@@ -878,8 +875,7 @@ impl Gate {
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    gen.route_metrics(ctx.route)
-                        .observe_upstream(started.elapsed().as_secs_f64());
+                    gen.upstream_round(ctx.route, started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
                     if out.header.is_some() {
                         write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;
@@ -893,8 +889,7 @@ impl Gate {
                 }
             }
         }
-        gen.route_metrics(ctx.route)
-            .observe_upstream(started.elapsed().as_secs_f64());
+        gen.upstream_round(ctx.route, started);
         let gone = out.gone;
         if !gone {
             exchange.finish();
