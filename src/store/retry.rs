@@ -386,20 +386,6 @@ impl CompletionRetrier {
         refusal
     }
 
-    /// Dead-letters a completion the store refused for good (`reason` says why) after
-    /// `attempts` writes, without queueing it; `in_store` says whether the store may hold it.
-    pub fn dead_letter(
-        &self,
-        job: &PendingCompletion,
-        attempts: u32,
-        reason: &str,
-        in_store: InStore,
-    ) {
-        // Never queued: pending only until its line is written, so shutdown waits for that.
-        self.stats.pending.fetch_add(1, Ordering::AcqRel);
-        self.dead.settle(job.clone(), attempts, reason, in_store);
-    }
-
     /// Dead-letters a completion whose first write went out and was never answered: its task
     /// was dropped mid-write (pingora drops the request tasks when a shutdown's grace period
     /// ends) or panicked. The store may hold it after all, and the local cache is told so.
@@ -429,7 +415,9 @@ impl CompletionRetrier {
     }
 
     /// Blocks until every dead letter handed over so far is written (to the file or, failing
-    /// that, to stderr). For the end of the process and for tests: never on a request thread.
+    /// that, to stderr). The process's end waits only so long
+    /// ([`CompletionRetrier::flush_dead_letters_within`]); tests wait for it all.
+    #[cfg(test)]
     pub fn flush_dead_letters(&self) {
         self.dead.flush();
     }
@@ -439,7 +427,8 @@ impl CompletionRetrier {
     /// until it is killed, which loses the lines as well and tells nobody. Returns whether
     /// everything was written.
     pub fn flush_dead_letters_within(&self, wait: Duration) -> bool {
-        self.dead.flush_within(std::time::Instant::now() + wait)
+        self.dead
+            .flush_until(Some(std::time::Instant::now() + wait))
     }
 }
 
@@ -730,8 +719,17 @@ impl DeadLetters {
         }
     }
 
-    /// [`DeadLetters::flush`] until `deadline` at most; returns whether it got through.
-    fn flush_within(&self, deadline: std::time::Instant) -> bool {
+    /// Waits until every line handed over before this call is written (to the file, or from
+    /// the overflow thread to stderr).
+    #[cfg(test)]
+    fn flush(&self) {
+        self.flush_until(None);
+    }
+
+    /// [`DeadLetters::flush`], until `deadline` at most when there is one; returns whether it
+    /// got through.
+    fn flush_until(&self, deadline: Option<std::time::Instant>) -> bool {
+        let in_time = || deadline.is_none_or(|d| std::time::Instant::now() < d);
         // `queue` hands the letter back when it is full.
         let wait = |queue: &dyn Fn(Letter) -> Option<Letter>| {
             let (done, written) = std::sync::mpsc::channel();
@@ -740,18 +738,25 @@ impl DeadLetters {
             loop {
                 match queue(letter) {
                     None => break,
-                    Some(back) if std::time::Instant::now() < deadline => {
+                    Some(back) if in_time() => {
                         letter = back;
                         std::thread::sleep(Duration::from_millis(10));
                     }
                     Some(_) => return false,
                 }
             }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            !matches!(
-                written.recv_timeout(left),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout)
-            )
+            // An error other than a timeout means the thread is gone, and with it anything to
+            // wait for.
+            match deadline {
+                None => {
+                    let _ = written.recv();
+                    true
+                }
+                Some(d) => !matches!(
+                    written.recv_timeout(d.saturating_duration_since(std::time::Instant::now())),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                ),
+            }
         };
         let to_writer = self.queue.as_ref().is_none_or(|queue| {
             wait(&|letter| match queue.try_send(letter) {
@@ -767,24 +772,6 @@ impl DeadLetters {
             })
         });
         to_writer && to_stderr
-    }
-
-    /// Waits until every line handed over before this call is written (to the file, or from
-    /// the overflow thread to stderr).
-    fn flush(&self) {
-        if let Some(queue) = &self.queue {
-            let (done, written) = std::sync::mpsc::channel();
-            if queue.send(Letter::Flush(done)).is_ok() {
-                // An error means the thread is gone, and with it anything to wait for.
-                let _ = written.recv();
-            }
-        }
-        if let Some(overflow) = &self.overflow {
-            let (done, written) = std::sync::mpsc::channel();
-            if overflow.send(Letter::Flush(done)).is_ok() {
-                let _ = written.recv();
-            }
-        }
     }
 }
 
@@ -861,8 +848,6 @@ impl DeadLetterFile {
         }
     }
 
-    /// Settles `letter` (its `line`) on stderr alone, without the file (`why` says why):
-    /// writes it, counts it, and takes it off the pending count.
     /// The overflow thread: writes each line it is handed whole to stderr, until every sender
     /// is gone.
     fn run_overflow(&self, queue: std::sync::mpsc::Receiver<Letter>) {
@@ -876,6 +861,8 @@ impl DeadLetterFile {
         }
     }
 
+    /// Settles `letter` (its `line`) on stderr alone, without the file (`why` says why):
+    /// writes it, counts it, and takes it off the pending count.
     fn settle_on_stderr(&self, letter: &LetterLine, line: &str, why: &str) {
         let record = crate::key::hash_label(&letter.job.key.hash);
         self.stats
@@ -1633,13 +1620,14 @@ mod tests {
         // No worker: the first submit fills the queue.
         let (retrier, _worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
         retrier.submit(claimed(store.as_ref(), 26).await);
-        // The two ways a request thread dead-letters: a write refused as not the owner's
-        // (`proxy::complete`), and a submit to a full queue.
+        // The two ways a request thread dead-letters without a store read: a completion whose
+        // write was out when its task was dropped (`proxy::WriteOut`), and a submit to a full
+        // queue.
         let (returned, done) = std::sync::mpsc::channel();
         let caller = std::thread::spawn({
             let retrier = retrier.clone();
             move || {
-                retrier.dead_letter(&taken, 1, "lock taken over", InStore::No);
+                retrier.abandoned(&taken, "process stopped with the store write out");
                 retrier.submit(full);
                 let _ = returned.send(());
             }
@@ -1657,7 +1645,7 @@ mod tests {
         assert_eq!(retrier.pending(), 1, "only the queued one");
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text.lines().count(), 2, "{text}");
-        assert!(text.contains("lock taken over") && text.contains("retry queue full"));
+        assert!(text.contains("store write out") && text.contains("retry queue full"));
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 2);
     }
 
@@ -1831,7 +1819,7 @@ mod tests {
         stats.pending.fetch_add(1, Ordering::AcqRel);
         dead.settle(job, 1, "store failed", InStore::Unknown);
         let started = std::time::Instant::now();
-        assert!(!dead.flush_within(started + Duration::from_millis(200)));
+        assert!(!dead.flush_until(Some(started + Duration::from_millis(200))));
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "{:?}",
@@ -1844,7 +1832,7 @@ mod tests {
         );
         // The lock goes: the line is written, and a flush then gets through.
         drop(held);
-        assert!(dead.flush_within(std::time::Instant::now() + Duration::from_secs(10)));
+        assert!(dead.flush_until(Some(std::time::Instant::now() + Duration::from_secs(10))));
         assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 1);
     }
 
