@@ -114,6 +114,21 @@ struct Cache {
     copy_resets: u64,
 }
 
+/// The entry of `key` kept for its completion by execution `execution_id` while its write is
+/// retried (`Held::Unstored`); another entry of the record (a later execution's, or a copy) is
+/// not that write's to settle.
+fn unstored_entry<'a>(
+    cache: &'a mut Cache,
+    key: &RecordKey,
+    execution_id: u64,
+) -> Option<&'a mut CacheEntry> {
+    cache.map.get_mut(&key.hash).filter(|e| {
+        matches!(e.held, Held::Unstored { .. })
+            && e.tenant == key.tenant
+            && e.execution_id == execution_id
+    })
+}
+
 /// Purges a shard remembers by record ([`Cache::recent_purges`]).
 const RECENT_PURGES: usize = 64;
 
@@ -396,7 +411,9 @@ impl<S: RecordStore> CachedStore<S> {
         // default, less than the largest replayable response): it may be the only trace of its
         // answer, and copies make room for it.
         let unstored = matches!(origin, Origin::Unstored(_));
-        if (size > budget && !unstored) || expires_at <= Instant::now() {
+        // One clock read for the whole insertion: it runs on every completion and copy.
+        let now = Instant::now();
+        if (size > budget && !unstored) || expires_at <= now {
             return false;
         }
         // Set before the entry is visible, so a claim that finds the entry's bit unset can only
@@ -423,7 +440,7 @@ impl<S: RecordStore> CachedStore<S> {
         };
         // A copy read from the store never replaces a live entry: one completed here says the
         // same and may be the only trace of a write still being retried.
-        let live = |e: &CacheEntry| e.expires_at > Instant::now();
+        let live = |e: &CacheEntry| e.expires_at > now;
         let read = matches!(origin, Origin::Copy(_));
         if !unchanged || (read && cache.map.get(&key.hash).is_some_and(live)) {
             return false;
@@ -453,7 +470,6 @@ impl<S: RecordStore> CachedStore<S> {
         // the second). It counts against the budget, so copies make room for it. Once its ttl
         // has passed it goes like any other entry: a retry then executes again anyway, and
         // clients rarely retry a key they were answered for, so no lookup would remove it.
-        let now = Instant::now();
         let mut kept = Vec::new();
         while cache.bytes > budget {
             let Some((oldest, seq)) = cache.order.pop_front() else {
@@ -502,13 +518,13 @@ impl<S: RecordStore> CachedStore<S> {
     /// missed, and these entries are what they would have dropped. Returns how many went.
     pub fn forget_copies(&self) -> usize {
         let mut dropped = 0;
+        let now = Instant::now();
         for shard in self.cache.iter() {
             let mut cache = shard.lock();
             // A copy whose read is out now, or a completion whose write is out now and then
             // lands, is not kept when it comes back.
             cache.copy_resets += 1;
             let Cache { map, bytes, .. } = &mut *cache;
-            let now = Instant::now();
             map.retain(|_, e| {
                 // An expired entry of any kind goes too: it answers nothing any longer.
                 let gone = e.held == Held::Copy || e.expires_at <= now;
@@ -546,16 +562,12 @@ impl<S: RecordStore> CachedStore<S> {
     pub fn completion_stored(&self, key: &RecordKey, execution_id: u64) {
         let mut cache = self.shard(&key.hash).lock();
         let resets = cache.copy_resets;
-        let Some(entry) = cache.map.get_mut(&key.hash) else {
+        let Some(entry) = unstored_entry(&mut cache, key, execution_id) else {
             return;
         };
-        // Another entry of the record (a later execution's) is not this write's to settle.
         let Held::Unstored { copy_resets } = entry.held else {
             return;
         };
-        if entry.tenant != key.tenant || entry.execution_id != execution_id {
-            return;
-        }
         if copy_resets == resets {
             entry.held = Held::Copy;
         } else if let Some(e) = cache.map.remove(&key.hash) {
@@ -572,13 +584,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// ttl ends.
     pub fn completion_given_up(&self, key: &RecordKey, execution_id: u64) {
         let mut cache = self.shard(&key.hash).lock();
-        let Some(entry) = cache.map.get_mut(&key.hash) else {
-            return;
-        };
-        if matches!(entry.held, Held::Unstored { .. })
-            && entry.tenant == key.tenant
-            && entry.execution_id == execution_id
-        {
+        if let Some(entry) = unstored_entry(&mut cache, key, execution_id) {
             entry.held = Held::GivenUp;
         }
     }
