@@ -23,7 +23,10 @@ pub const EXIT_FLUSH_WAIT: Duration = Duration::from_millis(500);
 struct Shared {
     buf: Mutex<Vec<u8>>,
     wake: Condvar,
+    /// Lines dropped since start, never reset (`idemgate_log_lines_dropped_total`).
     dropped: AtomicU64,
+    /// Of those, the ones a notice has told; written only under the sink's lock.
+    told: AtomicU64,
     /// Flushes asked for by [`BatchWriter::flush_now`]; changed only under `buf`'s lock, so the
     /// writer thread knows which asks the buffer it takes covers.
     asked: AtomicU64,
@@ -34,8 +37,6 @@ struct Shared {
     inline: AtomicBool,
     /// The sink failed partway through a line: the next write starts with a newline.
     torn: AtomicBool,
-    /// Lines dropped since start, never reset (`dropped` is what the next notice tells).
-    dropped_total: AtomicU64,
 }
 
 /// Writes `data` to `sink` until done or an error (retrying on `Interrupted`, and a few times
@@ -92,12 +93,12 @@ impl BatchWriter {
                 buf: Mutex::new(Vec::with_capacity(SOON)),
                 wake: Condvar::new(),
                 dropped: AtomicU64::new(0),
+                told: AtomicU64::new(0),
                 asked: AtomicU64::new(0),
                 done: Mutex::new(0),
                 written: Condvar::new(),
                 inline: AtomicBool::new(false),
                 torn: AtomicBool::new(false),
-                dropped_total: AtomicU64::new(0),
             }),
             sink: Arc::new(Mutex::new(sink)),
         }
@@ -145,7 +146,7 @@ impl BatchWriter {
     /// so no two lines run together.
     fn write_out(&self, sink: &mut dyn Write, pending: &[u8]) {
         let torn = self.shared.torn.swap(false, Ordering::Relaxed);
-        let dropped = self.shared.dropped.load(Ordering::Relaxed);
+        let dropped = self.untold();
         let mut notice = Vec::new();
         if torn {
             notice.push(b'\n');
@@ -162,7 +163,7 @@ impl BatchWriter {
             self.shared.torn.store(sent > 0 || torn, Ordering::Relaxed);
         } else if dropped > 0 {
             // Only once told: lines dropped meanwhile are told next time.
-            self.shared.dropped.fetch_sub(dropped, Ordering::Relaxed);
+            self.shared.told.fetch_add(dropped, Ordering::Relaxed);
         }
         let sent = if sent < notice.len() {
             0
@@ -175,9 +176,6 @@ impl BatchWriter {
             self.shared
                 .dropped
                 .fetch_add(lost.max(1), Ordering::Relaxed);
-            self.shared
-                .dropped_total
-                .fetch_add(lost.max(1), Ordering::Relaxed);
             if sent > 0 && pending[sent - 1] != b'\n' {
                 self.shared.torn.store(true, Ordering::Relaxed);
             }
@@ -188,7 +186,16 @@ impl BatchWriter {
     /// Lines dropped since start: over the hard cap behind a stalled sink, or refused by a
     /// failing one (`idemgate_log_lines_dropped_total`).
     pub fn dropped_total(&self) -> u64 {
-        self.shared.dropped_total.load(Ordering::Relaxed)
+        self.shared.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Dropped lines no notice has told yet.
+    fn untold(&self) -> u64 {
+        let told = self.shared.told.load(Ordering::Relaxed);
+        self.shared
+            .dropped
+            .load(Ordering::Relaxed)
+            .saturating_sub(told)
     }
 
     /// Writes out everything buffered so far, waiting at most [`EXIT_FLUSH_WAIT`]. The writing
@@ -232,7 +239,6 @@ impl Write for BatchWriter {
         let mut guard = self.shared.buf.lock().unwrap_or_else(|e| e.into_inner());
         if guard.len() + data.len() > HARD_CAP {
             self.shared.dropped.fetch_add(1, Ordering::Relaxed);
-            self.shared.dropped_total.fetch_add(1, Ordering::Relaxed);
             return Ok(data.len());
         }
         guard.extend_from_slice(data);
@@ -401,10 +407,10 @@ mod tests {
         };
         // 10 bytes go: "{\"n\":1}\n{\"" — the second line is cut, the third refused.
         write("{\"n\":1}\n{\"n\":2}\n{\"n\":3}\n");
-        assert_eq!(w.shared.dropped.load(Ordering::Relaxed), 2);
+        assert_eq!(w.untold(), 2);
         // Still full: the next batch is refused whole and counted.
         write("{\"n\":4}\n");
-        assert_eq!(w.shared.dropped.load(Ordering::Relaxed), 3);
+        assert_eq!(w.untold(), 3);
         *room.lock().unwrap() = 1 << 20;
         write("{\"n\":5}\n");
         let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
@@ -413,7 +419,7 @@ mod tests {
         assert_eq!(lines[1], "{\"", "the torn line, ended on its own");
         assert!(lines[2].contains("3 log lines dropped"), "{text}");
         assert_eq!(lines[3], "{\"n\":5}");
-        assert_eq!(w.shared.dropped.load(Ordering::Relaxed), 0, "told once");
+        assert_eq!(w.untold(), 0, "told once");
         assert_eq!(w.dropped_total(), 3, "counted for good");
     }
 
