@@ -26,8 +26,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{
-    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
-    RecordStore, StoreError, StoreUsage, WriteOutcome,
+    digest_word, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
+    RecordState, RecordStore, StoreError, StoreUsage, WriteOutcome,
 };
 
 /// Bytes charged against the capacity for every record, whatever its state, so `capacity`
@@ -787,13 +787,6 @@ fn shrink_if_sparse<S: BuildHasher>(map: &mut HashMap<MapKey, Entry, S>) {
     if map.len() < map.capacity() / 4 {
         map.shrink_to(map.len());
     }
-}
-
-/// The `index`-th little-endian 64-bit word of a digest (`index` < 4).
-fn digest_word(digest: &Digest, index: usize) -> u64 {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&digest[index * 8..index * 8 + 8]);
-    u64::from_le_bytes(word)
 }
 
 /// A point in time as nanoseconds after the store's `base` instant: 8 bytes where an `Instant`

@@ -107,9 +107,14 @@ pub enum Completion {
 /// a client grinding keys could fix any few bits of them and pile its records into one shard;
 /// it cannot aim at keys it does not know.
 pub(crate) fn keyed_shard_word(keys: &std::hash::RandomState, hash: &Digest) -> u64 {
+    std::hash::BuildHasher::hash_one(keys, digest_word(hash, 0))
+}
+
+/// The `index`-th little-endian 64-bit word of a digest (`index` < 4).
+pub(crate) fn digest_word(digest: &Digest, index: usize) -> u64 {
     let mut word = [0u8; 8];
-    word.copy_from_slice(&hash[..8]);
-    std::hash::BuildHasher::hash_one(keys, u64::from_le_bytes(word))
+    word.copy_from_slice(&digest[index * 8..index * 8 + 8]);
+    u64::from_le_bytes(word)
 }
 
 impl Completion {
