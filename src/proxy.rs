@@ -70,11 +70,11 @@ const RESULT_LABELS: [&str; 10] = [
     "REFUSED",
 ];
 
-/// [`RESULT_LABELS`]' index of `REFUSED`.
-const REFUSED: usize = 9;
-
-fn result_index(outcome: Option<Outcome>) -> usize {
+/// `outcome`'s index in [`RESULT_LABELS`]; a request with none is `REFUSED` when idemgate
+/// answered it itself (`refused`), `FORWARD` otherwise.
+fn result_index(outcome: Option<Outcome>, refused: bool) -> usize {
     match outcome {
+        None if refused => 9,
         None => 0,
         Some(Outcome::Miss) => 1,
         Some(Outcome::Hit) => 2,
@@ -1510,10 +1510,7 @@ impl ProxyHttp for Gate {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         crate::headguard::request_ended(session);
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        let index = match ctx.outcome {
-            None if ctx.refused => REFUSED,
-            outcome => result_index(outcome),
-        };
+        let index = result_index(ctx.outcome, ctx.refused);
         let result = RESULT_LABELS[index];
         let route = label(ctx);
         let elapsed = ctx.started.elapsed();
