@@ -182,12 +182,9 @@ impl fmt::Display for Tally {
 /// half-way and reported unreadable.
 pub fn read_dead_letters(path: &std::path::Path) -> io::Result<Vec<u8>> {
     use std::io::Read;
-    use std::os::unix::io::AsRawFd;
     let mut file = std::fs::File::open(path)?;
-    // SAFETY: flock on a descriptor `file` keeps open; the lock goes with it.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // `flock(2)` on Unix, as a proxy's appends take it; released when `file` closes.
+    file.lock_shared()?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
     Ok(bytes)

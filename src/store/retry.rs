@@ -905,14 +905,11 @@ fn append_line(
     write: impl FnOnce(&std::fs::File, &[u8]) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
-    use std::os::unix::io::AsRawFd;
     // Other processes may append to the same file (the old and new process of a rolling
     // restart, replicas sharing a volume): the length read here must be the file's until this
     // line is in, or a cut back after a failure could take their line. Released on close.
-    // SAFETY: flock on a descriptor this function's caller keeps open for the call.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    // (`File::lock` is `flock(2)` on Unix, as the other processes' locks are.)
+    file.lock()?;
     let len = file.metadata()?.len();
     let mut last = [b'\n'];
     if len > 0 && file.read_exact_at(&mut last, len - 1).is_err() {
