@@ -1698,29 +1698,25 @@ impl FileRedis {
                     "Redis Cluster cannot be reached through redis+sentinel:// URLs",
                 ));
             }
-            let masters: Vec<String> = urls
+            // Each URL once, with whether it names a database rather than take the default.
+            let parsed: Vec<(SentinelUrl, bool)> = urls
                 .iter()
-                .filter_map(|url| parse_sentinel_url(url).ok().map(|s| s.master))
+                .filter_map(|url| Some((parse_sentinel_url(url).ok()?, sentinel_url_names_db(url))))
                 .collect();
-            if masters.windows(2).any(|pair| pair[0] != pair[1]) {
+            if parsed
+                .windows(2)
+                .any(|pair| pair[0].0.master != pair[1].0.master)
+            {
                 return Err(invalid(
                     "store.redis.urls",
                     "every redis+sentinel:// URL must name the same master",
                 ));
             }
-            // The primary is reached with the first URL's credentials and database: another
-            // URL's would be dropped without a word.
-            // A later URL that gives none of them takes the first's; one that gives others
-            // would have them dropped without a word.
-            let primaries: Vec<(SentinelUrl, bool)> = urls
-                .iter()
-                .filter_map(|url| {
-                    let parsed = parse_sentinel_url(url).ok()?;
-                    Some((parsed, sentinel_url_names_db(url)))
-                })
-                .collect();
-            if let Some((first, _)) = primaries.first() {
-                let conflict = primaries.iter().position(|(p, names_db)| {
+            // The primary is reached with the first URL's credentials and database. A later URL
+            // that gives none of them takes the first's; one that gives others would have them
+            // dropped without a word.
+            if let Some((first, _)) = parsed.first() {
+                let conflict = parsed.iter().position(|(p, names_db)| {
                     let credentials = p.username.is_some() || p.password.is_some();
                     (credentials
                         && (&p.username, &p.password) != (&first.username, &first.password))
