@@ -12,7 +12,6 @@ use pingora::protocols::http::ServerSession;
 use crate::config::{percent_decode, Config, OnUnavailable};
 use crate::key;
 use crate::metrics::Metrics;
-use crate::problem::PROBLEM_BASE;
 use crate::proxy::Generation;
 use crate::reload::{ReloadOutcome, Reloader};
 use crate::store::purge::PurgeBus;
@@ -405,21 +404,17 @@ fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
     problem(status, kind, message, serde_json::Map::new())
 }
 
-/// A problem document of `kind` (its `type` is under [`PROBLEM_BASE`]) with `extra` members.
+/// A problem document of `kind` ([`crate::problem::document`]) with `extra` members.
 fn problem(
     status: StatusCode,
     kind: &str,
     detail: &str,
     extra: serde_json::Map<String, serde_json::Value>,
 ) -> Response<Vec<u8>> {
-    let mut value = serde_json::json!({
-        "type": format!("{PROBLEM_BASE}{kind}"),
-        "title": status.canonical_reason().unwrap_or("Error"),
-        "status": status.as_u16(),
-        "detail": detail,
-        "error": detail,
-    });
+    let title = status.canonical_reason().unwrap_or("Error");
+    let mut value = crate::problem::document(kind, title, status.as_u16(), detail);
     if let Some(members) = value.as_object_mut() {
+        members.insert("error".into(), detail.into());
         members.extend(extra);
     }
     let mut body = serde_json::to_vec_pretty(&value).unwrap_or_default();

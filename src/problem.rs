@@ -286,14 +286,20 @@ impl Problem {
 
     /// The RFC 9457 body.
     pub fn body(&self) -> Bytes {
-        let body = serde_json::json!({
-            "type": format!("{PROBLEM_BASE}{}", self.slug()),
-            "title": self.title(),
-            "status": self.status(),
-            "detail": self.detail(),
-        });
+        let body = document(self.slug(), self.title(), self.status(), &self.detail());
         Bytes::from(body.to_string())
     }
+}
+
+/// An RFC 9457 problem document of kind `slug` (its `type` is under [`PROBLEM_BASE`]): what
+/// the proxy's problems and the admin API's errors are made of.
+pub fn document(slug: &str, title: &str, status: u16, detail: &str) -> serde_json::Value {
+    serde_json::json!({
+        "type": format!("{PROBLEM_BASE}{slug}"),
+        "title": title,
+        "status": status,
+        "detail": detail,
+    })
 }
 
 #[cfg(test)]
