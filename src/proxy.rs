@@ -1550,7 +1550,7 @@ impl<F: Fn() -> PendingCompletion> Drop for WriteOut<'_, F> {
             } else {
                 "process stopped with the store write out"
             };
-            self.retrier.abandoned(&(self.pending)(), reason);
+            self.retrier.abandoned((self.pending)(), reason);
         }
     }
 }

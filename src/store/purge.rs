@@ -72,10 +72,9 @@ impl Server {
 
     /// Moves a Cluster's channel on to its next seed: the current one could not be reached.
     fn next_seed(&self) {
-        if let Server::Direct { clients, current } = self {
-            if clients.len() > 1 {
-                current.fetch_add(1, Ordering::Relaxed);
-            }
+        // `client` takes it modulo the seed count: one seed stays itself.
+        if let Server::Direct { current, .. } = self {
+            current.fetch_add(1, Ordering::Relaxed);
         }
     }
 

@@ -389,9 +389,9 @@ impl CompletionRetrier {
     /// Dead-letters a completion whose first write went out and was never answered: its task
     /// was dropped mid-write (pingora drops the request tasks when a shutdown's grace period
     /// ends) or panicked. The store may hold it after all, and the local cache is told so.
-    pub fn abandoned(&self, job: &PendingCompletion, reason: &str) {
+    pub fn abandoned(&self, job: PendingCompletion, reason: &str) {
         self.stats.pending.fetch_add(1, Ordering::AcqRel);
-        give_up(&self.dead, &self.local, job.clone(), 1, reason);
+        give_up(&self.dead, &self.local, job, 1, reason);
     }
 
     /// Dead-letters every completion still waiting: the process is stopping and nothing will
@@ -1624,7 +1624,7 @@ mod tests {
         let caller = std::thread::spawn({
             let retrier = retrier.clone();
             move || {
-                retrier.abandoned(&taken, "process stopped with the store write out");
+                retrier.abandoned(taken, "process stopped with the store write out");
                 retrier.submit(full);
                 let _ = returned.send(());
             }
