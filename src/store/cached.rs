@@ -540,17 +540,41 @@ impl<S: RecordStore> CachedStore<S> {
 
     /// What the completion retrier tells this cache: a completion that lost its key is dropped
     /// ([`CachedStore::forget`]), one a retry stored becomes a copy that a missed purge can
-    /// take ([`CachedStore::completion_stored`]), and one given up on without knowing whether
-    /// the store took it stays until the store is found to hold it
-    /// ([`CachedStore::completion_given_up`]).
+    /// take ([`CachedStore::completion_stored`]), one given up on without knowing whether the
+    /// store took it stays until the store is found to hold it
+    /// ([`CachedStore::completion_given_up`]), and one whose record is gone is kept as such
+    /// ([`CachedStore::keep_lost`]).
     pub fn retry_hooks(self: &Arc<Self>) -> super::retry::LocalHooks {
-        let (forget, stored, given_up) = (self.clone(), self.clone(), self.clone());
+        let (forget, stored, given_up, lost) =
+            (self.clone(), self.clone(), self.clone(), self.clone());
         super::retry::LocalHooks {
             forget: Arc::new(move |key: &RecordKey| forget.forget(key)),
             stored: Arc::new(move |key: &RecordKey, id: u64| stored.completion_stored(key, id)),
             given_up: Arc::new(move |key: &RecordKey, id: u64| {
                 given_up.completion_given_up(key, id)
             }),
+            lost: Arc::new(move |job: &super::retry::PendingCompletion| lost.keep_lost(job)),
+        }
+    }
+
+    /// Keeps `job`, a completion of this replica the store refused, as given up on: its record
+    /// is gone (a failover lost the claim while the backend ran) or could not be read, so the
+    /// entry is the answer's only trace, and a retry here replays it rather than execute again.
+    /// Not when the key was purged here: a purged key is claimable afresh.
+    pub fn keep_lost(&self, job: &super::retry::PendingCompletion) {
+        if self.recently_purged(&job.key.hash) {
+            return;
+        }
+        let record = Record {
+            fingerprint: job.fingerprint,
+            execution_id: job.execution_id,
+            state: RecordState::Completed(job.completion.clone()),
+            expires_in: None,
+        };
+        let mark = self.mark(&job.key.hash);
+        let expires_at = Instant::now() + job.ttl;
+        if self.remember(&job.key, record, expires_at, Origin::Unstored(mark)) {
+            self.completion_given_up(&job.key, job.execution_id);
         }
     }
 
@@ -714,20 +738,12 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         // the only trace of it until the retrier lands it: see `completion_stored`).
         // Any failed write is retried (`Corrupt`: a reply this version cannot read, which an
         // operator's script version may give), so any keeps the trace.
-        // A refused one only when no other execution holds the key and no purge took it: the
-        // record is gone (a failover lost the claim while the backend ran) or cannot be read,
-        // and the entry is the answer's only trace (see `CompletionRetrier::refused`, which
-        // then says so in the dead-letter file). One a newer execution holds replays the
-        // store's answer; one an operator purged is claimable afresh.
+        // A refused one is not kept here: the retrier reads the record once to tell why, and
+        // keeps it here only when nobody else holds the key (`CachedStore::keep_lost`).
         let origin = match written {
             Ok(WriteOutcome::Applied) => Some(Origin::Stored(mark)),
             Err(_) => Some(Origin::Unstored(mark)),
-            Ok(WriteOutcome::NotOwner) => match self.inner.get(key).await {
-                Ok(None) | Err(_) if !self.recently_purged(&key.hash) => {
-                    Some(Origin::Unstored(mark))
-                }
-                _ => None,
-            },
+            Ok(WriteOutcome::NotOwner) => None,
         };
         if let (Some(origin), Some(p)) = (origin, pending) {
             let record = Record {

@@ -151,7 +151,15 @@ pub struct LocalHooks {
     /// will report it stored, so whether the local entry is a copy is for the cache to find out
     /// ([`crate::store::cached::CachedStore::completion_given_up`]).
     pub given_up: StoredLocal,
+    /// The store refused this completion and its record is gone, or could not be read: nobody
+    /// else holds the key, so the cache keeps the answer as given up on, whether or not it
+    /// held it already, unless the key was purged there
+    /// ([`crate::store::cached::CachedStore::keep_lost`]).
+    pub lost: LostLocal,
 }
+
+/// See [`LocalHooks::lost`].
+pub type LostLocal = Arc<dyn Fn(&PendingCompletion) + Send + Sync>;
 
 impl LocalHooks {
     /// Hooks for a store with no local cache in front.
@@ -160,6 +168,7 @@ impl LocalHooks {
             forget: Arc::new(|_: &RecordKey| {}),
             stored: Arc::new(|_: &RecordKey, _: u64| {}),
             given_up: Arc::new(|_: &RecordKey, _: u64| {}),
+            lost: Arc::new(|_: &PendingCompletion| {}),
         }
     }
 }
@@ -492,15 +501,16 @@ fn settle_refused(
         // of its answer: kept as given up, so a retry here replays it rather than execute
         // again (a purge still takes it).
         Ok(None) => {
-            (local.given_up)(&job.key, job.execution_id);
+            (local.lost)(&job);
             dead.settle(job, attempts, "record gone", InStore::No);
             Refusal::Gone
         }
         // Unread: whether an earlier write landed is not known, nor who holds the key: the
         // entry is kept as for any write given up on.
         Err(e) => {
+            (local.lost)(&job);
             let reason = format!("lock taken over or record gone; record unread: {e}");
-            give_up(dead, local, job, attempts, &reason);
+            dead.settle(job, attempts, &reason, InStore::Unknown);
             Refusal::Unread
         }
     }
@@ -1540,6 +1550,20 @@ mod tests {
             ),
             "the store's record, not this replica's answer: {again:?}"
         );
+
+        // Purged here: gone for good, and claimable afresh.
+        let purged = claimed(cached.as_ref(), 32).await;
+        assert!(cached.delete(&purged.key).await.unwrap());
+        let written = cached.complete(
+            &purged.key,
+            purged.owner,
+            purged.completion.clone(),
+            purged.ttl,
+        );
+        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
+        assert_eq!(retrier.refused(purged.clone()).await, Refusal::Gone);
+        let again = cached.claim(&retry_of(&purged)).await.unwrap();
+        assert!(matches!(again, ClaimOutcome::Acquired { .. }), "{again:?}");
 
         retrier.flush_dead_letters();
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
