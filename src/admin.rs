@@ -17,6 +17,7 @@ use crate::reload::{ReloadOutcome, Reloader};
 use crate::store::purge::PurgeBus;
 use crate::store::{Completion, Record, RecordKey, RecordState};
 use crate::store::{RecordStore, RedisStore};
+use crate::worker_lease::{WorkerIdSource, WorkerIds};
 
 /// Longest `/readyz` waits on the store's ping when `store.on_unavailable` lets requests through
 /// without the store (`pass`, `local`): well inside a Kubernetes probe's default 1 s timeout.
@@ -50,6 +51,8 @@ pub struct Admin {
     purge: Option<PurgeBus>,
     /// The Redis store, for `GET /admin/scripts`; `None` with the memory store.
     scripts: Option<Arc<RedisStore>>,
+    /// The worker id in use and where it came from, for `/admin/config` and `/readyz`.
+    ids: Option<Arc<WorkerIds>>,
     /// A readiness ping under a permissive policy is still out: probes that come meanwhile do
     /// not start another, so hard polling during an outage cannot pile up pings.
     ping_in_flight: Arc<AtomicBool>,
@@ -82,6 +85,7 @@ impl Admin {
             reloader,
             purge,
             scripts: None,
+            ids: None,
             ping_in_flight: Arc::default(),
         }
     }
@@ -224,6 +228,12 @@ impl Admin {
         self
     }
 
+    /// Shows the worker id in use; `/readyz` waits for its first lease attempt.
+    pub fn with_worker_ids(mut self, ids: Arc<WorkerIds>) -> Self {
+        self.ids = Some(ids);
+        self
+    }
+
     /// Script versions, SHAs, the canary and per-version counters.
     fn scripts(&self) -> Response<Vec<u8>> {
         match &self.scripts {
@@ -303,6 +313,13 @@ impl Admin {
         let generation = self.current.load();
         let mut body = config_json(&generation.config);
         body["loaded_at_unix"] = self.reloader.loaded_at().into();
+        if let Some(ids) = &self.ids {
+            body["idempotency"]["worker_id_in_use"] = ids.worker_id().into();
+            body["idempotency"]["worker_id_source"] = ids.source().as_str().into();
+            if ids.source() == WorkerIdSource::Lease {
+                body["idempotency"]["worker_id_leased"] = ids.is_leased().into();
+            }
+        }
         body["path"] = self.reloader.path().display().to_string().into();
         json(StatusCode::OK, body)
     }
@@ -316,6 +333,13 @@ impl Admin {
     async fn ready(&self) -> (StatusCode, String) {
         if self.readiness.is_draining() {
             return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
+        }
+        // Execution ids issued now could be under an id the lease is about to give up.
+        if self.ids.as_ref().is_some_and(|ids| !ids.is_settled()) {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "worker id lease pending\n".into(),
+            );
         }
         let policy = self.current.load().config.store.on_unavailable;
         if policy == OnUnavailable::Reject {
@@ -629,6 +653,7 @@ fn config_json(c: &Config) -> serde_json::Value {
             "tenant_header": c.idempotency.tenant_header.as_str(),
             "default_tenant": c.idempotency.default_tenant,
             "worker_id": c.idempotency.worker_id,
+            "worker_lease": secs(c.idempotency.worker_lease),
         },
         "store": {
             "backend": format!("{:?}", c.store.backend).to_lowercase(),

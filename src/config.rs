@@ -118,8 +118,11 @@ pub struct GlobalIdempotency {
     pub tenant_header: HeaderName,
     /// Tenant used when the tenant header is absent; satisfies `[A-Za-z0-9._:-]{1,128}`.
     pub default_tenant: String,
-    /// Snowflake worker id, 0..=1023; `None` lets the proxy pick one.
+    /// Snowflake worker id, 0..=1023; `None` lets the proxy pick one (leased from Redis on
+    /// the Redis store, see [`crate::worker_lease`]).
     pub worker_id: Option<u16>,
+    /// How long a worker id leased from Redis stays held without renewal.
+    pub worker_lease: Duration,
 }
 
 /// The record store and what to do when it is unavailable.
@@ -468,6 +471,11 @@ const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const DEFAULT_SCRIPTS_VERSION: &str = "v1";
 const DEFAULT_SENTINEL_PORT: u16 = 26379;
 const MAX_BODY_BYTES: u64 = 1 << 30;
+/// Bounds of `idempotency.worker_lease`: renewed every third, so 3 s means a Redis call a
+/// second; a process cut off from Redis keeps its id for up to this long, so more than ten
+/// minutes would keep ids unavailable that long after a crash.
+const MIN_WORKER_LEASE: Duration = Duration::from_secs(3);
+const MAX_WORKER_LEASE: Duration = Duration::from_secs(600);
 /// Both generations of the local-cache Bloom filter together, at most.
 const MAX_BLOOM_BYTES: u64 = 1 << 30;
 const ADMIN_TOKEN_ENV: &str = "IDEMGATE_ADMIN_TOKEN";
@@ -542,6 +550,7 @@ struct FileIdempotency {
     tenant_header: String,
     default_tenant: String,
     worker_id: Option<i64>,
+    worker_lease: Scalar,
 }
 
 #[derive(Debug, Deserialize)]
@@ -803,6 +812,7 @@ impl Default for FileIdempotency {
             tenant_header: "X-Tenant-ID".to_owned(),
             default_tenant: "default".to_owned(),
             worker_id: None,
+            worker_lease: Scalar::text("30s"),
         }
     }
 }
@@ -1375,11 +1385,25 @@ impl FileIdempotency {
             .worker_id
             .map(|id| int_in_range("idempotency.worker_id", id, 0, 1023))
             .transpose()?;
+        let worker_lease = duration("idempotency.worker_lease".into(), &self.worker_lease)?;
+        if !(MIN_WORKER_LEASE..=MAX_WORKER_LEASE).contains(&worker_lease) {
+            return Err(invalid(
+                "idempotency.worker_lease",
+                format!(
+                    "{} is out of range ({}s to {}s): it is renewed every third of itself, \
+                     and a process cut off from Redis keeps its id this long",
+                    self.worker_lease,
+                    MIN_WORKER_LEASE.as_secs(),
+                    MAX_WORKER_LEASE.as_secs()
+                ),
+            ));
+        }
         Ok(GlobalIdempotency {
             key_header,
             tenant_header,
             default_tenant: self.default_tenant,
             worker_id,
+            worker_lease,
         })
     }
 }
@@ -3070,6 +3094,7 @@ routes:
                 tenant_header: header("x-tenant-id"),
                 default_tenant: "default".into(),
                 worker_id: None,
+                worker_lease: secs(30),
             }
         );
         assert_eq!(
@@ -3480,6 +3505,24 @@ routes:
             "idempotency: {{default_tenant: \"Org_1.eu:prod-2\"}}\n{MINIMAL}"
         ));
         assert_eq!(config.idempotency.default_tenant, "Org_1.eu:prod-2");
+    }
+
+    #[test]
+    fn worker_lease_range() {
+        for bad in ["2s", "11m", "0s"] {
+            assert_field(
+                &format!("idempotency: {{worker_lease: {bad}}}\n{MINIMAL}"),
+                "idempotency.worker_lease",
+            );
+        }
+        assert_field(
+            &format!("idempotency: {{worker_lease: soon}}\n{MINIMAL}"),
+            "idempotency.worker_lease",
+        );
+        let config = load(&format!("idempotency: {{worker_lease: 3s}}\n{MINIMAL}"));
+        assert_eq!(config.idempotency.worker_lease, Duration::from_secs(3));
+        let config = load(&format!("idempotency: {{worker_lease: 10m}}\n{MINIMAL}"));
+        assert_eq!(config.idempotency.worker_lease, Duration::from_secs(600));
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //!
 //! - [`config`]: YAML file structs and the validated, immutable [`config::Config`].
 //! - [`key`]: idempotency-key and tenant parsing, record ids and request fingerprints.
-//! - [`snowflake`]: time-ordered 64-bit execution ids.
+//! - [`snowflake`]: time-ordered 64-bit execution ids; [`worker_lease`]: their worker ids
+//!   leased from Redis.
 //! - [`scripts`]: Lua script sources of the Redis store: built-in versions and a directory.
 //! - [`store`]: the [`store::RecordStore`] seam and its backends.
 //! - [`problem`]: every error the proxy itself answers, as RFC 9457 problem+json.
@@ -39,3 +40,4 @@ pub mod server;
 pub mod snowflake;
 pub mod store;
 pub mod upstream;
+pub mod worker_lease;

@@ -28,13 +28,13 @@ use crate::config::{
 use crate::key;
 use crate::metrics::{Metrics, RouteHandles, StoreOpHandles};
 use crate::problem::{Outcome, Problem};
-use crate::snowflake::Snowflake;
 use crate::store::retry::{CompletionRetrier, PendingCompletion, Refusal};
 use crate::store::{
     ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
     ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
 };
 use crate::upstream::{self, Backend, UpstreamError};
+use crate::worker_lease::WorkerIds;
 use pingora::protocols::http::date::get_cached_date;
 
 /// Header carrying the result of the idempotency check to the client.
@@ -238,7 +238,7 @@ pub struct Gate {
     current: Arc<ArcSwap<Generation>>,
     store: Arc<dyn RecordStore>,
     fallback: Option<Arc<dyn RecordStore>>,
-    ids: Snowflake,
+    ids: Arc<WorkerIds>,
     metrics: Arc<Metrics>,
     in_flight: Arc<InFlightCounter>,
     retrier: CompletionRetrier,
@@ -287,7 +287,7 @@ impl Gate {
         current: Arc<ArcSwap<Generation>>,
         store: Arc<dyn RecordStore>,
         fallback: Option<Arc<dyn RecordStore>>,
-        worker_id: u16,
+        ids: Arc<WorkerIds>,
         metrics: Arc<Metrics>,
         in_flight: Arc<InFlightCounter>,
         retrier: CompletionRetrier,
@@ -297,7 +297,7 @@ impl Gate {
             current,
             store,
             fallback,
-            ids: Snowflake::new(worker_id),
+            ids,
             store_ops,
             metrics,
             in_flight,
@@ -371,7 +371,7 @@ impl Gate {
             key: record_key,
             fingerprint,
             owner: OwnerToken::random(),
-            execution_id: self.ids.next_id(),
+            execution_id: self.ids.next_id().await,
             lock_ttl: idem.lock_ttl,
             ttl: idem.ttl,
         };

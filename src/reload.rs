@@ -472,6 +472,7 @@ fn keep_restart_only(running: &Config, new: &mut Config) -> Vec<&'static str> {
     new.work_stealing = running.work_stealing;
     new.shutdown = running.shutdown.clone();
     new.idempotency.worker_id = running.idempotency.worker_id;
+    new.idempotency.worker_lease = running.idempotency.worker_lease;
     let scripts = new.store.redis.as_ref().map(|r| r.scripts.clone());
     let on_unavailable = new.store.on_unavailable;
     new.store = running.store.clone();
@@ -562,6 +563,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if old.idempotency.worker_id != new.idempotency.worker_id {
         changed.push("idempotency.worker_id");
     }
+    if old.idempotency.worker_lease != new.idempotency.worker_lease {
+        changed.push("idempotency.worker_lease");
+    }
     changed
 }
 
@@ -650,7 +654,7 @@ routes:
 
     #[test]
     fn settings_read_at_start_up_are_named() {
-        let cases: [((&str, &str), &[&str]); 12] = [
+        let cases: [((&str, &str), &[&str]); 13] = [
             (("127.0.0.1:6180", "127.0.0.1:7180"), &["listen"]),
             (("127.0.0.1:6181", "127.0.0.1:7181"), &["admin.listen"]),
             (("threads: 2", "threads: 3"), &["threads"]),
@@ -660,6 +664,10 @@ routes:
             ),
             (("grace_period: 20s", "grace_period: 5s"), &["shutdown"]),
             (("worker_id: 1", "worker_id: 2"), &["idempotency.worker_id"]),
+            (
+                ("worker_id: 1", "worker_id: 1, worker_lease: 1m"),
+                &["idempotency.worker_lease"],
+            ),
             (("6379", "6380"), &["store"]),
             // Another store setting still needs a restart when on_unavailable changes with it.
             (

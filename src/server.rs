@@ -29,6 +29,7 @@ use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::purge::PurgeBus;
 use crate::store::retry::{CompletionRetrier, LocalHooks, RetryOptions};
 use crate::store::{ForgetLocal, MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
+use crate::worker_lease::{Lease, WorkerIdSource, WorkerIds};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -369,11 +370,16 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }
-    let worker_id = config
-        .idempotency
-        .worker_id
-        .or(from_env)
-        .unwrap_or_else(snowflake::default_worker_id);
+    let ids = Arc::new(match (config.idempotency.worker_id, from_env) {
+        (Some(id), _) => WorkerIds::fixed(id, WorkerIdSource::Config),
+        (None, Some(id)) => WorkerIds::fixed(id, WorkerIdSource::Environment),
+        // Replicas share the Redis store, so their ids must not repeat each other's.
+        (None, None) if stack.redis.is_some() => {
+            WorkerIds::to_lease(snowflake::default_worker_id())
+        }
+        (None, None) => WorkerIds::fixed(snowflake::default_worker_id(), WorkerIdSource::HostName),
+    });
+    let worker_lease = config.idempotency.worker_lease;
 
     let grace_period = config.shutdown.grace_period;
     let mut conf = ServerConf {
@@ -475,6 +481,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     let (retrier, retry_worker) =
         CompletionRetrier::new(stack.shared.clone(), stack.retry_hooks(), retry_options);
     register_store_metrics(&metrics, &retrier);
+    register_worker_id_metrics(&metrics, &ids);
     metrics.pull_from(
         &in_flight,
         &[(
@@ -492,7 +499,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         current.clone(),
         stack.store.clone(),
         stack.fallback.clone(),
-        worker_id,
+        ids.clone(),
         metrics.clone(),
         in_flight.clone(),
         retrier.clone(),
@@ -522,6 +529,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     if let Some(redis) = &stack.redis {
         admin_app = admin_app.with_scripts(redis.clone());
     }
+    admin_app = admin_app.with_worker_ids(ids.clone());
     let mut admin = Service::new("idemgate admin".to_string(), admin_app);
     admin.add_tcp(&admin_listen);
     admin.threads = Some(1);
@@ -563,6 +571,14 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             },
         ));
     }
+    if let Some(store) = &stack.redis {
+        if ids.source() == WorkerIdSource::Lease {
+            server.add_service(background_service(
+                "worker id lease",
+                WorkerLeaseService(Lease::new(store.clone(), ids.clone(), worker_lease)),
+            ));
+        }
+    }
     if let Some(store) = stack.redis {
         server.add_service(background_service("redis warm-up", RedisWarmup { store }));
     }
@@ -573,7 +589,14 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         ));
     }
 
-    tracing::info!(%listen, admin = %admin_listen, worker_id, version = env!("CARGO_PKG_VERSION"), "idemgate starting");
+    tracing::info!(
+        %listen,
+        admin = %admin_listen,
+        worker_id = ids.worker_id(),
+        worker_id_source = ids.source().as_str(),
+        version = env!("CARGO_PKG_VERSION"),
+        "idemgate starting"
+    );
     server.run(RunArgs {
         shutdown_signal: Box::new(Signals {
             in_flight,
@@ -745,6 +768,16 @@ struct RedisWarmup {
     store: Arc<RedisStore>,
 }
 
+/// Keeps the worker id leased (see [`crate::worker_lease`]).
+struct WorkerLeaseService(Lease);
+
+#[async_trait]
+impl BackgroundService for WorkerLeaseService {
+    async fn start(&self, shutdown: ShutdownWatch) {
+        self.0.run(shutdown).await;
+    }
+}
+
 #[async_trait]
 impl BackgroundService for RedisWarmup {
     async fn start(&self, mut shutdown: ShutdownWatch) {
@@ -771,6 +804,44 @@ impl BackgroundService for RedisWarmup {
             pause = (pause * 2).min(Duration::from_secs(5));
         }
     }
+}
+
+fn register_worker_id_metrics(metrics: &Metrics, ids: &Arc<WorkerIds>) {
+    metrics.pull_from(
+        ids,
+        &[(
+            "idemgate_worker_id",
+            "Snowflake worker id that execution ids are issued under",
+            Pull::Gauge,
+            |ids| f64::from(ids.worker_id()),
+        )],
+    );
+    if ids.source() != WorkerIdSource::Lease {
+        return;
+    }
+    metrics.pull_from(
+        ids,
+        &[
+            (
+                "idemgate_worker_id_leased",
+                "1 while the worker id in use is leased from Redis, 0 while it is not",
+                Pull::Gauge,
+                |ids| f64::from(u8::from(ids.is_leased())),
+            ),
+            (
+                "idemgate_worker_lease_lost_total",
+                "Worker id leases found held by another process at renewal",
+                Pull::Counter,
+                |ids| ids.leases_lost() as f64,
+            ),
+            (
+                "idemgate_worker_lease_failures_total",
+                "Worker id lease calls Redis did not answer or refused",
+                Pull::Counter,
+                |ids| ids.lease_failures() as f64,
+            ),
+        ],
+    );
 }
 
 fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {

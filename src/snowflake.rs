@@ -11,7 +11,7 @@
 //! wall clock does: it keeps a logical clock that only moves forward (see [`Snowflake::next_id_at`]).
 //! Uniqueness across processes rests on distinct worker ids.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The custom epoch, 2024-01-01T00:00:00Z, in Unix milliseconds.
@@ -29,9 +29,12 @@ const WORKER_MASK: u64 = (1 << WORKER_BITS) - 1;
 const MAX_MS: u64 = (1 << TIME_BITS) - 1;
 
 /// A Snowflake id generator for one worker. Share it (`Arc`) across threads: it is lock-free.
+///
+/// The worker id may change while ids are issued ([`Snowflake::set_worker_id`]: a leased id
+/// given up for another); ids stay unique as long as no two generators use one worker id at once.
 #[derive(Debug)]
 pub struct Snowflake {
-    worker_id: u16,
+    worker_id: AtomicU16,
     /// `last_ms << 12 | sequence` of the last id issued, `last_ms` counted from the custom epoch.
     /// Packing both into one word makes "advance the clock or bump the sequence" a single CAS,
     /// and makes the whole state a counter that only ever grows.
@@ -57,9 +60,17 @@ impl Snowflake {
     /// validation rejects larger values, so masking here only keeps this constructor total.
     pub fn new(worker_id: u16) -> Self {
         Snowflake {
-            worker_id: worker_id & MAX_WORKER_ID,
+            worker_id: AtomicU16::new(worker_id & MAX_WORKER_ID),
             state: AtomicU64::new(0),
         }
+    }
+
+    /// Issues the ids that follow under `worker_id` (low 10 bits). The logical clock carries
+    /// on, so every id this generator issued stays distinct across the change (and ordered by
+    /// time, though not within one millisecond when the new worker id is the smaller).
+    pub fn set_worker_id(&self, worker_id: u16) {
+        self.worker_id
+            .store(worker_id & MAX_WORKER_ID, Ordering::Relaxed);
     }
 
     /// The next id, stamped with the current wall-clock time.
@@ -93,13 +104,13 @@ impl Snowflake {
         let ms = next >> SEQUENCE_BITS;
         // After 2093 the time field would spill into the sign bit; mask so ids stay positive.
         ((ms & MAX_MS) << (WORKER_BITS + SEQUENCE_BITS))
-            | (u64::from(self.worker_id) << SEQUENCE_BITS)
+            | (u64::from(self.worker_id.load(Ordering::Relaxed)) << SEQUENCE_BITS)
             | (next & SEQUENCE_MASK)
     }
 
     /// This generator's worker id (`0..=1023`).
     pub fn worker_id(&self) -> u16 {
-        self.worker_id
+        self.worker_id.load(Ordering::Relaxed)
     }
 }
 
@@ -119,7 +130,17 @@ pub fn decode(id: u64) -> SnowflakeParts {
 /// hashed ids collide by the birthday rule (about 1 in 2 for 38 replicas): deployments with many
 /// replicas should set `worker_id` explicitly (a StatefulSet ordinal, for instance).
 pub fn default_worker_id() -> u16 {
-    let name = ["POD_NAME", "HOSTNAME"]
+    match host_name() {
+        Some(name) => worker_id_from_name(&name),
+        // No name anywhere: the process id at least differs between processes on one host.
+        None => worker_id_from_name(&std::process::id().to_string()),
+    }
+}
+
+/// The pod or host name: `POD_NAME`, then `HOSTNAME`, then the kernel host name; `None` when
+/// none is set.
+pub fn host_name() -> Option<String> {
+    ["POD_NAME", "HOSTNAME"]
         .iter()
         .filter_map(|var| std::env::var(var).ok())
         .chain(
@@ -128,12 +149,7 @@ pub fn default_worker_id() -> u16 {
                 .filter_map(|path| std::fs::read_to_string(path).ok()),
         )
         .map(|name| name.trim().to_owned())
-        .find(|name| !name.is_empty());
-    match name {
-        Some(name) => worker_id_from_name(&name),
-        // No name anywhere: the process id at least differs between processes on one host.
-        None => worker_id_from_name(&std::process::id().to_string()),
-    }
+        .find(|name| !name.is_empty())
 }
 
 /// FNV-1a over the name, folded to 10 bits. Stable across builds and platforms, unlike std's
@@ -282,6 +298,22 @@ mod tests {
             Snowflake::new(1).next_id_at(T),
             Snowflake::new(2).next_id_at(T)
         );
+    }
+
+    #[test]
+    fn a_new_worker_id_takes_effect_and_ids_keep_increasing() {
+        let gen = Snowflake::new(3);
+        let before = gen.next_id_at(T);
+        gen.set_worker_id(700);
+        let after = gen.next_id_at(T);
+        assert_eq!(decode(after).worker_id, 700);
+        assert_eq!(gen.worker_id(), 700);
+        assert!(after > before, "{after} after {before}");
+        gen.set_worker_id(1024 + 2);
+        let smaller = gen.next_id_at(T);
+        assert_eq!(decode(smaller).worker_id, 2, "masked to 10 bits");
+        assert!(smaller != before && smaller != after);
+        assert_eq!(decode(smaller).sequence, 2, "the logical clock carried on");
     }
 
     #[test]

@@ -881,3 +881,39 @@ async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_leve
     let m = proxy.metrics().await;
     assert_eq!(metric(&m, "idemgate_dead_letter_write_failures_total"), 1.0);
 }
+
+#[tokio::test]
+async fn the_proxy_is_not_ready_until_its_first_worker_id_lease_attempt_ends() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    link.set(Fault::Hold);
+    let backend = Backend::start().await;
+    // `pass`: readiness does not hang on the store's ping, only on the lease.
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[link.redis_url()])
+        .store("  connect_timeout: 2s")
+        .store("  response_timeout: 500ms")
+        .store("on_unavailable: pass")
+        .no_worker_id()
+        .global("worker_lease: 3s")
+        .env("POD_NAME", "orders-held")
+        .start()
+        .await;
+    let pending = Request::get("/readyz").send(proxy.admin).await;
+    assert_eq!(pending.status, 503, "{}", pending.text());
+    assert_eq!(pending.text(), "worker id lease pending\n");
+
+    // The attempt ends with Redis's deadline (3 s here); the proxy is then ready, unleased.
+    proxy.log_containing("leasing a worker id failed").await;
+    let ready = Request::get("/readyz").send(proxy.admin).await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    proxy
+        .metrics_containing("idemgate_worker_id_leased 0")
+        .await;
+
+    link.set(Fault::Pass);
+    proxy.log_containing("worker id leased").await;
+    proxy
+        .metrics_containing("idemgate_worker_id_leased 1")
+        .await;
+}

@@ -312,3 +312,203 @@ async fn idle_redis_connections_are_kept_alive() {
         assert_eq!(socket.timer, 2, "no keepalive timer: {sockets:?}");
     }
 }
+
+/// The worker id an execution id was issued under.
+fn worker_of(execution_id: &str) -> u16 {
+    idemgate::snowflake::decode(execution_id.parse().expect("a decimal execution id")).worker_id
+}
+
+/// The worker id of the latest execution the backend saw.
+fn last_worker(backend: &Backend) -> u16 {
+    let executions = backend.executions();
+    let last = executions.last().expect("an execution");
+    worker_of(last.execution_id.as_deref().expect("X-Idempotency-Id"))
+}
+
+/// `/admin/config`'s idempotency block.
+async fn worker_id_settings(proxy: &Proxy) -> serde_json::Value {
+    let config = Request::get("/admin/config").send(proxy.admin).await;
+    let body: serde_json::Value = serde_json::from_slice(&config.body).expect("json");
+    body["idempotency"].clone()
+}
+
+/// A proxy on `redis` that leases its worker id (3 s leases), with `pod` as its host name.
+async fn leasing_proxy(backend: &Backend, redis: &[String], pod: &str) -> Proxy {
+    ProxyBuilder::new(backend)
+        .redis(redis)
+        .no_worker_id()
+        .global("worker_lease: 3s")
+        .env("POD_NAME", pod)
+        .start()
+        .await
+}
+
+/// Waits until the proxy's lease is held and returns its worker id.
+async fn leased_worker_id(proxy: &Proxy) -> u16 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let settings = worker_id_settings(proxy).await;
+        if settings["worker_id_leased"] == true {
+            assert_eq!(settings["worker_id_source"], "lease");
+            return settings["worker_id_in_use"].as_u64().expect("an id") as u16;
+        }
+        assert!(Instant::now() < deadline, "never leased: {settings}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn replicas_whose_host_names_hash_alike_lease_different_worker_ids_and_keep_them() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    // One pod name for both: the hashed ids are equal, as two real pod names' often are.
+    let a = leasing_proxy(&backend, &[redis.url()], "orders-7d9f8b6c4-same").await;
+    let id_a = leased_worker_id(&a).await;
+    let b = leasing_proxy(&backend, &[redis.url()], "orders-7d9f8b6c4-same").await;
+    let id_b = leased_worker_id(&b).await;
+    assert_ne!(id_a, id_b);
+    // The second tried the first's id, found it held and took the next one.
+    assert_eq!(id_b, (id_a + 1) % 1024);
+
+    // Execution ids go out under the leased ids.
+    let first = Request::post("/orders")
+        .key("lease-a")
+        .body("x")
+        .send(a.addr)
+        .await;
+    assert_eq!(first.result(), Some("MISS"));
+    assert_eq!(last_worker(&backend), id_a);
+    let second = Request::post("/orders")
+        .key("lease-b")
+        .body("x")
+        .send(b.addr)
+        .await;
+    assert_eq!(second.result(), Some("MISS"));
+    assert_eq!(last_worker(&backend), id_b);
+
+    // The leases live in Redis for at most 3 s, hold the pod name, and are renewed: past
+    // twice their length they are still there, still the same holders'.
+    let key_a = format!("idemgate:worker:{id_a}");
+    let key_b = format!("idemgate:worker:{id_b}");
+    let holder_a: String = redis.cmd(&["HGET", &key_a, "h"]);
+    let holder_b: String = redis.cmd(&["HGET", &key_b, "h"]);
+    assert!(holder_a.ends_with(" orders-7d9f8b6c4-same"), "{holder_a}");
+    assert_ne!(holder_a, holder_b, "each process holds its own");
+    for key in [&key_a, &key_b] {
+        let ttl: i64 = redis.cmd(&["PTTL", key]);
+        assert!((1..=3000).contains(&ttl), "{key}: {ttl}");
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(redis.cmd::<String>(&["HGET", &key_a, "h"]), holder_a);
+    assert_eq!(redis.cmd::<String>(&["HGET", &key_b, "h"]), holder_b);
+    assert_eq!(leased_worker_id(&a).await, id_a);
+    let metrics = a.metrics().await;
+    assert!(
+        metrics.contains(&format!("idemgate_worker_id {id_a}")),
+        "{metrics}"
+    );
+    assert!(metrics.contains("idemgate_worker_id_leased 1"), "{metrics}");
+    assert!(
+        metrics.contains("idemgate_worker_lease_lost_total 0"),
+        "{metrics}"
+    );
+    // Record keys and leases never mix: the record is the only other key.
+    let mut keys = redis.keys();
+    keys.retain(|k| !k.starts_with("idemgate:worker:"));
+    assert_eq!(keys.len(), 2, "{keys:?}");
+}
+
+#[tokio::test]
+async fn a_lease_another_process_took_moves_the_proxy_to_a_free_worker_id() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = leasing_proxy(&backend, &[redis.url()], "orders-taken").await;
+    let id = leased_worker_id(&proxy).await;
+    // As if this process had gone unrenewed past its lease and another had taken the id.
+    let key = format!("idemgate:worker:{id}");
+    let _: () = redis.cmd(&["HSET", &key, "h", "another process"]);
+
+    proxy
+        .log_containing("another process holds this worker id's lease")
+        .await;
+    let moved = leased_worker_id(&proxy).await;
+    assert_ne!(moved, id);
+    assert_eq!(
+        redis.cmd::<String>(&["HGET", &key, "h"]),
+        "another process",
+        "a lease held by another is never taken over"
+    );
+    let ok = Request::post("/orders")
+        .key("after-move")
+        .body("x")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(ok.result(), Some("MISS"));
+    assert_eq!(last_worker(&backend), moved);
+    proxy
+        .metrics_containing("idemgate_worker_lease_lost_total 1")
+        .await;
+}
+
+#[tokio::test]
+async fn a_proxy_started_while_redis_is_down_leases_its_worker_id_once_redis_is_up() {
+    let port = RedisServer::unused_port();
+    let backend = Backend::start().await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let proxy = leasing_proxy(&backend, std::slice::from_ref(&url), "orders-early").await;
+    proxy.log_containing("leasing a worker id failed").await;
+    let settings = worker_id_settings(&proxy).await;
+    assert_eq!(settings["worker_id_leased"], false, "{settings}");
+
+    let redis = RedisServer::start_on(port);
+    let id = leased_worker_id(&proxy).await;
+    let holder: String = redis.cmd(&["HGET", &format!("idemgate:worker:{id}"), "h"]);
+    assert!(holder.ends_with(" orders-early"), "{holder}");
+    proxy.log_containing("worker id leased").await;
+}
+
+#[tokio::test]
+async fn with_every_worker_id_leased_the_proxy_says_so_and_still_serves() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    // Held by others, and (ids 1000 and up) keys that are no lease: a string, and a hash with
+    // no holder. None is ever taken over.
+    let mut mset = vec!["MSET".to_string()];
+    for id in 1000..1023 {
+        mset.push(format!("idemgate:worker:{id}"));
+        mset.push("someone".to_string());
+    }
+    let args: Vec<&str> = mset.iter().map(String::as_str).collect();
+    let _: () = redis.cmd(&args);
+    let _: () = redis.cmd(&["HSET", "idemgate:worker:1023", "other", "x"]);
+    let fill =
+        "for id = 0, 999 do redis.call('HSET', 'idemgate:worker:' .. id, 'h', 'someone') end";
+    let _: () = redis.cmd(&["EVAL", fill, "0"]);
+
+    let proxy = leasing_proxy(&backend, &[redis.url()], "orders-crowded").await;
+    proxy
+        .log_containing("all 1024 worker ids are leased by other processes")
+        .await;
+    let ready = Request::get("/readyz").send(proxy.admin).await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    let ok = Request::post("/orders")
+        .key("crowded")
+        .body("x")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(ok.result(), Some("MISS"));
+    proxy
+        .metrics_containing("idemgate_worker_id_leased 0")
+        .await;
+    // Nothing was overwritten.
+    assert_eq!(
+        redis.cmd::<String>(&["HGET", "idemgate:worker:0", "h"]),
+        "someone"
+    );
+    assert_eq!(
+        redis.cmd::<String>(&["GET", "idemgate:worker:1000"]),
+        "someone"
+    );
+    let other: Vec<String> = redis.cmd(&["HKEYS", "idemgate:worker:1023"]);
+    assert_eq!(other, ["other"]);
+}

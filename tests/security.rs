@@ -50,13 +50,32 @@ async fn readyz_becomes(proxy: &Proxy, status: u16) -> String {
 /// A proxy on the TLS Redis `redis`, trusting `pki`'s CA (with its client certificate when
 /// `client_cert`).
 async fn tls_proxy(backend: &Backend, redis: &TlsRedis, pki: &Pki, client_cert: bool) -> Proxy {
+    tls_builder(backend, redis, pki, client_cert).start().await
+}
+
+fn tls_builder(backend: &Backend, redis: &TlsRedis, pki: &Pki, client_cert: bool) -> ProxyBuilder {
     let mut builder = ProxyBuilder::new(backend)
         .redis(&[redis.url()])
         .env("IDEMGATE_ADMIN_TOKEN", TOKEN);
     for line in pki.store_lines(client_cert) {
         builder = builder.store(&line);
     }
-    builder.start().await
+    builder
+}
+
+/// Leases its worker id (no `worker_id` in the config), under a host name every such proxy
+/// shares, so the second one finds the first one's id held.
+fn leasing(builder: ProxyBuilder) -> ProxyBuilder {
+    builder.no_worker_id().env("POD_NAME", "orders-acl")
+}
+
+/// Splits keys into records and worker-id leases; asserts the leases are `count` distinct ids.
+fn records_and_leases(keys: Vec<String>, count: usize) -> Vec<String> {
+    let (leases, records): (Vec<String>, Vec<String>) = keys
+        .into_iter()
+        .partition(|k| k.starts_with("idemgate:worker:"));
+    assert_eq!(leases.len(), count, "{leases:?}");
+    records
 }
 
 #[tokio::test]
@@ -64,9 +83,14 @@ async fn redis_over_tls_with_a_private_ca_and_an_acl_user_replays_across_instanc
     let pki = Pki::generate("idemgate");
     let redis = TlsRedis::start(&pki, "no");
     let backend = Backend::start().await;
-    let a = tls_proxy(&backend, &redis, &pki, false).await;
-    let b = tls_proxy(&backend, &redis, &pki, false).await;
+    // Both lease their worker ids, as the ACL user too.
+    let a = leasing(tls_builder(&backend, &redis, &pki, false))
+        .start()
+        .await;
     readyz_becomes(&a, 200).await;
+    let b = leasing(tls_builder(&backend, &redis, &pki, false))
+        .start()
+        .await;
     readyz_becomes(&b, 200).await;
 
     let req = Request::post("/orders")
@@ -82,7 +106,7 @@ async fn redis_over_tls_with_a_private_ca_and_an_acl_user_replays_across_instanc
     assert_eq!(backend.count(), 1);
 
     // Every key the proxies wrote is a record under the prefix the ACL user is limited to.
-    let keys = redis.scan_keys();
+    let keys = records_and_leases(redis.scan_keys(), 2);
     assert_eq!(keys.len(), 1, "{keys:?}");
     assert!(keys[0].starts_with("idemgate:{default:"), "{keys:?}");
     // Both proxies are connected as the ACL user, over TLS (the server has no plain port).
@@ -142,7 +166,7 @@ async fn miss_then_hit_on_two_proxies(urls: &[String], pki: &Pki, key: &str) -> 
     let backend = Backend::start().await;
     let mut proxies = Vec::new();
     for _ in 0..2 {
-        let mut builder = ProxyBuilder::new(&backend).redis(urls);
+        let mut builder = leasing(ProxyBuilder::new(&backend).redis(urls));
         for line in pki.store_lines(false) {
             builder = builder.store(&line);
         }
@@ -165,7 +189,7 @@ async fn redis_cluster_over_tls_with_a_private_ca() {
     let pki = Pki::generate("idemgate");
     let cluster = TlsCluster::start(&pki, 3);
     let _proxies = miss_then_hit_on_two_proxies(&cluster.urls(), &pki, "tls-cluster-1").await;
-    let keys = cluster.scan_keys();
+    let keys = records_and_leases(cluster.scan_keys(), 2);
     assert_eq!(keys.len(), 1, "{keys:?}");
     for node in &cluster.nodes {
         let denied: Vec<redis::Value> = node.cmd(&["ACL", "LOG"]);
@@ -182,7 +206,7 @@ async fn sentinel_over_tls_with_a_private_ca() {
     let pki = Pki::generate("idemgate");
     let setup = TlsSentinel::start(&pki);
     let _proxies = miss_then_hit_on_two_proxies(&[setup.url()], &pki, "tls-sentinel-1").await;
-    assert_eq!(setup.primary.scan_keys().len(), 1);
+    assert_eq!(records_and_leases(setup.primary.scan_keys(), 2).len(), 1);
     let denied: Vec<redis::Value> = setup.primary.cmd(&["ACL", "LOG"]);
     assert!(denied.is_empty(), "ACL denials: {denied:?}");
 }

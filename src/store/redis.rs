@@ -49,7 +49,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -1063,6 +1063,43 @@ impl RedisStore {
     async fn read(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         self.run(ScriptOp::Get, key, &[], parse_read).await
     }
+
+    /// The key of worker id `id`'s lease: `<prefix>:worker:<id>`. Record keys all carry a hash
+    /// tag (`{...}`) right after the prefix, so no record has this key.
+    pub fn worker_lease_key(&self, id: u16) -> String {
+        format!("{}:worker:{id}", self.prefix)
+    }
+
+    /// Takes the lease on worker id `id` for `holder`, or renews it if `holder` has it, for
+    /// `lease` from now (`lua/worker_lease.lua`). `Ok(false)`: another holder has it.
+    pub async fn lease_worker_id(
+        &self,
+        id: u16,
+        holder: &str,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        static SCRIPT: LazyLock<redis::Script> =
+            LazyLock::new(|| redis::Script::new(WORKER_LEASE_SCRIPT));
+        let key = self.worker_lease_key(id);
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha
+            .arg(SCRIPT.get_hash())
+            .arg(1)
+            .arg(&key)
+            .arg(holder)
+            .arg(millis(lease));
+        let call = Call::Script {
+            evalsha,
+            text: WORKER_LEASE_SCRIPT,
+            key: &key,
+        };
+        let reply = self.send("worker lease", call).await.map_err(|f| f.error)?;
+        match reply {
+            Value::Int(1) => Ok(true),
+            Value::Int(0) => Ok(false),
+            other => Err(unexpected("worker lease", &other)),
+        }
+    }
 }
 
 /// What one caller's repeated calls have counted in a canary's error window: at most one success
@@ -1437,6 +1474,9 @@ fn eval_of(evalsha: &Cmd, text: &str) -> Cmd {
 }
 
 // === encoding of arguments and replies ===
+
+/// The worker-id lease script: see `lua/worker_lease.lua` and [`crate::worker_lease`].
+const WORKER_LEASE_SCRIPT: &str = include_str!("../../lua/worker_lease.lua");
 
 /// `SCRIPT LOAD <text>`.
 fn script_load(text: &str) -> Cmd {

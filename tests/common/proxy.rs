@@ -48,7 +48,7 @@ pub struct ProxyBuilder {
     top: Vec<String>,
     env: Vec<(String, String)>,
     configmap: bool,
-    worker_id: u16,
+    worker_id: Option<u16>,
     threads: usize,
 }
 
@@ -75,13 +75,19 @@ impl ProxyBuilder {
             top: vec![],
             env: vec![],
             configmap: false,
-            worker_id: 1,
+            worker_id: Some(1),
             threads: 2,
         }
     }
     /// The Snowflake worker id (default 1); give each of several instances its own.
     pub fn worker_id(mut self, id: u16) -> Self {
-        self.worker_id = id;
+        self.worker_id = Some(id);
+        self
+    }
+    /// No worker id in the config: the proxy picks one (on Redis, it leases one).
+    #[allow(dead_code)]
+    pub fn no_worker_id(mut self) -> Self {
+        self.worker_id = None;
         self
     }
     /// A line (`key: value`) added to the `orders` route's idempotency block.
@@ -141,7 +147,7 @@ impl ProxyBuilder {
         format!(
             "listen: \"127.0.0.1:{port}\"\nthreads: {threads}\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
              upstreams:\n  orders:\n    addrs: [\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
-             idempotency:\n  worker_id: {worker_id}\n{global}store:\n  backend: {store_backend}\n{store}\
+             idempotency:\n  {worker_id}\n{global}store:\n  backend: {store_backend}\n{store}\
              routes:\n  - name: orders\n    methods: [POST, PUT, PATCH, DELETE]\n    path_prefix: /orders\n    upstream: orders\n    idempotency:\n      key: required\n{idem}\
              \x20 - name: optional\n    methods: [POST]\n    path_prefix: /optional\n    upstream: orders\n    idempotency:\n      key: optional\n\
              \x20 - name: plain\n    path_prefix: /plain\n    upstream: orders\n",
@@ -149,7 +155,11 @@ impl ProxyBuilder {
             backend = self.backend,
             up = ind(&self.upstream, 4),
             store_backend = self.store_backend,
-            worker_id = self.worker_id,
+            // The block must not be empty: a filler line when no id is set.
+            worker_id = match self.worker_id {
+                Some(id) => format!("worker_id: {id}"),
+                None => "default_tenant: default".to_string(),
+            },
             threads = self.threads,
             store = ind(&self.store, 2),
             idem = ind(&self.idempotency, 6),

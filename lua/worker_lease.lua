@@ -1,0 +1,42 @@
+-- worker_lease.lua: take or keep the lease on one Snowflake worker id.
+--
+-- Not a record script: it belongs to no script version (lua/v1, lua/v2) and runs every few
+-- seconds per process. Loaded with SCRIPT LOAD and called with EVALSHA like them, and it runs
+-- only commands the record scripts run, so the least-privilege ACL user needs nothing more.
+--
+-- KEYS[1]  the lease: <prefix>:worker:<id>, a hash (no hash tag; every record key has one)
+-- ARGV[1]  the holder: a random token of the calling process and its host name
+-- ARGV[2]  lease, milliseconds (decimal integer >= 1, sent to PEXPIRE as this text)
+--
+-- Reply:
+--   1  the caller holds the lease for ARGV[2] ms from now
+--   0  another holder has it (or the key is no lease); nothing changed
+--
+-- Transition:
+--   absent                  -> held by ARGV[1] (field h) for ARGV[2] ms
+--   held by ARGV[1]         -> the same, its expiry moved to ARGV[2] ms from now
+--   held by another holder  -> unchanged
+--   A holder that renews too late finds its lease either still free (taken again, as if new)
+--   or another's (0): it never takes over a lease someone else holds.
+
+local key = KEYS[1]
+local found = redis.pcall('HMGET', key, 'h')
+if found.err then
+  -- Not a hash: some other key under this name. Never overwritten.
+  return 0
+end
+local holder = found[1]
+if not holder then
+  -- A hash without the field is some other key too (PTTL -2: no key at all).
+  if redis.call('PTTL', key) ~= -2 then
+    return 0
+  end
+  redis.call('HSET', key, 'h', ARGV[1])
+  redis.call('PEXPIRE', key, ARGV[2])
+  return 1
+end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', key, ARGV[2])
+  return 1
+end
+return 0

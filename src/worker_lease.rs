@@ -1,0 +1,347 @@
+//! Snowflake worker ids leased from Redis, so replicas that share a store never issue
+//! `X-Idempotency-Id`s under one worker id at the same time.
+//!
+//! Backends put execution ids under a unique index. Two replicas with one worker id issue the
+//! same id whenever both take their first id in the same millisecond, and the backend then
+//! refuses (or, deduplicating on the id, answers with another request's outcome) a legitimate
+//! request. A worker id hashed from the pod name repeats by the birthday rule (one chance in two
+//! among 38 replicas), and a Deployment gives its pods no ordinal to configure one from.
+//!
+//! So on the Redis store, with no `idempotency.worker_id` and no `IDEMGATE_WORKER_ID`, a process
+//! leases its id (`lua/worker_lease.lua`): the key `<prefix>:worker:<id>` holds a random token of
+//! the process and its host name for `idempotency.worker_lease` (30 s), and is renewed every
+//! third of that. It tries the id its host name hashes to first, then the next ones in turn
+//! (modulo 1024), so a pod keeps the id its name gives it unless another process holds that.
+//!
+//! A lease is never given back: it runs out. A successor that takes the id therefore starts at
+//! least one lease after the last id issued under it, which covers clocks that differ between
+//! hosts (or step back across a restart) by less than that.
+//!
+//! What the lease cannot rule out, and what happens then:
+//! - **Redis unreachable at the start:** ids go out under the hashed id, unleased, until a
+//!   lease is taken; the first keyed requests wait up to [`FIRST_LEASE_WAIT`] for the first
+//!   attempt, and `/readyz` answers 503 until it has ended.
+//! - **Every id held by others:** the hashed id is used unleased; a warning says so and
+//!   `idemgate_worker_id_leased` is 0.
+//! - **Cut off from Redis longer than the lease:** the process keeps its id (it has no other it
+//!   could trust). A process started meanwhile may lease the same id; the first renewal that
+//!   gets through finds it taken, and the process moves to a free id at once.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{watch, Notify};
+
+use crate::snowflake::{self, Snowflake, MAX_WORKER_ID};
+use crate::store::redis::RedisStore;
+use crate::store::StoreError;
+
+/// Longest a keyed request waits for the first lease attempt before taking an id anyway: the
+/// attempt ends within one Redis operation's deadline per id it tries, so this is only reached
+/// when Redis is slow or down at the start.
+pub const FIRST_LEASE_WAIT: Duration = Duration::from_secs(2);
+
+/// Pause before trying again after Redis did not answer a lease call.
+const RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// Where the worker id in use came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerIdSource {
+    /// `idempotency.worker_id`.
+    Config,
+    /// `IDEMGATE_WORKER_ID`.
+    Environment,
+    /// Hashed from the host name (the memory store: one process, nothing to share ids with).
+    HostName,
+    /// Leased from Redis (see the module docs).
+    Lease,
+}
+
+impl WorkerIdSource {
+    /// The name `/admin/config` shows.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerIdSource::Config => "config",
+            WorkerIdSource::Environment => "environment",
+            WorkerIdSource::HostName => "host name",
+            WorkerIdSource::Lease => "lease",
+        }
+    }
+}
+
+/// The execution-id generator of a process and the state of its worker id.
+#[derive(Debug)]
+pub struct WorkerIds {
+    snowflake: Snowflake,
+    source: WorkerIdSource,
+    /// The id in use is leased right now (only ever set under [`WorkerIdSource::Lease`]).
+    leased: AtomicBool,
+    /// The first lease attempt has ended (or there is none to make).
+    settled: AtomicBool,
+    settled_notify: Notify,
+    /// Leases found held by another process at renewal.
+    lost: AtomicU64,
+    /// Lease calls Redis did not answer (or answered with an error).
+    failures: AtomicU64,
+}
+
+impl WorkerIds {
+    /// Ids under a worker id that needs no lease.
+    pub fn fixed(worker_id: u16, source: WorkerIdSource) -> Self {
+        Self::with(worker_id, source, true)
+    }
+
+    /// Ids under `first_choice` until a [`Lease`] has taken one.
+    pub fn to_lease(first_choice: u16) -> Self {
+        Self::with(first_choice, WorkerIdSource::Lease, false)
+    }
+
+    fn with(worker_id: u16, source: WorkerIdSource, settled: bool) -> Self {
+        WorkerIds {
+            snowflake: Snowflake::new(worker_id),
+            source,
+            leased: AtomicBool::new(false),
+            settled: AtomicBool::new(settled),
+            settled_notify: Notify::new(),
+            lost: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        }
+    }
+
+    /// The next execution id. While the first lease attempt is out, waits for it (at most
+    /// [`FIRST_LEASE_WAIT`]), so an id is not issued under a worker id the lease then gives up.
+    pub async fn next_id(&self) -> u64 {
+        if !self.settled.load(Ordering::Acquire) {
+            let notified = self.settled_notify.notified();
+            tokio::pin!(notified);
+            // Registered before the flag is read again, so a settle in between is not missed.
+            notified.as_mut().enable();
+            if !self.settled.load(Ordering::Acquire) {
+                let _ = tokio::time::timeout(FIRST_LEASE_WAIT, notified).await;
+            }
+        }
+        self.snowflake.next_id()
+    }
+
+    /// The worker id in use.
+    pub fn worker_id(&self) -> u16 {
+        self.snowflake.worker_id()
+    }
+
+    pub fn source(&self) -> WorkerIdSource {
+        self.source
+    }
+
+    /// Whether the id in use is leased right now.
+    pub fn is_leased(&self) -> bool {
+        self.leased.load(Ordering::Relaxed)
+    }
+
+    /// Whether the first lease attempt has ended (always, without a lease).
+    pub fn is_settled(&self) -> bool {
+        self.settled.load(Ordering::Acquire)
+    }
+
+    /// Leases found held by another process at renewal.
+    pub fn leases_lost(&self) -> u64 {
+        self.lost.load(Ordering::Relaxed)
+    }
+
+    /// Lease calls that failed.
+    pub fn lease_failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    fn settle(&self) {
+        if !self.settled.swap(true, Ordering::AcqRel) {
+            self.settled_notify.notify_waiters();
+        }
+    }
+}
+
+/// Keeps a worker id leased for a [`WorkerIds`]; see the module docs.
+pub struct Lease {
+    store: Arc<RedisStore>,
+    ids: Arc<WorkerIds>,
+    /// What the lease key holds: a random token (this process) and the host name (for people).
+    holder: String,
+    lease: Duration,
+    first_choice: u16,
+}
+
+impl Lease {
+    /// A lease for `ids` on `store`, held for `lease` at a time, starting the search at the id
+    /// `ids` was made with.
+    pub fn new(store: Arc<RedisStore>, ids: Arc<WorkerIds>, lease: Duration) -> Self {
+        let name = snowflake::host_name().unwrap_or_else(|| std::process::id().to_string());
+        let holder = format!("{:032x} {name}", rand::random::<u128>());
+        let first_choice = ids.worker_id();
+        Lease {
+            store,
+            ids,
+            holder,
+            lease,
+            first_choice,
+        }
+    }
+
+    /// Takes a lease and keeps it (or another, when it is lost) until `shutdown` turns true.
+    pub async fn run(&self, mut shutdown: watch::Receiver<bool>) {
+        let renew_every = self.lease / 3;
+        let mut held: Option<u16> = None;
+        // Each condition is logged when it starts, not on every retry.
+        let mut failing = false;
+        let mut none_free = false;
+        loop {
+            let pause = match held {
+                Some(id) => match self
+                    .store
+                    .lease_worker_id(id, &self.holder, self.lease)
+                    .await
+                {
+                    Ok(true) => {
+                        if std::mem::take(&mut failing) {
+                            tracing::info!(worker_id = id, "worker id lease renewed again");
+                        }
+                        renew_every
+                    }
+                    Ok(false) => {
+                        self.ids.lost.fetch_add(1, Ordering::Relaxed);
+                        self.ids.leased.store(false, Ordering::Relaxed);
+                        held = None;
+                        tracing::error!(
+                            worker_id = id,
+                            key = %self.store.worker_lease_key(id),
+                            "another process holds this worker id's lease (this one went \
+                             unrenewed for longer than idempotency.worker_lease); leasing \
+                             another id now"
+                        );
+                        Duration::ZERO
+                    }
+                    Err(e) => {
+                        self.failed(&mut failing, &e, "renewing the worker id lease failed");
+                        RETRY_PAUSE.min(renew_every)
+                    }
+                },
+                None => match self.acquire().await {
+                    Ok(Some(id)) => {
+                        self.ids.snowflake.set_worker_id(id);
+                        self.ids.leased.store(true, Ordering::Relaxed);
+                        held = Some(id);
+                        failing = false;
+                        none_free = false;
+                        tracing::info!(
+                            worker_id = id,
+                            key = %self.store.worker_lease_key(id),
+                            lease_seconds = self.lease.as_secs_f64(),
+                            "worker id leased"
+                        );
+                        self.ids.settle();
+                        renew_every
+                    }
+                    Ok(None) => {
+                        if !std::mem::replace(&mut none_free, true) {
+                            tracing::warn!(
+                                worker_id = self.ids.worker_id(),
+                                "all 1024 worker ids are leased by other processes: issuing \
+                                 execution ids under this one unleased, so they may repeat \
+                                 another replica's; trying again every {}s",
+                                renew_every.as_secs_f64()
+                            );
+                        }
+                        self.ids.settle();
+                        renew_every
+                    }
+                    Err(e) => {
+                        self.failed(
+                            &mut failing,
+                            &e,
+                            "leasing a worker id failed; execution ids go out under the \
+                             unleased one until a lease is taken",
+                        );
+                        self.ids.settle();
+                        RETRY_PAUSE.min(renew_every)
+                    }
+                },
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = shutdown.changed() => return,
+            }
+            if *shutdown.borrow() {
+                return;
+            }
+        }
+    }
+
+    /// Leases the first free id from `first_choice` on; `None` when every id is held.
+    async fn acquire(&self) -> Result<Option<u16>, StoreError> {
+        let count = MAX_WORKER_ID + 1;
+        for step in 0..count {
+            let id = (self.first_choice + step) % count;
+            if self
+                .store
+                .lease_worker_id(id, &self.holder, self.lease)
+                .await?
+            {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
+    }
+
+    fn failed(&self, failing: &mut bool, error: &StoreError, what: &str) {
+        self.ids.failures.fetch_add(1, Ordering::Relaxed);
+        if !std::mem::replace(failing, true) {
+            tracing::warn!(worker_id = self.ids.worker_id(), error = %error, "{what}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_fixed_id_is_settled_and_never_waits() {
+        let ids = WorkerIds::fixed(7, WorkerIdSource::Config);
+        assert!(ids.is_settled());
+        let id = tokio::time::timeout(Duration::from_millis(100), ids.next_id())
+            .await
+            .expect("no wait");
+        assert_eq!(snowflake::decode(id).worker_id, 7);
+        assert!(!ids.is_leased());
+    }
+
+    #[tokio::test]
+    async fn ids_wait_for_the_first_attempt_and_take_the_id_it_leased() {
+        let ids = Arc::new(WorkerIds::to_lease(5));
+        assert!(!ids.is_settled());
+        let waiting = tokio::spawn({
+            let ids = ids.clone();
+            async move { ids.next_id().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !waiting.is_finished(),
+            "an id went out before the attempt ended"
+        );
+        ids.snowflake.set_worker_id(900);
+        ids.settle();
+        let id = tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .expect("woken by the settle")
+            .expect("task");
+        assert_eq!(snowflake::decode(id).worker_id, 900);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_wait_for_the_first_attempt_is_bounded() {
+        let ids = WorkerIds::to_lease(5);
+        let started = tokio::time::Instant::now();
+        let id = ids.next_id().await;
+        assert_eq!(started.elapsed(), FIRST_LEASE_WAIT);
+        assert_eq!(snowflake::decode(id).worker_id, 5);
+    }
+}
