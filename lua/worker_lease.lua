@@ -22,8 +22,12 @@
 local key = KEYS[1]
 local found = redis.pcall('HMGET', key, 'h')
 if found.err then
-  -- Not a hash: some other key under this name. Never overwritten.
-  return 0
+  -- Not a hash: some other key under this name, never overwritten. Any other error (an ACL
+  -- that does not grant the key, say) is the caller's to see, not a lease held elsewhere.
+  if string.find(found.err, 'WRONGTYPE', 1, true) then
+    return 0
+  end
+  return found
 end
 local holder = found[1]
 if not holder then

@@ -1052,6 +1052,27 @@ impl Config {
                 ));
             }
         }
+        if let (StoreBackend::Redis, None, Some(redis)) = (
+            self.store.backend,
+            self.idempotency.worker_id,
+            self.store.redis.as_ref(),
+        ) {
+            // A renewal goes out every third of the lease; one that takes Redis's whole
+            // deadline and then fails leaves its retry (a second later) too little time.
+            let deadline = redis.connect_timeout + 2 * redis.response_timeout;
+            let slack = self.idempotency.worker_lease / 3;
+            if deadline + Duration::from_secs(1) >= slack {
+                warnings.push(format!(
+                    "idempotency.worker_lease ({}) leaves a renewal {} between tries, no more than \
+                     a Redis call may take plus the retry pause ({} = connect_timeout + 2 × \
+                     response_timeout, + 1s): one slow renewal can let the lease lapse while \
+                     this process still uses its worker id",
+                    fmt_duration(self.idempotency.worker_lease),
+                    fmt_duration(slack),
+                    fmt_duration(deadline + Duration::from_secs(1)),
+                ));
+            }
+        }
         warnings
     }
 
@@ -3505,6 +3526,28 @@ routes:
             "idempotency: {{default_tenant: \"Org_1.eu:prod-2\"}}\n{MINIMAL}"
         ));
         assert_eq!(config.idempotency.default_tenant, "Org_1.eu:prod-2");
+    }
+
+    #[test]
+    fn a_worker_lease_too_short_for_the_redis_deadline_is_warned_of() {
+        let warned = |text: &str| {
+            load(&format!("{text}\n{MINIMAL}"))
+                .warnings()
+                .iter()
+                .any(|w| w.starts_with("idempotency.worker_lease (3s)"))
+        };
+        // 1s between renewals, against 1.4s of Redis deadline plus a second's pause.
+        assert!(warned(
+            "idempotency: {worker_lease: 3s}\nstore: {backend: redis}"
+        ));
+        assert!(!warned(
+            "idempotency: {worker_lease: 30s}\nstore: {backend: redis}"
+        ));
+        // Nothing is leased: a configured id, or the memory store.
+        assert!(!warned(
+            "idempotency: {worker_lease: 3s, worker_id: 4}\nstore: {backend: redis}"
+        ));
+        assert!(!warned("idempotency: {worker_lease: 3s}"));
     }
 
     #[test]

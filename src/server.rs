@@ -773,8 +773,9 @@ struct WorkerLeaseService(Lease);
 
 #[async_trait]
 impl BackgroundService for WorkerLeaseService {
-    async fn start(&self, shutdown: ShutdownWatch) {
-        self.0.run(shutdown).await;
+    async fn start(&self, _shutdown: ShutdownWatch) {
+        // Runs through the drain: requests still take execution ids then.
+        self.0.run().await;
     }
 }
 

@@ -154,7 +154,7 @@ pub fn host_name() -> Option<String> {
 
 /// FNV-1a over the name, folded to 10 bits. Stable across builds and platforms, unlike std's
 /// `DefaultHasher`, so a pod keeps its worker id across upgrades.
-fn worker_id_from_name(name: &str) -> u16 {
+pub fn worker_id_from_name(name: &str) -> u16 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in name.as_bytes() {
         h ^= u64::from(b);

@@ -13,9 +13,11 @@
 //! third of that. It tries the id its host name hashes to first, then the next ones in turn
 //! (modulo 1024), so a pod keeps the id its name gives it unless another process holds that.
 //!
-//! A lease is never given back: it runs out. A successor that takes the id therefore starts at
-//! least one lease after the last id issued under it, which covers clocks that differ between
-//! hosts (or step back across a restart) by less than that.
+//! A lease is renewed through the shutdown drain (requests still take ids then) and never
+//! given back: it runs out. A process that stops, crashed or drained, last renewed less than a
+//! third of a lease (plus a slow call) before, so a successor taking its id starts about two
+//! thirds of a lease (20 s by default) after the last id issued under it at the least, which
+//! covers clocks that differ between hosts (or step back across a restart) by less than that.
 //!
 //! What the lease cannot rule out, and what happens then:
 //! - **Redis unreachable at the start:** ids go out under the hashed id, unleased, until a
@@ -23,15 +25,22 @@
 //!   attempt, and `/readyz` answers 503 until it has ended.
 //! - **Every id held by others:** the hashed id is used unleased; a warning says so and
 //!   `idemgate_worker_id_leased` is 0.
-//! - **Cut off from Redis longer than the lease:** the process keeps its id (it has no other it
-//!   could trust). A process started meanwhile may lease the same id; the first renewal that
-//!   gets through finds it taken, and the process moves to a free id at once.
+//! - **Cut off from Redis (or paused) longer than the lease:** the process keeps its id (it has
+//!   no other it could trust); `idemgate_worker_id_leased` turns 0 once the lease may have run
+//!   out. A process started meanwhile may lease the same id; the first renewal that gets
+//!   through finds it taken, and the process moves to a free id at once. A paused process
+//!   issues ids on resuming before that renewal has answered.
+//! - **A failover that loses the lease's write** (replication is asynchronous): another process
+//!   may take the id; this one finds out at its next renewal, a third of a lease later at most,
+//!   and moves.
+//! - **An id whose key Redis cannot reach** (a Cluster shard down) is passed over while Redis
+//!   answers for other ids.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tokio::sync::{watch, Notify};
+use tokio::sync::Notify;
 
 use crate::snowflake::{self, Snowflake, MAX_WORKER_ID};
 use crate::store::redis::RedisStore;
@@ -44,6 +53,13 @@ pub const FIRST_LEASE_WAIT: Duration = Duration::from_secs(2);
 
 /// Pause before trying again after Redis did not answer a lease call.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// A search for a free id gives up after this many calls Redis did not answer when none has
+/// been answered (Redis is down), and after [`MAX_SEARCH_FAILURES`] in all. Between the two, a
+/// failing id is passed over: on a Cluster with one shard down, the ids whose keys live on the
+/// others can still be leased.
+const DOWN_AFTER_FAILURES: u32 = 3;
+const MAX_SEARCH_FAILURES: u32 = 64;
 
 /// Where the worker id in use came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,8 +91,12 @@ impl WorkerIdSource {
 pub struct WorkerIds {
     snowflake: Snowflake,
     source: WorkerIdSource,
-    /// The id in use is leased right now (only ever set under [`WorkerIdSource::Lease`]).
+    /// The id in use is leased (only ever set under [`WorkerIdSource::Lease`])...
     leased: AtomicBool,
+    /// ...until this point (milliseconds after `base`): the last successful call was sent less
+    /// than a lease before it. Past it, Redis may have let the lease go.
+    leased_until_ms: AtomicU64,
+    base: Instant,
     /// The first lease attempt has ended (or there is none to make).
     settled: AtomicBool,
     settled_notify: Notify,
@@ -102,6 +122,8 @@ impl WorkerIds {
             snowflake: Snowflake::new(worker_id),
             source,
             leased: AtomicBool::new(false),
+            leased_until_ms: AtomicU64::new(0),
+            base: Instant::now(),
             settled: AtomicBool::new(settled),
             settled_notify: Notify::new(),
             lost: AtomicU64::new(0),
@@ -133,9 +155,25 @@ impl WorkerIds {
         self.source
     }
 
-    /// Whether the id in use is leased right now.
+    /// Whether the id in use is leased right now: held, and renewed less than a lease ago
+    /// (a process whose renewals fail stops counting as leased once Redis may have let the
+    /// lease go).
     pub fn is_leased(&self) -> bool {
         self.leased.load(Ordering::Relaxed)
+            && self.millis(Instant::now()) < self.leased_until_ms.load(Ordering::Relaxed)
+    }
+
+    /// Records a lease held until `until` (or none held).
+    fn hold(&self, until: Option<Instant>) {
+        if let Some(until) = until {
+            self.leased_until_ms
+                .store(self.millis(until), Ordering::Relaxed);
+        }
+        self.leased.store(until.is_some(), Ordering::Relaxed);
+    }
+
+    fn millis(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX)
     }
 
     /// Whether the first lease attempt has ended (always, without a lease).
@@ -186,8 +224,10 @@ impl Lease {
         }
     }
 
-    /// Takes a lease and keeps it (or another, when it is lost) until `shutdown` turns true.
-    pub async fn run(&self, mut shutdown: watch::Receiver<bool>) {
+    /// Takes a lease and keeps it (or another, when it is lost) for as long as the process
+    /// lives. Not stopped by shutdown: keyed requests still take ids while they drain, so the
+    /// lease is renewed until the process exits (and then left to run out).
+    pub async fn run(&self) {
         let renew_every = self.lease / 3;
         let mut held: Option<u16> = None;
         // Each condition is logged when it starts, not on every retry.
@@ -195,11 +235,7 @@ impl Lease {
         let mut none_free = false;
         loop {
             let pause = match held {
-                Some(id) => match self
-                    .store
-                    .lease_worker_id(id, &self.holder, self.lease)
-                    .await
-                {
+                Some(id) => match self.call(id).await {
                     Ok(true) => {
                         if std::mem::take(&mut failing) {
                             tracing::info!(worker_id = id, "worker id lease renewed again");
@@ -208,7 +244,7 @@ impl Lease {
                     }
                     Ok(false) => {
                         self.ids.lost.fetch_add(1, Ordering::Relaxed);
-                        self.ids.leased.store(false, Ordering::Relaxed);
+                        self.ids.hold(None);
                         held = None;
                         tracing::error!(
                             worker_id = id,
@@ -227,7 +263,6 @@ impl Lease {
                 None => match self.acquire().await {
                     Ok(Some(id)) => {
                         self.ids.snowflake.set_worker_id(id);
-                        self.ids.leased.store(true, Ordering::Relaxed);
                         held = Some(id);
                         failing = false;
                         none_free = false;
@@ -265,27 +300,44 @@ impl Lease {
                     }
                 },
             };
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = shutdown.changed() => return,
-            }
-            if *shutdown.borrow() {
-                return;
-            }
+            tokio::time::sleep(pause).await;
         }
     }
 
-    /// Leases the first free id from `first_choice` on; `None` when every id is held.
+    /// One lease call on `id`; when the lease is this process's, records it as held for a
+    /// lease from when the call was sent.
+    async fn call(&self, id: u16) -> Result<bool, StoreError> {
+        let sent = Instant::now();
+        let held = self
+            .store
+            .lease_worker_id(id, &self.holder, self.lease)
+            .await?;
+        if held {
+            self.ids.hold(Some(sent + self.lease));
+        }
+        Ok(held)
+    }
+
+    /// Leases the first free id from `first_choice` on; `None` when every id is held (or
+    /// could not be asked about). An id whose call fails is passed over while Redis answers
+    /// for others (see [`DOWN_AFTER_FAILURES`]).
     async fn acquire(&self) -> Result<Option<u16>, StoreError> {
         let count = MAX_WORKER_ID + 1;
+        let (mut answered, mut failures) = (false, 0u32);
         for step in 0..count {
             let id = (self.first_choice + step) % count;
-            if self
-                .store
-                .lease_worker_id(id, &self.holder, self.lease)
-                .await?
-            {
-                return Ok(Some(id));
+            match self.call(id).await {
+                Ok(true) => return Ok(Some(id)),
+                Ok(false) => answered = true,
+                Err(e) => {
+                    failures += 1;
+                    let down = !answered && failures >= DOWN_AFTER_FAILURES;
+                    if down || failures >= MAX_SEARCH_FAILURES {
+                        // Counted by the caller, with the others it reports.
+                        return Err(e);
+                    }
+                    self.ids.failures.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
         Ok(None)

@@ -512,3 +512,118 @@ async fn with_every_worker_id_leased_the_proxy_says_so_and_still_serves() {
     let other: Vec<String> = redis.cmd(&["HKEYS", "idemgate:worker:1023"]);
     assert_eq!(other, ["other"]);
 }
+
+/// A host name whose hashed worker id is `id`.
+fn pod_name_hashing_to(id: u16) -> String {
+    (0..)
+        .map(|n| format!("orders-{n}"))
+        .find(|name| idemgate::snowflake::worker_id_from_name(name) == id)
+        .expect("some name hashes to every id")
+}
+
+#[tokio::test]
+async fn a_worker_id_redis_refuses_is_passed_over_and_an_acl_refusal_is_no_lease_held_elsewhere() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    // The record rights, but lease keys only for ids of two digits or more.
+    let _: () = redis.cmd(&[
+        "ACL",
+        "SETUSER",
+        "narrow",
+        "on",
+        ">narrow-password",
+        "~idemgate:{*",
+        "~idemgate:worker:??*",
+        "-@all",
+        "+evalsha",
+        "+script|load",
+        "+del",
+        "+hmget",
+        "+hset",
+        "+hdel",
+        "+pexpire",
+        "+pttl",
+        "+time",
+    ]);
+    let url = format!("redis://narrow:narrow-password@127.0.0.1:{}", redis.port);
+    // Its first choice, 9, is refused; 10 is the next id Redis lets it have.
+    let proxy = leasing_proxy(
+        &backend,
+        std::slice::from_ref(&url),
+        &pod_name_hashing_to(9),
+    )
+    .await;
+    assert_eq!(leased_worker_id(&proxy).await, 10);
+    proxy
+        .metrics_containing("idemgate_worker_lease_failures_total 1")
+        .await;
+
+    // Every first-choice id refused (0, 1, 2): Redis answers none of them, so the search stops
+    // and says why, rather than calling the ids held by others.
+    let refused = leasing_proxy(
+        &backend,
+        std::slice::from_ref(&url),
+        &pod_name_hashing_to(0),
+    )
+    .await;
+    let log = refused.log_containing("leasing a worker id failed").await;
+    assert!(log.contains("no permissions"), "{log}");
+    assert!(!log.contains("are leased by other processes"), "{log}");
+    assert_eq!(
+        worker_id_settings(&refused).await["worker_id_leased"],
+        false
+    );
+}
+
+#[tokio::test]
+async fn a_lease_that_cannot_be_renewed_stops_counting_as_leased_once_it_may_have_run_out() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = leasing_proxy(&backend, &[redis.url()], "orders-cut-off").await;
+    let id = leased_worker_id(&proxy).await;
+    redis.kill();
+    // Renewals fail from now on; the 3 s lease runs out in Redis's eyes within 3 s.
+    proxy
+        .metrics_containing("idemgate_worker_id_leased 0")
+        .await;
+    let settings = worker_id_settings(&proxy).await;
+    assert_eq!(
+        settings["worker_id_in_use"], id,
+        "the id is kept: {settings}"
+    );
+    redis.restart();
+    // The first renewal that gets through takes the (now free) id again.
+    assert_eq!(leased_worker_id(&proxy).await, id);
+}
+
+#[tokio::test]
+async fn the_lease_is_renewed_while_requests_drain_after_sigterm() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let mut proxy = leasing_proxy(&backend, &[redis.url()], "orders-draining").await;
+    let id = leased_worker_id(&proxy).await;
+    let key = format!("idemgate:worker:{id}");
+    let addr = proxy.addr;
+    let slow = tokio::spawn(async move {
+        Request::post("/orders/slow/6000")
+            .key("drain-lease")
+            .body("x")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.signal("TERM");
+    // Past the 3 s lease counted from any renewal before the SIGTERM: still held, renewed.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(proxy.exited().is_none(), "still draining");
+    let holder: Option<String> = redis.cmd(&["HGET", &key, "h"]);
+    assert!(
+        holder.is_some_and(|h| h.ends_with(" orders-draining")),
+        "the lease ran out while requests still drained"
+    );
+    let answered = slow.await.expect("request task");
+    assert_eq!(answered.result(), Some("MISS"));
+    assert_eq!(last_worker(&backend), id);
+    let status = proxy.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert!(status.success(), "{status:?}");
+}
