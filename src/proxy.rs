@@ -678,8 +678,13 @@ impl Gate {
         let mut too_large = false;
         // A response still streaming (a slow backend, a slow client) when the lock is three
         // quarters gone is settled first: stored as executed but not replayable, so a retry
-        // after the lock would have lapsed gets 409, never a second execution.
+        // after the lock would have lapsed gets 409, never a second execution. The body gets
+        // one renewal first: a head that came just before the alarm (or after a renewal that
+        // failed) would otherwise leave a small body no time at all, and a complete answer
+        // would be stored as not replayable. One only, so a body dribbling in (or a client
+        // taking it slowly) cannot hold the key past a lock and a half.
         let mut settled = false;
+        let mut body_renewed = false;
         let body_result: std::result::Result<(), UpstreamError> = loop {
             let step = async {
                 let Some(chunk) = exchange.next_chunk().await? else {
@@ -696,17 +701,24 @@ impl Gate {
                 out.push(session, chunk).await;
                 Ok(true)
             };
-            let stepped = match claim.as_ref().filter(|_| storable && !settled) {
+            let stepped = match claim.as_mut().filter(|_| storable && !settled) {
                 None => step.await,
                 Some(c) => {
                     let mut step = pin!(step);
-                    match upstream::until(c.alarm(), step.as_mut()).await {
-                        Ok(stepped) => stepped,
-                        Err(_) => {
-                            self.settle(c, status).await;
-                            settled = true;
-                            step.await
+                    loop {
+                        match upstream::until(c.alarm(), step.as_mut()).await {
+                            Ok(stepped) => break stepped,
+                            Err(_) if !body_renewed && Instant::now() < c.lock_deadline => {
+                                body_renewed = true;
+                                if matches!(self.renew(c).await, Renewal::Renewed) {
+                                    continue;
+                                }
+                            }
+                            Err(_) => {}
                         }
+                        self.settle(c, status).await;
+                        settled = true;
+                        break step.await;
                     }
                 }
             };
@@ -966,7 +978,7 @@ impl Gate {
             Ok(ClaimOutcome::Acquired { .. }) => {
                 claim.lock_deadline = started + claim.req.lock_ttl;
                 self.metrics.lock_renewals.inc();
-                tracing::info!(%record, "still waiting for the backend's answer; lock renewed");
+                tracing::info!(%record, "the backend is still answering; lock renewed");
                 Renewal::Renewed
             }
             Ok(ClaimOutcome::Existing(_)) => {

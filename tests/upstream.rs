@@ -748,11 +748,12 @@ async fn a_forwarded_request_says_whether_it_reached_the_backend() {
 
 #[tokio::test]
 async fn a_response_still_streaming_as_the_lock_runs_out_is_never_executed_twice() {
-    // The head comes at once, the body over 1.6 s: longer than the 1 s lock. Before the lock
-    // lapses the outcome is stored as executed but not replayable, so a retry past the lock's
-    // end is refused instead of executed again.
-    let mut script = vec![send(b"HTTP/1.1 201 Created\r\nContent-Length: 40\r\n\r\n")];
-    for _ in 0..4 {
+    // The head comes at once, the body over 3.2 s: longer than the 1 s lock and the one
+    // renewal the body gets (at 0.75 s, to about 1.75 s). Before the lock lapses the outcome is
+    // stored as executed but not replayable, so a retry past the lock's end is refused instead
+    // of executed again.
+    let mut script = vec![send(b"HTTP/1.1 201 Created\r\nContent-Length: 80\r\n\r\n")];
+    for _ in 0..8 {
         script.push(Step::Pause(Duration::from_millis(400)));
         script.push(send(b"0123456789"));
     }
@@ -760,20 +761,55 @@ async fn a_response_still_streaming_as_the_lock_runs_out_is_never_executed_twice
     let proxy = proxy(&backend).await;
     let addr = proxy.addr;
     let first = tokio::spawn(async move { order("slow-body").send(addr).await });
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep(Duration::from_millis(2200)).await;
     let retry = order("slow-body").send(proxy.addr).await;
     assert_eq!(retry.status, 409, "{}", retry.text());
     assert_eq!(retry.problem_type(), "response-not-replayable");
     assert_eq!(retry.result(), Some("CONFLICT"));
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
-    assert_eq!(first.body, b"0123456789".repeat(4));
+    assert_eq!(first.body, b"0123456789".repeat(8));
     let later = order("slow-body").send(proxy.addr).await;
     assert_eq!(later.problem_type(), "response-not-replayable");
     assert_eq!(backend.count(), 1, "executed once");
     proxy
         .metrics_containing("idemgate_settled_streaming_total 1")
         .await;
+}
+
+#[tokio::test]
+async fn a_small_body_that_follows_its_head_across_the_lock_alarm_is_stored_replayable() {
+    // An interim answer at 400 ms, the head at 600 ms, its 10-byte body at 1 s: the alarm of
+    // the 1 s lock (750 ms) falls between head and body. The body phase renews the lock once
+    // instead of settling, so the complete answer is stored and replayed.
+    let backend = RawBackend::start(vec![
+        Step::Pause(Duration::from_millis(400)),
+        send(b"HTTP/1.1 102 Processing\r\n\r\n"),
+        Step::Pause(Duration::from_millis(200)),
+        send(b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\n"),
+        Step::Pause(Duration::from_millis(400)),
+        send(b"0123456789"),
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    let (first, again) = twice(&proxy, "head-before-alarm").await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(first.body, b"0123456789");
+    assert_eq!(
+        (again.status, again.result()),
+        (201, Some("HIT")),
+        "{}",
+        again.text()
+    );
+    assert_eq!(again.body, b"0123456789");
+    assert_eq!(backend.count(), 1);
+    let metrics = proxy
+        .metrics_containing("idemgate_lock_renewals_total 1")
+        .await;
+    assert!(
+        !metrics.contains("idemgate_settled_streaming_total 1"),
+        "{metrics}"
+    );
 }
 
 /// A record purged while its re-claimed execution runs is made again by the next lock renewal,
