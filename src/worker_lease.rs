@@ -33,8 +33,8 @@
 //! - **A failover that loses the lease's write** (replication is asynchronous): another process
 //!   may take the id; this one finds out at its next renewal, a third of a lease later at most,
 //!   and moves.
-//! - **An id whose key Redis cannot reach** (a Cluster shard down) is passed over while Redis
-//!   answers for other ids.
+//! - **An id whose key Redis cannot reach** (a Cluster shard down, a key the ACL does not
+//!   grant) is passed over: the search goes on past it, in this search or the next.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -54,11 +54,11 @@ pub const FIRST_LEASE_WAIT: Duration = Duration::from_secs(2);
 /// Pause before trying again after Redis did not answer a lease call.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
 
-/// A search for a free id gives up after this many calls Redis did not answer when none has
-/// been answered (Redis is down), and after [`MAX_SEARCH_FAILURES`] in all. Between the two, a
-/// failing id is passed over: on a Cluster with one shard down, the ids whose keys live on the
-/// others can still be leased.
-const DOWN_AFTER_FAILURES: u32 = 3;
+/// A search for a free id ends at its first failed call when no call has been answered yet
+/// (Redis may be down: one deadline, not one per id), and after this many failures in all.
+/// Between the two a failing id is passed over, and the next search goes on from the id after
+/// a failed one: on a Cluster with one shard down, the ids whose keys live on the others can
+/// still be leased.
 const MAX_SEARCH_FAILURES: u32 = 64;
 
 /// Where the worker id in use came from.
@@ -229,7 +229,10 @@ impl Lease {
     /// lease is renewed until the process exits (and then left to run out).
     pub async fn run(&self) {
         let renew_every = self.lease / 3;
+        let count = MAX_WORKER_ID + 1;
         let mut held: Option<u16> = None;
+        // Where the next search starts: the host name's id, unless the last search failed.
+        let mut start = self.first_choice;
         // Each condition is logged when it starts, not on every retry.
         let mut failing = false;
         let mut none_free = false;
@@ -260,10 +263,11 @@ impl Lease {
                         RETRY_PAUSE.min(renew_every)
                     }
                 },
-                None => match self.acquire().await {
+                None => match self.acquire(start).await {
                     Ok(Some(id)) => {
                         self.ids.snowflake.set_worker_id(id);
                         held = Some(id);
+                        start = self.first_choice;
                         failing = false;
                         none_free = false;
                         tracing::info!(
@@ -288,7 +292,8 @@ impl Lease {
                         self.ids.settle();
                         renew_every
                     }
-                    Err(e) => {
+                    Err((e, failed_id)) => {
+                        start = (failed_id + 1) % count;
                         self.failed(
                             &mut failing,
                             &e,
@@ -318,23 +323,22 @@ impl Lease {
         Ok(held)
     }
 
-    /// Leases the first free id from `first_choice` on; `None` when every id is held (or
-    /// could not be asked about). An id whose call fails is passed over while Redis answers
-    /// for others (see [`DOWN_AFTER_FAILURES`]).
-    async fn acquire(&self) -> Result<Option<u16>, StoreError> {
+    /// Leases the first free id from `start` on; `None` when every id is held (or could not
+    /// be asked about). An id whose call fails is passed over once Redis has answered for
+    /// another (see [`MAX_SEARCH_FAILURES`]); the error that ends a search comes with its id.
+    async fn acquire(&self, start: u16) -> Result<Option<u16>, (StoreError, u16)> {
         let count = MAX_WORKER_ID + 1;
         let (mut answered, mut failures) = (false, 0u32);
         for step in 0..count {
-            let id = (self.first_choice + step) % count;
+            let id = (start + step) % count;
             match self.call(id).await {
                 Ok(true) => return Ok(Some(id)),
                 Ok(false) => answered = true,
                 Err(e) => {
                     failures += 1;
-                    let down = !answered && failures >= DOWN_AFTER_FAILURES;
-                    if down || failures >= MAX_SEARCH_FAILURES {
+                    if !answered || failures >= MAX_SEARCH_FAILURES {
                         // Counted by the caller, with the others it reports.
-                        return Err(e);
+                        return Err((e, id));
                     }
                     self.ids.failures.fetch_add(1, Ordering::Relaxed);
                 }

@@ -546,7 +546,8 @@ async fn a_worker_id_redis_refuses_is_passed_over_and_an_acl_refusal_is_no_lease
         "+time",
     ]);
     let url = format!("redis://narrow:narrow-password@127.0.0.1:{}", redis.port);
-    // Its first choice, 9, is refused; 10 is the next id Redis lets it have.
+    // Its first choice, 9, is refused (and nothing answered before it: the search stops, one
+    // deadline, as when Redis is down); the next search goes on from 10, which Redis grants.
     let proxy = leasing_proxy(
         &backend,
         std::slice::from_ref(&url),
@@ -558,8 +559,7 @@ async fn a_worker_id_redis_refuses_is_passed_over_and_an_acl_refusal_is_no_lease
         .metrics_containing("idemgate_worker_lease_failures_total 1")
         .await;
 
-    // Every first-choice id refused (0, 1, 2): Redis answers none of them, so the search stops
-    // and says why, rather than calling the ids held by others.
+    // A refusal is reported with its cause, never taken for an id held by another process.
     let refused = leasing_proxy(
         &backend,
         std::slice::from_ref(&url),
