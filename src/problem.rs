@@ -74,6 +74,10 @@ pub enum Problem {
     },
     /// The request body could not be read (client error or framing).
     RequestBodyUnreadable,
+    /// A keyed request's body under a transfer coding other than `chunked` (`gzip, chunked`):
+    /// idemgate reads the body whole and sends it with a length, so it could not pass the
+    /// coding on, and the backend would take the coded bytes for the body.
+    TransferCodingUnsupported,
     /// Another request with the same key is executing.
     InFlight {
         /// When a retry may succeed.
@@ -114,6 +118,7 @@ impl Problem {
         match self {
             Problem::KeyMissing | Problem::KeyInvalid(_) | Problem::TenantInvalid(_) => 400,
             Problem::RequestBodyUnreadable => 400,
+            Problem::TransferCodingUnsupported => 501,
             Problem::RequestTooLarge { .. } => 413,
             Problem::RequestTimeout | Problem::RequestHeaderTimeout => 408,
             Problem::RequestHeaderTooLarge { .. } => 431,
@@ -144,6 +149,7 @@ impl Problem {
             Problem::RequestMalformed => "request-malformed",
             Problem::ConnectNotSupported => "connect-not-supported",
             Problem::RequestBodyUnreadable => "request-body-unreadable",
+            Problem::TransferCodingUnsupported => "transfer-coding-unsupported",
             Problem::InFlight { .. } => "request-in-flight",
             Problem::FingerprintMismatch => "fingerprint-mismatch",
             Problem::NotReplayable => "response-not-replayable",
@@ -171,6 +177,7 @@ impl Problem {
             Problem::RequestMalformed => "Request is not valid HTTP/1.1",
             Problem::ConnectNotSupported => "CONNECT is not supported",
             Problem::RequestBodyUnreadable => "Request body could not be read",
+            Problem::TransferCodingUnsupported => "Request transfer coding not supported",
             Problem::InFlight { .. } => "A request with this idempotency key is in progress",
             Problem::FingerprintMismatch => "Idempotency key reused with a different request",
             Problem::NotReplayable => "Stored response for this idempotency key is not replayable",
@@ -209,6 +216,10 @@ impl Problem {
                     .into()
             }
             Problem::RequestBodyUnreadable => "The request body was malformed or cut off.".into(),
+            Problem::TransferCodingUnsupported => "The request body uses a transfer coding other \
+                than chunked, which idemgate cannot pass on; send it with Content-Length or \
+                chunked alone. It was not forwarded."
+                .into(),
             Problem::InFlight { .. } => {
                 "The first request with this key has not finished; retry later to get its result."
                     .into()
@@ -258,7 +269,8 @@ impl Problem {
             | Problem::RequestHeaderTooLarge { .. }
             | Problem::RequestMalformed
             | Problem::ConnectNotSupported
-            | Problem::RequestBodyUnreadable => Outcome::Invalid,
+            | Problem::RequestBodyUnreadable
+            | Problem::TransferCodingUnsupported => Outcome::Invalid,
             Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
             Problem::FingerprintMismatch => Outcome::Mismatch,
             Problem::StoreUnavailable | Problem::StoreFull | Problem::StoreRecordUnreadable => {

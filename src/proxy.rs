@@ -349,7 +349,13 @@ impl Gate {
         ctx.record_label = Some(key::hash_label(&hash));
         let record_key = RecordKey { tenant, hash };
 
-        // Step 4: the whole body, then the fingerprint.
+        // Step 4: the whole body, then the fingerprint. A coding other than chunked would be
+        // lost on the way: the body is sent on with a length and no coding.
+        if transfer_coded_request(req) {
+            return self
+                .refuse(session, Problem::TransferCodingUnsupported)
+                .await;
+        }
         let body = match self
             .read_body(session, idem.max_request_bytes, config)
             .await
@@ -827,8 +833,10 @@ impl Gate {
             http::Method::GET | http::Method::HEAD | http::Method::OPTIONS | http::Method::TRACE
         );
 
-        // The request's own start: reading a small body was all that came before.
-        let started = ctx.started;
+        // Now, not the request's start: a body that trickled in for seconds would otherwise
+        // make a pooled connection look younger than it is (idle_timeout is measured from
+        // this), and the upstream round's time would include the client's upload.
+        let started = Instant::now();
         let mut attempt = 0;
         let (mut exchange, response) = loop {
             attempt += 1;
@@ -1262,7 +1270,17 @@ fn stored_response(
 /// Whether a backend's answer has a transfer coding other than chunked, which the body read
 /// from it still carries.
 fn transfer_coded(resp: &ResponseHeader) -> bool {
-    resp.headers
+    other_coding(&resp.headers)
+}
+
+/// Whether a request's body comes under a transfer coding other than chunked.
+fn transfer_coded_request(req: &RequestHeader) -> bool {
+    other_coding(&req.headers)
+}
+
+/// Whether `Transfer-Encoding` lists a coding other than chunked.
+fn other_coding(headers: &http::HeaderMap) -> bool {
+    headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()
         .flat_map(|v| upstream::codings(v.as_bytes()))

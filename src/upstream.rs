@@ -151,8 +151,43 @@ struct Idle {
     since: Instant,
 }
 
+/// One worker thread's idle connections, by backend address.
+#[derive(Default)]
+struct Pool {
+    by_addr: HashMap<SocketAddr, Pooled>,
+    /// When every address was last swept (see [`Pool::sweep`]).
+    swept: Option<Instant>,
+}
+
+/// The idle connections to one address, oldest first, and how long they may stay.
+#[derive(Default)]
+struct Pooled {
+    idle: VecDeque<Idle>,
+    idle_timeout: Duration,
+}
+
+/// How often a worker thread's pool drops the connections past their idle time at every
+/// address, not only the one it is using: an address no request goes to any more (a backend
+/// that moved, a reload that dropped it) would otherwise keep its connections open for good.
+const POOL_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+impl Pool {
+    /// Drops connections idle for their address's `idle_timeout` by `now`, and addresses left
+    /// with none.
+    fn sweep(&mut self, now: Instant) {
+        self.swept = Some(now);
+        self.by_addr.retain(|_, pooled| {
+            let timeout = pooled.idle_timeout;
+            pooled
+                .idle
+                .retain(|c| now.saturating_duration_since(c.since) < timeout);
+            !pooled.idle.is_empty()
+        });
+    }
+}
+
 thread_local! {
-    static POOL: RefCell<HashMap<SocketAddr, VecDeque<Idle>>> = RefCell::new(HashMap::new());
+    static POOL: RefCell<Pool> = RefCell::new(Pool::default());
 }
 
 /// The newest idle connection to `backend` that is still open, if any. `now` is a recent
@@ -160,7 +195,7 @@ thread_local! {
 fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
     POOL.with(|pool| {
         let mut pool = pool.borrow_mut();
-        let idle = pool.get_mut(&backend.addr)?;
+        let idle = &mut pool.by_addr.get_mut(&backend.addr)?.idle;
         while let Some(conn) = idle.pop_back() {
             if now.saturating_duration_since(conn.since) < backend.idle_timeout
                 && still_open(&conn.stream)
@@ -185,7 +220,15 @@ fn still_open(stream: &TcpStream) -> bool {
 fn put_idle(backend: &Backend, stream: TcpStream, since: Instant) {
     POOL.with(|pool| {
         let mut pool = pool.borrow_mut();
-        let idle = pool.entry(backend.addr).or_default();
+        if pool
+            .swept
+            .is_none_or(|at| since.saturating_duration_since(at) >= POOL_SWEEP_INTERVAL)
+        {
+            pool.sweep(since);
+        }
+        let pooled = pool.by_addr.entry(backend.addr).or_default();
+        pooled.idle_timeout = backend.idle_timeout;
+        let idle = &mut pooled.idle;
         // Oldest first: drop the ones past their idle time, and the oldest when full.
         while idle
             .front()

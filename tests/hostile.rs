@@ -629,3 +629,38 @@ async fn connect_and_unparseable_requests_get_problem_json() {
     assert_eq!(backend.count(), 0);
     proxy.metrics_containing(&refused("malformed", 4)).await;
 }
+
+/// A keyed request whose body comes under a transfer coding other than chunked is refused (501)
+/// before its body is read: idemgate sends a keyed body on with a length and no coding, so the
+/// backend would take the coded bytes for the body. Chunked alone goes through.
+#[tokio::test]
+async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_wrong() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    for coding in ["gzip, chunked", "gzip,chunked", "deflate, chunked"] {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let request = format!(
+            "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: coded\r\n\
+             Transfer-Encoding: {coding}\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        let r = common::client::read_response(&mut s, false).await.unwrap();
+        assert_eq!(r.status, 501, "{coding}: {}", r.text());
+        assert_eq!(r.problem_type(), "transfer-coding-unsupported");
+        assert_eq!(r.result(), Some("INVALID"));
+    }
+    assert_eq!(backend.count(), 0, "never forwarded");
+
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: plain-chunked\r\n\
+          Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.result(), Some("MISS"), "{}", r.text());
+    assert_eq!(backend.count(), 1);
+    assert_eq!(backend.executions()[0].body, b"hello");
+}

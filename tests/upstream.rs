@@ -4,8 +4,9 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use common::proxy::Edit;
 use common::rawbackend::{RawBackend, Step};
 use common::{Proxy, ProxyBuilder, Request, Response};
 use tokio::io::AsyncWriteExt;
@@ -921,5 +922,78 @@ async fn a_backend_still_answering_keeps_its_lock_renewed() {
     assert!(
         (2..=3).contains(&renewals),
         "renewals: {renewals}\n{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn connections_pooled_to_a_backend_no_longer_used_are_closed_after_their_idle_time() {
+    let ok = || vec![send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")];
+    let old = RawBackend::start(ok()).await;
+    let new = RawBackend::start(ok()).await;
+    let mut proxy = ProxyBuilder::at(old.addr)
+        .threads(1)
+        .upstream("idle_timeout: 200ms")
+        .start()
+        .await;
+    assert_eq!(Request::get("/plain").send(proxy.addr).await.status, 200);
+    assert_eq!(
+        (old.connections(), old.ended()),
+        (1, 0),
+        "one pooled connection"
+    );
+
+    // The backend moves (a reload; a host name resolving elsewhere is the same): nothing goes
+    // to the old address again, yet its pooled connection must not stay open for good.
+    let (from, to) = (old.addr.to_string(), new.addr.to_string());
+    proxy.edit_config(Edit::Rename, |yaml| yaml.replace(&from, &to));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while new.count() == 0 {
+        assert!(Instant::now() < deadline, "the reload never took effect");
+        assert_eq!(Request::get("/plain").send(proxy.addr).await.status, 200);
+    }
+    // Requests sent before the reload took effect may have left a connection to the old
+    // backend in the pool; from now on nothing uses it.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while old.ended() < old.connections() {
+        assert!(
+            Instant::now() < deadline,
+            "{} of the old backend's {} connections still open",
+            old.connections() - old.ended(),
+            old.connections()
+        );
+        assert_eq!(Request::get("/plain").send(proxy.addr).await.status, 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_pooled_connection_past_its_idle_time_is_not_reused_after_a_slow_upload() {
+    use tokio::io::AsyncWriteExt;
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    )])
+    .await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .threads(1)
+        .upstream("idle_timeout: 1s")
+        .start()
+        .await;
+    assert_eq!(Request::get("/plain").send(proxy.addr).await.status, 200);
+    assert_eq!(backend.connections(), 1);
+    // A forwarded POST whose body takes 1.5 s to arrive: by the time it goes out, the pooled
+    // connection has been idle longer than idle_timeout, so a new one is opened.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"POST /plain HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nhello")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    s.write_all(b"world").await.unwrap();
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(backend.count(), 2);
+    assert_eq!(
+        backend.connections(),
+        2,
+        "the stale pooled connection was reused"
     );
 }

@@ -29,6 +29,8 @@ pub struct RawBackend {
     pub addr: SocketAddr,
     executions: Arc<AtomicUsize>,
     connections: Arc<AtomicUsize>,
+    /// Connections the other side ended (or broke) while this one waited for a request.
+    ended: Arc<AtomicUsize>,
     heads: Arc<Mutex<Vec<String>>>,
 }
 
@@ -65,6 +67,7 @@ impl RawBackend {
             addr,
             executions: Arc::new(AtomicUsize::new(0)),
             connections: Arc::new(AtomicUsize::new(0)),
+            ended: Arc::new(AtomicUsize::new(0)),
             heads: Arc::new(Mutex::new(Vec::new())),
         };
         let b = backend.clone();
@@ -87,6 +90,12 @@ impl RawBackend {
     /// Connections accepted so far.
     pub fn connections(&self) -> usize {
         self.connections.load(Ordering::SeqCst)
+    }
+
+    /// Connections the proxy closed while they waited for its next request.
+    #[allow(dead_code)]
+    pub fn ended(&self) -> usize {
+        self.ended.load(Ordering::SeqCst)
     }
 
     /// The raw heads (request line and headers) of the requests read so far.
@@ -114,6 +123,7 @@ async fn serve(
                 .map(|(head, _)| head)
         };
         let Some(head) = head else {
+            backend.ended.fetch_add(1, Ordering::SeqCst);
             return;
         };
         backend.heads.lock().expect("heads").push(head);
