@@ -716,7 +716,13 @@ impl Gate {
                             Ok(stepped) => break stepped,
                             Err(_) if !body_renewed && Instant::now() < c.lock_deadline => {
                                 body_renewed = true;
-                                if matches!(self.renew(c).await, Renewal::Renewed) {
+                                // Half of what is left of the lock at most: a renewal that
+                                // fails slowly must still leave the settle its time.
+                                let now = Instant::now();
+                                let limit =
+                                    now + c.lock_deadline.saturating_duration_since(now) / 2;
+                                let renewal = upstream::until(limit, self.renew(c)).await;
+                                if matches!(renewal, Ok(Renewal::Renewed)) {
                                     continue;
                                 }
                             }
@@ -990,7 +996,7 @@ impl Gate {
                 Renewal::Renewed
             }
             Ok(ClaimOutcome::Existing(_)) => {
-                tracing::warn!(%record, "lock taken over while waiting for the backend's answer");
+                tracing::warn!(%record, "lock taken over while the backend's answer was awaited");
                 Renewal::TakenOver
             }
             Err(e) => {

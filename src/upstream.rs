@@ -191,7 +191,7 @@ thread_local! {
 }
 
 /// The newest idle connection to `backend` that is still open, if any. `now` is a recent
-/// instant (the request's start): the pool reads no clock of its own.
+/// instant (when the request goes out): the pool reads no clock of its own.
 fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
     POOL.with(|pool| {
         let mut pool = pool.borrow_mut();
