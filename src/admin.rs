@@ -53,6 +53,8 @@ pub struct Admin {
     scripts: Option<Arc<RedisStore>>,
     /// The worker id in use and where it came from, for `/admin/config` and `/readyz`.
     ids: Option<Arc<WorkerIds>>,
+    /// The in-process store `on_unavailable: local` falls back to: a purge drops its record too.
+    fallback: Option<Arc<dyn RecordStore>>,
     /// A readiness ping under a permissive policy is still out: probes that come meanwhile do
     /// not start another, so hard polling during an outage cannot pile up pings.
     ping_in_flight: Arc<AtomicBool>,
@@ -86,6 +88,7 @@ impl Admin {
             purge,
             scripts: None,
             ids: None,
+            fallback: None,
             ping_in_flight: Arc::default(),
         }
     }
@@ -179,6 +182,12 @@ impl Admin {
         delete: bool,
     ) -> Response<Vec<u8>> {
         if delete {
+            // What this replica ran on its fallback during an outage goes too: a purged key
+            // is never replayed from there (nor, by the announcement, from another replica's).
+            let local = match &self.fallback {
+                Some(fallback) => fallback.delete(&record_key).await.unwrap_or(false),
+                None => false,
+            };
             let deleted = self.store.delete(&record_key).await;
             // Announced whether or not the store answered: a delete whose answer was lost may
             // have landed, and then the other replicas' copies would replay a record that is
@@ -197,7 +206,11 @@ impl Admin {
             return match deleted {
                 Ok(existed) => json(
                     StatusCode::OK,
-                    serde_json::json!({ "deleted": existed, "local_copies_dropped_on": announced }),
+                    serde_json::json!({
+                        "deleted": existed,
+                        "deleted_from_fallback": local,
+                        "local_copies_dropped_on": announced,
+                    }),
                 ),
                 Err(e) => error(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -225,6 +238,12 @@ impl Admin {
     /// Serves `GET /admin/scripts` from this Redis store.
     pub fn with_scripts(mut self, store: Arc<RedisStore>) -> Self {
         self.scripts = Some(store);
+        self
+    }
+
+    /// Purges reach `fallback` too (the store `on_unavailable: local` falls back to).
+    pub fn with_fallback(mut self, fallback: Arc<dyn RecordStore>) -> Self {
+        self.fallback = Some(fallback);
         self
     }
 

@@ -390,6 +390,19 @@ impl Gate {
         // without protection, whatever `on_unavailable` says, since this proxy knows the key
         // is live.
         let mut seen_live = false;
+        // A key this replica ran on the fallback during an outage (`local`) stays there while
+        // its record lives: the store, back, has no record of it, and a claim there would run
+        // it again. Looked up only while the fallback holds anything.
+        if let Some(local) = &self.fallback {
+            if local.usage().is_some_and(|u| u.records > 0) {
+                if let Ok(Some(record)) = local.get(&claim_req.key).await {
+                    if !matches!(record.state, RecordState::Released) {
+                        store = local.as_ref();
+                        degraded = true;
+                    }
+                }
+            }
+        }
         let mut attempts = 0u32;
         loop {
             attempts += 1;
@@ -436,6 +449,13 @@ impl Gate {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "record store failed on claim");
+                    // A key this replica is running itself is in flight, whatever the policy
+                    // lets through: a retry of it must not run beside it.
+                    if let Some(retry_after) = self.store.own_claim(&claim_req.key) {
+                        return self
+                            .refuse(session, Problem::InFlight { retry_after })
+                            .await;
+                    }
                     match config.store.on_unavailable {
                         OnUnavailable::Reject => {
                             return self.refuse(session, Problem::StoreUnavailable).await

@@ -139,13 +139,18 @@ impl StoreStack {
 
     /// Drops this replica's local copy of a record (nothing without a local cache).
     fn forget_local(&self) -> ForgetLocal {
-        match &self.cache {
-            Some(cache) => {
-                let cache = cache.clone();
-                Arc::new(move |key: &RecordKey| cache.forget(key))
+        let cache = self.cache.clone();
+        // The fallback holds what this replica ran during an outage under `local`: a purged
+        // key must not be replayed from it either.
+        let fallback = self.fallback.is_some().then(|| self.memory.clone());
+        Arc::new(move |key: &RecordKey| {
+            if let Some(cache) = &cache {
+                cache.forget(key);
             }
-            None => Arc::new(|_: &RecordKey| {}),
-        }
+            if let Some(memory) = &fallback {
+                memory.remove(key);
+            }
+        })
     }
 
     /// What the completion retrier tells the local cache (nothing without one): a completion
@@ -530,6 +535,9 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         admin_app = admin_app.with_scripts(redis.clone());
     }
     admin_app = admin_app.with_worker_ids(ids.clone());
+    if let Some(fallback) = &stack.fallback {
+        admin_app = admin_app.with_fallback(fallback.clone());
+    }
     let mut admin = Service::new("idemgate admin".to_string(), admin_app);
     admin.add_tcp(&admin_listen);
     admin.threads = Some(1);

@@ -917,3 +917,107 @@ async fn the_proxy_is_not_ready_until_its_first_worker_id_lease_attempt_ends() {
         .metrics_containing("idemgate_worker_id_leased 1")
         .await;
 }
+
+/// A proxy under `on_unavailable: local` on the Redis at `port`, with short Redis timeouts and
+/// a breaker that probes again after 200 ms.
+async fn local_policy_proxy(backend: &Backend, port: u16) -> Proxy {
+    ProxyBuilder::new(backend)
+        .redis(&[format!("redis://127.0.0.1:{port}")])
+        .store("  connect_timeout: 100ms")
+        .store("  response_timeout: 200ms")
+        .store("on_unavailable: local")
+        .store("circuit_breaker: {failure_threshold: 1, open_for: 200ms}")
+        .env("IDEMGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+        .start()
+        .await
+}
+
+/// Waits until a keyed request on a fresh key is answered from Redis again (`MISS`).
+async fn until_redis_answers(proxy: &Proxy) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for n in 0.. {
+        let probe = Request::post("/orders")
+            .key(&format!("probe-{n}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        if probe.result() == Some("MISS") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "Redis never answered again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_key_run_on_the_local_fallback_is_replayed_not_run_again_once_redis_is_back() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = local_policy_proxy(&backend, redis.port).await;
+    redis.kill();
+    let req = Request::post("/orders")
+        .key("outage-order")
+        .body("{\"sku\":1}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!((first.status, first.result()), (201, Some("DEGRADED")));
+
+    redis.restart();
+    until_redis_answers(&proxy).await;
+    let ran = backend.count();
+    // Redis has no record of the key; the replica that ran it does.
+    let again = req.send(proxy.addr).await;
+    assert_eq!(
+        (again.status, again.result()),
+        (201, Some("HIT")),
+        "{}",
+        again.text()
+    );
+    assert_eq!(again.body, first.body);
+    let changed = Request::post("/orders")
+        .key("outage-order")
+        .body("{\"sku\":2}");
+    assert_eq!(changed.send(proxy.addr).await.status, 422);
+    assert_eq!(backend.count(), ran, "the key did not run again");
+
+    // A purge drops the fallback's record too: the key may run afresh, on Redis.
+    let del = Request::new("DELETE", "/admin/records/default/outage-order")
+        .header("Authorization", format!("Bearer {ADMIN_TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(del.status, 200, "{}", del.text());
+    let purged: serde_json::Value = serde_json::from_slice(&del.body).unwrap();
+    assert_eq!(purged["deleted_from_fallback"], true, "{purged}");
+    let fresh = req.send(proxy.addr).await;
+    assert_eq!(fresh.result(), Some("MISS"), "{}", fresh.text());
+}
+
+#[tokio::test]
+async fn a_retry_of_a_key_this_replica_is_running_is_not_run_beside_it_when_redis_fails() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = local_policy_proxy(&backend, redis.port).await;
+    let addr = proxy.addr;
+    let slow = tokio::spawn(async move {
+        Request::post("/orders/slow/1500")
+            .key("running-here")
+            .body("{}")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(backend.count(), 1, "the original runs");
+    redis.kill();
+    // The store cannot answer, and `local` would run the retry on the fallback: but this
+    // replica holds the key's claim itself.
+    let retry = Request::post("/orders/slow/1500")
+        .key("running-here")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert_eq!(retry.problem_type(), "request-in-flight");
+    assert!(retry.header("retry-after").is_some());
+    let first = slow.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(backend.count(), 1, "the key ran once");
+}

@@ -240,6 +240,10 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
     fn usage(&self) -> Option<StoreUsage> {
         self.inner.usage()
     }
+
+    fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
+        self.inner.own_claim(key)
+    }
 }
 
 #[cfg(test)]

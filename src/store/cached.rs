@@ -806,6 +806,19 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
     fn usage(&self) -> Option<StoreUsage> {
         self.inner.usage()
     }
+
+    /// From the claims this replica made and has not completed or released yet (a full
+    /// pending map, 65,536 live claims, may miss one).
+    fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
+        let now = Instant::now();
+        self.pending
+            .lock()
+            .iter()
+            .filter(|((hash, _), p)| *hash == key.hash && p.deadline > now)
+            .map(|(_, p)| p.deadline - now)
+            .max()
+            .or_else(|| self.inner.own_claim(key))
+    }
 }
 
 #[cfg(test)]

@@ -149,6 +149,22 @@ enum Attempt<T> {
 // === impl MemoryStore ===
 
 impl MemoryStore {
+    /// Removes `key`'s record, whatever its state; whether there was a live one. What
+    /// [`RecordStore::delete`] does, callable without a runtime (a purge announced by another
+    /// replica drops this one's fallback record with it).
+    pub fn remove(&self, key: &RecordKey) -> bool {
+        let now = self.now();
+        let mut map = self.shard(key).lock();
+        self.expire_if_due(&mut map, key, now);
+        match map.remove(key as &dyn KeyView) {
+            Some(mut entry) => {
+                self.forget(&mut entry);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// A store holding at most `capacity_bytes` (see [`record_overhead`] and
     /// [`super::StoredResponse::size_bytes`] for what counts), split over `shards` shards rounded
     /// up to a power of two (at least 1).
@@ -574,16 +590,7 @@ impl RecordStore for MemoryStore {
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let now = self.now();
-        let mut map = self.shard(key).lock();
-        self.expire_if_due(&mut map, key, now);
-        match map.remove(key as &dyn KeyView) {
-            Some(mut entry) => {
-                self.forget(&mut entry);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        Ok(self.remove(key))
     }
 
     fn usage(&self) -> Option<StoreUsage> {

@@ -244,6 +244,16 @@ pub trait RecordStore: Send + Sync + 'static {
     fn usage(&self) -> Option<StoreUsage> {
         None
     }
+
+    /// What is left of the lock of a claim on `key` that this process holds (claimed here and
+    /// neither completed nor released yet), where the store keeps track without asking anyone
+    /// (the local cache does); `None` when it holds none or cannot tell. Asked when the store
+    /// fails: a key this replica is running must not run again beside it under the outage
+    /// policy.
+    fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
+        let _ = key;
+        None
+    }
 }
 
 /// Size of what a store holds.
@@ -298,5 +308,8 @@ impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     }
     fn usage(&self) -> Option<StoreUsage> {
         (**self).usage()
+    }
+    fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
+        (**self).own_claim(key)
     }
 }

@@ -82,11 +82,14 @@ impl StoredResponse {
     }
 
     /// Heap the response occupies, for capacity accounting: the `Arc` it is shared in (two
-    /// counters and the response itself) and its one buffer, which is allocated at exactly its
-    /// length (see [`ResponseBuilder::finish`]).
+    /// counters and the response itself), its one buffer, which is allocated at exactly its
+    /// length (see [`ResponseBuilder::finish`]), and the buffer's shared-ownership header
+    /// (pointer, capacity, count), which `bytes` allocates the first time a replay slices the
+    /// buffer and which then lives as long as the response.
     pub fn size_bytes(&self) -> usize {
-        const SHARED: usize =
-            2 * std::mem::size_of::<usize>() + std::mem::size_of::<StoredResponse>();
+        const SHARED: usize = 2 * std::mem::size_of::<usize>()
+            + std::mem::size_of::<StoredResponse>()
+            + 3 * std::mem::size_of::<usize>();
         self.data.len() + SHARED
     }
 }
@@ -292,10 +295,11 @@ mod tests {
             let r = b.finish();
             assert_eq!(r.body(), b"abcdef");
             assert_eq!(r.data.len(), HEADER_PREFIX + 2 + 6);
-            // What the accounting charges is the buffer as allocated: no spare capacity.
+            // What the accounting charges is the buffer as allocated (no spare capacity), the
+            // `Arc` around the response, and the buffer's shared header a replay's slice makes.
             assert_eq!(
                 r.size_bytes(),
-                r.data.len() + 16 + std::mem::size_of::<StoredResponse>()
+                r.data.len() + 16 + std::mem::size_of::<StoredResponse>() + 24
             );
         }
     }
