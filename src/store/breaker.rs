@@ -115,9 +115,12 @@ impl<S: RecordStore> Breaker<S> {
     }
 
     /// Lets a call through, or fails fast while open. Past `open_for`, one caller probes.
-    async fn admit(&self) -> Result<(), StoreError> {
+    /// Returns how many times the circuit had opened when the call was let through: its
+    /// failure counts only if the circuit has not opened since (see [`Breaker::record`]).
+    async fn admit(&self) -> Result<u64, StoreError> {
+        let epoch = || self.view.opened.load(Ordering::Acquire);
         if self.view.state() == CircuitState::Closed {
-            return Ok(());
+            return Ok(epoch());
         }
         let ready_to_probe = || {
             self.opened_at
@@ -133,7 +136,7 @@ impl<S: RecordStore> Breaker<S> {
             ));
         };
         if self.view.state() == CircuitState::Closed {
-            return Ok(());
+            return Ok(epoch());
         }
         // Looked at again under the probe's lock: a probe that failed between the look above
         // and this one opened the circuit anew, and another probe now would wait on the same
@@ -147,7 +150,7 @@ impl<S: RecordStore> Breaker<S> {
                 self.view.consecutive_failures.store(0, Ordering::Release);
                 self.set_state(CircuitState::Closed);
                 tracing::info!("record store recovered; circuit closed");
-                Ok(())
+                Ok(epoch())
             }
             Err(e) => {
                 self.open();
@@ -158,17 +161,29 @@ impl<S: RecordStore> Breaker<S> {
 
     fn open(&self) {
         *self.opened_at.lock() = Some(Instant::now());
-        // A failed probe re-opens the same outage; only a closed circuit opening counts.
-        if self.view.state() == CircuitState::Closed {
-            self.view.opened.fetch_add(1, Ordering::Relaxed);
+        // A failed probe re-opens the same outage; only a closed circuit opening counts, once
+        // however many failures reach the threshold together.
+        let was = self
+            .view
+            .state
+            .swap(CircuitState::Open as u8, Ordering::AcqRel);
+        if was == CircuitState::Closed as u8 {
+            self.view.opened.fetch_add(1, Ordering::AcqRel);
             tracing::warn!(open_for = ?self.options.open_for, "record store failing; circuit open");
         }
-        self.set_state(CircuitState::Open);
     }
 
-    fn record<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+    /// Counts the outcome of a call let through at `epoch` (see [`Breaker::admit`]). A call
+    /// that fails after the circuit opened since it was let through is part of the outage
+    /// already counted: it neither stretches the open period nor, after a probe has closed
+    /// the circuit, counts toward opening it again. (A call's deadline can outlast
+    /// `open_for`.)
+    fn record<T>(&self, epoch: u64, result: Result<T, StoreError>) -> Result<T, StoreError> {
         match &result {
             Err(e) if is_outage(e) => {
+                if self.view.opened.load(Ordering::Acquire) != epoch {
+                    return result;
+                }
                 let n = self
                     .view
                     .consecutive_failures
@@ -189,8 +204,8 @@ impl<S: RecordStore> Breaker<S> {
 #[async_trait]
 impl<S: RecordStore> RecordStore for Breaker<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.admit().await?;
-        self.record(self.inner.claim(req).await)
+        let epoch = self.admit().await?;
+        self.record(epoch, self.inner.claim(req).await)
     }
 
     async fn complete(
@@ -200,8 +215,11 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        self.admit().await?;
-        self.record(self.inner.complete(key, owner, completion, ttl).await)
+        let epoch = self.admit().await?;
+        self.record(
+            epoch,
+            self.inner.complete(key, owner, completion, ttl).await,
+        )
     }
 
     async fn release(
@@ -209,8 +227,8 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
-        self.admit().await?;
-        self.record(self.inner.release(key, owner).await)
+        let epoch = self.admit().await?;
+        self.record(epoch, self.inner.release(key, owner).await)
     }
 
     async fn wait_for_change(
@@ -218,23 +236,23 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         key: &RecordKey,
         timeout: Duration,
     ) -> Result<Option<Record>, StoreError> {
-        self.admit().await?;
-        self.record(self.inner.wait_for_change(key, timeout).await)
+        let epoch = self.admit().await?;
+        self.record(epoch, self.inner.wait_for_change(key, timeout).await)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        self.admit().await?;
-        self.record(self.inner.get(key).await)
+        let epoch = self.admit().await?;
+        self.record(epoch, self.inner.get(key).await)
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        self.admit().await?;
-        self.record(self.inner.delete(key).await)
+        let epoch = self.admit().await?;
+        self.record(epoch, self.inner.delete(key).await)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.admit().await?;
-        self.record(self.inner.ping().await)
+        let epoch = self.admit().await?;
+        self.record(epoch, self.inner.ping().await)
     }
 
     fn usage(&self) -> Option<StoreUsage> {
@@ -345,6 +363,50 @@ mod tests {
         b.inner().set(Fault::None);
         assert_eq!(probe.await.expect("probe task").expect("probe"), None);
         assert_eq!(b.view().state(), CircuitState::Closed);
+    }
+
+    fn outage() -> Result<(), StoreError> {
+        Err(StoreError::Unavailable("injected".into()))
+    }
+
+    #[tokio::test]
+    async fn failures_of_calls_let_through_before_the_circuit_opened_count_once() {
+        let b = breaker();
+        // Six calls let through while closed, failing together: one opening, not four, and
+        // the open period is not moved by the late ones.
+        let epoch = b.admit().await.expect("closed");
+        for _ in 0..3 {
+            let _ = b.record(epoch, outage());
+        }
+        assert_eq!(b.view().state(), CircuitState::Open);
+        let opened_at = *b.opened_at.lock();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        for _ in 0..3 {
+            let _ = b.record(epoch, outage());
+        }
+        assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            *b.opened_at.lock(),
+            opened_at,
+            "the open period was stretched"
+        );
+
+        // Recovered: a probe closes the circuit. A failure of a call from before the opening
+        // arriving now does not count toward opening it again.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let after = b.admit().await.expect("the probe closes the circuit");
+        assert_eq!(b.view().state(), CircuitState::Closed);
+        for _ in 0..3 {
+            let _ = b.record(epoch, outage());
+        }
+        assert_eq!(b.view().state(), CircuitState::Closed);
+        assert_eq!(b.view().consecutive_failures.load(Ordering::Relaxed), 0);
+        // Failures of calls let through since do.
+        for _ in 0..3 {
+            let _ = b.record(after, outage());
+        }
+        assert_eq!(b.view().state(), CircuitState::Open);
+        assert_eq!(b.view().opened.load(Ordering::Relaxed), 2);
     }
 
     #[tokio::test]
