@@ -191,6 +191,11 @@ fn json_str(buf: &mut Vec<u8>, s: &str) {
     let _ = serde_json::to_writer(&mut *buf, s);
 }
 
+/// Writes `now` as an RFC 3339 UTC timestamp with microseconds, as the log lines carry it.
+pub(crate) fn write_timestamp(buf: &mut Vec<u8>, now: SystemTime) {
+    Stamp::default().write(buf, now);
+}
+
 /// RFC 3339 UTC timestamps with microseconds; the date and time are formatted once a second.
 #[derive(Default)]
 struct Stamp {

@@ -37,6 +37,8 @@ struct Shared {
     inline: AtomicBool,
     /// The sink failed partway through a line: the next write starts with a newline.
     torn: AtomicBool,
+    /// Lines are JSON objects (`IDEMGATE_LOG_FORMAT=json`): the writer's own notices are too.
+    json: AtomicBool,
 }
 
 /// Writes `data` to `sink` until done or an error (retrying on `Interrupted`, and a few times
@@ -86,6 +88,13 @@ impl BatchWriter {
         writer
     }
 
+    /// Writes the writer's own notices (lines dropped) as JSON objects, like the lines it
+    /// carries under `IDEMGATE_LOG_FORMAT=json`, so a collector parsing every line as JSON
+    /// never meets a plain one.
+    pub fn set_json(&self, json: bool) {
+        self.shared.json.store(json, Ordering::Relaxed);
+    }
+
     /// The writer over `sink` with no thread behind it yet.
     fn unstarted(sink: Box<dyn Write + Send>) -> Self {
         BatchWriter {
@@ -99,6 +108,7 @@ impl BatchWriter {
                 written: Condvar::new(),
                 inline: AtomicBool::new(false),
                 torn: AtomicBool::new(false),
+                json: AtomicBool::new(false),
             }),
             sink: Arc::new(Mutex::new(sink)),
         }
@@ -152,10 +162,18 @@ impl BatchWriter {
             notice.push(b'\n');
         }
         if dropped > 0 {
-            let _ = writeln!(
-                notice,
-                "idemgate: {dropped} log lines dropped (log sink too slow or failing)"
-            );
+            let message = format!("{dropped} log lines dropped (log sink too slow or failing)");
+            if self.shared.json.load(Ordering::Relaxed) {
+                notice.extend_from_slice(b"{\"timestamp\":\"");
+                crate::accesslog::write_timestamp(&mut notice, std::time::SystemTime::now());
+                let _ = writeln!(
+                    notice,
+                    "\",\"level\":\"WARN\",\"message\":\"{message}\",\"dropped\":{dropped},\
+                     \"target\":\"idemgate::logwriter\"}}"
+                );
+            } else {
+                let _ = writeln!(notice, "idemgate: {message}");
+            }
         }
         let sent = write_all_counted(sink, &notice);
         if sent < notice.len() {
@@ -421,6 +439,38 @@ mod tests {
         assert_eq!(lines[3], "{\"n\":5}");
         assert_eq!(w.untold(), 0, "told once");
         assert_eq!(w.dropped_total(), 3, "counted for good");
+    }
+
+    /// Under JSON logging the notice is a JSON object like every other line.
+    #[test]
+    fn the_dropped_lines_notice_is_json_under_json_logging() {
+        let out = Sink::default();
+        let room = Arc::new(Mutex::new(0));
+        let w = BatchWriter::unstarted(Box::new(FullSink {
+            out: out.clone(),
+            room: room.clone(),
+        }));
+        w.set_json(true);
+        let write = |text: &str| {
+            let mut sink = w.sink.lock().unwrap();
+            w.write_out(&mut **sink, text.as_bytes());
+        };
+        write("{\"n\":1}\n{\"n\":2}\n");
+        *room.lock().unwrap() = 1 << 20;
+        write("{\"n\":3}\n");
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        let notice: serde_json::Value = serde_json::from_str(lines[0]).expect("a JSON line");
+        assert_eq!(notice["level"], "WARN");
+        assert_eq!(notice["dropped"], 2);
+        assert_eq!(
+            notice["message"],
+            "2 log lines dropped (log sink too slow or failing)"
+        );
+        let stamp = notice["timestamp"].as_str().expect("a timestamp");
+        assert!(stamp.ends_with('Z') && stamp.len() == 27, "{stamp}");
+        assert_eq!(lines[1], "{\"n\":3}");
     }
 
     #[test]

@@ -78,6 +78,7 @@ fn init_logging() {
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     idemgate::accesslog::install(writer.clone(), json);
+    writer.set_json(json);
     let builder = fmt()
         .with_env_filter(filter)
         .with_writer(writer)
