@@ -351,7 +351,7 @@ impl Gate {
 
         // Step 4: the whole body, then the fingerprint. A coding other than chunked would be
         // lost on the way: the body is sent on with a length and no coding.
-        if transfer_coded_request(req) {
+        if transfer_coded(&req.headers) {
             return self
                 .refuse(session, Problem::TransferCodingUnsupported)
                 .await;
@@ -687,7 +687,7 @@ impl Gate {
         // and a replay, framed by its length, would have no header saying so: such an answer is
         // stored as executed but not replayable.
         let bodiless = head_request || has_no_body(status);
-        let mut captured = (storable && (bodiless || !transfer_coded(&response)))
+        let mut captured = (storable && (bodiless || !transfer_coded(&response.headers)))
             .then(|| stored_response(&response, &idem.replay_exclude_headers, declared, bodiless));
 
         let mut downstream = response;
@@ -1293,19 +1293,9 @@ fn stored_response(
     ResponseBuilder::new(resp.status.as_u16(), kept, body_hint)
 }
 
-/// Whether a backend's answer has a transfer coding other than chunked, which the body read
-/// from it still carries.
-fn transfer_coded(resp: &ResponseHeader) -> bool {
-    other_coding(&resp.headers)
-}
-
-/// Whether a request's body comes under a transfer coding other than chunked.
-fn transfer_coded_request(req: &RequestHeader) -> bool {
-    other_coding(&req.headers)
-}
-
-/// Whether `Transfer-Encoding` lists a coding other than chunked.
-fn other_coding(headers: &http::HeaderMap) -> bool {
+/// Whether `Transfer-Encoding` lists a coding other than chunked: a body read from such a
+/// message (request or answer) still carries that coding.
+fn transfer_coded(headers: &http::HeaderMap) -> bool {
     headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()

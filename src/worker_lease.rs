@@ -91,10 +91,9 @@ impl WorkerIdSource {
 pub struct WorkerIds {
     snowflake: Snowflake,
     source: WorkerIdSource,
-    /// The id in use is leased (only ever set under [`WorkerIdSource::Lease`])...
-    leased: AtomicBool,
-    /// ...until this point (milliseconds after `base`): the last successful call was sent less
-    /// than a lease before it. Past it, Redis may have let the lease go.
+    /// The id in use is leased until this point (milliseconds after `base`): the last
+    /// successful call was sent a lease before it. Past it, Redis may have let the lease go;
+    /// 0 when no lease is held (only ever set under [`WorkerIdSource::Lease`]).
     leased_until_ms: AtomicU64,
     base: Instant,
     /// The first lease attempt has ended (or there is none to make).
@@ -121,7 +120,6 @@ impl WorkerIds {
         WorkerIds {
             snowflake: Snowflake::new(worker_id),
             source,
-            leased: AtomicBool::new(false),
             leased_until_ms: AtomicU64::new(0),
             base: Instant::now(),
             settled: AtomicBool::new(settled),
@@ -159,17 +157,13 @@ impl WorkerIds {
     /// (a process whose renewals fail stops counting as leased once Redis may have let the
     /// lease go).
     pub fn is_leased(&self) -> bool {
-        self.leased.load(Ordering::Relaxed)
-            && self.millis(Instant::now()) < self.leased_until_ms.load(Ordering::Relaxed)
+        self.millis(Instant::now()) < self.leased_until_ms.load(Ordering::Relaxed)
     }
 
     /// Records a lease held until `until` (or none held).
     fn hold(&self, until: Option<Instant>) {
-        if let Some(until) = until {
-            self.leased_until_ms
-                .store(self.millis(until), Ordering::Relaxed);
-        }
-        self.leased.store(until.is_some(), Ordering::Relaxed);
+        let until = until.map_or(0, |until| self.millis(until));
+        self.leased_until_ms.store(until, Ordering::Relaxed);
     }
 
     fn millis(&self, at: Instant) -> u64 {

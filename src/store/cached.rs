@@ -1419,14 +1419,22 @@ mod tests {
         shared.set(Fault::None);
     }
 
+    /// A cache of 4 KiB over a store whose faults a test switches.
+    fn small_cache_over_faulty() -> (
+        CachedStore<Arc<FaultyStore<MemoryStore>>>,
+        Arc<FaultyStore<MemoryStore>>,
+    ) {
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
+        let mut o = options();
+        o.capacity_bytes = 4096;
+        (CachedStore::new(shared.clone(), o).unwrap(), shared)
+    }
+
     /// Copies make room past the budget; a completion the store does not hold yet is never
     /// evicted for it, so a retry here still replays it instead of executing again.
     #[tokio::test]
     async fn a_completion_whose_write_is_pending_is_never_evicted() {
-        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
-        let mut o = options();
-        o.capacity_bytes = 4096;
-        let store = CachedStore::new(shared.clone(), o).unwrap();
+        let (store, shared) = small_cache_over_faulty();
         let pending = claim("t", 200);
         executed_unstored(&store, &shared, &pending, &[1u8; 200]).await;
         for n in 0..50u8 {
@@ -1449,10 +1457,7 @@ mod tests {
     /// leave no trace, so a retry here executed the key again.
     #[tokio::test]
     async fn a_completion_whose_write_is_pending_is_kept_even_when_larger_than_its_shard() {
-        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
-        let mut o = options();
-        o.capacity_bytes = 4096;
-        let store = CachedStore::new(shared.clone(), o).unwrap();
+        let (store, shared) = small_cache_over_faulty();
         let pending = claim("t", 201);
         executed_unstored(&store, &shared, &pending, &[1u8; 8192]).await;
         assert!(
@@ -1470,10 +1475,7 @@ mod tests {
     /// were answered for, so no lookup removes it) took its shard's budget from the copies.
     #[tokio::test(start_paused = true)]
     async fn a_pending_completion_past_its_ttl_is_evicted_like_a_copy() {
-        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
-        let mut o = options();
-        o.capacity_bytes = 4096;
-        let store = CachedStore::new(shared.clone(), o).unwrap();
+        let (store, shared) = small_cache_over_faulty();
         let pending = claim("t", 200);
         executed_unstored(&store, &shared, &pending, &[1u8; 200]).await;
         // Its 60 s ttl passes.

@@ -250,8 +250,7 @@ pub trait RecordStore: Send + Sync + 'static {
     /// (the local cache does); `None` when it holds none or cannot tell. Asked when the store
     /// fails: a key this replica is running must not run again beside it under the outage
     /// policy.
-    fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
-        let _ = key;
+    fn own_claim(&self, _key: &RecordKey) -> Option<Duration> {
         None
     }
 }
