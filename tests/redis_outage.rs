@@ -996,14 +996,10 @@ async fn a_retry_of_a_key_this_replica_is_running_is_not_run_beside_it_when_redi
     let mut redis = RedisServer::start();
     let backend = Backend::start().await;
     let proxy = local_policy_proxy(&backend, redis.port).await;
-    let addr = proxy.addr;
-    let slow = tokio::spawn(async move {
-        Request::post("/orders/slow/1500")
-            .key("running-here")
-            .body("{}")
-            .send(addr)
-            .await
-    });
+    let slow = Request::post("/orders/slow/1500")
+        .key("running-here")
+        .body("{}")
+        .spawn_send(proxy.addr);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(backend.count(), 1, "the original runs");
     redis.kill();

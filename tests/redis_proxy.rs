@@ -526,7 +526,7 @@ async fn a_worker_id_redis_refuses_is_passed_over_and_an_acl_refusal_is_no_lease
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     // The record rights, but lease keys only for ids of two digits or more.
-    let _: () = redis.cmd(&[
+    let user = [
         "ACL",
         "SETUSER",
         "narrow",
@@ -534,17 +534,8 @@ async fn a_worker_id_redis_refuses_is_passed_over_and_an_acl_refusal_is_no_lease
         ">narrow-password",
         "~idemgate:{*",
         "~idemgate:worker:??*",
-        "-@all",
-        "+evalsha",
-        "+script|load",
-        "+del",
-        "+hmget",
-        "+hset",
-        "+hdel",
-        "+pexpire",
-        "+pttl",
-        "+time",
-    ]);
+    ];
+    let _: () = redis.cmd(&[&user[..], &common::redis::SCRIPT_RIGHTS[..]].concat());
     let url = format!("redis://narrow:narrow-password@127.0.0.1:{}", redis.port);
     // Its first choice, 9, is refused (and nothing answered before it: the search stops, one
     // deadline, as when Redis is down); the next search goes on from 10, which Redis grants.
@@ -603,14 +594,10 @@ async fn the_lease_is_renewed_while_requests_drain_after_sigterm() {
     let mut proxy = leasing_proxy(&backend, &[redis.url()], "orders-draining").await;
     let id = leased_worker_id(&proxy).await;
     let key = format!("idemgate:worker:{id}");
-    let addr = proxy.addr;
-    let slow = tokio::spawn(async move {
-        Request::post("/orders/slow/6000")
-            .key("drain-lease")
-            .body("x")
-            .send(addr)
-            .await
-    });
+    let slow = Request::post("/orders/slow/6000")
+        .key("drain-lease")
+        .body("x")
+        .spawn_send(proxy.addr);
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.signal("TERM");
     // Past the 3 s lease counted from any renewal before the SIGTERM: still held, renewed.

@@ -508,25 +508,17 @@ async fn ping_runs_the_script_path_not_just_ping() {
 
     // The least a single-server user needs, as documented in config/idemgate.yaml: the key
     // pattern, EVALSHA + SCRIPT LOAD, DEL, and what the scripts call.
-    let _: () = server.cmd(&[
+    let keys = format!("~{PREFIX}:*");
+    let user = [
         "ACL",
         "SETUSER",
         "least",
         "on",
         ">pw",
-        &format!("~{PREFIX}:*"),
+        &keys,
         "resetchannels",
-        "-@all",
-        "+evalsha",
-        "+script|load",
-        "+del",
-        "+hmget",
-        "+hset",
-        "+hdel",
-        "+pexpire",
-        "+pttl",
-        "+time",
-    ]);
+    ];
+    let _: () = server.cmd(&[&user[..], &common::redis::SCRIPT_RIGHTS[..]].concat());
     let config = settings(
         vec![format!("redis://least:pw@127.0.0.1:{}", server.port)],
         RedisTopology::Single,

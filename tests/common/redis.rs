@@ -13,6 +13,23 @@ use redis::{FromRedisValue, Value};
 const HIGHEST_PORT: u16 = 55_000;
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The command rights of the least-privilege ACL user on a single server, as documented in
+/// `config/idemgate.yaml` (key patterns and channels come on top): EVALSHA + SCRIPT LOAD, DEL,
+/// and what the scripts call.
+#[allow(dead_code)]
+pub const SCRIPT_RIGHTS: [&str; 10] = [
+    "-@all",
+    "+evalsha",
+    "+script|load",
+    "+del",
+    "+hmget",
+    "+hset",
+    "+hdel",
+    "+pexpire",
+    "+pttl",
+    "+time",
+];
+
 /// A loopback port that is free now (and, for cluster use, whose bus port is too).
 pub fn free_redis_port() -> u16 {
     for _ in 0..1000 {
