@@ -329,6 +329,9 @@ async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
         .count();
     let conflicts: Vec<_> = responses.iter().filter(|r| r.status == 409).collect();
     assert_eq!(miss, 1);
+    // The 19 duplicates are sent while the original runs for 400 ms: reject mode answers them
+    // 409 (a loaded machine may deliver a few only after it completed: those replay).
+    assert!(!conflicts.is_empty(), "reject mode refuses duplicates in flight");
     assert_eq!(
         miss + conflicts.len()
             + responses
@@ -392,7 +395,12 @@ async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = std::time::Instant::now();
     let second = req.send(addr).await;
-    assert_eq!(second.status, 409);
+    assert_eq!((second.status, second.result()), (409, Some("CONFLICT")));
+    assert_eq!(second.problem_type(), "request-in-flight");
+    assert!(second
+        .header("retry-after")
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|s| s >= 1));
     assert!(
         started.elapsed() < Duration::from_millis(1200),
         "waited past wait_timeout"
@@ -586,13 +594,15 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
     // The backend answers after the proxy's read timeout: outcome unknown.
     let req = Request::post("/orders/slow/800").key("lost").body("{}");
     let first = req.send(proxy.addr).await;
-    assert_eq!(first.status, 504);
+    assert_eq!((first.status, first.result()), (504, Some("MISS")));
     assert_eq!(first.problem_type(), "upstream-outcome-unknown");
     let second = req.send(proxy.addr).await;
     assert_eq!(
-        second.status, 409,
+        (second.status, second.result()),
+        (409, Some("CONFLICT")),
         "the claim is kept while the outcome is unknown"
     );
+    assert_eq!(second.problem_type(), "request-in-flight");
     tokio::time::sleep(Duration::from_millis(1600)).await;
     let third = Request::post("/orders/slow/800")
         .key("lost")
@@ -720,10 +730,11 @@ async fn unreachable_backend_releases_the_key() {
     let proxy = ProxyBuilder::new(&b2).start().await;
     let req = Request::post("/orders").key("down").body("{}");
     let r = req.send(proxy.addr).await;
-    assert_eq!(r.status, 502);
+    assert_eq!((r.status, r.result()), (502, Some("MISS")));
     assert_eq!(r.problem_type(), "upstream-unreachable");
     // Released: the retry is tried again (not 409).
-    assert_eq!(req.send(proxy.addr).await.status, 502);
+    let again = req.send(proxy.addr).await;
+    assert_eq!((again.status, again.result()), (502, Some("MISS")));
     let plain = Request::post("/plain").body("{}").send(proxy.addr).await;
     assert_eq!(plain.status, 502);
     // Failed rounds are in the backend's latency too, keyed or not: a backend that fails every
@@ -948,6 +959,11 @@ async fn full_store_refuses_new_claims_with_503() {
         }
     }
     assert_eq!(codes.last(), Some(&503), "the store filled up");
+    assert_eq!(
+        backend.count(),
+        codes.len() - 1,
+        "the refused claim never reached the backend"
+    );
     // Live records are never forgotten: the first key still replays.
     let first = Request::post("/orders")
         .key("fill-0")
@@ -978,10 +994,17 @@ async fn drains_on(signal: &str) {
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend).start().await;
     let addr = proxy.addr;
-    let inflight = slow_order(&proxy, 1000, "drain");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let inflight = slow_order(&proxy, 1500, "drain");
+    until_executed(&backend, 1).await;
     proxy.signal(signal);
     let started = std::time::Instant::now();
+    // Draining: new connections are refused while the request in flight still runs.
+    let mut refused = false;
+    while !refused && !inflight.is_finished() {
+        refused = tokio::net::TcpStream::connect(addr).await.is_err();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(refused, "a new connection was still accepted when the drain ended");
     let resp = inflight.await.unwrap();
     assert_eq!((resp.status, resp.result()), (201, Some("MISS")));
     let (status, proxy) = exit_of(proxy).await;
@@ -992,8 +1015,6 @@ async fn drains_on(signal: &str) {
         "did not wait out the whole grace period"
     );
     assert!(proxy.log().contains("drained"), "{}", proxy.log());
-    // New connections are refused once draining.
-    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
 }
 
 #[tokio::test]
@@ -1116,5 +1137,181 @@ async fn forwarding_headers_reach_the_backend_as_the_client_sent_them() {
             .map(|(n, v)| (n.to_ascii_lowercase(), v.to_string()))
             .collect();
         assert_eq!(forwarding, expected, "{} {}", e.method, e.path);
+    }
+}
+
+#[tokio::test]
+async fn waiters_on_a_released_original_run_it_once_more_and_replay_that() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("on_in_flight: wait")
+        .idem("wait_timeout: 10s")
+        .start()
+        .await;
+    // The first execution answers 503 after 400 ms (released); the next one answers 201.
+    let req = Request::post("/orders/flaky/1/slow/400")
+        .key("released-wait")
+        .json(r#"{"pay":100}"#);
+    let tasks: Vec<_> = (0..20).map(|_| req.spawn_send(proxy.addr)).collect();
+    let mut responses = Vec::new();
+    for t in tasks {
+        responses.push(t.await.unwrap());
+    }
+    let ids: Vec<_> = backend
+        .executions()
+        .into_iter()
+        .map(|e| e.execution_id)
+        .collect();
+    assert_eq!(ids.len(), 2, "the released key runs once more, not once per waiter");
+    assert!(ids[0].is_some() && ids[0] == ids[1], "{ids:?}");
+    let count = |status: u16, result: &str| {
+        responses
+            .iter()
+            .filter(|r| r.status == status && r.result() == Some(result))
+            .count()
+    };
+    let summary: Vec<_> = responses.iter().map(|r| (r.status, r.result())).collect();
+    assert_eq!(count(503, "MISS"), 1, "{summary:?}");
+    assert_eq!(count(201, "MISS"), 1, "{summary:?}");
+    // The waiters that came with the first execution replay the second; any that reached the
+    // proxy only after the 503 went out would have been the one to run it.
+    assert_eq!(count(201, "HIT"), 18, "{summary:?}");
+    let executed = responses
+        .iter()
+        .find(|r| r.status == 201 && r.result() == Some("MISS"))
+        .unwrap();
+    assert!(responses
+        .iter()
+        .filter(|r| r.result() == Some("HIT"))
+        .all(|r| r.body == executed.body));
+}
+
+#[tokio::test]
+async fn a_changed_payload_is_422_while_in_flight_and_after_a_release() {
+    let (backend, proxy) = setup().await;
+    // In flight: the original runs for 800 ms; another body under its key is a mismatch, not
+    // a conflict, and the original's fingerprint is the one that holds.
+    let original = Request::post("/orders/slow/800")
+        .key("k422-live")
+        .json(r#"{"a":1}"#);
+    let running = original.spawn_send(proxy.addr);
+    until_executed(&backend, 1).await;
+    let changed = Request::post("/orders/slow/800")
+        .key("k422-live")
+        .json(r#"{"a":2}"#)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(
+        (changed.status, changed.result()),
+        (422, Some("MISMATCH")),
+        "{}",
+        changed.text()
+    );
+    assert_eq!(changed.problem_type(), "fingerprint-mismatch");
+    let same = original.send(proxy.addr).await;
+    assert_eq!((same.status, same.result()), (409, Some("CONFLICT")));
+    assert_eq!(running.await.unwrap().result(), Some("MISS"));
+
+    // Released: the record keeps its fingerprint, so only the original payload may run again.
+    let flaky = Request::post("/orders/flaky/1")
+        .key("k422-released")
+        .json(r#"{"a":1}"#);
+    let first = flaky.send(proxy.addr).await;
+    assert_eq!((first.status, first.result()), (503, Some("MISS")));
+    let changed = Request::post("/orders/flaky/1")
+        .key("k422-released")
+        .json(r#"{"a":2}"#)
+        .send(proxy.addr)
+        .await;
+    assert_eq!((changed.status, changed.result()), (422, Some("MISMATCH")));
+    assert_eq!(backend.count(), 2, "a mismatch is never forwarded");
+    let retry = flaky.send(proxy.addr).await;
+    assert_eq!((retry.status, retry.result()), (201, Some("MISS")));
+    let ids: Vec<_> = backend
+        .executions()
+        .into_iter()
+        .map(|e| e.execution_id)
+        .collect();
+    assert_eq!(ids.len(), 3);
+    assert_eq!(ids[1], ids[2], "the retry runs under the released record's id");
+}
+
+#[tokio::test]
+async fn a_route_stores_the_statuses_its_cache_statuses_name() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem(r#"cache_statuses: ["2xx", "3xx", "4xx", "!409"]"#)
+        .start()
+        .await;
+    // (path, stored): a 303 (Post/Redirect/Get) is stored once 3xx is named; an excluded 409 is
+    // released; a 500 no class names is released.
+    for (path, stored) in [
+        ("/orders/status/303", true),
+        ("/orders/status/404", true),
+        ("/orders/status/409", false),
+        ("/orders/status/500", false),
+    ] {
+        let before = backend.count();
+        let req = Request::post(path).key(path).body("{}");
+        let first = req.send(proxy.addr).await;
+        assert_eq!(first.result(), Some("MISS"), "{path}");
+        let second = req.send(proxy.addr).await;
+        let (result, runs) = if stored { ("HIT", 1) } else { ("MISS", 2) };
+        assert_eq!(second.result(), Some(result), "{path}");
+        assert_eq!(second.status, first.status, "{path}");
+        assert_eq!(backend.count() - before, runs, "{path}");
+    }
+}
+
+#[tokio::test]
+async fn a_configured_key_header_and_tenant_header_are_the_ones_read() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .global("key_header: X-Request-Key")
+        .global("tenant_header: X-Org")
+        .start()
+        .await;
+    let req = |org: &str| {
+        Request::post("/orders")
+            .header("X-Request-Key", "rk-1")
+            .header("X-Org", org)
+            .body("{}")
+    };
+    assert_eq!(req("acme").send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(req("acme").send(proxy.addr).await.result(), Some("HIT"));
+    // The configured tenant header scopes the key.
+    assert_eq!(req("globex").send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(backend.count(), 2);
+    // The default header names mean nothing here: no key on a route that requires one, and an
+    // optional route bypasses.
+    let default_named = Request::post("/orders").key("rk-1").body("{}");
+    let r = default_named.send(proxy.addr).await;
+    assert_eq!((r.status, r.result()), (400, Some("INVALID")));
+    assert_eq!(r.problem_type(), "idempotency-key-missing");
+    let r = Request::post("/optional")
+        .key("rk-1")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(r.result(), Some("BYPASS"));
+    let r = Request::post("/optional")
+        .header("X-Request-Key", "rk-2")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(r.result(), Some("MISS"));
+    assert_eq!(backend.count(), 4);
+}
+
+/// Waits until the backend has seen `n` requests.
+async fn until_executed(backend: &Backend, n: usize) {
+    let started = std::time::Instant::now();
+    while backend.count() < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the backend saw {} requests, not {n}",
+            backend.count()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

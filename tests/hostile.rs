@@ -664,3 +664,42 @@ async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_w
     assert_eq!(backend.count(), 1);
     assert_eq!(backend.executions()[0].body, b"hello");
 }
+
+#[tokio::test]
+async fn a_bad_key_on_an_optional_route_is_400_never_a_bypass() {
+    let backend = Backend::start().await;
+    let proxy = proxy(&backend).await;
+    let long = "k".repeat(256);
+    let optional = || Request::post("/optional").body("{}");
+    let bad = [
+        ("empty", optional().key("")),
+        ("blank", optional().key("   ")),
+        ("256 characters", optional().key(&long)),
+        ("non-ASCII", optional().key("ключ")),
+        (
+            "latin-1 byte",
+            optional().header("Idempotency-Key", b"caf\xe9".as_slice()),
+        ),
+        ("unbalanced quote", optional().key("\"abc")),
+        ("bad sf escape", optional().key("\"a\\nb\"")),
+        ("folded list", optional().key("a, b")),
+        ("repeated, different", optional().key("a").key("b")),
+    ];
+    for (name, req) in bad {
+        let resp = req.send(proxy.addr).await;
+        assert_eq!(
+            (resp.status, resp.result()),
+            (400, Some("INVALID")),
+            "{name}: {}",
+            resp.text()
+        );
+        assert_eq!(resp.problem_type(), "idempotency-key-invalid", "{name}");
+    }
+    assert_eq!(backend.count(), 0, "no bad key was forwarded");
+    // The route does take requests: without a key they bypass, with a good one they are keyed.
+    let bypass = optional().send(proxy.addr).await;
+    assert_eq!(bypass.result(), Some("BYPASS"));
+    let keyed = optional().key("good").send(proxy.addr).await;
+    assert_eq!(keyed.result(), Some("MISS"));
+    assert_eq!(backend.count(), 2);
+}

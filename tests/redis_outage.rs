@@ -67,11 +67,18 @@ async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes()
                 .body("{}");
             let sent = Instant::now();
             let r = req.send(addr).await;
+            let refusal = (r.status == 503).then(|| {
+                (
+                    r.problem_type(),
+                    r.header("retry-after").map(str::to_string),
+                )
+            });
             seen.push((
                 sent - started,
                 sent.elapsed(),
                 r.status,
                 r.result().map(str::to_string),
+                refusal,
             ));
             n += 1;
         }
@@ -86,10 +93,14 @@ async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes()
     let seen = load.await.unwrap();
 
     let mut misses = 0;
-    for (_, latency, status, result) in &seen {
+    for (_, latency, status, result, refusal) in &seen {
         match (status, result.as_deref()) {
             (201, Some("MISS")) => misses += 1,
-            (503, Some("UNAVAILABLE")) => {}
+            (503, Some("UNAVAILABLE")) => {
+                let (kind, retry_after) = refusal.as_ref().unwrap();
+                assert_eq!(kind, "store-unavailable");
+                assert!(retry_after.is_some(), "503 with Retry-After");
+            }
             other => panic!("unexpected answer {other:?}"),
         }
         assert!(
@@ -1016,4 +1027,89 @@ async fn a_retry_of_a_key_this_replica_is_running_is_not_run_beside_it_when_redi
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201);
     assert_eq!(backend.count(), 1, "the key ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_hangs_mid_load_opens_the_circuit_and_nothing_runs_unprotected() {
+    let redis = RedisServer::start();
+    let fault = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let proxy = builder_to(&backend, fault.redis_url()).start().await;
+    let addr = proxy.addr;
+    let started = Instant::now();
+    let load = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        let mut n = 0u32;
+        while started.elapsed() < Duration::from_millis(4500) {
+            let req = Request::post("/orders")
+                .key(&format!("hang-{n}"))
+                .body("{}");
+            let sent = Instant::now();
+            let r = req.send(addr).await;
+            seen.push((sent - started, sent.elapsed(), r));
+            n += 1;
+        }
+        seen
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A partition: Redis neither answers nor refuses; only the timeouts notice.
+    fault.set(Fault::Hold);
+    let held_at = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    fault.set(Fault::Pass);
+    let healed_at = started.elapsed();
+    let seen = load.await.unwrap();
+
+    let mut misses = 0;
+    for (_, latency, r) in &seen {
+        match (r.status, r.result()) {
+            (201, Some("MISS")) => misses += 1,
+            (503, Some("UNAVAILABLE")) => {
+                assert_eq!(r.problem_type(), "store-unavailable");
+                assert!(r.header("retry-after").is_some(), "503 with Retry-After");
+            }
+            other => panic!("unexpected answer {other:?}: {}", r.text()),
+        }
+        // A claim or completion waits one response timeout (200 ms) per try, never the hang.
+        assert!(
+            *latency < Duration::from_secs(2),
+            "a request hung for {latency:?}"
+        );
+    }
+    assert_eq!(
+        backend.count(),
+        misses,
+        "every execution was protected by a claim"
+    );
+    assert!(seen.iter().any(|s| s.0 < held_at && s.2.status == 201));
+    assert!(
+        seen.iter().filter(|s| s.2.status == 503).count() > 3,
+        "the hang was seen"
+    );
+    let resumed = seen
+        .iter()
+        .find(|s| s.0 > healed_at && s.2.status == 201)
+        .map(|s| s.0 - healed_at)
+        .expect("service resumed");
+    assert!(
+        resumed < Duration::from_secs(2),
+        "resumed after {resumed:?}"
+    );
+    let m = proxy.metrics().await;
+    assert!(
+        metric(&m, "idemgate_store_circuit_opened_total") >= 1.0,
+        "{m}"
+    );
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("idemgate_store_errors_total{")
+                && l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) > Some(0.0)),
+        "store errors counted: {m}"
+    );
+    assert!(
+        m.lines().any(|l| l
+            .starts_with("idemgate_store_operation_duration_seconds_count{op=\"claim\"")
+            && l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) >= Some(misses as f64)),
+        "claims timed: {m}"
+    );
 }

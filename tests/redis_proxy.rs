@@ -143,6 +143,19 @@ async fn cluster_replays_across_instances_and_executes_duplicates_once() {
     assert!(holders.len() >= 2, "records all on {holders:?}");
 }
 
+/// How many `SCRIPT LOAD`s the server has run (Redis 7 counts subcommands apart; Redis 6
+/// counts every `SCRIPT` call as one command, which still grows with the loads).
+fn script_loads(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|l| {
+            l.strip_prefix("cmdstat_script|load:calls=")
+                .or_else(|| l.strip_prefix("cmdstat_script:calls="))
+        })
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 #[tokio::test]
 async fn script_flush_and_redis_restart_never_reach_a_client() {
     let mut redis = RedisServer::start();
@@ -155,6 +168,16 @@ async fn script_flush_and_redis_restart_never_reach_a_client() {
     let req = Request::post("/orders").key("flush").body("a");
     assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
     let _: () = redis.cmd(&["SCRIPT", "FLUSH"]);
+    // A new key's claim and completion run the flushed scripts (a retry of "flush" would be
+    // answered from the local cache, without Redis).
+    let loads = script_loads(&redis);
+    let fresh = Request::post("/orders").key("after-flush").body("c");
+    let first = fresh.send(proxy.addr).await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")), "{}", first.text());
+    assert!(
+        script_loads(&redis) > loads,
+        "the proxy met NOSCRIPT and loaded its scripts again"
+    );
     let replay = req.send(proxy.addr).await;
     assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
 
@@ -169,7 +192,7 @@ async fn script_flush_and_redis_restart_never_reach_a_client() {
         first.text()
     );
     assert_eq!(after.send(proxy.addr).await.result(), Some("HIT"));
-    assert_eq!(backend.count(), 2);
+    assert_eq!(backend.count(), 3);
 }
 
 #[tokio::test]
@@ -613,4 +636,40 @@ async fn the_lease_is_renewed_while_requests_drain_after_sigterm() {
     assert_eq!(last_worker(&backend), id);
     let status = proxy.wait_exit(Duration::from_secs(10)).expect("exits");
     assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn a_request_drained_at_sigterm_is_stored_for_the_other_replicas() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let mut instances = proxies(&backend, &[redis.url()], 2, &[]).await;
+    let req = Request::post("/orders/slow/1500")
+        .key("drained")
+        .body("{}");
+    let inflight = req.spawn_send(instances[0].addr);
+    let started = Instant::now();
+    while backend.count() == 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "never forwarded");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let draining = instances[0].addr;
+    instances[0].signal("TERM");
+    // Draining: new connections are refused while the request in flight still runs.
+    let mut refused = false;
+    while !refused && !inflight.is_finished() {
+        refused = tokio::net::TcpStream::connect(draining).await.is_err();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(refused, "a new connection was still accepted when the drain ended");
+    let answered = inflight.await.unwrap();
+    assert_eq!((answered.status, answered.result()), (201, Some("MISS")));
+    let status = instances[0]
+        .wait_exit(Duration::from_secs(10))
+        .expect("exits once drained");
+    assert!(status.success(), "{status:?}");
+    // The record reached Redis before the exit: the other replica replays it.
+    let replay = req.send(instances[1].addr).await;
+    assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
+    assert_eq!(replay.body, answered.body);
+    assert_eq!(backend.count(), 1);
 }
