@@ -347,6 +347,12 @@ pub fn request_started(session: &Session) {
 /// Marks the connection's request as over: the next bytes read begin the next header. A request
 /// whose body was not read to its end closes the connection instead (pingora would otherwise
 /// drain the rest of the body, and those reads are no header's).
+///
+/// A kept-alive connection waits for its next request [`KEEPALIVE_SECS`] at most, as a new one
+/// waits for its first. pingora sets the wait from each request it reads: without a
+/// `Keep-Alive: timeout=` from the client an HTTP/1.1 connection would wait for ever, and with
+/// one the client would choose; either way an idle client could hold its socket and task for
+/// good.
 pub fn request_ended(session: &mut Session) {
     let body_done = session.is_body_done();
     let Some(g) = guard_of(session) else {
@@ -354,10 +360,20 @@ pub fn request_ended(session: &mut Session) {
     };
     if body_done {
         g.phase.store(BETWEEN, Ordering::Relaxed);
+        if session
+            .get_keepalive()
+            .is_some_and(|secs| secs == 0 || secs > KEEPALIVE_SECS)
+        {
+            session.set_keepalive(Some(KEEPALIVE_SECS));
+        }
     } else {
         session.set_keepalive(None);
     }
 }
+
+/// Longest wait for the next request on a kept-alive connection, in seconds: pingora's wait for
+/// the first request on a new one.
+pub const KEEPALIVE_SECS: u64 = 60;
 
 impl AsyncRead for HeadGuard {
     fn poll_read(

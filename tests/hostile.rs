@@ -703,3 +703,45 @@ async fn a_bad_key_on_an_optional_route_is_400_never_a_bypass() {
     assert_eq!(keyed.result(), Some("MISS"));
     assert_eq!(backend.count(), 2);
 }
+
+#[tokio::test]
+async fn a_kept_alive_connection_is_closed_after_sixty_idle_seconds_whatever_the_client_asks() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = proxy(&backend).await;
+    // (name, extra request header): pingora's own wait after a request would be for ever
+    // without a Keep-Alive timeout, and the client's choice with one.
+    let cases = [
+        ("no Keep-Alive header", ""),
+        ("Keep-Alive: timeout=3600", "Keep-Alive: timeout=3600\r\n"),
+        ("Connection: keep-alive", "Connection: keep-alive\r\n"),
+    ];
+    let tasks: Vec<_> = cases
+        .into_iter()
+        .map(|(name, extra)| {
+            let addr = proxy.addr;
+            tokio::spawn(async move {
+                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+                let req = format!("GET /plain/idle HTTP/1.1\r\nHost: t\r\n{extra}\r\n");
+                s.write_all(req.as_bytes()).await.unwrap();
+                let resp = common::client::read_response(&mut s, false).await.unwrap();
+                assert_eq!(resp.status, 201, "{name}");
+                let idle = std::time::Instant::now();
+                let mut buf = [0u8; 64];
+                let read = tokio::time::timeout(Duration::from_secs(90), s.read(&mut buf)).await;
+                let waited = idle.elapsed();
+                assert!(
+                    matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+                    "{name}: still open after {waited:?}"
+                );
+                assert!(
+                    waited >= Duration::from_secs(58),
+                    "{name}: closed after {waited:?}"
+                );
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
