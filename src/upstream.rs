@@ -48,8 +48,9 @@ const MAX_CHUNK_LINE_BYTES: usize = 4096;
 const MAX_TRAILER_BYTES: usize = 64 * 1024;
 /// Idle connections kept per worker thread and backend address.
 pub const MAX_IDLE_PER_ADDRESS: usize = 128;
-/// Informational (1xx) responses accepted before the final one.
-const MAX_INFORMATIONAL: usize = 16;
+/// Informational (1xx) responses accepted before the final one: enough for a backend that sends
+/// `102 Processing` every second for a quarter of an hour, and a bound on one that loops.
+const MAX_INFORMATIONAL: usize = 1024;
 /// Size of each read from the backend.
 const READ_BYTES: usize = 16 * 1024;
 

@@ -585,8 +585,25 @@ async fn a_malformed_answer_to_a_forwarded_request_is_a_502() {
 }
 
 #[tokio::test]
+async fn a_backend_that_sends_102_processing_while_it_works_is_waited_for_past_its_lock() {
+    // Twenty heartbeats 100 ms apart: longer than the 1 s lock and each within read_timeout.
+    let mut script = Vec::new();
+    for _ in 0..20 {
+        script.push(Step::Send(b"HTTP/1.1 102 Processing\r\n\r\n".to_vec()));
+        script.push(Step::Pause(Duration::from_millis(100)));
+    }
+    script.push(created("{\"id\":1}"));
+    let backend = RawBackend::start(script).await;
+    let proxy = proxy(&backend).await;
+    let (first, again) = twice(&proxy, "heartbeats").await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")), "{}", first.text());
+    assert_eq!((again.status, again.result()), (201, Some("HIT")));
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
 async fn an_endless_run_of_informational_answers_is_refused() {
-    let mut flood = b"HTTP/1.1 102 Processing\r\n\r\n".repeat(20);
+    let mut flood = b"HTTP/1.1 102 Processing\r\n\r\n".repeat(1100);
     flood.extend_from_slice(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok");
     let backend = RawBackend::start(vec![Step::Send(flood), Step::Close]).await;
     let proxy = proxy(&backend).await;
