@@ -1538,7 +1538,12 @@ impl ProxyHttp for Gate {
             },
             _ => Some(Problem::UpstreamConnect),
         };
-        let code = match (&problem, session.response_written()) {
+        // An interim answer relayed from the backend (`100 Continue`) is no answer: the final
+        // one may still follow it.
+        let written = session
+            .response_written()
+            .filter(|r| !r.status.is_informational());
+        let code = match (&problem, written) {
             (Some(p), None) => match write_problem(session, p, ctx.outcome).await {
                 Ok(()) => p.status(),
                 Err(_) => 0,

@@ -745,3 +745,58 @@ async fn a_kept_alive_connection_is_closed_after_sixty_idle_seconds_whatever_the
         t.await.unwrap();
     }
 }
+
+/// A backend that answers every request head with `100 Continue` and then reads on, answering
+/// nothing more: the body it waits for is the client's to send.
+async fn continuing_backend() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await;
+                while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_streamed_body_that_stalls_after_the_backends_100_continue_still_gets_its_408() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = continuing_backend().await;
+    let proxy = ProxyBuilder::at(backend)
+        .top("request_body_timeout: 300ms")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /plain HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // The backend's interim answer, relayed; then half the body, and a stall.
+    let mut interim = Vec::new();
+    let mut byte = [0u8; 1];
+    while !interim.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut byte).await.unwrap(), 1, "closed before the 100");
+        interim.push(byte[0]);
+    }
+    assert!(interim.starts_with(b"HTTP/1.1 100"), "{interim:?}");
+    s.write_all(b"hello").await.unwrap();
+    let r = common::client::read_response(&mut s, false)
+        .await
+        .expect("a final answer after the 100, not a bare close");
+    assert_eq!(r.status, 408, "{}", r.text());
+    assert_eq!(r.problem_type(), "request-timeout");
+}
