@@ -437,10 +437,11 @@ impl Gate {
                 Err(StoreError::Full { .. }) => {
                     return self.refuse(session, Problem::StoreFull).await
                 }
-                // The store answered: a record exists that this proxy cannot read. That is no
-                // outage, so the outage policy does not apply — executing could run the key twice.
+                // The store answered, but not in a way this proxy can use: a record it cannot
+                // read, or a script that fails. That is no outage, so the outage policy does not
+                // apply — executing could run the key twice.
                 Err(StoreError::Corrupt(e)) => {
-                    tracing::error!(error = %e, "record store returned a record this proxy cannot read");
+                    tracing::error!(error = %e, "record store answered with a record this proxy cannot read or a failing script; refused");
                     return self.refuse(session, Problem::StoreRecordUnreadable).await;
                 }
                 Err(e) if seen_live => {

@@ -1049,3 +1049,93 @@ async fn config_edits_switch_versions_live_and_an_unknown_version_is_refused() {
     assert_eq!(status["canary"]["version"], "v2");
     assert_eq!(status["canary"]["percent_in_force"], 100);
 }
+
+#[tokio::test]
+async fn a_script_that_fails_is_refused_not_taken_for_an_outage_the_policy_forwards_through() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let root = tempfile::tempdir().unwrap();
+    // v3: v1 whose claim compiles (SCRIPT LOAD takes it) and fails on every call.
+    script_dir(root.path(), "v3", "v1", |name, text| {
+        insert_before("claim", "local key = KEYS[1]", "redis.call('NOPE')", name, text)
+    });
+    for policy in ["pass", "local"] {
+        let proxy = ProxyBuilder::new(&backend)
+            .redis(&[redis.url()])
+            .store(&format!(
+                "  scripts: {{dir: \"{}\", version: v3}}",
+                root.path().display()
+            ))
+            .store(&format!("on_unavailable: {policy}"))
+            .start()
+            .await;
+        let req = Request::post("/orders")
+            .key(&format!("broken-{policy}"))
+            .body("{}");
+        for _ in 0..5 {
+            let r = req.send(proxy.addr).await;
+            assert_eq!(
+                (r.status, r.result()),
+                (503, Some("UNAVAILABLE")),
+                "{policy}: {}",
+                r.text()
+            );
+            assert_eq!(r.problem_type(), "store-record-unreadable", "{policy}");
+        }
+        assert_eq!(backend.count(), 0, "{policy}: nothing ran unprotected");
+        let m = proxy.metrics().await;
+        assert_eq!(
+            common::metric(&m, "idemgate_store_circuit_opened_total"),
+            Some(0.0),
+            "{policy}: a failing script is no outage: {m}"
+        );
+        proxy.log_containing("the script failed").await;
+    }
+}
+
+#[tokio::test]
+async fn a_canary_completion_that_fails_after_its_write_is_finished_by_the_active_version() {
+    let server = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    // A completion that fails after storing the payload, before dropping the claim's fields
+    // and setting the record's life.
+    script_dir(root.path(), "vhalf", "v2", |name, text| {
+        let anchor = "redis.call('HDEL', key, 'o', 'l')\nredis.call('PEXPIRE'";
+        insert_before("complete", anchor, "redis.call('NOPE')", name, text)
+    });
+    for active in ["v1", "v2"] {
+        let store = store(
+            &server,
+            scripts(
+                Some(root.path()),
+                active,
+                Some(canary("vhalf", 100, 1000, 0.05)),
+            ),
+        )
+        .await;
+        let key = fresh_key();
+        let req = claim_request(&key);
+        assert!(matches!(
+            store.claim(&req).await.expect("claim"),
+            ClaimOutcome::Acquired { .. }
+        ));
+        // Claimed to live 60 s; completed to live 5 s.
+        assert_eq!(
+            store
+                .complete(&key, req.owner, response(), 5 * SECOND)
+                .await
+                .expect("complete"),
+            WriteOutcome::Applied
+        );
+        let redis_key = store.record_key(&key);
+        assert_eq!(hget(&server, &redis_key, "s").as_deref(), Some("c"), "{active}");
+        assert_eq!(hget(&server, &redis_key, "o"), None, "{active}: owner dropped");
+        assert_eq!(hget(&server, &redis_key, "l"), None, "{active}: lock dropped");
+        let left = pttl(&server, &redis_key);
+        assert!(
+            (1..=5000).contains(&left),
+            "{active}: the record lives its completion ttl, not its claim's: {left} ms"
+        );
+        assert_eq!(counts(&store, "vhalf"), (2, 1), "{active}");
+    }
+}

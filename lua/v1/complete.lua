@@ -21,6 +21,12 @@
 local key = KEYS[1]
 local rec = redis.call('HMGET', key, 's', 'o', 'w')
 if rec[3] == ARGV[4] then
+  -- Applied before. A send that failed half-way (a canary's script error after its HSET)
+  -- left the claim's fields and expiry: finish what it began.
+  if rec[2] then
+    redis.call('HDEL', key, 'o', 'l')
+    redis.call('PEXPIRE', key, ARGV[3])
+  end
   return 1
 end
 if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then

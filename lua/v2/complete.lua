@@ -27,6 +27,12 @@ local key = KEYS[1]
 local owner, payload, ttl_ms, write_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local s, o, w = unpack(redis.call('HMGET', key, 's', 'o', 'w'))
 if w == write_id then
+  -- Applied before. A send that failed half-way (a canary's script error after its HSET)
+  -- left the claim's fields and expiry: finish what it began.
+  if o then
+    redis.call('HDEL', key, 'o', 'l')
+    redis.call('PEXPIRE', key, ttl_ms)
+  end
   return 1
 end
 if s ~= 'i' or o ~= owner then

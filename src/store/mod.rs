@@ -193,8 +193,9 @@ pub enum StoreError {
     /// The store could not be reached or answered in time.
     #[error("record store unavailable: {0}")]
     Unavailable(String),
-    /// The store answered something this version cannot read.
-    #[error("record store returned a malformed record: {0}")]
+    /// The store answered, but with something this version cannot use: a record it cannot
+    /// read, or (Redis) an error raised by a script. No outage: retrying would meet it again.
+    #[error("record store answered with what this proxy cannot use: {0}")]
     Corrupt(String),
 }
 

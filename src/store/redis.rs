@@ -1039,10 +1039,21 @@ impl RedisStore {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) => {
                 backend.on_error(&err);
+                let script_fault = is_script_fault(&err);
+                let answered = matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension);
+                // A script that fails is no outage: Redis is up and would fail it the same way
+                // on every retry, so the outage policy must not apply (`pass` would forward
+                // every keyed request unprotected behind a broken `claim.lua`) and the circuit
+                // must not open. It is refused like a reply this proxy cannot read.
+                let error = if script_fault {
+                    StoreError::Corrupt(format!("redis {op}: the script failed: {err}"))
+                } else {
+                    store_error(op, err)
+                };
                 Err(Failure {
-                    script_fault: is_script_fault(&err),
-                    answered: matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension),
-                    error: store_error(op, err),
+                    script_fault,
+                    answered,
+                    error,
                 })
             }
             Err(_) => Err(Failure {
