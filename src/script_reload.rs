@@ -10,11 +10,13 @@
 //! Like the config watcher, the directory watcher only signals, ignores access events and
 //! debounces bursts.
 //!
-//! An edit of the files goes live only once two readings of them in a row agree (the TLS
-//! files' rule): a copy of four files, or one file written in place, caught halfway would
-//! otherwise put half a version in force (a new `claim.lua` beside an old `complete.lua`, or a
-//! truncated file that still compiles) until the next look. The second reading is the next
-//! trigger: another file event, or the poll at the latest.
+//! An edit of the files goes live only once two readings of them in a row agree, at least
+//! [`SETTLE_GAP`] apart, and it is that reading which is applied: a copy of four files, or one
+//! file written in place, caught halfway would otherwise put half a version in force (a new
+//! `claim.lua` beside an old `complete.lua`, or a truncated file that still compiles) until the
+//! next look. The second reading is the next trigger (another file event, or the poll) that
+//! comes late enough. Two readings moments apart (a poll that fell due during an event's
+//! debounce) would agree in the middle of any copy slower than that.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -101,13 +103,20 @@ impl ScriptReloader {
             // One copy of the settings for the reading and the apply (and no lock held while
             // the files are read: a config reload waits on it).
             let settings = self.settings.lock().clone();
-            let settled = files.settled(read_versions(&settings));
+            let reading = read_versions(&settings);
+            let settled = files.settled(reading.clone(), std::time::Instant::now());
             // A config that names other versions is applied at once; file edits wait for a
             // second, identical reading.
             if trigger != "config reload" && !settled {
                 continue;
             }
-            match self.store.apply_scripts(&settings).await {
+            let found = match &reading[..] {
+                [Some(active)] => Ok((active.clone(), None)),
+                [Some(active), Some(canary)] => Ok((active.clone(), Some(canary.clone()))),
+                // A version that cannot be read: the store reads it again to say why.
+                _ => crate::store::redis::find_sources(&settings),
+            };
+            match self.store.apply_sources(&settings, found).await {
                 Ok(ScriptsApplied::Applied { .. }) => {
                     tracing::info!(trigger, "script change applied");
                     unavailable = false;
@@ -132,18 +141,28 @@ impl ScriptReloader {
 /// reads them ([`Sources::find`]); `None` for a version that cannot be read as it is.
 type Reading = Vec<Option<Sources>>;
 
+/// Least time between the two agreeing readings that put an edit of the script files in force:
+/// a copy whose files come less than this apart is never caught halfway.
+pub const SETTLE_GAP: Duration = Duration::from_secs(2);
+
 /// Tells a settled edit of the script files from one still being written.
 #[derive(Default)]
 struct Settle {
-    last: Option<Reading>,
+    /// The last reading, and when it was first seen.
+    last: Option<(Reading, std::time::Instant)>,
 }
 
 impl Settle {
-    /// Takes a reading; whether it is the same as the one before it.
-    fn settled(&mut self, reading: Reading) -> bool {
-        let same = self.last.as_ref() == Some(&reading);
-        self.last = Some(reading);
-        same
+    /// Takes a reading made at `now`: whether the one before it was the same and was first
+    /// seen at least [`SETTLE_GAP`] earlier.
+    fn settled(&mut self, reading: Reading, now: std::time::Instant) -> bool {
+        match &self.last {
+            Some((last, since)) if *last == reading => now.duration_since(*since) >= SETTLE_GAP,
+            _ => {
+                self.last = Some((reading, now));
+                false
+            }
+        }
     }
 }
 
@@ -179,7 +198,7 @@ mod tests {
     use crate::scripts::SCRIPT_NAMES;
 
     #[test]
-    fn an_edit_counts_once_two_readings_in_a_row_agree() {
+    fn an_edit_counts_once_two_readings_agree_far_enough_apart() {
         let mut files = Settle::default();
         let old = vec![Sources::builtin("v1")];
         let mut half = old.clone();
@@ -187,15 +206,28 @@ mod tests {
             s.texts[0].truncate(10);
         }
         let new = vec![Sources::builtin("v2")];
+        let t0 = std::time::Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
         assert!(
-            !files.settled(old.clone()),
+            !files.settled(old.clone(), at(0)),
             "nothing to compare the first reading with"
         );
-        assert!(files.settled(old));
-        assert!(!files.settled(half), "caught halfway");
-        assert!(!files.settled(new.clone()), "changed since the last look");
-        assert!(files.settled(new));
-        assert!(!files.settled(vec![None]), "a file gone");
+        assert!(files.settled(old.clone(), at(2000)));
+        assert!(files.settled(old, at(4000)), "steady: every look agrees");
+        assert!(!files.settled(half.clone(), at(4100)), "caught halfway");
+        // Seen again moments later (a poll during an event's debounce): still a copy under way.
+        assert!(!files.settled(half.clone(), at(4200)));
+        assert!(!files.settled(half, at(5900)));
+        assert!(
+            !files.settled(new.clone(), at(6000)),
+            "changed since the last look"
+        );
+        assert!(
+            !files.settled(new.clone(), at(7000)),
+            "agrees, but too soon"
+        );
+        assert!(files.settled(new, at(8000)));
+        assert!(!files.settled(vec![None], at(8100)), "a file gone");
     }
 
     #[test]

@@ -331,7 +331,10 @@ async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
     assert_eq!(miss, 1);
     // The 19 duplicates are sent while the original runs for 400 ms: reject mode answers them
     // 409 (a loaded machine may deliver a few only after it completed: those replay).
-    assert!(!conflicts.is_empty(), "reject mode refuses duplicates in flight");
+    assert!(
+        !conflicts.is_empty(),
+        "reject mode refuses duplicates in flight"
+    );
     assert_eq!(
         miss + conflicts.len()
             + responses
@@ -1004,7 +1007,10 @@ async fn drains_on(signal: &str) {
         refused = tokio::net::TcpStream::connect(addr).await.is_err();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(refused, "a new connection was still accepted when the drain ended");
+    assert!(
+        refused,
+        "a new connection was still accepted when the drain ended"
+    );
     let resp = inflight.await.unwrap();
     assert_eq!((resp.status, resp.result()), (201, Some("MISS")));
     let (status, proxy) = exit_of(proxy).await;
@@ -1162,7 +1168,11 @@ async fn waiters_on_a_released_original_run_it_once_more_and_replay_that() {
         .into_iter()
         .map(|e| e.execution_id)
         .collect();
-    assert_eq!(ids.len(), 2, "the released key runs once more, not once per waiter");
+    assert_eq!(
+        ids.len(),
+        2,
+        "the released key runs once more, not once per waiter"
+    );
     assert!(ids[0].is_some() && ids[0] == ids[1], "{ids:?}");
     let count = |status: u16, result: &str| {
         responses
@@ -1233,7 +1243,10 @@ async fn a_changed_payload_is_422_while_in_flight_and_after_a_release() {
         .map(|e| e.execution_id)
         .collect();
     assert_eq!(ids.len(), 3);
-    assert_eq!(ids[1], ids[2], "the retry runs under the released record's id");
+    assert_eq!(
+        ids[1], ids[2],
+        "the retry runs under the released record's id"
+    );
 }
 
 #[tokio::test]

@@ -173,7 +173,12 @@ async fn script_flush_and_redis_restart_never_reach_a_client() {
     let loads = script_loads(&redis);
     let fresh = Request::post("/orders").key("after-flush").body("c");
     let first = fresh.send(proxy.addr).await;
-    assert_eq!((first.status, first.result()), (201, Some("MISS")), "{}", first.text());
+    assert_eq!(
+        (first.status, first.result()),
+        (201, Some("MISS")),
+        "{}",
+        first.text()
+    );
     assert!(
         script_loads(&redis) > loads,
         "the proxy met NOSCRIPT and loaded its scripts again"
@@ -643,13 +648,14 @@ async fn a_request_drained_at_sigterm_is_stored_for_the_other_replicas() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let mut instances = proxies(&backend, &[redis.url()], 2, &[]).await;
-    let req = Request::post("/orders/slow/1500")
-        .key("drained")
-        .body("{}");
+    let req = Request::post("/orders/slow/1500").key("drained").body("{}");
     let inflight = req.spawn_send(instances[0].addr);
     let started = Instant::now();
     while backend.count() == 0 {
-        assert!(started.elapsed() < Duration::from_secs(10), "never forwarded");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never forwarded"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let draining = instances[0].addr;
@@ -660,7 +666,10 @@ async fn a_request_drained_at_sigterm_is_stored_for_the_other_replicas() {
         refused = tokio::net::TcpStream::connect(draining).await.is_err();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(refused, "a new connection was still accepted when the drain ended");
+    assert!(
+        refused,
+        "a new connection was still accepted when the drain ended"
+    );
     let answered = inflight.await.unwrap();
     assert_eq!((answered.status, answered.result()), (201, Some("MISS")));
     let status = instances[0]

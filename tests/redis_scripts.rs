@@ -1057,7 +1057,13 @@ async fn a_script_that_fails_is_refused_not_taken_for_an_outage_the_policy_forwa
     let root = tempfile::tempdir().unwrap();
     // v3: v1 whose claim compiles (SCRIPT LOAD takes it) and fails on every call.
     script_dir(root.path(), "v3", "v1", |name, text| {
-        insert_before("claim", "local key = KEYS[1]", "redis.call('NOPE')", name, text)
+        insert_before(
+            "claim",
+            "local key = KEYS[1]",
+            "redis.call('NOPE')",
+            name,
+            text,
+        )
     });
     for policy in ["pass", "local"] {
         let proxy = ProxyBuilder::new(&backend)
@@ -1128,9 +1134,21 @@ async fn a_canary_completion_that_fails_after_its_write_is_finished_by_the_activ
             WriteOutcome::Applied
         );
         let redis_key = store.record_key(&key);
-        assert_eq!(hget(&server, &redis_key, "s").as_deref(), Some("c"), "{active}");
-        assert_eq!(hget(&server, &redis_key, "o"), None, "{active}: owner dropped");
-        assert_eq!(hget(&server, &redis_key, "l"), None, "{active}: lock dropped");
+        assert_eq!(
+            hget(&server, &redis_key, "s").as_deref(),
+            Some("c"),
+            "{active}"
+        );
+        assert_eq!(
+            hget(&server, &redis_key, "o"),
+            None,
+            "{active}: owner dropped"
+        );
+        assert_eq!(
+            hget(&server, &redis_key, "l"),
+            None,
+            "{active}: lock dropped"
+        );
         let left = pttl(&server, &redis_key);
         assert!(
             (1..=5000).contains(&left),

@@ -596,7 +596,12 @@ async fn a_backend_that_sends_102_processing_while_it_works_is_waited_for_past_i
     let backend = RawBackend::start(script).await;
     let proxy = proxy(&backend).await;
     let (first, again) = twice(&proxy, "heartbeats").await;
-    assert_eq!((first.status, first.result()), (201, Some("MISS")), "{}", first.text());
+    assert_eq!(
+        (first.status, first.result()),
+        (201, Some("MISS")),
+        "{}",
+        first.text()
+    );
     assert_eq!((again.status, again.result()), (201, Some("HIT")));
     assert_eq!(backend.count(), 1);
 }

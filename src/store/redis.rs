@@ -583,9 +583,20 @@ impl RedisStore {
         &self,
         settings: &ScriptsConfig,
     ) -> Result<ScriptsApplied, ScriptsError> {
+        self.apply_sources(settings, find_sources(settings)).await
+    }
+
+    /// [`RedisStore::apply_scripts`] with the texts already read: those of the active version
+    /// and the canary `settings` name, or why they could not be read. The script reloader
+    /// applies the very reading it saw settle, not a later one.
+    pub async fn apply_sources(
+        &self,
+        settings: &ScriptsConfig,
+        found: Result<(Sources, Option<Sources>), SourceError>,
+    ) -> Result<ScriptsApplied, ScriptsError> {
         let _serial = self.apply_lock.lock().await;
         let current = self.scripts.load_full();
-        let (active, canary) = match find_sources(settings) {
+        let (active, canary) = match found {
             Ok(found) => found,
             Err(err) => {
                 let key = format!("{settings:?}: {err}");
@@ -1564,7 +1575,7 @@ fn is_script_fault(err: &RedisError) -> bool {
 }
 
 /// The sources of the active version and the canary `settings` name.
-fn find_sources(settings: &ScriptsConfig) -> Result<(Sources, Option<Sources>), SourceError> {
+pub fn find_sources(settings: &ScriptsConfig) -> Result<(Sources, Option<Sources>), SourceError> {
     let dir = settings.dir.as_deref();
     let active = Sources::find(dir, &settings.version)?;
     let canary = settings
