@@ -396,6 +396,11 @@ impl Reloader {
         // Same formula as `Config::source_hash`: hex SHA-256 of the file's bytes.
         let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&text));
         if hash == self.current.load().config.source_hash {
+            // A refused edit put back to the running bytes (the watcher missed it): the file
+            // is fine again, and the failure gauge must not stay at 0 for good.
+            if self.refused.lock().is_some() {
+                let _ = self.reload("poll");
+            }
             return;
         }
         let due = match &*self.refused.lock() {
@@ -819,5 +824,27 @@ routes:
         assert_eq!(stats.last_successful.load(Ordering::Relaxed), 1);
         assert_eq!(failures(), 3);
         assert!(tried_at().is_none(), "a success forgets the refusal");
+    }
+
+    #[test]
+    fn a_refused_edit_put_back_to_the_running_bytes_clears_the_failure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("idemgate.yaml");
+        let good = "upstreams: {app: {addrs: [\"127.0.0.1:8080\"]}}\nroutes: []\n";
+        write_settled(&path, good);
+        let metrics = Arc::new(Metrics::new());
+        let config = Config::load(&path).expect("initial config");
+        let generation = Generation::new(config, &metrics).expect("generation");
+        let current = Arc::new(ArcSwap::from_pointee(generation));
+        let reloader = Reloader::new(path.clone(), current, metrics);
+        let stats = reloader.stats();
+        write_settled(&path, "upstreams: {app: {addrs: [\"127.0.0.1:8080\"]}}\nroutes: 7\n");
+        reloader.reload_if_changed();
+        assert_eq!(stats.last_successful.load(Ordering::Relaxed), 0);
+        // Put back as it was, and only the poll sees it.
+        write_settled(&path, good);
+        reloader.reload_if_changed();
+        assert_eq!(stats.last_successful.load(Ordering::Relaxed), 1);
+        assert!(reloader.refused.lock().is_none());
     }
 }
