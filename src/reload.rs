@@ -493,7 +493,7 @@ fn keep_restart_only(running: &Config, new: &mut Config) -> Vec<&'static str> {
 fn warn_record_identity(old: &Config, new: &Config) {
     let changed = record_identity_changes(old, new);
     if !changed.is_empty() {
-        tracing::warn!(settings = ?changed, "these settings decide which record a request maps to: retries of requests executed before this change will not find their records (a changed key, tenant or scope executes them again, a changed fingerprint answers them 422)");
+        tracing::warn!(settings = ?changed, "these settings decide which record a request maps to: retries of requests executed before this change will not find their records (a changed key, tenant or scope executes them again, a changed fingerprint answers them 422, a request no idempotent route catches any more is forwarded unprotected)");
     }
 }
 
@@ -529,6 +529,32 @@ fn record_identity_changes(old: &Config, new: &Config) -> Vec<String> {
             || before.fingerprint_headers != now.fingerprint_headers
         {
             changed.push(format!("routes[{}].idempotency.fingerprint", route.name));
+        }
+    }
+    // An idempotent route that no longer catches what it caught: its keyed requests now fall
+    // to another route (or none) and are forwarded unprotected or under other settings.
+    for before in old.routes.iter().filter(|r| r.idempotency.is_some()) {
+        let now = new
+            .routes
+            .iter()
+            .find(|r| r.name == before.name && r.idempotency.is_some());
+        let Some(now) = now else {
+            changed.push(format!(
+                "routes[{}].idempotency (the route was removed, renamed or made plain)",
+                before.name
+            ));
+            continue;
+        };
+        let narrowed = if before.methods.is_empty() {
+            !now.methods.is_empty()
+        } else {
+            !now.methods.is_empty() && before.methods.iter().any(|m| !now.methods.contains(m))
+        };
+        if narrowed {
+            changed.push(format!("routes[{}].methods", before.name));
+        }
+        if before.path_prefix != now.path_prefix {
+            changed.push(format!("routes[{}].path_prefix", before.name));
         }
     }
     changed
@@ -653,8 +679,30 @@ routes:
             identity(&BASE.replace("{ttl: 1h}", "{ttl: 1h, fingerprint: {body: false}}")),
             ["routes[orders].idempotency.fingerprint"]
         );
-        // A route new to the config, or one that gains idempotency, has no records to lose.
-        assert!(identity(&BASE.replace("name: orders", "name: payments")).is_empty());
+        // A route new to the config has no records to lose; the one it replaces does.
+        assert_eq!(
+            identity(&BASE.replace("name: orders", "name: payments")),
+            ["routes[orders].idempotency (the route was removed, renamed or made plain)"]
+        );
+        assert_eq!(
+            identity(&BASE.replace(", idempotency: {ttl: 1h}", "")),
+            ["routes[orders].idempotency (the route was removed, renamed or made plain)"]
+        );
+        assert_eq!(
+            identity(&BASE.replace("path_prefix: /orders", "path_prefix: /orders/v2")),
+            ["routes[orders].path_prefix"]
+        );
+        assert_eq!(
+            identity(&BASE.replace("{name: orders,", "{name: orders, methods: [PUT],")),
+            ["routes[orders].methods"]
+        );
+        let narrow = BASE.replace("{name: orders,", "{name: orders, methods: [POST],");
+        let old = Config::from_yaml_str(&narrow).expect("POST only");
+        let wider = Config::from_yaml_str(&BASE).expect("every method");
+        assert!(
+            record_identity_changes(&old, &wider).is_empty(),
+            "a route that takes more methods loses no records"
+        );
     }
 
     #[test]
@@ -838,7 +886,10 @@ routes:
         let current = Arc::new(ArcSwap::from_pointee(generation));
         let reloader = Reloader::new(path.clone(), current, metrics);
         let stats = reloader.stats();
-        write_settled(&path, "upstreams: {app: {addrs: [\"127.0.0.1:8080\"]}}\nroutes: 7\n");
+        write_settled(
+            &path,
+            "upstreams: {app: {addrs: [\"127.0.0.1:8080\"]}}\nroutes: 7\n",
+        );
         reloader.reload_if_changed();
         assert_eq!(stats.last_successful.load(Ordering::Relaxed), 0);
         // Put back as it was, and only the poll sees it.
