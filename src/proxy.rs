@@ -564,6 +564,9 @@ impl Gate {
                 .await
                 .map_err(|_| Problem::RequestBodyUnreadable)?;
         }
+        // Every read below is bounded here; pingora's own read timeout (60 s unless set) would
+        // cut a longer request_body_timeout short with a read error, so it only backs this up.
+        session.set_read_timeout(Some(config.request_body_timeout + Duration::from_secs(1)));
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
         loop {
             let chunk = upstream::bounded(session.read_request_body(), || {

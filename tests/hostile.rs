@@ -800,3 +800,36 @@ async fn a_streamed_body_that_stalls_after_the_backends_100_continue_still_gets_
     assert_eq!(r.status, 408, "{}", r.text());
     assert_eq!(r.problem_type(), "request-timeout");
 }
+
+#[tokio::test]
+async fn a_request_body_timeout_longer_than_a_minute_is_the_one_that_cuts_a_stalled_body_off() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("request_body_timeout: 63s")
+        .top("request_body_total_timeout: 5m")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: stall\r\nContent-Length: 10\r\n\r\nhello",
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::io::AsyncReadExt::read_to_end(&mut s, &mut raw),
+    )
+    .await
+    .expect("the proxy answered and closed the connection");
+    let waited = started.elapsed();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(
+        text.starts_with("HTTP/1.1 408 ") && text.contains("/problems/request-timeout\""),
+        "after {waited:?}: {text}"
+    );
+    assert!(waited >= Duration::from_secs(62), "cut off after {waited:?}");
+    assert_eq!(backend.count(), 0);
+}
