@@ -391,11 +391,8 @@ async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
         .key("slow-wait")
         .body("{}");
     let addr = proxy.addr;
-    let first = tokio::spawn({
-        let req = req.clone();
-        async move { req.send(addr).await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = req.spawn_send(addr);
+    backend.until_count(1).await;
     let started = std::time::Instant::now();
     let second = req.send(addr).await;
     assert_eq!((second.status, second.result()), (409, Some("CONFLICT")));
@@ -998,7 +995,7 @@ async fn drains_on(signal: &str) {
     let proxy = ProxyBuilder::new(&backend).start().await;
     let addr = proxy.addr;
     let inflight = slow_order(&proxy, 1500, "drain");
-    until_executed(&backend, 1).await;
+    backend.until_count(1).await;
     proxy.signal(signal);
     let started = std::time::Instant::now();
     // Draining: new connections are refused while the request in flight still runs.
@@ -1041,7 +1038,7 @@ async fn a_drain_that_runs_out_says_which_requests_it_cuts_off() {
         .start()
         .await;
     let inflight = slow_order(&proxy, 4000, "cut");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    backend.until_count(1).await;
     proxy.signal("TERM");
     let log = proxy
         .log_containing("shutdown.grace_period is running out with requests in flight")
@@ -1205,7 +1202,7 @@ async fn a_changed_payload_is_422_while_in_flight_and_after_a_release() {
         .key("k422-live")
         .json(r#"{"a":1}"#);
     let running = original.spawn_send(proxy.addr);
-    until_executed(&backend, 1).await;
+    backend.until_count(1).await;
     let changed = Request::post("/orders/slow/800")
         .key("k422-live")
         .json(r#"{"a":2}"#)
@@ -1314,17 +1311,4 @@ async fn a_configured_key_header_and_tenant_header_are_the_ones_read() {
         .await;
     assert_eq!(r.result(), Some("MISS"));
     assert_eq!(backend.count(), 4);
-}
-
-/// Waits until the backend has seen `n` requests.
-async fn until_executed(backend: &Backend, n: usize) {
-    let started = std::time::Instant::now();
-    while backend.count() < n {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the backend saw {} requests, not {n}",
-            backend.count()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }

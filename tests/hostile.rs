@@ -830,6 +830,9 @@ async fn a_request_body_timeout_longer_than_a_minute_is_the_one_that_cuts_a_stal
         text.starts_with("HTTP/1.1 408 ") && text.contains("/problems/request-timeout\""),
         "after {waited:?}: {text}"
     );
-    assert!(waited >= Duration::from_secs(62), "cut off after {waited:?}");
+    assert!(
+        waited >= Duration::from_secs(62),
+        "cut off after {waited:?}"
+    );
     assert_eq!(backend.count(), 0);
 }

@@ -199,7 +199,7 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
         .await;
     let order = || Request::post("/orders/slow/1500").key("held").body("{}");
     let original = order().spawn_send(proxy.addr);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    backend.until_count(1).await;
     let retry = order().send(proxy.addr).await;
     assert_eq!(retry.status, 503, "{}", retry.text());
     assert_eq!(retry.result(), Some("UNAVAILABLE"));
@@ -220,7 +220,7 @@ async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
     let addr = a.addr;
     let first = req.spawn_send(addr);
     // Redis stalls after the claim, before the backend answers: the completion write fails.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    backend.until_count(1).await;
     let pid = redis.pid().unwrap();
     signal(pid, "STOP");
     let first = first.await.unwrap();
@@ -281,7 +281,7 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
         .key("lost")
         .body("{}")
         .spawn_send(addr);
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    backend.until_count(1).await;
     let pid = redis.pid().unwrap();
     signal(pid, "STOP");
     let first = first.await.unwrap();
@@ -340,7 +340,7 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
             .send(addr)
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    backend.until_count(1).await;
     // The first holder's lock lapses (as after a failover that lost it): expire it in Redis.
     let keys = redis.keys();
     assert_eq!(keys.len(), 1, "{keys:?}");
@@ -514,7 +514,7 @@ async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_
     let req = Request::post("/orders/slow/500").key("outage").body("{}");
     let first = req.spawn_send(a.addr);
     // Claimed, the backend is working: now every Redis connection breaks until further notice.
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    backend.until_count(1).await;
     link.set(Fault::Reset);
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
@@ -564,7 +564,7 @@ async fn a_retried_completion_that_lost_its_key_is_dead_lettered_not_taken_from_
     let first = req.spawn_send(a.addr);
     // Claimed; A's completion cannot reach Redis, so it waits in A's retry queue (and A's local
     // cache keeps the answer meanwhile).
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    backend.until_count(1).await;
     link.set(Fault::Reset);
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
@@ -730,7 +730,7 @@ async fn a_completion_waiting_when_the_grace_period_ends_is_dead_lettered_before
         .top("shutdown: {grace_period: 2s, graceful_shutdown_timeout: 60s}")
         .start()
         .await;
-    executed_as_redis_dies(&proxy, &mut redis, "drain").await;
+    executed_as_redis_dies(&proxy, &backend, &mut redis, "drain").await;
     proxy
         .metrics_containing("idemgate_completion_retry_pending 1")
         .await;
@@ -846,12 +846,17 @@ async fn a_completion_whose_first_write_is_out_when_the_process_stops_is_dead_le
 /// the log pipeline, whose filter may be off and whose batched writer may drop lines.
 /// A keyed request claimed while Redis is up and answered (201 MISS) after it was killed: its
 /// completion can only wait for the retrier.
-async fn executed_as_redis_dies(proxy: &Proxy, redis: &mut RedisServer, key: &str) {
+async fn executed_as_redis_dies(
+    proxy: &Proxy,
+    backend: &Backend,
+    redis: &mut RedisServer,
+    key: &str,
+) {
     let first = Request::post("/orders/slow/500")
         .key(key)
         .body("{}")
         .spawn_send(proxy.addr);
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    backend.until_count(backend.count() + 1).await;
     redis.kill();
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
@@ -871,7 +876,7 @@ async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_leve
         .env("IDEMGATE_LOG", "off")
         .start()
         .await;
-    executed_as_redis_dies(&proxy, &mut redis, "unlogged").await;
+    executed_as_redis_dies(&proxy, &backend, &mut redis, "unlogged").await;
     // Dead-lettered once the attempt has failed and the 2 s lock may have lapsed.
     let needle = "idemgate: dead letter not written to ";
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1011,7 +1016,7 @@ async fn a_retry_of_a_key_this_replica_is_running_is_not_run_beside_it_when_redi
         .key("running-here")
         .body("{}")
         .spawn_send(proxy.addr);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    backend.until_count(1).await;
     assert_eq!(backend.count(), 1, "the original runs");
     redis.kill();
     // The store cannot answer, and `local` would run the retry on the fallback: but this

@@ -87,6 +87,20 @@ impl Backend {
         self.state.lock().unwrap().executions.len()
     }
 
+    /// Waits until `n` requests have reached the backend (10 s at most): a request sent in the
+    /// background has been claimed and forwarded, on a machine of any speed.
+    pub async fn until_count(&self, n: usize) {
+        let started = std::time::Instant::now();
+        while self.count() < n {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the backend saw {} requests, not {n}",
+                self.count()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
         let method = req.method().to_string();
         let path = req.uri().path().to_string();
