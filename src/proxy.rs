@@ -847,6 +847,11 @@ impl Gate {
             Ok(body) => body,
             Err(problem) => {
                 ctx.refused = true;
+                // Refused before it was forwarded: a request that would have bypassed
+                // protection is an invalid one now, not a BYPASS.
+                if ctx.outcome.is_some() {
+                    ctx.outcome = Some(problem.outcome());
+                }
                 write_problem(session, &problem, ctx.outcome).await?;
                 return Ok(true);
             }
@@ -1547,6 +1552,13 @@ impl ProxyHttp for Gate {
         let written = session
             .response_written()
             .filter(|r| !r.status.is_informational());
+        // A body the client stalled or broke: refused, not forwarded (a BYPASS route's request
+        // included); the backend's failures keep the request's own result.
+        if let Some(p) = &problem {
+            if ctx.outcome.is_some() && p.outcome() == Outcome::Invalid {
+                ctx.outcome = Some(Outcome::Invalid);
+            }
+        }
         let code = match (&problem, written) {
             (Some(p), None) => match write_problem(session, p, ctx.outcome).await {
                 Ok(()) => p.status(),

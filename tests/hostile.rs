@@ -836,3 +836,32 @@ async fn a_request_body_timeout_longer_than_a_minute_is_the_one_that_cuts_a_stal
     );
     assert_eq!(backend.count(), 0);
 }
+
+#[tokio::test]
+async fn a_request_without_a_key_refused_for_its_body_is_invalid_not_a_bypass() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("request_body_timeout: 300ms")
+        .start()
+        .await;
+    // A body idemgate reads itself, and one pingora streams: both stall.
+    for head in [
+        &b"POST /optional HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nhello"[..],
+        b"POST /optional HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    ] {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(head).await.unwrap();
+        let r = common::client::read_response(&mut s, false).await.unwrap();
+        assert_eq!(
+            (r.status, r.result()),
+            (408, Some("INVALID")),
+            "{}",
+            r.text()
+        );
+        assert_eq!(r.problem_type(), "request-timeout");
+    }
+    proxy
+        .metrics_containing(r#"idemgate_requests_total{result="INVALID",route="optional"} 2"#)
+        .await;
+}
