@@ -698,7 +698,7 @@ routes:
         );
         let narrow = BASE.replace("{name: orders,", "{name: orders, methods: [POST],");
         let old = Config::from_yaml_str(&narrow).expect("POST only");
-        let wider = Config::from_yaml_str(&BASE).expect("every method");
+        let wider = Config::from_yaml_str(BASE).expect("every method");
         assert!(
             record_identity_changes(&old, &wider).is_empty(),
             "a route that takes more methods loses no records"
