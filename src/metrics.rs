@@ -104,8 +104,8 @@ impl Metrics {
         .expect("static metric definition");
         let lock_renewals = IntCounter::new(
             "idemgate_lock_renewals_total",
-            "Locks renewed because the backend's answer was still awaited at three quarters of \
-             lock_ttl",
+            "Locks renewed because the backend's answer was still awaited, or its body still \
+             streaming, at three quarters of lock_ttl",
         )
         .expect("static metric definition");
         let headers_refused = IntCounterVec::new(
