@@ -55,6 +55,9 @@ fn flush_logs() {
 const SECRET_DUMPING_TARGETS: [&str; 4] =
     ["pingora_core", "pingora_proxy", "pingora_http", "redis"];
 
+/// pingora's server loop for plain HTTP apps: the admin listener's.
+const ADMIN_SERVER_LOOP: &str = "pingora_core::apps::http_app";
+
 fn init_logging() {
     use tracing_subscriber::filter::{LevelFilter, Targets};
     use tracing_subscriber::layer::SubscriberExt;
@@ -68,9 +71,14 @@ fn init_logging() {
     // level hint then stays that of `IDEMGATE_LOG`, and the `log` crate's max level with it, so
     // pingora's per-request `debug!` calls stop at a static check instead of reaching the bridge.
     let most = filter.max_level_hint().unwrap_or(LevelFilter::TRACE);
+    // The admin listener's server loop (pingora's `http_app`, which nothing else here uses)
+    // logs at error a request it cannot parse with its first 2 KiB of raw bytes (a bearer
+    // token, a raw key in the path, a principal's credentials), and the raw path of one whose
+    // answer it could not write: off entirely. The admin app answers what it can parse itself.
     let cap = Targets::new()
         .with_default(most)
-        .with_targets(SECRET_DUMPING_TARGETS.map(|t| (t, LevelFilter::INFO.min(most))));
+        .with_targets(SECRET_DUMPING_TARGETS.map(|t| (t, LevelFilter::INFO.min(most))))
+        .with_target(ADMIN_SERVER_LOOP, LevelFilter::OFF);
     let writer = LOG_WRITER
         .get_or_init(|| BatchWriter::new(Box::new(std::io::stderr())))
         .clone();

@@ -1281,3 +1281,66 @@ async fn a_client_certificate_and_key_replaced_one_at_a_time_are_taken_together(
     store.ping().await.expect("the pair in force still works");
     assert_eq!(store.tls_reloads(), 1);
 }
+
+#[tokio::test]
+async fn an_admin_request_that_cannot_be_parsed_or_answered_leaves_no_secret_in_the_log() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .idem("max_response_bytes: 32MiB")
+        .start()
+        .await;
+    // A request the admin listener's HTTP parser refuses (a control byte in a header), carrying
+    // the admin token, a raw key in its path and a principal's credentials.
+    let mut s = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
+    let malformed = format!(
+        "GET /admin/records/default/unparsed-secret-key HTTP/1.1\r\nHost: a\r\n\
+         Authorization: Bearer {TOKEN}\r\nX-Idemgate-Scope-Authorization: Bearer principal-secret\r\n\
+         X-Note: a\x01b\r\n\r\n"
+    );
+    s.write_all(malformed.as_bytes()).await.unwrap();
+    let mut sink = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut sink)).await;
+
+    // A record read whose client goes away mid-answer: the write of its body (more than the
+    // kernel buffers between the two take) fails.
+    let big = Request::post("/orders/large/24000000")
+        .key("unwritten-secret-key")
+        .body("{}");
+    assert_eq!(big.send(proxy.addr).await.result(), Some("MISS"));
+    let s = std::net::TcpStream::connect(proxy.admin).unwrap();
+    let mut s = tokio::net::TcpStream::from_std({
+        s.set_nonblocking(true).unwrap();
+        s
+    })
+    .unwrap();
+    let read = format!(
+        "GET /admin/records/default/unwritten-secret-key?body=true HTTP/1.1\r\nHost: a\r\n\
+         Authorization: Bearer {TOKEN}\r\n\r\n"
+    );
+    s.write_all(read.as_bytes()).await.unwrap();
+    let mut first = [0u8; 64];
+    let _ = s.read(&mut first).await.unwrap();
+    s.set_linger(Some(Duration::ZERO)).unwrap();
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // A later line in the log: everything before it has been written.
+    assert_eq!(
+        Request::get("/plain/log-marker")
+            .send(proxy.addr)
+            .await
+            .status,
+        201
+    );
+    let log = proxy.log_containing("/plain/log-marker").await;
+    for secret in [
+        TOKEN,
+        "unparsed-secret-key",
+        "principal-secret",
+        "unwritten-secret-key",
+    ] {
+        assert!(!log.contains(secret), "{secret} in the log:\n{log}");
+    }
+}
