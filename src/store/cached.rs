@@ -212,6 +212,8 @@ struct Pending {
     fingerprint: Digest,
     execution_id: u64,
     deadline: Instant,
+    /// The shard's purge count before the claim went out.
+    purges: u64,
 }
 
 /// A [`RecordStore`] that answers repeated completed records from memory.
@@ -224,11 +226,20 @@ pub struct CachedStore<S> {
     /// Keys of the hash that picks a shard, random per store.
     shard_keys: std::hash::RandomState,
     pending: Mutex<HashMap<(Digest, u128), Pending>>,
+    /// Completions whose first write was not applied (refused, or failed and retried): record
+    /// hash, owner, and the shard's purge count before their claim went out. What the retrier
+    /// later finds gone is kept unless the key was purged since its claim
+    /// ([`CachedStore::keep_lost`]). The oldest go first past [`MAX_UNSETTLED`].
+    unsettled: Mutex<VecDeque<(Digest, u128, u64)>>,
     stats: Arc<LocalCacheStats>,
 }
 
 /// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
 const MAX_PENDING: usize = 65_536;
+
+/// Unsettled completions remembered at most; one forgotten falls back to the shard's recent
+/// purges.
+const MAX_UNSETTLED: usize = 4096;
 
 // === impl CachedStore ===
 
@@ -254,6 +265,7 @@ impl<S: RecordStore> CachedStore<S> {
             cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
             shard_keys: std::hash::RandomState::new(),
             pending: Mutex::new(HashMap::new()),
+            unsettled: Mutex::new(VecDeque::new()),
             stats: Arc::default(),
         })
     }
@@ -560,9 +572,26 @@ impl<S: RecordStore> CachedStore<S> {
     /// Keeps `job`, a completion of this replica the store refused, as given up on: its record
     /// is gone (a failover lost the claim while the backend ran) or could not be read, so the
     /// entry is the answer's only trace, and a retry here replays it rather than execute again.
-    /// Not when the key was purged here: a purged key is claimable afresh.
+    /// Not when the key was purged here since its claim went out: a purged key is claimable
+    /// afresh. (A purge before the claim has no bearing on it; for a completion no longer
+    /// remembered, any purge of the key the shard remembers counts.)
     pub fn keep_lost(&self, job: &super::retry::PendingCompletion) {
-        if self.recently_purged(&job.key.hash) {
+        let claimed = {
+            let mut unsettled = self.unsettled.lock();
+            unsettled
+                .iter()
+                .position(|(hash, owner, _)| *hash == job.key.hash && *owner == job.owner.0)
+                .and_then(|i| unsettled.remove(i))
+                .map(|(_, _, purges)| purges)
+        };
+        let purged = match claimed {
+            Some(since) => self
+                .shard(&job.key.hash)
+                .lock()
+                .purged_since(&job.key.hash, since),
+            None => self.recently_purged(&job.key.hash),
+        };
+        if purged {
             return;
         }
         let record = Record {
@@ -710,6 +739,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                     fingerprint: req.fingerprint,
                     execution_id,
                     deadline: now + req.lock_ttl,
+                    purges: mark.purges,
                 };
                 pending.insert((req.key.hash, req.owner.0), entry);
             }
@@ -745,6 +775,15 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             Err(_) => Some(Origin::Unstored(mark)),
             Ok(WriteOutcome::NotOwner) => None,
         };
+        if !matches!(written, Ok(WriteOutcome::Applied)) {
+            if let Some(p) = &pending {
+                let mut unsettled = self.unsettled.lock();
+                if unsettled.len() >= MAX_UNSETTLED {
+                    unsettled.pop_front();
+                }
+                unsettled.push_back((key.hash, owner.0, p.purges));
+            }
+        }
         if let (Some(origin), Some(p)) = (origin, pending) {
             let record = Record {
                 fingerprint: p.fingerprint,
@@ -1545,6 +1584,51 @@ mod tests {
         b.claim(&retry).await.unwrap();
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls + 1);
         assert_eq!(b.stats().copied.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn a_lost_completion_is_kept_unless_its_key_was_purged_after_its_claim() {
+        use crate::store::retry::PendingCompletion;
+        let (shared, a, _b) = two_replicas();
+        let job = |req: &ClaimRequest| PendingCompletion {
+            key: req.key.clone(),
+            owner: req.owner,
+            completion: response(b"x"),
+            ttl: req.ttl,
+            execution_id: req.execution_id,
+            fingerprint: req.fingerprint,
+            lock_deadline: Instant::now() + req.lock_ttl,
+        };
+        // Purged before its claim (an earlier use of the key): no bearing on this execution.
+        let before = claim("t", 41);
+        a.delete(&before.key).await.unwrap();
+        assert!(matches!(
+            a.claim(&before).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+        // A failover loses the claim while the backend runs.
+        shared.delete(&before.key).await.unwrap();
+        let written = a.complete(&before.key, before.owner, response(b"x"), before.ttl);
+        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
+        a.keep_lost(&job(&before));
+        let replay = a.claim(&retry_of(&before)).await.unwrap();
+        assert!(
+            matches!(replay, ClaimOutcome::Existing(_)),
+            "the lost answer is replayed, not executed again: {replay:?}"
+        );
+
+        // Purged while it ran: the key is claimable afresh.
+        let during = claim("t", 42);
+        assert!(matches!(
+            a.claim(&during).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+        a.delete(&during.key).await.unwrap();
+        let written = a.complete(&during.key, during.owner, response(b"x"), during.ttl);
+        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
+        a.keep_lost(&job(&during));
+        let again = a.claim(&retry_of(&during)).await.unwrap();
+        assert!(matches!(again, ClaimOutcome::Acquired { .. }), "{again:?}");
     }
 
     #[tokio::test]
