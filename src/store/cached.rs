@@ -225,7 +225,7 @@ pub struct CachedStore<S> {
     cache: Box<[Mutex<Cache>]>,
     /// Keys of the hash that picks a shard, random per store.
     shard_keys: std::hash::RandomState,
-    pending: Mutex<HashMap<(Digest, u128), Pending>>,
+    pending: Mutex<PendingClaims>,
     /// Completions whose first write was not applied (refused, or failed and retried): record
     /// hash, owner, and the shard's purge count before their claim went out. What the retrier
     /// later finds gone is kept unless the key was purged since its claim
@@ -236,6 +236,19 @@ pub struct CachedStore<S> {
 
 /// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
 const MAX_PENDING: usize = 65_536;
+
+/// This replica's claims not completed or released yet, by record hash and owner. Claims whose
+/// outcome never came back (an unknown outcome keeps its lock) stay until pruned past their
+/// lock: whenever the map has doubled since the last prune, so it holds about twice the live
+/// claims at most and a walk of it for [`RecordStore::own_claim`] stays short.
+struct PendingClaims {
+    map: HashMap<(Digest, u128), Pending>,
+    /// The size at which the next prune runs.
+    prune_at: usize,
+}
+
+/// Size below which the pending claims are never pruned.
+const PENDING_PRUNE_FLOOR: usize = 1024;
 
 /// Unsettled completions remembered at most; one forgotten falls back to the shard's recent
 /// purges.
@@ -264,7 +277,10 @@ impl<S: RecordStore> CachedStore<S> {
             filters: Mutex::new(filters),
             cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
             shard_keys: std::hash::RandomState::new(),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(PendingClaims {
+                map: HashMap::new(),
+                prune_at: PENDING_PRUNE_FLOOR,
+            }),
             unsettled: Mutex::new(VecDeque::new()),
             stats: Arc::default(),
         })
@@ -731,9 +747,11 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         if let ClaimOutcome::Acquired { execution_id } = outcome {
             let now = Instant::now();
             let mut pending = self.pending.lock();
-            if pending.len() >= MAX_PENDING {
-                pending.retain(|_, p| p.deadline > now);
+            if pending.map.len() >= pending.prune_at.min(MAX_PENDING) {
+                pending.map.retain(|_, p| p.deadline > now);
+                pending.prune_at = (pending.map.len() * 2).max(PENDING_PRUNE_FLOOR);
             }
+            let pending = &mut pending.map;
             if pending.len() < MAX_PENDING {
                 let entry = Pending {
                     fingerprint: req.fingerprint,
@@ -754,7 +772,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        let pending = self.pending.lock().remove(&(key.hash, owner.0));
+        let pending = self.pending.lock().map.remove(&(key.hash, owner.0));
         let mark = self.mark(&key.hash);
         // The store's record lives `ttl` from when it takes the write, no earlier than now: the
         // local copy, counted from before the write, never outlives it.
@@ -801,7 +819,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
-        self.pending.lock().remove(&(key.hash, owner.0));
+        self.pending.lock().map.remove(&(key.hash, owner.0));
         self.inner.release(key, owner).await
     }
 
@@ -852,6 +870,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         let now = Instant::now();
         self.pending
             .lock()
+            .map
             .iter()
             .filter(|((hash, _), p)| *hash == key.hash && p.deadline > now)
             .map(|(_, p)| p.deadline - now)
@@ -1584,6 +1603,36 @@ mod tests {
         b.claim(&retry).await.unwrap();
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls + 1);
         assert_eq!(b.stats().copied.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn claims_whose_outcome_never_came_back_are_pruned_as_the_map_doubles() {
+        let (_shared, a, _b) = two_replicas();
+        // Claims that are never completed nor released (unknown outcomes), with short locks.
+        let lapsing = |n: u16| ClaimRequest {
+            key: RecordKey {
+                tenant: "t".into(),
+                hash: {
+                    let mut h = [9u8; 32];
+                    h[..2].copy_from_slice(&n.to_be_bytes());
+                    h
+                },
+            },
+            lock_ttl: Duration::from_millis(1),
+            ..claim("t", 0)
+        };
+        for n in 0..3000 {
+            a.claim(&lapsing(n)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let live = claim("t", 43);
+        a.claim(&live).await.unwrap();
+        let kept = a.pending.lock().map.len();
+        assert!(
+            kept < 2 * PENDING_PRUNE_FLOOR,
+            "{kept} pending claims kept, most past their locks"
+        );
+        assert!(a.own_claim(&live.key).is_some(), "the live claim is kept");
     }
 
     #[tokio::test]
