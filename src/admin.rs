@@ -725,7 +725,18 @@ fn text(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u
 
 #[async_trait]
 impl ServeHttp for Admin {
+    /// Marks the request's start and end for the connection's header guard (see
+    /// [`crate::headguard`]), as the proxy does, around the answer.
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        crate::headguard::request_started(session);
+        let answer = self.respond(session).await;
+        crate::headguard::request_ended(session);
+        answer
+    }
+}
+
+impl Admin {
+    async fn respond(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
         let is_get = req.method == http::Method::GET || req.method == http::Method::HEAD;
         let is_post = req.method == http::Method::POST;

@@ -9,10 +9,11 @@
 //! proxy hold a megabyte. nginx bounds both (`client_header_timeout`,
 //! `large_client_header_buffers`); this module does the same for idemgate.
 //!
-//! [`Guarded`] wraps the proxy's pingora application and every accepted connection in a
-//! [`HeadGuard`] stream. The guard knows where a connection is between requests from two marks
-//! the proxy makes: [`request_started`] once pingora has parsed a header (the first thing
-//! `request_filter` does) and [`request_ended`] when the request is logged. Between the end of
+//! [`Guarded`] wraps the proxy's pingora application (and the admin listener's) and every
+//! accepted connection in a [`HeadGuard`] stream. The guard knows where a connection is between
+//! requests from two marks the application makes: [`request_started`] once pingora has parsed a
+//! header (the first thing `request_filter`, or the admin app's answer, does) and
+//! [`request_ended`] when the request is logged (the admin app: once its answer is made). Between the end of
 //! one request and the start of the next, the first bytes read begin a header and start its
 //! clock; the idle wait before them is the keep-alive timeout's business, not this one's. A header
 //! still incomplete when the clock runs out gets a 408 `request-header-timeout`, one that has
@@ -57,13 +58,13 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
+use pingora::protocols::http::ServerSession as Session;
 use pingora::protocols::raw_connect::ProxyDigest;
 use pingora::protocols::Stream;
 use pingora::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
     TimingDigest, UniqueID, UniqueIDType, ALPN,
 };
-use pingora::proxy::Session;
 use pingora::server::ShutdownWatch;
 use prometheus::IntCounter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};

@@ -511,20 +511,21 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     );
     // Every accepted connection is wrapped so its request headers must arrive within
     // request_header_timeout (pingora alone times only each read of a header).
+    let refusals = HeaderRefusals {
+        timeout: metrics.headers_refused.with_label_values(&["timeout"]),
+        too_large: metrics.headers_refused.with_label_values(&["too_large"]),
+        malformed: metrics.headers_refused.with_label_values(&["malformed"]),
+    };
     let guarded = Guarded::new(
         pingora::proxy::http_proxy(&server.configuration, gate),
         current.clone(),
-        HeaderRefusals {
-            timeout: metrics.headers_refused.with_label_values(&["timeout"]),
-            too_large: metrics.headers_refused.with_label_values(&["too_large"]),
-            malformed: metrics.headers_refused.with_label_values(&["malformed"]),
-        },
+        refusals.clone(),
     );
     let mut proxy = Service::new("idemgate".to_string(), guarded);
     proxy.add_tcp(&listen);
 
     let mut admin_app = Admin::new(
-        current,
+        current.clone(),
         stack.store.clone(),
         metrics,
         readiness.clone(),
@@ -538,7 +539,12 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     if let Some(fallback) = &stack.fallback {
         admin_app = admin_app.with_fallback(fallback.clone());
     }
-    let mut admin = Service::new("idemgate admin".to_string(), admin_app);
+    // The admin listener's connections are held to the same header and write limits: on a pod
+    // IP for probes and scrapes, it is as open to a slow client as the proxy's.
+    let mut admin = Service::new(
+        "idemgate admin".to_string(),
+        Guarded::new(admin_app, current.clone(), refusals),
+    );
     admin.add_tcp(&admin_listen);
     admin.threads = Some(1);
 
