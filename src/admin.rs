@@ -182,6 +182,22 @@ impl Admin {
         delete: bool,
     ) -> Response<Vec<u8>> {
         if delete {
+            // A record in flight belongs to an execution that may still be running: purged, a
+            // retry runs the key again beside it, under a new X-Idempotency-Id the backend's
+            // unique index cannot match. Only on purpose (`?force=true`).
+            if query.get("force").as_deref() != Some("true") {
+                if let Ok(Some(record)) = self.store.get(&record_key).await {
+                    if matches!(record.state, RecordState::InFlight { lock_remaining } if !lock_remaining.is_zero())
+                    {
+                        return error(
+                            StatusCode::CONFLICT,
+                            "the record is in flight: its execution may still be running, and a \
+                             retry after a purge runs the key again under a new \
+                             X-Idempotency-Id; wait for it to end, or purge with ?force=true",
+                        );
+                    }
+                }
+            }
             // What this replica ran on its fallback during an outage goes too: a purged key
             // is never replayed from there (nor, by the announcement, from another replica's).
             let local = match &self.fallback {
@@ -203,6 +219,13 @@ impl Admin {
                 },
                 None => "this replica".to_string(),
             };
+            tracing::info!(
+                tenant = %record_key.tenant,
+                record = %crate::key::hash_label(&record_key.hash),
+                deleted = ?deleted.as_ref().ok(),
+                deleted_from_fallback = local,
+                "record purged through the admin API"
+            );
             return match deleted {
                 Ok(existed) => json(
                     StatusCode::OK,
@@ -439,6 +462,7 @@ fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
         StatusCode::BAD_REQUEST => "admin-request-invalid",
         StatusCode::UNAUTHORIZED => "admin-unauthorized",
         StatusCode::NOT_FOUND => "admin-not-found",
+        StatusCode::CONFLICT => "admin-record-in-flight",
         StatusCode::METHOD_NOT_ALLOWED => "admin-method-not-allowed",
         StatusCode::UNPROCESSABLE_ENTITY => "admin-reload-refused",
         StatusCode::SERVICE_UNAVAILABLE => "admin-store-unavailable",

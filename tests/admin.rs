@@ -497,3 +497,43 @@ async fn the_admin_listener_holds_request_headers_to_request_header_timeout() {
     );
     assert!(started.elapsed() >= Duration::from_millis(500));
 }
+
+#[tokio::test]
+async fn a_record_in_flight_is_purged_only_on_purpose() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    let running = Request::post("/orders/slow/1500")
+        .key("purge-running")
+        .body("{}")
+        .spawn_send(proxy.addr);
+    backend.until_count(1).await;
+    let purge = |query: &str| {
+        Request::new(
+            "DELETE",
+            &format!("/admin/records/default/purge-running{query}"),
+        )
+        .header("Authorization", format!("Bearer {TOKEN}"))
+    };
+    let refused = purge("").send(proxy.admin).await;
+    assert_eq!(refused.status, 409, "{}", refused.text());
+    assert_eq!(refused.problem_type(), "admin-record-in-flight");
+    // Still held: a retry is a conflict, not a second execution.
+    let retry = Request::post("/orders/slow/1500")
+        .key("purge-running")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(retry.status, 409);
+    let forced = purge("?force=true").send(proxy.admin).await;
+    assert_eq!(forced.status, 200, "{}", forced.text());
+    let answer: serde_json::Value = serde_json::from_slice(&forced.body).unwrap();
+    assert_eq!(answer["deleted"], true);
+    proxy
+        .log_containing("record purged through the admin API")
+        .await;
+    assert_eq!(running.await.unwrap().status, 201);
+    assert_eq!(backend.count(), 1);
+}
