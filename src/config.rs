@@ -2258,6 +2258,13 @@ impl FileRoute {
         if self.name.trim().is_empty() {
             return Err(invalid(format!("{base}.name"), "must not be empty"));
         }
+        // The metrics' `route` label for requests no route matched.
+        if self.name == "-" {
+            return Err(invalid(
+                format!("{base}.name"),
+                "\"-\" is the route label of requests no route matched; pick another name",
+            ));
+        }
 
         let mut methods: Vec<Method> = Vec::with_capacity(self.methods.len());
         for (j, raw) in self.methods.iter().enumerate() {
@@ -4066,6 +4073,10 @@ routes:
         let base = "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n";
         assert_field(
             &format!("{base}  - {{name: \"\", path_prefix: /, upstream: a}}\n"),
+            "routes[0].name",
+        );
+        assert_field(
+            &format!("{base}  - {{name: \"-\", path_prefix: /, upstream: a}}\n"),
             "routes[0].name",
         );
         let message = assert_field(
