@@ -231,8 +231,13 @@ pub struct CachedStore<S> {
     /// later finds gone is kept unless the key was purged since its claim
     /// ([`CachedStore::keep_lost`]). The oldest go first past [`MAX_UNSETTLED`].
     unsettled: Mutex<VecDeque<(Digest, u128, u64)>>,
+    /// The last Bloom fill ratio counted, and when.
+    fill: Mutex<Option<(Instant, f64)>>,
     stats: Arc<LocalCacheStats>,
 }
+
+/// How long a counted Bloom fill ratio is reported before the filter is counted again.
+const FILL_RECOUNT_EVERY: Duration = Duration::from_secs(1);
 
 /// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
 const MAX_PENDING: usize = 65_536;
@@ -282,6 +287,7 @@ impl<S: RecordStore> CachedStore<S> {
                 prune_at: PENDING_PRUNE_FLOOR,
             }),
             unsettled: Mutex::new(VecDeque::new()),
+            fill: Mutex::new(None),
             stats: Arc::default(),
         })
     }
@@ -330,15 +336,28 @@ impl<S: RecordStore> CachedStore<S> {
         self.stats.clone()
     }
 
-    /// Fraction of bits set in the current filter generation (0.0 to 1.0).
+    /// Fraction of bits set in the current filter generation (0.0 to 1.0), counted at most
+    /// once a second: the count walks the whole filter (up to a gigabyte) under the lock every
+    /// claim takes, and `/metrics` needs no token.
     pub fn bloom_fill_ratio(&self) -> f64 {
-        let filters = self.filters.lock();
-        let bits = filters.current.as_slice();
-        if bits.is_empty() {
-            return 0.0;
+        let mut last = self.fill.lock();
+        if let Some((at, ratio)) = *last {
+            if at.elapsed() < FILL_RECOUNT_EVERY {
+                return ratio;
+            }
         }
-        let set: u64 = bits.iter().map(|b| u64::from(b.count_ones())).sum();
-        set as f64 / (bits.len() as f64 * 8.0)
+        let ratio = {
+            let filters = self.filters.lock();
+            let bits = filters.current.as_slice();
+            if bits.is_empty() {
+                0.0
+            } else {
+                let set: u64 = bits.iter().map(|b| u64::from(b.count_ones())).sum();
+                set as f64 / (bits.len() as f64 * 8.0)
+            }
+        };
+        *last = Some((Instant::now(), ratio));
+        ratio
     }
 
     /// Drops a record from the local cache (purge), and keeps a read or write of any record of
@@ -1108,6 +1127,27 @@ mod tests {
         );
         assert_eq!(store.stats().hits.load(Ordering::Relaxed), 1);
         assert!(store.bloom_fill_ratio() > 0.0);
+    }
+
+    #[tokio::test]
+    async fn the_bloom_fill_ratio_is_counted_at_most_once_a_second() {
+        let store = cached();
+        let before = store.bloom_fill_ratio();
+        for n in 0..50 {
+            let req = claim("t", n);
+            store.claim(&req).await.unwrap();
+            store
+                .complete(&req.key, req.owner, response(b"{}"), req.ttl)
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            store.bloom_fill_ratio(),
+            before,
+            "the count of a moment ago"
+        );
+        tokio::time::sleep(FILL_RECOUNT_EVERY).await;
+        assert!(store.bloom_fill_ratio() > before);
     }
 
     #[tokio::test]
