@@ -1312,3 +1312,52 @@ async fn a_configured_key_header_and_tenant_header_are_the_ones_read() {
     assert_eq!(r.result(), Some("MISS"));
     assert_eq!(backend.count(), 4);
 }
+
+#[tokio::test]
+async fn without_the_body_in_the_fingerprint_another_body_replays_the_first() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("fingerprint: { body: false, headers: [] }")
+        .start()
+        .await;
+    let first = Request::post("/orders")
+        .key("no-body-fp")
+        .json(r#"{"a":1}"#)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(first.result(), Some("MISS"));
+    let other = Request::post("/orders")
+        .key("no-body-fp")
+        .json(r#"{"a":2}"#)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(other.result(), Some("HIT"), "{}", other.text());
+    assert_eq!(other.body, first.body);
+    // The path still counts.
+    let elsewhere = Request::post("/orders/other")
+        .key("no-body-fp")
+        .json(r#"{"a":1}"#)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(elsewhere.status, 422);
+    assert_eq!(backend.count(), 1);
+}
+
+#[tokio::test]
+async fn expect_continue_with_a_bad_key_is_refused_without_inviting_the_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (backend, proxy) = setup().await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: \"unbalanced\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 400 "), "{text}");
+    assert!(!text.contains("100 Continue"), "{text}");
+    assert!(text.contains("/problems/idempotency-key-invalid"), "{text}");
+    assert_eq!(backend.count(), 0);
+}

@@ -1,5 +1,5 @@
 //! Completions the store failed to take are retried in the background (exponential backoff with
-//! full jitter, bounded queue), and after the last attempt written to a dead-letter file: nothing
+//! "equal" jitter, bounded queue), and after the last attempt written to a dead-letter file: nothing
 //! the backend returned is silently dropped.
 //!
 //! The claim's lock is what keeps every other request from executing the key again, so it is
@@ -519,14 +519,16 @@ fn settle_refused(
 /// The shortest pause between two attempts as a lock's deadline nears.
 const MIN_PAUSE: Duration = Duration::from_millis(10);
 
-/// The pause before retry `attempt` (0-based): exponential with full jitter, and never past
+/// The pause before retry `attempt` (0-based): exponential with "equal" jitter (between half
+/// the exponential step and all of it), and never past
 /// the lock's deadline while the lock holds — half of what is left, at least [`MIN_PAUSE`] — so
 /// attempts come closer together as the deadline nears and one follows soon after the store
 /// is back.
 fn backoff(options: &RetryOptions, attempt: u32, lock_deadline: Instant) -> Duration {
     let exp = options.base_delay.saturating_mul(1u32 << attempt.min(20));
     let cap = exp.min(options.max_delay);
-    // Full jitter: spreads retries of many replicas after a shared outage.
+    // Jitter spreads retries of many replicas after a shared outage; drawn from the upper half
+    // of the step, so the pauses still grow with the attempts.
     let ms = cap.as_millis().max(1) as u64;
     let pause = Duration::from_millis(rand::thread_rng().gen_range(ms / 2..=ms));
     let left = lock_deadline.saturating_duration_since(Instant::now());
@@ -1022,6 +1024,27 @@ mod tests {
             queue_capacity: 8,
             queue_bytes: 1 << 20,
             dead_letter_path: dir.join("dead.jsonl"),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_pause_grows_with_the_attempts_up_to_max_delay_and_the_lock_pulls_it_in() {
+        let options = RetryOptions {
+            base_delay: Duration::from_millis(10),
+            max_delay: Duration::from_secs(1),
+            ..RetryOptions::default()
+        };
+        let far = Instant::now() + Duration::from_secs(3600);
+        let ms = |attempt: u32, deadline: Instant| backoff(&options, attempt, deadline).as_millis();
+        for _ in 0..50 {
+            assert!((5..=10).contains(&ms(0, far)), "{}", ms(0, far));
+            assert!((40..=80).contains(&ms(3, far)), "{}", ms(3, far));
+            assert!((500..=1000).contains(&ms(10, far)), "{}", ms(10, far));
+            // Past the lock's deadline nothing pulls the pause in.
+            assert!((500..=1000).contains(&ms(10, Instant::now())));
+            // 200 ms of lock left: at most half of it.
+            let near = Instant::now() + Duration::from_millis(200);
+            assert!(ms(10, near) <= 100, "{}", ms(10, near));
         }
     }
 
