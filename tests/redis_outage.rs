@@ -152,7 +152,10 @@ async fn pass_and_local_policies_forward_marked_degraded() {
     assert_eq!(req.send(pass.addr).await.result(), Some("DEGRADED"));
     assert_eq!(backend.count(), 2, "pass forwards without protection");
     assert!(
-        backend.executions().iter().all(|e| e.execution_id.is_none()),
+        backend
+            .executions()
+            .iter()
+            .all(|e| e.execution_id.is_none()),
         "no claim, no execution id: the backend's unique index must not see a made-up one"
     );
     assert_eq!(Request::get("/readyz").send(pass.admin).await.status, 200);

@@ -1309,12 +1309,7 @@ async fn an_admin_request_that_cannot_be_parsed_or_answered_leaves_no_secret_in_
         .key("unwritten-secret-key")
         .body("{}");
     assert_eq!(big.send(proxy.addr).await.result(), Some("MISS"));
-    let s = std::net::TcpStream::connect(proxy.admin).unwrap();
-    let mut s = tokio::net::TcpStream::from_std({
-        s.set_nonblocking(true).unwrap();
-        s
-    })
-    .unwrap();
+    let mut s = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
     let read = format!(
         "GET /admin/records/default/unwritten-secret-key?body=true HTTP/1.1\r\nHost: a\r\n\
          Authorization: Bearer {TOKEN}\r\n\r\n"
@@ -1322,7 +1317,7 @@ async fn an_admin_request_that_cannot_be_parsed_or_answered_leaves_no_secret_in_
     s.write_all(read.as_bytes()).await.unwrap();
     let mut first = [0u8; 64];
     let _ = s.read(&mut first).await.unwrap();
-    s.set_linger(Some(Duration::ZERO)).unwrap();
+    s.set_zero_linger().unwrap();
     drop(s);
     tokio::time::sleep(Duration::from_millis(500)).await;
 
