@@ -879,10 +879,14 @@ async fn a_renewal_that_remakes_a_purged_record_keeps_its_execution_id() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let del = Request::new("DELETE", "/admin/records/default/purged-in-flight")
-        .header("Authorization", format!("Bearer {TOKEN}"))
-        .send(proxy.admin)
-        .await;
+    // Purged on purpose while in flight (a plain purge of a live claim is refused).
+    let del = Request::new(
+        "DELETE",
+        "/admin/records/default/purged-in-flight?force=true",
+    )
+    .header("Authorization", format!("Bearer {TOKEN}"))
+    .send(proxy.admin)
+    .await;
     assert_eq!(del.status, 200, "{}", del.text());
     let second = second.await.unwrap();
     assert_eq!(second.status, 503, "{}", second.text());
