@@ -25,6 +25,31 @@ struct Sink {
 
 static SINK: OnceLock<Sink> = OnceLock::new();
 
+/// A line written straight to stderr (past the log writer), as its lines are: a JSON object
+/// under JSON logging (`timestamp`, `level` ERROR, `target`, `message`, then `extra`'s members:
+/// names, and values already in JSON), else `idemgate: <message>` followed by the `plain`
+/// text. One whole line, newline included.
+pub fn stderr_line(target: &str, message: &str, extra: &[(&str, &str)], plain: &str) -> String {
+    let json = SINK.get().is_some_and(|s| s.json);
+    if !json {
+        return format!("idemgate: {message}{plain}\n");
+    }
+    let mut buf = b"{\"timestamp\":\"".to_vec();
+    write_timestamp(&mut buf, SystemTime::now());
+    buf.extend_from_slice(b"\",\"level\":\"ERROR\",\"target\":");
+    json_str(&mut buf, target);
+    buf.extend_from_slice(b",\"message\":");
+    json_str(&mut buf, message);
+    for (name, value) in extra {
+        buf.push(b',');
+        json_str(&mut buf, name);
+        buf.push(b':');
+        buf.extend_from_slice(value.as_bytes());
+    }
+    buf.extend_from_slice(b"}\n");
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
 /// Sends access lines to `writer` from now on, as JSON when `json`.
 pub fn install(writer: BatchWriter, json: bool) {
     let _ = SINK.set(Sink { writer, json });

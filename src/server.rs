@@ -632,12 +632,20 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     // Their lines are written by the dead-letter thread, which dies with the process. A disk
     // that hangs gets a bounded wait: past it the process would only wait to be killed.
     if !retrier.flush_dead_letters_within(EXIT_DEAD_LETTER_WAIT) {
-        eprintln!(
-            "idemgate: {} dead letters could not be written within {}s at exit (the dead-letter \
-             file does not take them: a hung disk, or another process holding its lock); they \
-             are lost",
-            retrier.pending(),
+        let lost = retrier.pending();
+        let message = format!(
+            "{lost} dead letters could not be written within {}s at exit (the dead-letter file \
+             does not take them: a hung disk, or another process holding its lock); they are lost",
             EXIT_DEAD_LETTER_WAIT.as_secs()
+        );
+        eprint!(
+            "{}",
+            crate::accesslog::stderr_line(
+                "idemgate::dead_letters",
+                &message,
+                &[("lost", &lost.to_string())],
+                ""
+            )
         );
     }
     on_exit();

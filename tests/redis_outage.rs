@@ -871,6 +871,17 @@ async fn executed_as_redis_dies(
 
 #[tokio::test]
 async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_level() {
+    dead_letter_on_stderr(false).await;
+}
+
+/// Under JSON logging the last copy is a JSON object like every other line, carrying the dead
+/// letter whole: a collector that parses every line keeps it.
+#[tokio::test]
+async fn a_dead_letter_on_stderr_is_a_json_line_under_json_logging() {
+    dead_letter_on_stderr(true).await;
+}
+
+async fn dead_letter_on_stderr(json: bool) {
     let mut redis = RedisServer::start();
     let backend = Backend::start().await;
     let dir = tempfile::tempdir().unwrap();
@@ -881,11 +892,12 @@ async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_leve
             dead.display()
         ))
         .env("IDEMGATE_LOG", "off")
+        .env("IDEMGATE_LOG_FORMAT", if json { "json" } else { "text" })
         .start()
         .await;
     executed_as_redis_dies(&proxy, &backend, &mut redis, "unlogged").await;
     // Dead-lettered once the attempt has failed and the 2 s lock may have lapsed.
-    let needle = "idemgate: dead letter not written to ";
+    let needle = "dead letter not written to ";
     let deadline = Instant::now() + Duration::from_secs(10);
     let stderr = loop {
         let stderr = proxy.log();
@@ -896,7 +908,20 @@ async fn a_dead_letter_the_file_cannot_take_reaches_stderr_whatever_the_log_leve
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let text = stderr.lines().find(|l| l.contains(needle)).unwrap();
-    let line: serde_json::Value = serde_json::from_str(&text[text.find('{').unwrap()..]).unwrap();
+    let line: serde_json::Value = if json {
+        let notice: serde_json::Value = serde_json::from_str(text).expect("a JSON line");
+        assert_eq!(notice["level"], "ERROR");
+        assert!(notice["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with(needle)));
+        notice["dead_letter"].clone()
+    } else {
+        assert!(
+            text.starts_with("idemgate: dead letter not written to "),
+            "{text}"
+        );
+        serde_json::from_str(&text[text.find('{').unwrap()..]).unwrap()
+    };
     let id = &backend.executions()[0].execution_id;
     assert_eq!(line["execution_id"].as_str(), id.as_deref());
     assert_eq!(line["response"]["status"], 201);

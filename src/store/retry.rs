@@ -881,9 +881,14 @@ impl DeadLetterFile {
             .dead_letter_write_failures
             .fetch_add(1, Ordering::Relaxed);
         // Straight out, before the count drops: this is the completion's last copy.
-        (self.last_resort)(&format!(
-            "idemgate: dead letter not written to {} ({why}): {line}",
-            self.path.display()
+        // Under JSON logging a JSON object carrying the line (itself a JSON object), so a
+        // collector that parses every line as JSON keeps this last copy too.
+        let message = format!("dead letter not written to {} ({why})", self.path.display());
+        (self.last_resort)(&crate::accesslog::stderr_line(
+            "idemgate::dead_letters",
+            &message,
+            &[("dead_letter", line.trim_end())],
+            &format!(": {}", line.trim_end()),
         ));
         tracing::error!(
             path = %self.path.display(),
