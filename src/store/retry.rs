@@ -385,9 +385,19 @@ impl CompletionRetrier {
     /// failover lost the claim while the backend ran; nobody else executed the key, and the
     /// local entry stays as the only trace of the answer), or it cannot be read (the entry
     /// stays). A record that holds this very completion took it after all.
+    ///
+    /// While the record is read the completion waits among the others, so a process that stops
+    /// meanwhile (pingora drops the request's task at the end of the grace period) dead-letters
+    /// it with them rather than losing it with this future.
     pub async fn refused(&self, job: PendingCompletion) -> Refusal {
         self.stats.pending.fetch_add(1, Ordering::AcqRel);
-        let read = self.store.get(&job.key).await;
+        let key = job.key.clone();
+        let id = self.jobs.add(job);
+        let read = self.store.get(&key).await;
+        let Some(job) = self.jobs.take(id) else {
+            // Dead-lettered meanwhile: the process is stopping.
+            return Refusal::Unread;
+        };
         let refusal = settle_refused(read, job, 1, &self.dead, &self.local);
         if refusal == Refusal::Landed {
             self.stats.pending.fetch_sub(1, Ordering::AcqRel);
@@ -1523,6 +1533,35 @@ mod tests {
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"), "{text}");
         assert_eq!(retrier.stats().fenced.load(Ordering::Relaxed), 1);
+    }
+
+    /// A refused first write whose record read is still out when its task is dropped (the end
+    /// of a shutdown's grace period) is dead-lettered with the waiting completions, not lost
+    /// with the task.
+    #[tokio::test]
+    async fn a_refused_first_write_whose_task_is_dropped_mid_read_is_dead_lettered() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let (retrier, worker) =
+            CompletionRetrier::new(shared.clone(), LocalHooks::none(), options(dir.path()));
+        tokio::spawn(worker);
+        let job = claimed(shared.as_ref(), 33).await;
+        shared.set(Fault::GetStalls);
+        let read = tokio::time::timeout(Duration::from_millis(50), retrier.refused(job)).await;
+        assert!(read.is_err(), "the read stalls; the task is dropped");
+        assert_eq!(retrier.pending(), 1, "still waiting to be settled");
+        assert_eq!(
+            retrier.dead_letter_pending("process stopped before the store took it"),
+            1
+        );
+        retrier.flush_dead_letters();
+        assert_eq!(retrier.pending(), 0);
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(
+            text.contains("process stopped before the store took it"),
+            "{text}"
+        );
+        shared.set(Fault::None);
     }
 
     /// A first write the store refused is settled by the record read after it: gone (a failover
