@@ -176,6 +176,7 @@ fn ignore_sighup_until_watched() {
 
 fn main() -> ExitCode {
     ignore_sighup_until_watched();
+    idemgate::server::catch_stop_signals_while_starting();
     no_transparent_huge_pages();
     let cli = Cli::parse();
     let config = match Config::load(&cli.config) {
@@ -201,6 +202,17 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if let Some(dead_letters) = &cli.reconcile {
+        // A reconcile stops on a stop signal as any command does (its report says how far it
+        // got); one that came while it started ends it at once.
+        // SAFETY: restores the default disposition of signals this process caught so far.
+        unsafe {
+            for signal in [libc::SIGTERM, libc::SIGQUIT, libc::SIGINT] {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+        }
+        if let Some(signal) = idemgate::server::stop_signal_while_starting() {
+            return ExitCode::from(128 + signal as u8);
+        }
         return reconcile(&config, dead_letters, cli.apply);
     }
     init_logging();

@@ -942,6 +942,40 @@ impl Signals {
     }
 }
 
+/// The last stop signal (SIGTERM, SIGQUIT, SIGINT) caught while the process was starting.
+static EARLY_STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn note_stop_signal(signal: libc::c_int) {
+    // Async-signal-safe: one atomic store.
+    EARLY_STOP_SIGNAL.store(signal, Ordering::SeqCst);
+}
+
+/// Catches SIGTERM, SIGQUIT and SIGINT from the first line of `main` until the server's signal
+/// handling takes over, which it does only once the config is loaded, the store built and the
+/// listeners started. Without it a stop signal in that window killed the process (requests
+/// already accepted died without their dead letters) or, as a container's PID 1, which the
+/// kernel spares signals it has no handler for, was dropped: the process started, served and
+/// was killed at the end of the termination grace period. Caught here, it is acted on as
+/// soon as the server listens for signals: a drain (SIGINT: the fast stop).
+pub fn catch_stop_signals_while_starting() {
+    for signal in [libc::SIGTERM, libc::SIGQUIT, libc::SIGINT] {
+        // SAFETY: installs a handler that only stores to an atomic (async-signal-safe); the
+        // struct is zeroed, then its handler, mask and flags set, as sigaction(2) takes it.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = note_stop_signal as *const () as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// The stop signal caught while starting, if one was (and forgets it).
+pub fn stop_signal_while_starting() -> Option<libc::c_int> {
+    Some(EARLY_STOP_SIGNAL.swap(0, Ordering::SeqCst)).filter(|&s| s != 0)
+}
+
 #[async_trait]
 impl ShutdownSignalWatch for Signals {
     async fn recv(&self) -> ShutdownSignal {
@@ -953,6 +987,19 @@ impl ShutdownSignalWatch for Signals {
             tracing::error!("cannot install signal handlers; only SIGKILL stops this process");
             return std::future::pending().await;
         };
+        // A stop signal that came while the process was starting, before these streams were
+        // there to take it (caught by `catch_stop_signals_while_starting`), counts now.
+        match EARLY_STOP_SIGNAL.swap(0, Ordering::SeqCst) {
+            libc::SIGINT => return ShutdownSignal::FastShutdown,
+            0 => {}
+            early => {
+                tracing::info!(
+                    signal = early,
+                    "a stop signal came while starting: draining in-flight requests"
+                );
+                return self.drain();
+            }
+        }
         tokio::select! {
             _ = term.recv() => {
                 tracing::info!("SIGTERM: draining in-flight requests");

@@ -426,3 +426,62 @@ fn a_sighup_during_start_up_does_not_stop_the_process() {
     }
     panic!("three starts in a row were never seen ignoring SIGHUP before catching it");
 }
+
+/// A SIGTERM while the process is still starting (here: reading its config from a FIFO that
+/// nobody has written yet) is acted on once it serves: it drains and exits 0, instead of
+/// dying of the signal, or, as a container's PID 1, never hearing it.
+#[test]
+fn a_sigterm_while_starting_drains_and_exits_zero() {
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.yaml");
+    let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) on a path in a directory this test owns.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let (port, admin) = common::proxy::free_port_pair();
+    let mut guard = Killed(
+        idemgate()
+            .args(["--config", path.to_str().unwrap()])
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = guard.0.id() as libc::pid_t;
+    // Once main has begun (it ignores SIGHUP first thing), while it waits for its config.
+    let started = Instant::now();
+    while !sighup_in(pid, "SigIgn:") {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "main never began"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    // SAFETY: kill(2) on the pid of a child this test spawned and has not reaped.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(guard.0.try_wait().unwrap().is_none(), "died of the signal");
+    let mut fifo = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    write!(
+        fifo,
+        "listen: \"127.0.0.1:{port}\"\nadmin: {{listen: \"127.0.0.1:{admin}\"}}\n\
+         upstreams:\n  app:\n    addrs: [\"127.0.0.1:9\"]\nroutes: []\n"
+    )
+    .unwrap();
+    drop(fifo);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = guard.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running: the signal was lost"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
