@@ -16,6 +16,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const EXIT_BAD_CONFIG: u8 = 64;
 /// Exit status for a listen address that cannot be bound (EX_UNAVAILABLE).
 const EXIT_CANNOT_LISTEN: u8 = 69;
+/// Exit status for a stop with dead letters the dead-letter file never took (EX_IOERR).
+const EXIT_DEAD_LETTERS_LOST: u8 = 74;
 
 /// A reverse proxy that makes non-idempotent HTTP APIs safe to retry.
 #[derive(Parser, Debug)]
@@ -218,6 +220,10 @@ fn main() -> ExitCode {
     init_logging();
     match idemgate::server::run(cli.config.clone(), config, flush_logs) {
         Ok(()) => ExitCode::SUCCESS,
+        // Said on stderr already; the status tells a supervisor.
+        Err(idemgate::server::StartError::DeadLettersLost { .. }) => {
+            ExitCode::from(EXIT_DEAD_LETTERS_LOST)
+        }
         Err(e) => {
             tracing::error!(error = %e, "cannot start");
             flush_logs();
@@ -225,6 +231,7 @@ fn main() -> ExitCode {
             ExitCode::from(match e {
                 idemgate::server::StartError::Listen { .. } => EXIT_CANNOT_LISTEN,
                 idemgate::server::StartError::Config(_) => EXIT_BAD_CONFIG,
+                idemgate::server::StartError::DeadLettersLost { .. } => EXIT_DEAD_LETTERS_LOST,
             })
         }
     }

@@ -47,6 +47,14 @@ pub enum StartError {
         /// Why the bind failed.
         error: std::io::Error,
     },
+    /// The run ended with dead letters the dead-letter file never took (a disk that hung, or
+    /// another process holding its lock): completions lost. Not a start error, but the exit
+    /// must not say all went well.
+    #[error("{lost} dead letters could not be written at exit; they are lost")]
+    DeadLettersLost {
+        /// How many.
+        lost: usize,
+    },
 }
 
 /// `IDEMGATE_WORKER_ID`, which lets each pod of one Deployment get its own id (e.g. from a
@@ -647,6 +655,8 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
                 ""
             )
         );
+        on_exit();
+        return Err(StartError::DeadLettersLost { lost });
     }
     on_exit();
     Ok(())

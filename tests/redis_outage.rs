@@ -1150,3 +1150,41 @@ async fn a_redis_that_hangs_mid_load_opens_the_circuit_and_nothing_runs_unprotec
         "claims timed: {m}"
     );
 }
+
+/// A stop whose dead letters the file never takes (another process holds its lock, as a hung
+/// disk would) says how many were lost and exits 74, not 0: the supervisor must see it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_that_loses_dead_letters_exits_74() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    let mut proxy = builder(&backend, &redis)
+        .store(&format!(
+            "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 200ms, dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .idem("lock_ttl: 60s")
+        .top("shutdown: {grace_period: 1s, graceful_shutdown_timeout: 1s}")
+        .start()
+        .await;
+    executed_as_redis_dies(&proxy, &backend, &mut redis, "unwritable").await;
+    proxy
+        .metrics_containing("idemgate_completion_retry_pending 1")
+        .await;
+    // The file exists (opened at start); this test holds its lock from now on.
+    let held = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&dead)
+        .unwrap();
+    held.lock().unwrap();
+    proxy.signal("TERM");
+    let (status, proxy) =
+        tokio::task::spawn_blocking(move || (proxy.wait_exit(Duration::from_secs(20)), proxy))
+            .await
+            .unwrap();
+    let log = proxy.log();
+    assert_eq!(status.and_then(|s| s.code()), Some(74), "{status:?}\n{log}");
+    assert!(log.contains("1 dead letters could not be written"), "{log}");
+    drop(held);
+}
