@@ -1035,6 +1035,19 @@ impl Config {
                     route.name
                 ));
             }
+            // A record lives `ttl` from its first claim, and a release (a 5xx) does not
+            // lengthen it: released near the end of its lock, it may expire before the retry.
+            if idem.ttl < 2 * idem.lock_ttl {
+                warnings.push(format!(
+                    "routes[{}].idempotency.ttl ({}) is less than twice lock_ttl ({}): a record \
+                     lives ttl from its first claim, so one released late in its lock (a 5xx) \
+                     may expire before the retry, which then runs under a new X-Idempotency-Id \
+                     and without 422 protection",
+                    route.name,
+                    fmt_duration(idem.ttl),
+                    fmt_duration(idem.lock_ttl)
+                ));
+            }
             let Some(up) = self.upstreams.get(route.upstream) else {
                 continue;
             };
@@ -3533,6 +3546,19 @@ routes:
             "idempotency: {{default_tenant: \"Org_1.eu:prod-2\"}}\n{MINIMAL}"
         ));
         assert_eq!(config.idempotency.default_tenant, "Org_1.eu:prod-2");
+    }
+
+    #[test]
+    fn a_ttl_under_twice_lock_ttl_is_warned_of() {
+        let warned = |idem: &str| {
+            load(&with_route_idempotency(idem))
+                .warnings()
+                .iter()
+                .any(|w| w.contains("is less than twice lock_ttl"))
+        };
+        assert!(warned("ttl: 45s\nlock_ttl: 30s"));
+        assert!(!warned("ttl: 60s\nlock_ttl: 30s"));
+        assert!(!warned("ttl: 24h"));
     }
 
     #[test]
