@@ -25,18 +25,33 @@ struct Sink {
 
 static SINK: OnceLock<Sink> = OnceLock::new();
 
-/// A line written straight to stderr (past the log writer), as its lines are: a JSON object
-/// under JSON logging (`timestamp`, `level` ERROR, `target`, `message`, then `extra`'s members:
-/// names, and values already in JSON), else `idemgate: <message>` followed by the `plain`
-/// text. One whole line, newline included.
+/// A line written straight to stderr (past the log writer), as its lines are: see
+/// [`notice_line`], at level ERROR, JSON under JSON logging.
 pub fn stderr_line(target: &str, message: &str, extra: &[(&str, &str)], plain: &str) -> String {
     let json = SINK.get().is_some_and(|s| s.json);
+    notice_line(json, "ERROR", target, message, extra, plain)
+}
+
+/// One whole line (newline included) of idemgate's own, outside the tracing pipeline: with
+/// `json` an object like the log's (`timestamp`, `level`, `target`, `message`, then `extra`'s
+/// members: names, and values already in JSON), else `idemgate: <message>` followed by the
+/// `plain` text.
+pub(crate) fn notice_line(
+    json: bool,
+    level: &str,
+    target: &str,
+    message: &str,
+    extra: &[(&str, &str)],
+    plain: &str,
+) -> String {
     if !json {
         return format!("idemgate: {message}{plain}\n");
     }
     let mut buf = b"{\"timestamp\":\"".to_vec();
     write_timestamp(&mut buf, SystemTime::now());
-    buf.extend_from_slice(b"\",\"level\":\"ERROR\",\"target\":");
+    buf.extend_from_slice(b"\",\"level\":");
+    json_str(&mut buf, level);
+    buf.extend_from_slice(b",\"target\":");
     json_str(&mut buf, target);
     buf.extend_from_slice(b",\"message\":");
     json_str(&mut buf, message);

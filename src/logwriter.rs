@@ -163,17 +163,15 @@ impl BatchWriter {
         }
         if dropped > 0 {
             let message = format!("{dropped} log lines dropped (log sink too slow or failing)");
-            if self.shared.json.load(Ordering::Relaxed) {
-                notice.extend_from_slice(b"{\"timestamp\":\"");
-                crate::accesslog::write_timestamp(&mut notice, std::time::SystemTime::now());
-                let _ = writeln!(
-                    notice,
-                    "\",\"level\":\"WARN\",\"message\":\"{message}\",\"dropped\":{dropped},\
-                     \"target\":\"idemgate::logwriter\"}}"
-                );
-            } else {
-                let _ = writeln!(notice, "idemgate: {message}");
-            }
+            let line = crate::accesslog::notice_line(
+                self.shared.json.load(Ordering::Relaxed),
+                "WARN",
+                "idemgate::logwriter",
+                &message,
+                &[("dropped", &dropped.to_string())],
+                "",
+            );
+            notice.extend_from_slice(line.as_bytes());
         }
         let sent = write_all_counted(sink, &notice);
         if sent < notice.len() {

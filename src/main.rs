@@ -206,12 +206,7 @@ fn main() -> ExitCode {
     if let Some(dead_letters) = &cli.reconcile {
         // A reconcile stops on a stop signal as any command does (its report says how far it
         // got); one that came while it started ends it at once.
-        // SAFETY: restores the default disposition of signals this process caught so far.
-        unsafe {
-            for signal in [libc::SIGTERM, libc::SIGQUIT, libc::SIGINT] {
-                libc::signal(signal, libc::SIG_DFL);
-            }
-        }
+        idemgate::server::default_stop_signals();
         if let Some(signal) = idemgate::server::stop_signal_while_starting() {
             return ExitCode::from(128 + signal as u8);
         }

@@ -233,6 +233,17 @@ pub struct RequestCtx {
     _guard: InFlightGuard,
 }
 
+impl RequestCtx {
+    /// `problem` answers the request itself, before anything was forwarded (its body stalled,
+    /// broke or was too large): on an idempotent route that is an `INVALID` request, a
+    /// bypassing one included. The backend's failures keep the request's own result.
+    fn refused_for_its_request(&mut self, problem: &Problem) {
+        if self.outcome.is_some() && problem.outcome() == Outcome::Invalid {
+            self.outcome = Some(Outcome::Invalid);
+        }
+    }
+}
+
 /// The proxy application: shared state for every request.
 pub struct Gate {
     current: Arc<ArcSwap<Generation>>,
@@ -847,11 +858,7 @@ impl Gate {
             Ok(body) => body,
             Err(problem) => {
                 ctx.refused = true;
-                // Refused before it was forwarded: a request that would have bypassed
-                // protection is an invalid one now, not a BYPASS.
-                if ctx.outcome.is_some() {
-                    ctx.outcome = Some(problem.outcome());
-                }
+                ctx.refused_for_its_request(&problem);
                 write_problem(session, &problem, ctx.outcome).await?;
                 return Ok(true);
             }
@@ -1552,12 +1559,8 @@ impl ProxyHttp for Gate {
         let written = session
             .response_written()
             .filter(|r| !r.status.is_informational());
-        // A body the client stalled or broke: refused, not forwarded (a BYPASS route's request
-        // included); the backend's failures keep the request's own result.
         if let Some(p) = &problem {
-            if ctx.outcome.is_some() && p.outcome() == Outcome::Invalid {
-                ctx.outcome = Some(Outcome::Invalid);
-            }
+            ctx.refused_for_its_request(p);
         }
         let code = match (&problem, written) {
             (Some(p), None) => match write_problem(session, p, ctx.outcome).await {

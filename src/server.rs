@@ -639,7 +639,9 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     }
     // Their lines are written by the dead-letter thread, which dies with the process. A disk
     // that hangs gets a bounded wait: past it the process would only wait to be killed.
-    if !retrier.flush_dead_letters_within(EXIT_DEAD_LETTER_WAIT) {
+    let ended = if retrier.flush_dead_letters_within(EXIT_DEAD_LETTER_WAIT) {
+        Ok(())
+    } else {
         let lost = retrier.pending();
         let message = format!(
             "{lost} dead letters could not be written within {}s at exit (the dead-letter file \
@@ -655,11 +657,10 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
                 ""
             )
         );
-        on_exit();
-        return Err(StartError::DeadLettersLost { lost });
-    }
+        Err(StartError::DeadLettersLost { lost })
+    };
     on_exit();
-    Ok(())
+    ended
 }
 
 /// How long the end of `run` waits for the dead-letter file to take what is queued for it.
@@ -952,6 +953,9 @@ impl Signals {
     }
 }
 
+/// The signals that stop the server: SIGTERM and SIGQUIT drain, SIGINT stops at once.
+const STOP_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGQUIT, libc::SIGINT];
+
 /// The last stop signal (SIGTERM, SIGQUIT, SIGINT) caught while the process was starting.
 static EARLY_STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
@@ -968,7 +972,7 @@ extern "C" fn note_stop_signal(signal: libc::c_int) {
 /// was killed at the end of the termination grace period. Caught here, it is acted on as
 /// soon as the server listens for signals: a drain (SIGINT: the fast stop).
 pub fn catch_stop_signals_while_starting() {
-    for signal in [libc::SIGTERM, libc::SIGQUIT, libc::SIGINT] {
+    for signal in STOP_SIGNALS {
         // SAFETY: installs a handler that only stores to an atomic (async-signal-safe); the
         // struct is zeroed, then its handler, mask and flags set, as sigaction(2) takes it.
         unsafe {
@@ -977,6 +981,17 @@ pub fn catch_stop_signals_while_starting() {
             action.sa_flags = libc::SA_RESTART;
             libc::sigemptyset(&mut action.sa_mask);
             libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// Gives SIGTERM, SIGQUIT and SIGINT their default action again: for a command that is not the
+/// server (`--reconcile`), which stops on them as any command does.
+pub fn default_stop_signals() {
+    for signal in STOP_SIGNALS {
+        // SAFETY: restores the default disposition of a signal; no handler of ours runs.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
         }
     }
 }
@@ -999,10 +1014,10 @@ impl ShutdownSignalWatch for Signals {
         };
         // A stop signal that came while the process was starting, before these streams were
         // there to take it (caught by `catch_stop_signals_while_starting`), counts now.
-        match EARLY_STOP_SIGNAL.swap(0, Ordering::SeqCst) {
-            libc::SIGINT => return ShutdownSignal::FastShutdown,
-            0 => {}
-            early => {
+        match stop_signal_while_starting() {
+            Some(libc::SIGINT) => return ShutdownSignal::FastShutdown,
+            None => {}
+            Some(early) => {
                 tracing::info!(
                     signal = early,
                     "a stop signal came while starting: draining in-flight requests"
