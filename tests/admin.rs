@@ -451,7 +451,7 @@ async fn admin_errors_are_problems_and_query_values_are_decoded() {
 
 #[tokio::test]
 async fn the_admin_listener_holds_request_headers_to_request_header_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
         .top("request_header_timeout: 500ms")
@@ -469,33 +469,17 @@ async fn the_admin_listener_holds_request_headers_to_request_header_timeout() {
     }
     // A header trickled a byte every 100 ms, each inside pingora's per-read timeout, is cut
     // off once the whole of it is late.
-    let mut s = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: a\r\nX-Slow: ")
-        .await
-        .unwrap();
-    let started = Instant::now();
-    let (mut got, mut buf) = (Vec::new(), [0u8; 4096]);
-    loop {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the admin connection is still open"
-        );
-        tokio::select! {
-            n = s.read(&mut buf) => match n {
-                Ok(0) | Err(_) => break,
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-            },
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                let _ = s.write_all(b"a").await;
-            }
-        }
-    }
+    let (got, elapsed, _) = common::client::trickle_header(
+        proxy.admin,
+        b"GET /metrics HTTP/1.1\r\nHost: a\r\nX-Slow: ",
+    )
+    .await;
     let text = String::from_utf8_lossy(&got);
     assert!(
         text.starts_with("HTTP/1.1 408 ") && text.contains("/problems/request-header-timeout"),
         "{text}"
     );
-    assert!(started.elapsed() >= Duration::from_millis(500));
+    assert!(elapsed >= Duration::from_millis(500));
 }
 
 #[tokio::test]

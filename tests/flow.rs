@@ -294,23 +294,16 @@ async fn tenants_and_principals_are_isolated() {
     assert_eq!(backend.count(), combos.len());
 }
 
-async fn concurrent_duplicates(mode: &str) -> (Backend, Vec<common::Response>) {
+/// Twenty concurrent sends of one keyed POST to `path`, under `on_in_flight: mode`.
+async fn concurrent_duplicates(mode: &str, path: &str) -> (Backend, Vec<common::Response>) {
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
         .idem(&format!("on_in_flight: {mode}"))
         .idem("wait_timeout: 10s")
         .start()
         .await;
-    let req = Request::post("/orders/slow/400")
-        .key("dup")
-        .json(r#"{"pay":100}"#);
-    let tasks: Vec<_> = (0..20)
-        .map(|_| {
-            let req = req.clone();
-            let addr = proxy.addr;
-            tokio::spawn(async move { req.send(addr).await })
-        })
-        .collect();
+    let req = Request::post(path).key("dup").json(r#"{"pay":100}"#);
+    let tasks: Vec<_> = (0..20).map(|_| req.spawn_send(proxy.addr)).collect();
     let mut out = Vec::new();
     for t in tasks {
         out.push(t.await.unwrap());
@@ -321,7 +314,7 @@ async fn concurrent_duplicates(mode: &str) -> (Backend, Vec<common::Response>) {
 
 #[tokio::test]
 async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
-    let (backend, responses) = concurrent_duplicates("reject").await;
+    let (backend, responses) = concurrent_duplicates("reject", "/orders/slow/400").await;
     assert_eq!(backend.count(), 1);
     let miss = responses
         .iter()
@@ -355,7 +348,7 @@ async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
 
 #[tokio::test]
 async fn twenty_concurrent_duplicates_execute_once_wait_mode() {
-    let (backend, responses) = concurrent_duplicates("wait").await;
+    let (backend, responses) = concurrent_duplicates("wait", "/orders/slow/400").await;
     assert_eq!(backend.count(), 1);
     assert!(
         responses.iter().all(|r| r.status == 201),
@@ -999,13 +992,8 @@ async fn drains_on(signal: &str) {
     proxy.signal(signal);
     let started = std::time::Instant::now();
     // Draining: new connections are refused while the request in flight still runs.
-    let mut refused = false;
-    while !refused && !inflight.is_finished() {
-        refused = tokio::net::TcpStream::connect(addr).await.is_err();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     assert!(
-        refused,
+        common::client::refused_while(addr, &inflight).await,
         "a new connection was still accepted when the drain ended"
     );
     let resp = inflight.await.unwrap();
@@ -1145,21 +1133,8 @@ async fn forwarding_headers_reach_the_backend_as_the_client_sent_them() {
 
 #[tokio::test]
 async fn waiters_on_a_released_original_run_it_once_more_and_replay_that() {
-    let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .idem("on_in_flight: wait")
-        .idem("wait_timeout: 10s")
-        .start()
-        .await;
     // The first execution answers 503 after 400 ms (released); the next one answers 201.
-    let req = Request::post("/orders/flaky/1/slow/400")
-        .key("released-wait")
-        .json(r#"{"pay":100}"#);
-    let tasks: Vec<_> = (0..20).map(|_| req.spawn_send(proxy.addr)).collect();
-    let mut responses = Vec::new();
-    for t in tasks {
-        responses.push(t.await.unwrap());
-    }
+    let (backend, responses) = concurrent_duplicates("wait", "/orders/flaky/1/slow/400").await;
     let ids: Vec<_> = backend
         .executions()
         .into_iter()

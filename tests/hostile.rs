@@ -427,35 +427,6 @@ fn refused(reason: &str, n: u32) -> String {
     format!(r#"idemgate_request_headers_refused_total{{reason="{reason}"}} {n}"#)
 }
 
-/// Reads what the proxy sends while the request header is trickled a byte every 100 ms (40 at
-/// most), until the proxy closes. Returns the bytes, how long after the first header byte the
-/// connection closed, and how many trickled bytes went out.
-async fn trickle_header(proxy: &Proxy, start: &[u8]) -> (Vec<u8>, Duration, usize) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(start).await.unwrap();
-    let started = std::time::Instant::now();
-    let (mut got, mut buf, mut sent) = (Vec::new(), [0u8; 4096], 0);
-    loop {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "still open after 10 s and {sent} trickled bytes"
-        );
-        tokio::select! {
-            n = s.read(&mut buf) => match n {
-                Ok(0) | Err(_) => break,
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-            },
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                if sent < 40 && s.write_all(b"a").await.is_ok() {
-                    sent += 1;
-                }
-            }
-        }
-    }
-    (got, started.elapsed(), sent)
-}
-
 #[tokio::test]
 async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
     let backend = Backend::start().await;
@@ -465,7 +436,8 @@ async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
         .await;
     // Each byte comes well inside pingora's per-read timeout; only the whole header is late.
     let (got, elapsed, sent) =
-        trickle_header(&proxy, b"POST /orders HTTP/1.1\r\nHost: t\r\nX-Slow: ").await;
+        common::client::trickle_header(proxy.addr, b"POST /orders HTTP/1.1\r\nHost: t\r\nX-Slow: ")
+            .await;
     assert_raw_problem(&got, 408, "request-header-timeout");
     assert!(elapsed >= Duration::from_millis(500), "{elapsed:?}");
     assert!(

@@ -701,6 +701,32 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
     );
 }
 
+/// A proxy (with `shutdown` as its shutdown block, dead letters to `dead`) whose completion of
+/// `key` waits in its retry queue: claimed while Redis was up, answered after Redis died, and
+/// retried while its 60 s lock holds, so only the shutdown can dead-letter it.
+async fn waiting_at_shutdown(
+    backend: &Backend,
+    redis: &mut RedisServer,
+    dead: &std::path::Path,
+    shutdown: &str,
+    key: &str,
+) -> Proxy {
+    let proxy = builder(backend, redis)
+        .store(&format!(
+            "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 200ms, dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .idem("lock_ttl: 60s")
+        .top(&format!("shutdown: {shutdown}"))
+        .start()
+        .await;
+    executed_as_redis_dies(&proxy, backend, redis, key).await;
+    proxy
+        .metrics_containing("idemgate_completion_retry_pending 1")
+        .await;
+    proxy
+}
+
 /// Whether a thread of process `pid` waits in `open` of a FIFO no one writes.
 fn blocked_on_a_fifo(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -727,20 +753,14 @@ async fn a_completion_waiting_when_the_grace_period_ends_is_dead_lettered_before
     let backend = Backend::start().await;
     let dir = tempfile::tempdir().unwrap();
     let dead = dir.path().join("dead.jsonl");
-    // Retried while the 60 s lock holds: only the shutdown can dead-letter it.
-    let mut proxy = builder(&backend, &redis)
-        .store(&format!(
-            "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 200ms, dead_letter_path: \"{}\" }}",
-            dead.display()
-        ))
-        .idem("lock_ttl: 60s")
-        .top("shutdown: {grace_period: 2s, graceful_shutdown_timeout: 60s}")
-        .start()
-        .await;
-    executed_as_redis_dies(&proxy, &backend, &mut redis, "drain").await;
-    proxy
-        .metrics_containing("idemgate_completion_retry_pending 1")
-        .await;
+    let mut proxy = waiting_at_shutdown(
+        &backend,
+        &mut redis,
+        &dead,
+        "{grace_period: 2s, graceful_shutdown_timeout: 60s}",
+        "drain",
+    )
+    .await;
 
     let fifo = dir.path().join("config.fifo");
     let made = std::process::Command::new("mkfifo").arg(&fifo).status();
@@ -1159,19 +1179,14 @@ async fn a_stop_that_loses_dead_letters_exits_74() {
     let backend = Backend::start().await;
     let dir = tempfile::tempdir().unwrap();
     let dead = dir.path().join("dead.jsonl");
-    let mut proxy = builder(&backend, &redis)
-        .store(&format!(
-            "completion_retry: {{ attempts: 100, base_delay: 20ms, max_delay: 200ms, dead_letter_path: \"{}\" }}",
-            dead.display()
-        ))
-        .idem("lock_ttl: 60s")
-        .top("shutdown: {grace_period: 1s, graceful_shutdown_timeout: 1s}")
-        .start()
-        .await;
-    executed_as_redis_dies(&proxy, &backend, &mut redis, "unwritable").await;
-    proxy
-        .metrics_containing("idemgate_completion_retry_pending 1")
-        .await;
+    let mut proxy = waiting_at_shutdown(
+        &backend,
+        &mut redis,
+        &dead,
+        "{grace_period: 1s, graceful_shutdown_timeout: 1s}",
+        "unwritable",
+    )
+    .await;
     // The file exists (opened at start); this test holds its lock from now on.
     let held = std::fs::OpenOptions::new()
         .append(true)

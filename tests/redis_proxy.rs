@@ -654,13 +654,8 @@ async fn a_request_drained_at_sigterm_is_stored_for_the_other_replicas() {
     let draining = instances[0].addr;
     instances[0].signal("TERM");
     // Draining: new connections are refused while the request in flight still runs.
-    let mut refused = false;
-    while !refused && !inflight.is_finished() {
-        refused = tokio::net::TcpStream::connect(draining).await.is_err();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     assert!(
-        refused,
+        common::client::refused_while(draining, &inflight).await,
         "a new connection was still accepted when the drain ended"
     );
     let answered = inflight.await.unwrap();

@@ -314,3 +314,43 @@ pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Resul
             ))
         })
 }
+
+/// Reads what the listener at `addr` sends while the request header is trickled a byte every
+/// 100 ms (40 at most), until it closes. Returns the bytes, how long after the first header byte the
+/// connection closed, and how many trickled bytes went out.
+pub async fn trickle_header(addr: SocketAddr, start: &[u8]) -> (Vec<u8>, Duration, usize) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(start).await.unwrap();
+    let started = std::time::Instant::now();
+    let (mut got, mut buf, mut sent) = (Vec::new(), [0u8; 4096], 0);
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still open after 10 s and {sent} trickled bytes"
+        );
+        tokio::select! {
+            n = s.read(&mut buf) => match n {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            },
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                if sent < 40 && s.write_all(b"a").await.is_ok() {
+                    sent += 1;
+                }
+            }
+        }
+    }
+    (got, started.elapsed(), sent)
+}
+
+/// Whether `addr` refuses a new connection before `task` ends, trying every 20 ms: a listener
+/// closed while a request it took still runs (a drain).
+pub async fn refused_while<T>(addr: SocketAddr, task: &tokio::task::JoinHandle<T>) -> bool {
+    while !task.is_finished() {
+        if TcpStream::connect(addr).await.is_err() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
