@@ -153,8 +153,8 @@ impl MemoryStore {
     /// [`RecordStore::delete`] does, callable without a runtime (a purge announced by another
     /// replica drops this one's fallback record with it).
     pub fn remove(&self, key: &RecordKey) -> bool {
-        let now = self.now();
         let mut map = self.shard(key).lock();
+        let now = self.now();
         self.expire_if_due(&mut map, key, now);
         match map.remove(key as &dyn KeyView) {
             Some(mut entry) => {
@@ -187,7 +187,9 @@ impl MemoryStore {
         }
     }
 
-    /// The current time as a [`Moment`].
+    /// The current time as a [`Moment`]. A record operation reads it under its shard's lock:
+    /// read before, a claim that waited for the lock could act on a record made by a later
+    /// reading, and see its lock run past `lock_ttl` or a deadline not yet passed that had.
     fn now(&self) -> Moment {
         let since = Instant::now().saturating_duration_since(self.base);
         Moment(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
@@ -399,8 +401,8 @@ impl MemoryStore {
 
     /// One locked claim attempt: acts on an existing record, or inserts a new one if it fits.
     fn try_claim(&self, req: &ClaimRequest) -> Attempt<ClaimOutcome> {
-        let now = self.now();
         let mut map = self.shard(&req.key).lock();
+        let now = self.now();
         // One lookup for a live record; an absent one (a first execution) costs the lookup and
         // the insert, an expired one its removal too.
         let view: &dyn KeyView = &req.key;
@@ -434,8 +436,8 @@ impl MemoryStore {
         extra: usize,
         ttl: Duration,
     ) -> Attempt<WriteOutcome> {
-        let now = self.now();
         let mut map = self.shard(key).lock();
+        let now = self.now();
         let view: &dyn KeyView = key;
         let entry = match map.get_mut(view) {
             Some(entry) if !entry.expired(now) => entry,
@@ -520,8 +522,8 @@ impl RecordStore for MemoryStore {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
-        let now = self.now();
         let mut map = self.shard(key).lock();
+        let now = self.now();
         self.expire_if_due(&mut map, key, now);
         match map.get_mut(key as &dyn KeyView) {
             Some(entry) if entry.owned_by(owner) => {
@@ -546,8 +548,8 @@ impl RecordStore for MemoryStore {
             let notify: Arc<Notify>;
             let wake_at: Moment;
             let notified = {
-                let now = self.now();
                 let mut map = self.shard(key).lock();
+                let now = self.now();
                 self.expire_if_due(&mut map, key, now);
                 let Some(entry) = map.get_mut(key as &dyn KeyView) else {
                     return Ok(None);
@@ -583,8 +585,8 @@ impl RecordStore for MemoryStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let now = self.now();
         let mut map = self.shard(key).lock();
+        let now = self.now();
         self.expire_if_due(&mut map, key, now);
         Ok(map.get(key as &dyn KeyView).map(|entry| entry.record(now)))
     }
@@ -943,6 +945,56 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn conformance_suite() {
         conformance::run_all(|| async { Arc::new(MemoryStore::new(1 << 20, 4)) }).await;
+    }
+
+    /// Racing claims never see a lock longer than it was taken for: each reads the clock under
+    /// the shard's lock, so a claim that waited for the lock never reads a record made by a
+    /// later reading than its own.
+    #[test]
+    fn racing_claims_never_see_a_lock_longer_than_its_ttl() {
+        let store = MemoryStore::new(1 << 24, 1);
+        let lock_ttl = 10 * SECOND;
+        let rounds = 20_000u32;
+        let seen_longer = std::thread::scope(|scope| {
+            let racers: Vec<_> = (0..4u8)
+                .map(|_| {
+                    let store = &store;
+                    scope.spawn(move || {
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .build()
+                            .expect("runtime");
+                        let mut longer = Vec::new();
+                        for round in 0..rounds {
+                            let mut hash = [0u8; 32];
+                            // Words 0 and 1 pick the shard and the slot; vary both.
+                            hash[..4].copy_from_slice(&round.to_le_bytes());
+                            hash[8..12].copy_from_slice(&round.to_le_bytes());
+                            let key = RecordKey {
+                                tenant: "t".into(),
+                                hash,
+                            };
+                            let outcome = rt.block_on(store.claim(&claim_req(&key, lock_ttl)));
+                            if let Ok(ClaimOutcome::Existing(record)) = outcome {
+                                if let RecordState::InFlight { lock_remaining } = record.state {
+                                    if lock_remaining > lock_ttl {
+                                        longer.push(lock_remaining);
+                                    }
+                                }
+                            }
+                        }
+                        longer
+                    })
+                })
+                .collect();
+            racers
+                .into_iter()
+                .flat_map(|racer| racer.join().expect("racer"))
+                .collect::<Vec<_>>()
+        });
+        assert!(
+            seen_longer.is_empty(),
+            "locks past lock_ttl: {seen_longer:?}"
+        );
     }
 
     #[test]
