@@ -279,6 +279,9 @@ struct Claim<'a> {
     execution_id: u64,
     /// The claim was sent, plus `lock_ttl`: the store's lock lapses no earlier than this.
     lock_deadline: Instant,
+    /// The store's answer came back, plus `lock_ttl`: the lock has lapsed by then (a renewal
+    /// that failed may have landed, so it moves this on too). The completion retrier's bound.
+    lapses_by: Instant,
 }
 
 impl Claim<'_> {
@@ -433,6 +436,7 @@ impl Gate {
                         req: &claim_req,
                         execution_id,
                         lock_deadline: started + idem.lock_ttl,
+                        lapses_by: Instant::now() + idem.lock_ttl,
                     };
                     let outcome = if degraded {
                         Outcome::Degraded
@@ -973,6 +977,7 @@ impl Gate {
             execution_id: claim.execution_id,
             fingerprint: req.fingerprint,
             lock_deadline: tokio::time::Instant::from_std(claim.lock_deadline),
+            lapses_by: tokio::time::Instant::from_std(claim.lapses_by),
         };
         // Until the store answers, the completion is nowhere else: the retrier learns of it
         // only from a failed write. The guard dead-letters it if this future is dropped first.
@@ -1024,6 +1029,10 @@ impl Gate {
         let answer = claim.store.claim(claim.req).await;
         self.observe_store(StoreOp::Claim, started, answer.is_err());
         let record = key::hash_label(&claim.req.key.hash);
+        if !matches!(answer, Ok(ClaimOutcome::Existing(_))) {
+            // Renewed, or failed where the renewal may still have landed.
+            claim.lapses_by = Instant::now() + claim.req.lock_ttl;
+        }
         match answer {
             Ok(ClaimOutcome::Acquired { .. }) => {
                 claim.lock_deadline = started + claim.req.lock_ttl;

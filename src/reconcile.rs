@@ -527,6 +527,7 @@ mod tests {
             execution_id: 1000 + u64::from(n),
             fingerprint: [n; 32],
             lock_deadline: tokio::time::Instant::now(),
+            lapses_by: tokio::time::Instant::now(),
         }
     }
 

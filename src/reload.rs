@@ -6,7 +6,8 @@
 //! visible path, debounces bursts, ignores access events (reading the file fires them) but a
 //! writer's close, waits for that close before reading a file written in place, and a
 //! content-hash poll on a timer catches whatever the watcher misses (e.g. `subPath`-free mounts
-//! on filesystems without inotify), taking only a file untouched for [`CLOSE_WAIT`]. In-flight requests keep the generation they started with.
+//! on filesystems without inotify), taking only a file untouched for [`CLOSE_WAIT`] (or, its time in the future, read the same that
+//! long apart). In-flight requests keep the generation they started with.
 //! An edit refused for something outside the file (a name that does not resolve yet, a script
 //! version or TLS file not there yet) is tried again by the poll, so it goes live once that is
 //! fixed; the same bytes failing the same way are logged and counted once.
@@ -121,6 +122,9 @@ pub struct Reloader {
     /// The last file content that failed to load: the poll tries it again now and then (see
     /// [`RETRY_REFUSED_EVERY`]) but reports it again only when it fails another way.
     refused: Mutex<Option<Refused>>,
+    /// Bytes the poll found different from the running config's (their hash), and when it first
+    /// did: the same bytes [`CLOSE_WAIT`] later have settled, whatever the file's time says.
+    polled: Mutex<Option<(String, Instant)>>,
     /// Told about every swapped-in config.
     on_swap: Mutex<Vec<SwapHook>>,
 }
@@ -151,6 +155,7 @@ impl Reloader {
             lock: Mutex::new(()),
             loaded_at: AtomicU64::new(now_unix()),
             refused: Mutex::new(None),
+            polled: Mutex::new(None),
             on_swap: Mutex::new(Vec::new()),
         });
         metrics.pull_from(
@@ -409,15 +414,27 @@ impl Reloader {
         };
         // A file written to within CLOSE_WAIT may be in the middle of being written in place:
         // the poll leaves it to the watcher (which waits for its writer to close it) or to a
-        // later tick, and never catches half of it.
-        let settled = std::fs::metadata(&self.path)
-            .and_then(|m| m.modified())
-            // A time in the future (clock skew on a network filesystem) counts as settled.
-            .is_ok_and(|at| {
-                SystemTime::now()
-                    .duration_since(at)
-                    .map_or(true, |age| age >= CLOSE_WAIT)
-            });
+        // later tick, and never catches half of it. Untouched for CLOSE_WAIT by its time, or
+        // the same bytes CLOSE_WAIT after a poll first saw them: a time in the future (clock
+        // skew on a network filesystem) says nothing, and the bytes decide.
+        let steady = {
+            let mut polled = self.polled.lock();
+            match &*polled {
+                Some((seen, at)) if *seen == hash => at.elapsed() >= CLOSE_WAIT,
+                _ => {
+                    *polled = Some((hash.clone(), Instant::now()));
+                    false
+                }
+            }
+        };
+        let settled = steady
+            || std::fs::metadata(&self.path)
+                .and_then(|m| m.modified())
+                .is_ok_and(|at| {
+                    SystemTime::now()
+                        .duration_since(at)
+                        .is_ok_and(|age| age >= CLOSE_WAIT)
+                });
         if due && settled {
             let _ = self.reload("poll");
         }
@@ -809,6 +826,28 @@ routes:
         write_settled(&path, &text("2h"));
         reloader.reload_if_changed();
         assert_eq!(ttl(), Some(Duration::from_secs(7200)));
+
+        // Dated in the future (a network filesystem's clock ahead): that says nothing of the
+        // writer, so the poll waits until it has seen the same bytes for CLOSE_WAIT.
+        std::fs::write(&path, text("3h")).expect("edit");
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|file| file.set_modified(SystemTime::now() + Duration::from_secs(3600)))
+            .expect("set mtime");
+        reloader.reload_if_changed();
+        assert_eq!(
+            ttl(),
+            Some(Duration::from_secs(7200)),
+            "taken at first sight"
+        );
+        if let Some((_, at)) = reloader.polled.lock().as_mut() {
+            *at = Instant::now()
+                .checked_sub(CLOSE_WAIT)
+                .expect("the clock is past CLOSE_WAIT");
+        }
+        reloader.reload_if_changed();
+        assert_eq!(ttl(), Some(Duration::from_secs(3 * 3600)), "steady bytes");
     }
 
     #[test]

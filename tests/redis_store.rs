@@ -12,8 +12,8 @@ use common::redis::{RedisCluster, RedisSentinel, RedisServer};
 use idemgate::config::{RedisConfig, RedisTopology, ScriptsConfig};
 use idemgate::store::redis::ScriptsApplied;
 use idemgate::store::{
-    codec, conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
-    RecordStore, RedisStore, Scripts, StoreError, StoredResponse, WriteOutcome,
+    codec, conformance, ClaimOutcome, ClaimRequest, Completion, OwnerToken, Record, RecordKey,
+    RecordState, RecordStore, RedisStore, Scripts, StoreError, StoredResponse, WriteOutcome,
 };
 use redis::Value;
 
@@ -588,6 +588,33 @@ async fn malformed_records_are_corrupt_not_panics() {
     let err = store.get(&key).await.expect_err("wrong type");
     assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
     assert!(store.delete(&key).await.expect("delete"));
+}
+
+/// The lock's deadline is Redis's wall clock. Stepped back an hour after a claim (the record's
+/// deadline an hour further ahead is the same thing), a duplicate's claim still shows no more
+/// lock left than it takes itself: that is its 409's `Retry-After`.
+#[tokio::test]
+async fn a_lock_redis_s_clock_makes_look_longer_than_any_is_capped_at_the_claim_s() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    let key = fresh_key();
+    let first = claim_request(&key);
+    store.claim(&first).await.expect("claim");
+    let name = store.record_key(&key);
+    let l: String = server.cmd(&["HGET", &name, "l"]);
+    let an_hour_on = (l.parse::<u64>().expect("lock deadline") + 3_600_000).to_string();
+    let _: () = server.cmd(&["HSET", &name, "l", &an_hour_on]);
+    let duplicate = claim_request(&key);
+    match store.claim(&duplicate).await.expect("claim") {
+        ClaimOutcome::Existing(Record {
+            state: RecordState::InFlight { lock_remaining },
+            ..
+        }) => assert!(
+            lock_remaining <= duplicate.lock_ttl && lock_remaining > duplicate.lock_ttl / 2,
+            "{lock_remaining:?}"
+        ),
+        other => panic!("expected the record in flight, got {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

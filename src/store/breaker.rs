@@ -160,7 +160,12 @@ impl<S: RecordStore> Breaker<S> {
     }
 
     fn open(&self) {
-        *self.opened_at.lock() = Some(Instant::now());
+        {
+            // The clock read under the lock (an assignment reads its value before its place):
+            // the latest of racing failures stands, and the next probe never comes early.
+            let mut opened_at = self.opened_at.lock();
+            *opened_at = Some(Instant::now());
+        }
         // A failed probe re-opens the same outage; only a closed circuit opening counts, once
         // however many failures reach the threshold together.
         let was = self

@@ -886,9 +886,11 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
     /// From the claims this replica made and has not completed or released yet (a full
     /// pending map, 65,536 live claims, may miss one).
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
+        let pending = self.pending.lock();
+        // Read under the lock: a claim recorded meanwhile read the clock before it, so what is
+        // left of it never comes out longer than its lock (a Retry-After past `lock_ttl`).
         let now = Instant::now();
-        self.pending
-            .lock()
+        pending
             .map
             .iter()
             .filter(|((hash, _), p)| *hash == key.hash && p.deadline > now)
@@ -1687,6 +1689,7 @@ mod tests {
             execution_id: req.execution_id,
             fingerprint: req.fingerprint,
             lock_deadline: Instant::now() + req.lock_ttl,
+            lapses_by: Instant::now() + req.lock_ttl,
         };
         // Purged before its claim (an earlier use of the key): no bearing on this execution.
         let before = claim("t", 41);
@@ -1746,6 +1749,7 @@ mod tests {
             execution_id: req.execution_id,
             fingerprint: req.fingerprint,
             lock_deadline: Instant::now() + req.lock_ttl,
+            lapses_by: Instant::now() + req.lock_ttl,
         });
         for _ in 0..200 {
             if retrier.pending() == 0 {
@@ -1797,6 +1801,7 @@ mod tests {
                 execution_id: req.execution_id,
                 fingerprint: req.fingerprint,
                 lock_deadline: Instant::now(),
+                lapses_by: Instant::now(),
             });
         }
         for _ in 0..200 {

@@ -12,6 +12,10 @@
 //! primary that owns the key's slot is asked to load it: redis-rs's own recovery sends
 //! `SCRIPT LOAD` to every node and fails unless all answer. Lock lapse is decided
 //! by the Redis server's clock (`TIME` inside the scripts), so proxies with skewed clocks agree.
+//! That clock is a wall clock: stepped back (NTP, a failover to a replica whose clock is behind)
+//! a held lock would show more left than any lock is taken for, so a claim's answer caps it at
+//! the claim's `lock_ttl` (it becomes the 409's `Retry-After`); stepped forward, a lock lapses
+//! early by the step. Keep the Redis servers' clocks disciplined, as for any TTL.
 //!
 //! Failure handling: every operation is bounded by `connect_timeout + 2 × response_timeout`
 //! and then fails as [`StoreError::Unavailable`]. An operation whose connection turns out to be
@@ -1166,8 +1170,20 @@ impl RecordStore for RedisStore {
             itoa(millis(req.lock_ttl), lock),
             itoa(millis(req.ttl), life),
         ];
-        self.run(ScriptOp::Claim, &req.key, &args, parse_claim)
-            .await
+        let mut outcome = self
+            .run(ScriptOp::Claim, &req.key, &args, parse_claim)
+            .await?;
+        // Redis's clock stepped back makes a lock look longer than any is taken for (see the
+        // module docs). A lock taken under another `lock_ttl` (a config rolling out) shows at
+        // most this one's: a retry then comes early and is told again.
+        if let ClaimOutcome::Existing(Record {
+            state: RecordState::InFlight { lock_remaining },
+            ..
+        }) = &mut outcome
+        {
+            *lock_remaining = (*lock_remaining).min(req.lock_ttl);
+        }
+        Ok(outcome)
     }
 
     async fn complete(

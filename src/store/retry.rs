@@ -111,10 +111,15 @@ pub struct PendingCompletion {
     /// record restored from it (`idemgate --reconcile`) must carry so a changed retry still gets
     /// 422.
     pub fingerprint: Digest,
-    /// When the claim's lock lapses at the latest: the claim was sent, plus `lock_ttl` (the
-    /// store starts the lock when it takes the claim, so its deadline is no earlier). Until then
-    /// no other request can execute the key and the completion can still be stored.
+    /// When the claim's lock lapses at the earliest: the claim (or its last renewal) was sent,
+    /// plus `lock_ttl` (the store starts the lock when it takes the claim, so its deadline is
+    /// no earlier). Retries hurry to land before it, while the completion still surely wins.
     pub lock_deadline: Instant,
+    /// When the claim's lock has lapsed for sure: the store's answer to the claim (or to its
+    /// last renewal, or a renewal that failed but may have landed) came back, plus `lock_ttl`.
+    /// Until then no other request can execute the key, so a store back in time still takes
+    /// the completion: the retrier does not give up on it before.
+    pub lapses_by: Instant,
 }
 
 /// Counters exported as metrics.
@@ -253,7 +258,8 @@ struct DeadLetters {
     file: Arc<DeadLetterFile>,
 }
 
-/// What the writer thread is handed.
+/// What the writer thread is handed. Unboxed: dead letters are rare, and a flush rarer still.
+#[allow(clippy::large_enum_variant)]
 enum Letter {
     /// One line to write; pending until it is written.
     Line(LetterLine),
@@ -614,10 +620,10 @@ async fn run(
                         Refusal::Gone | Refusal::Unread => {}
                     }
                 }
-                // Given up only once the attempts are spent and the lock may have lapsed: until
-                // then nobody else can execute the key, so a store back in time still wins.
+                // Given up only once the attempts are spent and the lock has lapsed: until then
+                // nobody else can execute the key, so a store back in time still wins.
                 Written::Failed(e)
-                    if attempt + 1 >= options.attempts && Instant::now() >= job.lock_deadline =>
+                    if attempt + 1 >= options.attempts && Instant::now() >= job.lapses_by =>
                 {
                     let reason = format!("store failed: {e}");
                     give_up(&dead, &local, job, attempt + 1, &reason)
@@ -1093,6 +1099,7 @@ mod tests {
             // Lapsed already: only the attempt budget keeps it (tests that need a live lock
             // set their own).
             lock_deadline: Instant::now(),
+            lapses_by: Instant::now(),
         }
     }
 
@@ -1266,6 +1273,7 @@ mod tests {
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
         let mut job = claimed(store.as_ref(), 7).await;
         job.lock_deadline = Instant::now() + Duration::from_secs(2);
+        job.lapses_by = job.lock_deadline;
         // Down for far longer than three attempts take (about 70 ms), but not past the lock.
         store.set(Fault::Down);
         let (retrier, worker) =
@@ -1283,6 +1291,31 @@ mod tests {
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
         let record = store.get(&job.key).await.unwrap().unwrap();
         assert_eq!(record.state, RecordState::Completed(job.completion));
+        assert!(!dir.path().join("dead.jsonl").exists());
+    }
+
+    /// The lock's earliest lapse is no reason to give up: the claim's answer (or a renewal's
+    /// that failed but may have landed) can start the store's lock up to a round trip, or a
+    /// lock, later. Until the latest lapse nobody else can execute the key.
+    #[tokio::test]
+    async fn a_completion_is_retried_until_its_lock_has_lapsed_for_sure() {
+        tokio::time::pause();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        let mut job = claimed(store.as_ref(), 17).await;
+        // Sent long ago, answered late: the earliest lapse is past, the latest 2 s away.
+        job.lock_deadline = Instant::now();
+        job.lapses_by = Instant::now() + Duration::from_secs(2);
+        store.set(Fault::Down);
+        let (retrier, worker) =
+            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
+        tokio::spawn(worker);
+        retrier.submit(job.clone());
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(retrier.pending(), 1, "still retried, not dead-lettered");
+        store.set(Fault::None);
+        settle(&retrier).await;
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
         assert!(!dir.path().join("dead.jsonl").exists());
     }
 
@@ -1324,6 +1357,7 @@ mod tests {
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
         let mut job = claimed(store.as_ref(), 9).await;
         job.lock_deadline = Instant::now() + Duration::from_secs(30);
+        job.lapses_by = job.lock_deadline;
         store.set(Fault::Down);
         let (retrier, worker) =
             CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
@@ -1431,6 +1465,7 @@ mod tests {
         for n in 10..15 {
             let mut job = claimed(store.as_ref(), n).await;
             job.lock_deadline = Instant::now() + Duration::from_secs(60);
+            job.lapses_by = job.lock_deadline;
             jobs.push(job);
         }
         store.set(Fault::Down);
