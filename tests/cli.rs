@@ -327,13 +327,18 @@ async fn the_proxy_runs_without_transparent_huge_pages() {
 /// Reads a signal mask line (`SigIgn:`, `SigCgt:`) of a process and says whether it holds
 /// SIGHUP.
 fn sighup_in(pid: libc::pid_t, line: &str) -> bool {
+    signal_in(pid, line, libc::SIGHUP)
+}
+
+/// Whether `signal` is in the mask on the `line` (`SigIgn:`, `SigCgt:`, ...) of `pid`'s status.
+fn signal_in(pid: libc::pid_t, line: &str, signal: libc::c_int) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|status| {
             let mask = status.lines().find_map(|l| l.strip_prefix(line))?;
             u64::from_str_radix(mask.trim(), 16).ok()
         })
-        .is_some_and(|mask| mask & 1 << (libc::SIGHUP - 1) != 0)
+        .is_some_and(|mask| mask & 1 << (signal - 1) != 0)
 }
 
 /// Kills the process when the test ends, failed or not.
@@ -459,7 +464,14 @@ fn a_sigterm_while_starting_drains_and_exits_zero() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    std::thread::sleep(Duration::from_millis(50));
+    // And has caught SIGTERM (the first thing main does after ignoring SIGHUP).
+    while !signal_in(pid, "SigCgt:", libc::SIGTERM) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "SIGTERM never caught"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // SAFETY: kill(2) on the pid of a child this test spawned and has not reaped.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     std::thread::sleep(Duration::from_millis(100));

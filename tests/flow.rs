@@ -864,15 +864,24 @@ async fn client_disconnect_does_not_lose_the_outcome() {
     {
         let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
         s.write_all(&req.to_bytes()).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        backend.until_count(1).await;
         // Dropped: the client goes away while the backend is still working.
     }
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let retry = req.send(proxy.addr).await;
+    // Until the backend answers (500 ms) the retry is told the key is in flight; then the
+    // outcome stored after the client left is replayed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let retry = loop {
+        let retry = req.send(proxy.addr).await;
+        if retry.result() != Some("CONFLICT") || std::time::Instant::now() > deadline {
+            break retry;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(
         retry.result(),
         Some("HIT"),
-        "the outcome was stored after the client left"
+        "the outcome was stored after the client left: {}",
+        retry.text()
     );
     assert_eq!(backend.count(), 1);
 }

@@ -240,7 +240,7 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
     let replica = || {
         ProxyBuilder::new(&backend)
             .redis(&[redis.url()])
-            .idem("ttl: 2s")
+            .idem("ttl: 4s")
             .idem("lock_ttl: 1s")
             .upstream("connect_timeout: 100ms")
             .upstream("write_timeout: 100ms")
@@ -254,7 +254,7 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
     let first = req.send(a.addr).await;
     assert_eq!(first.result(), Some("MISS"));
     // Half the record's life later, B reads it from Redis once and keeps a copy.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let read = req.send(b.addr).await;
     assert_eq!((read.result(), &read.body), (Some("HIT"), &first.body));
     let before = redis.calls();
@@ -267,8 +267,10 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
         .key("copied-1")
         .json(r#"{"sku":"D"}"#);
     assert_eq!(changed.send(b.addr).await.status, 422);
-    // Only the INFO command itself was added: B answered from its copy.
-    assert_eq!(redis.calls(), before + 1, "B replayed without Redis");
+    // The INFO command itself, and at most a worker-id lease renewal of each replica's (one
+    // per 10 s), were added: B answered its eleven from its copy.
+    let added = redis.calls() - before;
+    assert!(added <= 3, "B replayed without Redis: {added} commands");
     let m = b.metrics().await;
     assert_eq!(
         common::metric(&m, "idemgate_local_cache_copies_total"),
@@ -281,7 +283,7 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
 
     // The copy lives no longer than the record in Redis (what was left of its life when B read
     // it, not a whole route ttl from then): once Redis has dropped the record, B executes again.
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(8);
     while !redis.keys().is_empty() {
         assert!(Instant::now() < deadline, "the record never expired");
         tokio::time::sleep(Duration::from_millis(20)).await;

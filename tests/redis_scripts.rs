@@ -771,13 +771,14 @@ async fn admin_scripts(proxy: &Proxy) -> serde_json::Value {
     serde_json::from_slice(&response.body).expect("json")
 }
 
-/// Waits until `check` holds for `/admin/scripts`; panics after 6 s.
+/// Waits until `check` holds for `/admin/scripts`; panics after 15 s (a script edit settles in
+/// about 4 s at worst on an idle machine: two readings 2 s apart, the second at the next poll).
 async fn admin_scripts_until(
     proxy: &Proxy,
     what: &str,
     check: impl Fn(&serde_json::Value) -> bool,
 ) -> serde_json::Value {
-    let deadline = Instant::now() + Duration::from_secs(6);
+    let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let status = admin_scripts(proxy).await;
         if check(&status) {

@@ -27,6 +27,20 @@ async fn proxy(backend: &RawBackend) -> Proxy {
         .await
 }
 
+/// [`proxy`] for backends that pause 400 ms between writes: reads wait 750 ms, so a pause
+/// overrun by a loaded machine is not a lost answer (connect and write shrink to keep the
+/// three under the 1 s lock).
+async fn patient_proxy(backend: &RawBackend) -> Proxy {
+    ProxyBuilder::at(backend.addr)
+        .threads(1)
+        .idem("lock_ttl: 1s")
+        .upstream("connect_timeout: 100ms")
+        .upstream("write_timeout: 100ms")
+        .upstream("read_timeout: 750ms")
+        .start()
+        .await
+}
+
 fn order(key: &str) -> Request {
     Request::post("/orders").key(key).json("{\"sku\":1}")
 }
@@ -623,7 +637,7 @@ async fn a_connection_idle_past_idle_timeout_is_not_reused() {
     let backend = RawBackend::start(vec![created("{}")]).await;
     let proxy = ProxyBuilder::at(backend.addr)
         .threads(1)
-        .upstream("idle_timeout: 300ms")
+        .upstream("idle_timeout: 1s")
         .start()
         .await;
     let first = Request::get("/plain/a").send(proxy.addr).await;
@@ -631,7 +645,7 @@ async fn a_connection_idle_past_idle_timeout_is_not_reused() {
     let soon = Request::get("/plain/b").send(proxy.addr).await;
     assert_eq!(soon.status, 201);
     assert_eq!(backend.connections(), 1, "reused within idle_timeout");
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let late = Request::get("/plain/c").send(proxy.addr).await;
     assert_eq!(late.status, 201);
     assert_eq!(
@@ -781,7 +795,7 @@ async fn a_response_still_streaming_as_the_lock_runs_out_is_never_executed_twice
         script.push(send(b"0123456789"));
     }
     let backend = RawBackend::start(script).await;
-    let proxy = proxy(&backend).await;
+    let proxy = patient_proxy(&backend).await;
     let addr = proxy.addr;
     let first = tokio::spawn(async move { order("slow-body").send(addr).await });
     tokio::time::sleep(Duration::from_millis(2200)).await;
@@ -814,7 +828,7 @@ async fn a_small_body_that_follows_its_head_across_the_lock_alarm_is_stored_repl
         send(b"0123456789"),
     ])
     .await;
-    let proxy = proxy(&backend).await;
+    let proxy = patient_proxy(&backend).await;
     let (first, again) = twice(&proxy, "head-before-alarm").await;
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     assert_eq!(first.body, b"0123456789");
@@ -925,7 +939,7 @@ async fn a_backend_still_answering_keeps_its_lock_renewed() {
     script.push(Step::Pause(Duration::from_millis(400)));
     script.push(created("{\"id\":\"slow\"}"));
     let backend = RawBackend::start(script).await;
-    let proxy = proxy(&backend).await;
+    let proxy = patient_proxy(&backend).await;
     let addr = proxy.addr;
     let first = tokio::spawn(async move { order("still-answering").send(addr).await });
     tokio::time::sleep(Duration::from_millis(1300)).await;

@@ -1432,11 +1432,11 @@ mod tests {
         let (shared, a, b) = two_replicas();
         let req = claim("t", 8);
         a.claim(&req).await.unwrap();
-        let life = Duration::from_millis(400);
+        let life = Duration::from_millis(1000);
         a.complete(&req.key, req.owner, response(b"a's"), life)
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
         let retry = |n: u8| ClaimRequest {
             owner: OwnerToken::random(),
             execution_id: u64::from(n),
@@ -1457,14 +1457,14 @@ mod tests {
                 assert_eq!(r.execution_id, 8);
                 assert!(r
                     .expires_in
-                    .is_some_and(|left| left <= Duration::from_millis(200)));
+                    .is_some_and(|left| left <= Duration::from_millis(500)));
             }
             other => panic!("expected B's copy, got {other:?}"),
         }
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls, "no round trip");
         assert_eq!(b.stats().hits.load(Ordering::Relaxed), 1);
         // The copy goes when the shared record does, not a route ttl after B read it.
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
         assert!(b.cached(&req.key).is_none(), "the copy outlived the record");
     }
 

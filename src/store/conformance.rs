@@ -331,10 +331,16 @@ pub async fn case_lapsed_lock_is_taken_over_and_fenced<S: RecordStore>(store: &A
 /// over until the renewed lock lapses. The proxy renews a lock this way while it still waits
 /// for the backend's answer.
 pub async fn case_owner_reclaim_renews_the_lock<S: RecordStore>(store: &Arc<S>) {
+    // A lock of its own: renewed late in its first life, so the second look can come well
+    // within the renewed one (400 ms of slack for a loaded machine) and still past the first.
+    let lock = Duration::from_millis(600);
     let key = fresh_key();
-    let first = request(&key, fingerprint(1));
+    let first = ClaimRequest {
+        lock_ttl: lock,
+        ..request(&key, fingerprint(1))
+    };
     ok(store.claim(&first).await);
-    tokio::time::sleep(LOCK_TTL * 2 / 3).await;
+    tokio::time::sleep(lock * 3 / 4).await;
     let renewal = ClaimRequest {
         execution_id: rand::random(),
         ..first.clone()
@@ -346,8 +352,11 @@ pub async fn case_owner_reclaim_renews_the_lock<S: RecordStore>(store: &Arc<S>) 
         }
     );
     // Past the first lock's end, within the renewed one.
-    tokio::time::sleep(LOCK_TTL * 2 / 3).await;
-    let other = request(&key, fingerprint(1));
+    tokio::time::sleep(lock / 3).await;
+    let other = ClaimRequest {
+        lock_ttl: lock,
+        ..request(&key, fingerprint(1))
+    };
     match ok(store.claim(&other).await) {
         ClaimOutcome::Existing(Record {
             state: RecordState::InFlight { lock_remaining },
@@ -471,7 +480,8 @@ pub async fn case_reclaim_extends_record_life<S: RecordStore>(store: &Arc<S>) {
     let first = short(&key);
     ok(store.claim(&first).await);
     ok(store.release(&key, first.owner).await);
-    tokio::time::sleep(SHORT_TTL * 2 / 3).await;
+    // Half its life: as much slack for the re-claim as for the look past the first expiry.
+    tokio::time::sleep(SHORT_TTL / 2).await;
 
     let second = short(&key);
     assert_eq!(
@@ -480,7 +490,7 @@ pub async fn case_reclaim_extends_record_life<S: RecordStore>(store: &Arc<S>) {
             execution_id: first.execution_id
         }
     );
-    // Past the first claim's expiry, well within the second's.
+    // Past the first claim's expiry (sleeps only overrun), within the second's.
     tokio::time::sleep(SHORT_TTL / 2).await;
     let record = ok(store.get(&key).await).expect("re-claimed record expired under its owner");
     assert!(matches!(record.state, RecordState::InFlight { .. }));

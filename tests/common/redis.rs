@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 
 use redis::{FromRedisValue, Value};
 
-/// Redis Cluster puts its bus on port + 10000, so data ports stay below this.
-const HIGHEST_PORT: u16 = 55_000;
+/// Data ports are 20000 up to this, bus ports (Redis Cluster's, port + 10000) 30000 up to
+/// this + 10000: both below the kernel's ephemeral range (32768-60999 by default), so no
+/// outgoing connection of a concurrent test can take one between its probe and the bind.
+const HIGHEST_PORT: u16 = 22_768;
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The command rights of the least-privilege ACL user on a single server, as documented in
@@ -30,12 +32,20 @@ pub const SCRIPT_RIGHTS: [&str; 10] = [
     "+time",
 ];
 
-/// A loopback port that is free now (and, for cluster use, whose bus port is too).
+/// Ports this test process has handed out for Redis: never twice, so two servers started at
+/// once (or one on a port another test keeps free to start a server on later) never share one.
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A loopback port that is free now (and, for cluster use, whose bus port is too), and that
+/// this process has not handed out before.
 pub fn free_redis_port() -> u16 {
-    for _ in 0..1000 {
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..10_000 {
         let port = 20_000 + (rand::random::<u16>() % (HIGHEST_PORT - 20_000));
         let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if free(port) && free(port + 10_000) {
+        if !handed_out.contains(&port) && free(port) && free(port + 10_000) {
+            handed_out.insert(port);
             return port;
         }
     }
