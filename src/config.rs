@@ -668,7 +668,7 @@ struct FileScripts {
 struct FileCanary {
     version: String,
     percent: i64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "tenants_list")]
     tenants: Vec<String>,
     #[serde(default = "default_max_error_rate")]
     max_error_rate: f64,
@@ -682,7 +682,7 @@ struct FileCanary {
 #[serde(deny_unknown_fields)]
 struct FileRoute {
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "methods_list")]
     methods: Vec<String>,
     path_prefix: String,
     upstream: String,
@@ -699,8 +699,11 @@ struct FileRouteIdempotency {
     on_in_flight: OnInFlight,
     wait_timeout: Scalar,
     fingerprint: FileFingerprint,
+    #[serde(deserialize_with = "scope_headers_list")]
     scope_headers: Vec<String>,
+    #[serde(deserialize_with = "cache_statuses_list")]
     cache_statuses: Vec<Scalar>,
+    #[serde(deserialize_with = "replay_exclude_headers_list")]
     replay_exclude_headers: Vec<String>,
     max_request_bytes: Scalar,
     max_response_bytes: Scalar,
@@ -710,6 +713,7 @@ struct FileRouteIdempotency {
 #[serde(deny_unknown_fields, default)]
 struct FileFingerprint {
     body: bool,
+    #[serde(deserialize_with = "headers_list")]
     headers: Vec<String>,
 }
 
@@ -933,6 +937,44 @@ where
     T: Deserialize<'de> + Default,
 {
     Option::<T>::deserialize(deserializer).map(|block| Some(block.unwrap_or_default()))
+}
+
+/// A list that is present says what it lists: `scope_headers:` with every entry commented out
+/// is YAML null, and reading that as `[]` would silently drop what the default gives
+/// (principal scoping, `Set-Cookie` kept out of replays, the stored statuses, one method).
+/// `[]` says "none"; a key left out takes the default.
+fn explicit_list<'de, D, T>(deserializer: D, field: &str) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<Vec<T>>::deserialize(deserializer)?.ok_or_else(|| {
+        de::Error::custom(format_args!(
+            "{field}: an empty value: write [] for none, or leave the key out for its default"
+        ))
+    })
+}
+
+/// [`explicit_list`] for one field, named in its error (serde's path stops at the block).
+macro_rules! explicit_list_of {
+    ($($fn_name:ident => $field:literal),* $(,)?) => {$(
+        fn $fn_name<'de, D, T>(deserializer: D) -> Result<Vec<T>, D::Error>
+        where
+            D: Deserializer<'de>,
+            T: Deserialize<'de>,
+        {
+            explicit_list(deserializer, $field)
+        }
+    )*};
+}
+
+explicit_list_of! {
+    methods_list => "methods",
+    scope_headers_list => "scope_headers",
+    cache_statuses_list => "cache_statuses",
+    replay_exclude_headers_list => "replay_exclude_headers",
+    headers_list => "headers",
+    tenants_list => "tenants",
 }
 
 // === impl Scalar ===
@@ -1315,10 +1357,11 @@ impl FileConfig {
             return Err(invalid("upstreams", "at least one upstream is required"));
         }
         // BTreeMap iteration is sorted by name, which `upstream_index` relies on.
+        let ours = [("listen", listen), ("admin.listen", admin.listen)];
         let upstreams = self
             .upstreams
             .into_iter()
-            .map(|(name, upstream)| upstream.into_config(name, lookup))
+            .map(|(name, upstream)| upstream.into_config(name, lookup, &ours))
             .collect::<Result<Vec<_>, _>>()?;
 
         let default_upstream =
@@ -1341,6 +1384,28 @@ impl FileConfig {
                     format!("routes[{i}].name"),
                     format!("duplicate route name {:?} (also routes[{k}])", route.name),
                 ));
+            }
+            // The first route that matches takes a request: an idempotent route below one that
+            // takes every path it covers, for a method it lists, would never see that method,
+            // and its requests would go on unprotected (or under the other route's settings).
+            if route.idempotency.is_some() {
+                let shadow = routes.iter().enumerate().find(|(_, earlier)| {
+                    prefix_matches(&earlier.path_prefix, &route.path_prefix)
+                        && (earlier.methods.is_empty()
+                            || route.methods.is_empty()
+                            || earlier.methods.iter().any(|m| route.methods.contains(m)))
+                });
+                if let Some((k, earlier)) = shadow {
+                    return Err(invalid(
+                        format!("routes[{i}].path_prefix"),
+                        format!(
+                            "never reached: routes[{k}] ({:?}, path_prefix {:?}) comes first and \
+                             takes every request under {:?} for a method both list; put this \
+                             route before it",
+                            earlier.name, earlier.path_prefix, route.path_prefix
+                        ),
+                    ));
+                }
             }
             routes.push(route);
         }
@@ -1367,7 +1432,12 @@ impl FileConfig {
 }
 
 impl FileUpstream {
-    fn into_config(self, name: String, lookup: Lookup) -> Result<UpstreamConfig, ConfigError> {
+    fn into_config(
+        self,
+        name: String,
+        lookup: Lookup,
+        ours: &[(&str, SocketAddr)],
+    ) -> Result<UpstreamConfig, ConfigError> {
         if name.is_empty() {
             return Err(invalid("upstreams", "upstream names must not be empty"));
         }
@@ -1379,7 +1449,7 @@ impl FileUpstream {
             ));
         }
         for (j, addr) in self.addrs.iter().enumerate() {
-            resolves(format!("{base}.addrs[{j}]"), addr, lookup)?;
+            resolves(format!("{base}.addrs[{j}]"), addr, lookup, ours)?;
         }
         Ok(UpstreamConfig {
             connect_timeout: positive_duration(
@@ -2271,6 +2341,13 @@ impl FileRoute {
         if self.name.trim().is_empty() {
             return Err(invalid(format!("{base}.name"), "must not be empty"));
         }
+        // `orders` and `orders ` would be two routes that look the same in every metric and log.
+        if self.name.trim() != self.name {
+            return Err(invalid(
+                format!("{base}.name"),
+                "must not start or end with white space",
+            ));
+        }
         // The metrics' `route` label for requests no route matched.
         if self.name == "-" {
             return Err(invalid(
@@ -2472,20 +2549,52 @@ fn int_in_range<T: TryFrom<i64>>(
     T::try_from(value).map_err(|_| invalid(field, format!("{value} is out of range")))
 }
 
-fn resolves(field: String, addr: &str, lookup: Lookup) -> Result<(), ConfigError> {
-    if lookup == Lookup::Offline {
-        return offline_address(addr).map_err(|message| invalid(field, message));
+/// Checks that an upstream address resolves, and that none of what it resolves to is port 0
+/// or one of idemgate's own listeners (`ours`): forwarding there loops requests back into the
+/// proxy, or hands the admin API to whoever may send through it.
+fn resolves(
+    field: String,
+    addr: &str,
+    lookup: Lookup,
+    ours: &[(&str, SocketAddr)],
+) -> Result<(), ConfigError> {
+    let resolved: Vec<SocketAddr> = if lookup == Lookup::Offline {
+        offline_address(addr).map_err(|message| invalid(field.clone(), message))?;
+        addr.parse().into_iter().collect()
+    } else {
+        match addr.to_socket_addrs() {
+            Ok(resolved) => resolved.collect(),
+            Err(e) => {
+                return Err(invalid(
+                    field,
+                    format!("cannot resolve {addr:?} as host:port: {e}"),
+                ))
+            }
+        }
+    };
+    if lookup == Lookup::System && resolved.is_empty() {
+        return Err(invalid(field, format!("{addr:?} resolves to no address")));
     }
-    match addr.to_socket_addrs() {
-        Ok(mut resolved) => match resolved.next() {
-            Some(_) => Ok(()),
-            None => Err(invalid(field, format!("{addr:?} resolves to no address"))),
-        },
-        Err(e) => Err(invalid(
-            field,
-            format!("cannot resolve {addr:?} as host:port: {e}"),
-        )),
+    for to in resolved {
+        if to.port() == 0 {
+            return Err(invalid(field, "port 0 is no address to connect to"));
+        }
+        if let Some((key, listener)) = ours.iter().find(|(_, l)| reaches_listener(to, *l)) {
+            return Err(invalid(
+                field,
+                format!("{to} is idemgate's own {key} ({listener}): requests would loop back"),
+            ));
+        }
     }
+    Ok(())
+}
+
+/// Whether connecting to `to` reaches this host's listener `listener`.
+fn reaches_listener(to: SocketAddr, listener: SocketAddr) -> bool {
+    to.port() == listener.port()
+        && (to.ip() == listener.ip()
+            || (listener.ip().is_unspecified()
+                && (to.ip().is_loopback() || to.ip().is_unspecified())))
 }
 
 /// How upstream addresses are checked while a config is validated.
@@ -3214,6 +3323,97 @@ routes:
             config.routes[0].idempotency,
             load(MINIMAL).routes[0].idempotency
         );
+    }
+
+    #[test]
+    fn a_list_left_empty_is_refused_not_read_as_none() {
+        // Every entry commented out: YAML null, not `[]`.
+        for (field, yaml) in [
+            (
+                "idempotency: scope_headers",
+                "scope_headers:\n#  - Authorization\n",
+            ),
+            ("idempotency: cache_statuses", "cache_statuses:\n"),
+            (
+                "idempotency: replay_exclude_headers",
+                "replay_exclude_headers:\n",
+            ),
+            (
+                "idempotency.fingerprint: headers",
+                "fingerprint:\n  headers:\n",
+            ),
+        ] {
+            let e = load_err(&with_route_idempotency(yaml)).to_string();
+            assert!(
+                e.contains(&format!("routes[0].{field}: an empty value")) && e.contains("write []"),
+                "{field}: {e}"
+            );
+        }
+        let e = load_err(
+            "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n  - name: r\n    methods:\n    path_prefix: /\n    upstream: a\n",
+        )
+        .to_string();
+        assert!(e.contains("routes[0]: methods: an empty value"), "{e}");
+        // `[]` still says "none".
+        let config = load(&with_route_idempotency("scope_headers: []\n"));
+        let idem = config.routes[0].idempotency.as_ref().expect("idempotent");
+        assert!(idem.scope_headers.is_empty());
+    }
+
+    #[test]
+    fn an_idempotent_route_an_earlier_route_hides_is_refused() {
+        let config = |routes: &str| {
+            format!("upstreams: {{a: {{addrs: [\"127.0.0.1:1\"]}}}}\nroutes:\n{routes}")
+        };
+        for routes in [
+            // A catch-all first.
+            "  - {name: all, path_prefix: /, upstream: a}\n  - {name: orders, methods: [POST], path_prefix: /orders, upstream: a, idempotency: {}}\n",
+            // The same prefix and method.
+            "  - {name: one, methods: [POST], path_prefix: /orders, upstream: a}\n  - {name: two, methods: [POST, PUT], path_prefix: /orders, upstream: a, idempotency: {}}\n",
+            // A wider prefix taking POST, an idempotent route for every method below it.
+            "  - {name: posts, methods: [POST], path_prefix: /, upstream: a}\n  - {name: orders, path_prefix: /orders/, upstream: a, idempotency: {}}\n",
+        ] {
+            let e = load_err(&config(routes)).to_string();
+            assert!(
+                e.contains("routes[1].path_prefix") && e.contains("never reached"),
+                "{routes}: {e}"
+            );
+        }
+        // A plain route carving an exception out of a wider idempotent one, other methods, a
+        // narrower path, or `/orders` below `/orders/`: every one is reached.
+        for routes in [
+            "  - {name: search, methods: [POST], path_prefix: /orders/search, upstream: a}\n  - {name: orders, methods: [POST], path_prefix: /, upstream: a, idempotency: {}}\n",
+            "  - {name: reads, methods: [GET], path_prefix: /, upstream: a}\n  - {name: orders, methods: [POST], path_prefix: /orders, upstream: a, idempotency: {}}\n",
+            "  - {name: below, path_prefix: /orders/, upstream: a}\n  - {name: orders, path_prefix: /orders, upstream: a, idempotency: {}}\n",
+        ] {
+            load(&config(routes));
+        }
+    }
+
+    #[test]
+    fn an_upstream_that_is_idemgate_itself_or_port_0_is_refused() {
+        let config = |addr: &str| {
+            format!(
+                "listen: \"0.0.0.0:6180\"\nadmin: {{listen: \"127.0.0.1:6181\"}}\n\
+                 upstreams: {{a: {{addrs: [\"127.0.0.1:8080\", \"{addr}\"]}}}}\nroutes: []\n"
+            )
+        };
+        for (addr, says) in [
+            ("127.0.0.1:6180", "own listen"),
+            ("0.0.0.0:6180", "own listen"),
+            ("127.0.0.1:6181", "own admin.listen"),
+            ("localhost:6181", "own admin.listen"),
+            ("127.0.0.1:0", "port 0"),
+        ] {
+            let e = load_err(&config(addr)).to_string();
+            assert!(
+                e.contains("upstreams.a.addrs[1]") && e.contains(says),
+                "{addr}: {e}"
+            );
+        }
+        // Another host on the proxy's port, or this host on another port, is an upstream.
+        load(&config("10.1.2.3:6180"));
+        load(&config("127.0.0.1:6182"));
     }
 
     #[test]
@@ -4104,6 +4304,12 @@ routes:
         assert_field(
             &format!("{base}  - {{name: \"-\", path_prefix: /, upstream: a}}\n"),
             "routes[0].name",
+        );
+        assert_field(
+            &format!(
+                "{base}  - {{name: r, path_prefix: /x, upstream: a}}\n  - {{name: \"r \", path_prefix: /y, upstream: a}}\n"
+            ),
+            "routes[1].name",
         );
         let message = assert_field(
             &format!(

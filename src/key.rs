@@ -167,7 +167,9 @@ pub fn record_hash(
 
 /// Fingerprint: SHA-256 over method, path-and-query (raw bytes as received), the values of
 /// `fingerprint_headers` (each name and all its values, absent distinguished from empty), and
-/// the body when `Some`; length-prefixed parts.
+/// the body when `Some`; length-prefixed parts. A header the request's `Connection` header
+/// names (`hidden`) is not forwarded, so it counts as absent: the fingerprint is of the
+/// request the backend sees.
 ///
 /// `body: None` (body not fingerprinted) and `Some(b"")` (an empty body) hash differently, so
 /// changing `fingerprint.body` in the config never makes an old record look like a match.
@@ -176,13 +178,14 @@ pub fn fingerprint(
     path_and_query: &[u8],
     headers: &http::HeaderMap,
     fingerprint_headers: &[http::HeaderName],
+    hidden: &[&[u8]],
     body: Option<&[u8]>,
 ) -> Digest {
     let mut h = Sha256::new();
     put_part(&mut h, b"idemgate/fingerprint/v1");
     put_part(&mut h, method.as_str().as_bytes());
     put_part(&mut h, path_and_query);
-    put_headers(&mut h, headers, fingerprint_headers);
+    put_headers_except(&mut h, headers, fingerprint_headers, hidden);
     match body {
         None => h.update([0u8]),
         Some(body) => {
@@ -352,9 +355,26 @@ fn put_part(h: &mut Sha256, bytes: &[u8]) {
 /// Hashes the configured headers: the count of names, then per name the name, the count of its
 /// values (0 = absent, so absent differs from one empty value) and each value in received order.
 fn put_headers(h: &mut Sha256, headers: &http::HeaderMap, names: &[http::HeaderName]) {
+    put_headers_except(h, headers, names, &[]);
+}
+
+/// [`put_headers`], with the headers named in `hidden` counted as absent.
+fn put_headers_except(
+    h: &mut Sha256,
+    headers: &http::HeaderMap,
+    names: &[http::HeaderName],
+    hidden: &[&[u8]],
+) {
     put_len(h, names.len());
     for name in names {
         put_part(h, name.as_str().as_bytes());
+        if hidden
+            .iter()
+            .any(|hidden| hidden.eq_ignore_ascii_case(name.as_str().as_bytes()))
+        {
+            put_len(h, 0);
+            continue;
+        }
         let values = headers.get_all(name);
         put_len(h, values.iter().count());
         for value in values {
@@ -650,7 +670,7 @@ mod tests {
         let names = vec![HeaderName::from_static("content-type")];
         let json = with(&[("content-type", "application/json")]);
         let fp = |method: &Method, pq: &str, headers: &HeaderMap, body: Option<&[u8]>| {
-            fingerprint(method, pq.as_bytes(), headers, &names, body)
+            fingerprint(method, pq.as_bytes(), headers, &names, &[], body)
         };
         let base = fp(&Method::POST, "/orders?x=1", &json, Some(b"{}"));
 
@@ -695,7 +715,7 @@ mod tests {
         let none = HeaderMap::new();
         assert_ne!(
             record_hash("", &none, &[], ""),
-            fingerprint(&Method::GET, b"", &none, &[], None)
+            fingerprint(&Method::GET, b"", &none, &[], &[], None)
         );
     }
 

@@ -60,12 +60,41 @@ const SECRET_DUMPING_TARGETS: [&str; 4] =
 /// pingora's server loop for plain HTTP apps: the admin listener's.
 const ADMIN_SERVER_LOOP: &str = "pingora_core::apps::http_app";
 
-fn init_logging() {
+/// The log settings from the environment: `IDEMGATE_LOG` (a tracing filter; unset or empty:
+/// `info`) and `IDEMGATE_LOG_FORMAT` (`json` or `text`; unset or empty: text). A filter that
+/// does not parse, or another format, is an error naming the variable: taken silently for
+/// `info`, a typo would hide the debug output asked for, and an empty filter once turned off
+/// every line, errors and the access log included.
+fn log_settings() -> Result<(tracing_subscriber::EnvFilter, bool), String> {
+    let var = |name: &str| match std::env::var(name) {
+        Ok(v) if v.trim().is_empty() => Ok(None),
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{name}: not UTF-8")),
+    };
+    let filter = match var("IDEMGATE_LOG")? {
+        None => tracing_subscriber::EnvFilter::new("info"),
+        Some(v) => tracing_subscriber::EnvFilter::try_new(&v)
+            .map_err(|e| format!("IDEMGATE_LOG: {v:?} is not a log filter: {e}"))?,
+    };
+    let json = match var("IDEMGATE_LOG_FORMAT")? {
+        None => false,
+        Some(v) if v.eq_ignore_ascii_case("json") => true,
+        Some(v) if v.eq_ignore_ascii_case("text") => false,
+        Some(v) => {
+            return Err(format!(
+                "IDEMGATE_LOG_FORMAT: {v:?} is neither json nor text"
+            ))
+        }
+    };
+    Ok((filter, json))
+}
+
+fn init_logging(filter: tracing_subscriber::EnvFilter, json: bool) {
     use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::fmt;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
-    use tracing_subscriber::{fmt, EnvFilter};
-    let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     // At debug and trace these crates dump raw requests and commands (keys, `Authorization`,
     // bodies): whatever level is asked for, they stop at info. A second filter, so it only ever
     // lowers what `IDEMGATE_LOG` enables (a directive in the EnvFilter would also raise it).
@@ -86,7 +115,6 @@ fn init_logging() {
         .clone();
     // Colour codes only for a person at a terminal, never into files or log collectors.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     idemgate::accesslog::install(writer.clone(), json);
     writer.set_json(json);
     let builder = fmt()
@@ -197,6 +225,10 @@ fn main() -> ExitCode {
             eprintln!("idemgate: {e}");
             return ExitCode::from(1);
         }
+        if let Err(e) = log_settings() {
+            eprintln!("idemgate: {e}");
+            return ExitCode::from(1);
+        }
         for warning in config.warnings() {
             eprintln!("idemgate: warning: {warning}");
         }
@@ -212,7 +244,13 @@ fn main() -> ExitCode {
         }
         return reconcile(&config, dead_letters, cli.apply);
     }
-    init_logging();
+    match log_settings() {
+        Ok((filter, json)) => init_logging(filter, json),
+        Err(e) => {
+            eprintln!("idemgate: {e}");
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    }
     match idemgate::server::run(cli.config.clone(), config, flush_logs) {
         Ok(()) => ExitCode::SUCCESS,
         // Said on stderr already; the status tells a supervisor.

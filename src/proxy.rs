@@ -378,11 +378,18 @@ impl Gate {
             Err(p) => return self.refuse(session, p).await,
         };
         let req = session.req_header();
+        // Headers `Connection` names are not forwarded: the fingerprint leaves them out too, so
+        // hiding one from the backend is a changed request, not a replay of one that had it.
+        let hidden = match idem.fingerprint_headers.is_empty() {
+            true => Vec::new(),
+            false => upstream::connection_tokens(req.headers.get_all(header::CONNECTION)),
+        };
         let fingerprint = key::fingerprint(
             &req.method,
             req.raw_path(),
             &req.headers,
             &idem.fingerprint_headers,
+            &hidden,
             idem.fingerprint_body.then_some(&body[..]),
         );
 

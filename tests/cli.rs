@@ -178,6 +178,39 @@ fn an_address_that_cannot_be_listened_on_stops_the_start_naming_its_key() {
 }
 
 #[test]
+fn log_settings_that_are_no_settings_are_refused_by_check_and_run() {
+    let reference = concat!(env!("CARGO_MANIFEST_DIR"), "/config/idemgate.yaml");
+    let check = |env: (&str, &str)| {
+        let out = idemgate()
+            .args(["--config", reference, "--check"])
+            .env(env.0, env.1)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for bad in [
+        ("IDEMGATE_LOG", "idemgate=verbose"),
+        ("IDEMGATE_LOG_FORMAT", "jsonl"),
+    ] {
+        let (code, err) = check(bad);
+        assert_eq!(code, Some(1), "{bad:?}: {err}");
+        assert!(err.contains(bad.0), "{err}");
+    }
+    // Empty is unset: the default.
+    for empty in [("IDEMGATE_LOG", ""), ("IDEMGATE_LOG_FORMAT", "")] {
+        assert_eq!(check(empty).0, Some(0), "{empty:?}");
+    }
+    let (a, b) = common::proxy::free_port_pair();
+    let yaml = minimal_config(&format!("127.0.0.1:{a}"), &format!("127.0.0.1:{b}"));
+    let (code, err) = run_to_exit(&yaml, &[("IDEMGATE_LOG", "warn,idemgate::access=of")]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("IDEMGATE_LOG"), "{err}");
+}
+
+#[test]
 fn a_worker_id_from_the_environment_that_is_no_id_stops_the_start() {
     let (a, b) = common::proxy::free_port_pair();
     let yaml = minimal_config(&format!("127.0.0.1:{a}"), &format!("127.0.0.1:{b}"));

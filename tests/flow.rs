@@ -246,6 +246,12 @@ async fn changed_payload_path_or_query_is_422() {
             .key("k422")
             .header("X-Currency", "USD")
             .json(r#"{"a":1}"#),
+        // The same header, named in `Connection`: the backend would not see it.
+        Request::post("/orders")
+            .key("k422")
+            .header("X-Currency", "EUR")
+            .header("Connection", "keep-alive, X-Currency")
+            .json(r#"{"a":1}"#),
     ];
     for req in changes {
         let resp = req.send(proxy.addr).await;
