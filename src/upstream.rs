@@ -599,6 +599,13 @@ impl Exchange {
             }
             self.keep_alive = parsed.keep_alive && !self.request_cut;
             self.framing = if head_request || status == 204 || status == 304 {
+                // A body its head declares but the answer must not have (a HEAD answered by a
+                // GET handler that writes it anyway): bytes of it arriving after this read
+                // would be the next request's "answer" on a reused connection, so it is not
+                // reused. Rare in API traffic; a correct `Content-Length: 0` costs nothing.
+                if parsed.declares_body {
+                    self.keep_alive = false;
+                }
                 Framing::Done
             } else {
                 parsed.framing
@@ -689,6 +696,8 @@ struct ParsedHead {
     header: ResponseHeader,
     framing: Framing,
     keep_alive: bool,
+    /// A `Transfer-Encoding`, or a `Content-Length` above zero.
+    declares_body: bool,
 }
 
 /// Parses a response head at the start of `buf` and removes it, or `None` if incomplete.
@@ -744,10 +753,16 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     // answer is closed unless it asks to stay open.
     let (mut saw_close, mut saw_keep_alive) = (false, false);
     let mut connection_named: Vec<Bytes> = Vec::new();
+    // Whether `Content-Length` came as one plain number: `5, 5`, two lines of it or `05` agree
+    // with themselves but strict clients refuse them, so the client gets the one length instead.
+    let (mut length_lines, mut length_plain) = (0, true);
     for &(n, nl, v, vl) in &fields {
         let name = &head[n..n + nl];
         let value = &head[v..v + vl];
         if name.eq_ignore_ascii_case(b"content-length") {
+            length_lines += 1;
+            length_plain &=
+                !value.contains(&b',') && (value.len() == 1 || value.first() != Some(&b'0'));
             for part in value.split(|&b| b == b',') {
                 let part = part.trim_ascii();
                 let parsed = std::str::from_utf8(part)
@@ -789,7 +804,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             || connection_named
                 .iter()
                 .any(|c| name.eq_ignore_ascii_case(c))
-            || (transfer_encoding && name.eq_ignore_ascii_case(b"content-length"));
+            || ((transfer_encoding || length_lines > 1 || !length_plain)
+                && name.eq_ignore_ascii_case(b"content-length"));
         if hop {
             continue;
         }
@@ -816,6 +832,13 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             .append_header(head.slice(n..n + nl), value)
             .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
     }
+    if let (false, Some(len), true) = (transfer_encoding, length, length_lines > 1 || !length_plain)
+    {
+        let value = HeaderValue::from(len);
+        header
+            .append_header(http::header::CONTENT_LENGTH, value)
+            .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
+    }
     let framing = if transfer_encoding {
         if chunked {
             Framing::Chunked(ChunkState::Size)
@@ -834,6 +857,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     // transfer codings (RFC 9112 §6.1): either way, do not trust the connection after it.
     let keep_alive = !(close || transfer_encoding && (length.is_some() || version == 0));
     Ok(Some(ParsedHead {
+        declares_body: transfer_encoding || length.is_some_and(|l| l > 0),
         header,
         framing,
         keep_alive,
