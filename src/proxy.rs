@@ -420,6 +420,13 @@ impl Gate {
                     if !matches!(record.state, RecordState::Released) {
                         store = local.as_ref();
                         degraded = true;
+                    } else if record.fingerprint != claim_req.fingerprint {
+                        // Released there (a 5xx during the outage): the store, back, knows
+                        // nothing of it, but the key still runs only for the same request...
+                        return self.refuse(session, Problem::FingerprintMismatch).await;
+                    } else {
+                        // ...and under the id the backend already saw.
+                        claim_req.execution_id = record.execution_id;
                     }
                 }
             }
@@ -679,12 +686,16 @@ impl Gate {
                         Ok(head) => break head,
                         Err(_) => match self.renew(c).await {
                             Renewal::Renewed => next = c.alarm(),
-                            // A store that failed once may answer the next try: keep trying
-                            // while the lock still holds.
-                            Renewal::Failed if Instant::now() < c.lock_deadline => {
+                            // A store that failed once may answer the next try: keep trying,
+                            // past the lock's deadline too. The backend may still be running,
+                            // and a renewal that lands before anyone else claims the key takes
+                            // the lapsed lock back (the stores treat the owner's claim as one),
+                            // so a retry after the outage is told to wait instead of running
+                            // the key beside it.
+                            Renewal::Failed => {
                                 next = Instant::now() + renewal_pause(c.lock_deadline);
                             }
-                            Renewal::Failed | Renewal::TakenOver => break head.await,
+                            Renewal::TakenOver => break head.await,
                         },
                     }
                 }
@@ -718,6 +729,9 @@ impl Gate {
 
         let mut downstream = response;
         downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
+        // A backend's own (a framework with idempotency keys of its own, a gateway behind)
+        // would call this fresh execution a replay.
+        downstream.remove_header(REPLAYED_HEADER);
 
         // The last bytes of the response (and the header, until a body chunk follows it) are held
         // back until the record is stored or released: a client that has the whole response and
@@ -768,6 +782,10 @@ impl Gate {
                                 let limit =
                                     now + c.lock_deadline.saturating_duration_since(now) / 2;
                                 let renewal = upstream::until(limit, self.renew(c)).await;
+                                if renewal.is_err() {
+                                    // Given up on, it may still land and start a lock then.
+                                    c.lapses_by = c.lapses_by.max(Instant::now() + c.req.lock_ttl);
+                                }
                                 if matches!(renewal, Ok(Renewal::Renewed)) {
                                     continue;
                                 }
@@ -1052,7 +1070,7 @@ impl Gate {
                 Renewal::TakenOver
             }
             Err(e) => {
-                tracing::warn!(%record, error = %e, "renewing the lock failed; trying again while it holds");
+                tracing::warn!(%record, error = %e, "renewing the lock failed; trying again");
                 Renewal::Failed
             }
         }
@@ -1159,9 +1177,13 @@ enum Renewal {
 }
 
 /// The pause before trying a failed renewal again: a quarter of what is left of the lock,
-/// between 50 ms and 1 s, so a store back within the lock's life is tried in time.
+/// between 50 ms and 1 s, so a store back within the lock's life is tried in time; past the
+/// lock's deadline, 250 ms, so a store back takes the lapsed lock back before a retry does.
 fn renewal_pause(lock_deadline: Instant) -> Duration {
     let left = lock_deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Duration::from_millis(250);
+    }
     (left / 4).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 

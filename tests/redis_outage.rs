@@ -663,6 +663,72 @@ async fn an_unprotected_execution_that_fails_is_marked_degraded() {
     assert_eq!(r.result(), Some("DEGRADED"));
 }
 
+/// A backend still sending `102 Processing` when an outage outlasts the lock: renewals go on
+/// past the lock's deadline, and the first that reaches Redis again takes the lapsed lock back
+/// before a retry can claim it, so the retry is told to wait instead of running the key beside
+/// the first execution.
+#[tokio::test]
+async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_the_key_again() {
+    use common::rawbackend::{RawBackend, Step};
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let mut script = Vec::new();
+    for _ in 0..10 {
+        script.push(Step::Send(b"HTTP/1.1 102 Processing\r\n\r\n".to_vec()));
+        script.push(Step::Pause(Duration::from_secs(1)));
+    }
+    script.push(Step::Send(
+        b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}".to_vec(),
+    ));
+    let backend = RawBackend::start(script).await;
+    // The lock (4 s) is renewed from 3 s on; Redis is cut off from 2.5 s to 6 s.
+    let proxy = ProxyBuilder::at(backend.addr)
+        .redis(&[link.redis_url()])
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 200ms")
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 300ms")
+        .upstream("read_timeout: 2s")
+        .idem("lock_ttl: 4s")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("past-the-lock").body("{}");
+    let first = req.spawn_send(proxy.addr);
+    let started = Instant::now();
+    while backend.count() < 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never forwarded"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    link.set(Fault::Reset);
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    link.set(Fault::Pass);
+    // Until the circuit lets calls through again a retry gets 503; then it must get 409.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let retry = loop {
+        let r = req.send(proxy.addr).await;
+        if r.status != 503 || started.elapsed() > Duration::from_secs(9) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (retry.status, retry.result()),
+        (409, Some("CONFLICT")),
+        "{}\n{}",
+        retry.text(),
+        proxy.log()
+    );
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(backend.count(), 1, "the key ran once");
+    let m = proxy.metrics().await;
+    assert!(metric(&m, "idemgate_lock_renewals_total") >= 2.0, "{m}");
+}
+
 #[tokio::test]
 async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
     let redis = RedisServer::start();
@@ -1064,6 +1130,49 @@ async fn a_key_run_on_the_local_fallback_is_replayed_not_run_again_once_redis_is
     assert_eq!(purged["deleted_from_fallback"], true, "{purged}");
     let fresh = req.send(proxy.addr).await;
     assert_eq!(fresh.result(), Some("MISS"), "{}", fresh.text());
+}
+
+/// A key released on the fallback during an outage (a 5xx) runs again once Redis is back, as a
+/// released key does: only for the same request (422 otherwise), and under the execution id
+/// the backend already saw.
+#[tokio::test]
+async fn a_key_released_on_the_local_fallback_keeps_its_id_and_its_fingerprint_once_redis_is_back()
+{
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = local_policy_proxy(&backend, redis.port).await;
+    redis.kill();
+    let req = Request::post("/orders/status/503")
+        .key("released-in-outage")
+        .body("{\"sku\":1}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!((first.status, first.result()), (503, Some("DEGRADED")));
+
+    redis.restart();
+    until_redis_answers(&proxy).await;
+    let changed = Request::post("/orders/status/503")
+        .key("released-in-outage")
+        .body("{\"sku\":2}");
+    let refused = changed.send(proxy.addr).await;
+    assert_eq!(
+        (refused.status, refused.result()),
+        (422, Some("MISMATCH")),
+        "{}",
+        refused.text()
+    );
+    let again = req.send(proxy.addr).await;
+    assert_eq!(again.status, 503, "{}", again.text());
+    let ids: Vec<_> = backend
+        .executions()
+        .into_iter()
+        .filter(|e| e.path == "/orders/status/503")
+        .map(|e| e.execution_id)
+        .collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(
+        ids[0].is_some() && ids[0] == ids[1],
+        "one id for the key: {ids:?}"
+    );
 }
 
 #[tokio::test]

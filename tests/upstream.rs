@@ -579,6 +579,28 @@ async fn head_requests_and_bodiless_statuses_end_without_a_body() {
     assert_eq!(backend.connections(), 1);
 }
 
+/// `Idempotent-Replayed` is idemgate's to say on a keyed route: a backend's own does not reach
+/// the client of a fresh execution, and a replay carries idemgate's one.
+#[tokio::test]
+async fn a_backend_s_idempotent_replayed_header_does_not_reach_a_fresh_execution() {
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 201 Created\r\nIdempotent-Replayed: true\r\nContent-Length: 2\r\n\r\n{}",
+    )])
+    .await;
+    let proxy = proxy(&backend).await;
+    let (first, again) = twice(&proxy, "replayed-header").await;
+    assert_eq!(first.result(), Some("MISS"));
+    assert!(
+        first.headers_named("idempotent-replayed").is_empty(),
+        "{first:?}"
+    );
+    assert_eq!(again.result(), Some("HIT"));
+    assert_eq!(
+        again.headers_named("idempotent-replayed"),
+        vec![&b"true"[..]]
+    );
+}
+
 /// A `Content-Length` that agrees with itself but is not one plain number (`2, 2`, two lines,
 /// `02`) reaches the client as the one length: strict clients refuse the others.
 #[tokio::test]
