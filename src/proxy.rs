@@ -44,6 +44,11 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// Header carrying the execution id to the backend.
 pub const EXECUTION_ID_HEADER: &str = "x-idempotency-id";
 
+/// How long, and how much of a request body, a refusal written before the body was read waits
+/// for and drops before closing the connection (see [`linger`]).
+const LINGER_TIME: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 16 << 20;
+
 /// A config and the upstream pools built from it: swapped as one, so a request sees one version.
 pub struct Generation {
     /// The validated config.
@@ -1279,13 +1284,43 @@ async fn write_problem(
     if let Some(secs) = problem.retry_after_secs() {
         resp.insert_header(header::RETRY_AFTER, secs)?;
     }
-    if !session.is_body_done() {
+    let unread = !session.is_body_done();
+    if unread {
         // The body was not (fully) read: the connection cannot carry another request.
         session.set_keepalive(None);
     }
     session.write_response_header(Box::new(resp), false).await?;
     session.write_response_body(Some(body), true).await?;
+    if unread && !matches!(problem, Problem::RequestTimeout) {
+        linger(session).await;
+    }
     Ok(())
+}
+
+/// Reads and drops what the client still sends of a request body that a refusal came before
+/// (a 413 from the declared length, a bad key, no route), for [`LINGER_TIME`] and
+/// [`LINGER_BYTES`] at most, so the close that follows finds nothing unread. Closed with bytes
+/// unread, the connection is reset: a client still sending fails its upload (`EPIPE`,
+/// `ECONNRESET`) before it reads the 413 or 400 that says why (what nginx's lingering close
+/// avoids). A client slow to send (a 408) is not waited for, nor
+/// one that asked to be invited (`Expect: 100-continue`): told no, it sends nothing more.
+async fn linger(session: &mut Session) {
+    let invited_only = session
+        .req_header()
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if invited_only {
+        return;
+    }
+    let deadline = Instant::now() + LINGER_TIME;
+    let mut left = LINGER_BYTES;
+    while !session.is_body_done() {
+        match upstream::until(deadline, session.read_request_body()).await {
+            Ok(Ok(Some(chunk))) if chunk.len() < left => left -= chunk.len(),
+            _ => break,
+        }
+    }
 }
 
 /// Whether the request target is one routes can be matched against: origin-form (`/orders`),

@@ -444,28 +444,11 @@ impl Reloader {
         &self,
         tx: mpsc::UnboundedSender<FileEvent>,
     ) -> notify::Result<notify::RecommendedWatcher> {
-        use notify::event::{AccessKind, AccessMode, ModifyKind};
         let file_name = self.path.file_name().map(|n| n.to_os_string());
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
                 let Ok(event) = event else { return };
-                let names = || event.paths.iter().map(|p| p.file_name());
-                let the_file = names().any(|n| n == file_name.as_deref());
-                let relevant = the_file
-                    || names().any(|n| n.is_some_and(|n| n.to_string_lossy().starts_with("..")));
-                let kind = match event.kind {
-                    // A writer done with the file. Other access events are ignored: reading the
-                    // file fires them, and reloading on them would loop forever.
-                    EventKind::Access(AccessKind::Close(AccessMode::Write)) if the_file => {
-                        FileEvent::Closed
-                    }
-                    EventKind::Access(_) | EventKind::Other => return,
-                    EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) if the_file => {
-                        FileEvent::Written
-                    }
-                    _ => FileEvent::Changed,
-                };
-                if relevant {
+                if let Some(kind) = file_event(&event, file_name.as_deref()) {
                     let _ = tx.send(kind);
                 }
             })?;
@@ -478,6 +461,25 @@ impl Reloader {
         watcher.watch(&dir, RecursiveMode::NonRecursive)?;
         Ok(watcher)
     }
+}
+
+/// What a watcher event on the config's directory says of the config file `file_name`: `None`
+/// for an event about another file, or one that reports a read. Reading the file (as every
+/// reload does) fires access events, and reloading on them would loop forever.
+fn file_event(event: &notify::Event, file_name: Option<&std::ffi::OsStr>) -> Option<FileEvent> {
+    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    let names = || event.paths.iter().map(|p| p.file_name());
+    let the_file = names().any(|n| n == file_name);
+    let relevant =
+        the_file || names().any(|n| n.is_some_and(|n| n.to_string_lossy().starts_with("..")));
+    let kind = match event.kind {
+        // A writer done with the file.
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) if the_file => FileEvent::Closed,
+        EventKind::Access(_) | EventKind::Other => return None,
+        EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) if the_file => FileEvent::Written,
+        _ => FileEvent::Changed,
+    };
+    relevant.then_some(kind)
 }
 
 /// Names the settings read only at start-up that `new` changes, and gives them back their
@@ -794,6 +796,69 @@ routes:
                 .checked_sub(RETRY_REFUSED_EVERY)
                 .expect("the clock is past the backoff");
         }
+    }
+
+    #[test]
+    fn reads_of_the_config_are_no_changes_and_writes_renames_and_swaps_are() {
+        use notify::event::{
+            AccessKind, AccessMode, CreateKind, DataChange, ModifyKind, RemoveKind, RenameMode,
+        };
+        let event = |kind: EventKind, name: &str| {
+            notify::Event::new(kind).add_path(PathBuf::from("/etc/idemgate").join(name))
+        };
+        let of = |kind: EventKind, name: &str| {
+            file_event(
+                &event(kind, name),
+                Some(std::ffi::OsStr::new("idemgate.yaml")),
+            )
+        };
+        let reads = [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Read),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Other,
+        ];
+        for kind in reads {
+            assert_eq!(of(kind, "idemgate.yaml"), None, "{kind:?}");
+        }
+        assert_eq!(
+            of(
+                EventKind::Access(AccessKind::Close(AccessMode::Write)),
+                "idemgate.yaml"
+            ),
+            Some(FileEvent::Closed)
+        );
+        assert_eq!(
+            of(
+                EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+                "idemgate.yaml"
+            ),
+            Some(FileEvent::Written)
+        );
+        assert_eq!(
+            of(EventKind::Create(CreateKind::File), "idemgate.yaml"),
+            Some(FileEvent::Changed)
+        );
+        assert_eq!(
+            of(EventKind::Remove(RemoveKind::File), "idemgate.yaml"),
+            Some(FileEvent::Changed)
+        );
+        // A ConfigMap's `..data` swap, seen only on the hidden names.
+        assert_eq!(
+            of(
+                EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+                "..data"
+            ),
+            Some(FileEvent::Changed)
+        );
+        // Another file in the directory.
+        assert_eq!(
+            of(
+                EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+                "other.yaml"
+            ),
+            None
+        );
     }
 
     #[test]

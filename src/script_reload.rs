@@ -174,18 +174,21 @@ fn read_versions(settings: &ScriptsConfig) -> Reading {
         .collect()
 }
 
+/// Whether a watcher event may be a change to the scripts: anything but a read. Reading the
+/// scripts (as every check does) fires access events; reacting to them would loop forever.
+fn signals_a_change(kind: &EventKind) -> bool {
+    !matches!(kind, EventKind::Access(_) | EventKind::Other)
+}
+
 /// A recursive watch on `dir` that signals every change but reads (access events).
 fn start_watcher(
     dir: &Path,
     tx: mpsc::UnboundedSender<()>,
 ) -> notify::Result<notify::RecommendedWatcher> {
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        let Ok(event) = event else { return };
-        // Reading the scripts fires access events; reacting to them would loop forever.
-        if matches!(event.kind, EventKind::Access(_) | EventKind::Other) {
-            return;
+        if event.is_ok_and(|event| signals_a_change(&event.kind)) {
+            let _ = tx.send(());
         }
-        let _ = tx.send(());
     })?;
     watcher.watch(dir, RecursiveMode::Recursive)?;
     Ok(watcher)
@@ -196,6 +199,25 @@ mod tests {
     use super::*;
     use crate::config::CanaryConfig;
     use crate::scripts::SCRIPT_NAMES;
+
+    #[test]
+    fn reads_of_the_scripts_signal_nothing_and_writes_do() {
+        use notify::event::{AccessKind, AccessMode, CreateKind, DataChange, ModifyKind};
+        for read in [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Read),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Other,
+        ] {
+            assert!(!signals_a_change(&read), "{read:?}");
+        }
+        for change in [
+            EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+            EventKind::Create(CreateKind::File),
+        ] {
+            assert!(signals_a_change(&change), "{change:?}");
+        }
+    }
 
     #[test]
     fn an_edit_counts_once_two_readings_agree_far_enough_apart() {

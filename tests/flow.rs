@@ -1033,6 +1033,28 @@ async fn sigquit_drains_as_sigterm_does() {
     drains_on("QUIT").await;
 }
 
+/// SIGINT is the fast stop: no drain, the request in flight is cut off, and the process exits
+/// 0 at once rather than when that request would have finished.
+#[tokio::test]
+async fn sigint_stops_at_once_without_a_drain() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let inflight = slow_order(&proxy, 8000, "interrupted");
+    backend.until_count(1).await;
+    proxy.signal("INT");
+    let started = std::time::Instant::now();
+    let (status, proxy) = exit_of(proxy).await;
+    let status = status.expect("exited");
+    assert!(status.success(), "exit status {status:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "waited for the request in flight: {:?}\n{}",
+        started.elapsed(),
+        proxy.log()
+    );
+    inflight.abort();
+}
+
 #[tokio::test]
 async fn a_drain_that_runs_out_says_which_requests_it_cuts_off() {
     let backend = Backend::start().await;

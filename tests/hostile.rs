@@ -161,6 +161,46 @@ async fn proxy(backend: &Backend) -> Proxy {
         .await
 }
 
+/// A body refused by its declared length (413) while the client is still sending it: the
+/// proxy reads and drops the rest before it closes, so the client reads its 413 and then the
+/// end of the connection, not a reset that can overtake the answer.
+#[tokio::test]
+async fn a_refused_upload_still_being_sent_is_answered_and_closed_not_reset() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = proxy(&backend).await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let body_len = 8 << 20;
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: big\r\n\
+         Content-Length: {body_len}\r\n\r\n"
+    );
+    // The whole upload first, as a client that reads its answer only once it has sent its
+    // request does: a reset while it sends fails its writes and throws away the answer.
+    let sent: std::io::Result<()> = async {
+        stream.write_all(head.as_bytes()).await?;
+        let chunk = vec![b'x'; 64 << 10];
+        for _ in 0..body_len / chunk.len() {
+            stream.write_all(&chunk).await?;
+        }
+        Ok(())
+    }
+    .await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut got))
+        .await
+        .expect("the proxy closed the connection");
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        sent.is_ok(),
+        "the upload was cut off: {sent:?}; then read {read:?}: {text}"
+    );
+    assert!(read.is_ok(), "the connection was reset: {read:?}: {text}");
+    assert!(text.starts_with("HTTP/1.1 413 "), "{text}");
+    assert!(text.contains("/problems/request-too-large\""), "{text}");
+    assert_eq!(backend.count(), 0);
+}
+
 #[tokio::test]
 async fn every_bad_input_gets_its_answer_and_nothing_is_stored() {
     let backend = Backend::start().await;
