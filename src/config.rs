@@ -512,6 +512,7 @@ struct FileConfig {
     idempotency: FileIdempotency,
     #[serde(default)]
     store: FileStore,
+    #[serde(deserialize_with = "routes_list")]
     routes: Vec<FileRoute>,
 }
 
@@ -975,6 +976,7 @@ explicit_list_of! {
     replay_exclude_headers_list => "replay_exclude_headers",
     headers_list => "headers",
     tenants_list => "tenants",
+    routes_list => "routes",
 }
 
 // === impl Scalar ===
@@ -1172,6 +1174,28 @@ impl Config {
             (None, None) => RouteMatch::NoRoute,
         }
     }
+}
+
+/// The methods other than GET, HEAD, OPTIONS and TRACE that a route listing `later` takes and
+/// an earlier one listing `earlier` takes first (an empty list: every method), for a message:
+/// `POST`, `POST, PUT`, or `every method but GET, HEAD, OPTIONS and TRACE`. Empty when none.
+fn hidden_unsafe_methods(earlier: &[Method], later: &[Method]) -> String {
+    let safe = |m: &Method| {
+        matches!(
+            *m,
+            Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+        )
+    };
+    match (earlier.is_empty(), later.is_empty()) {
+        (true, true) => "every method but GET, HEAD, OPTIONS and TRACE".to_owned(),
+        (true, false) => names(later.iter().filter(|m| !safe(m))),
+        (false, true) => names(earlier.iter().filter(|m| !safe(m))),
+        (false, false) => names(earlier.iter().filter(|m| !safe(m) && later.contains(m))),
+    }
+}
+
+fn names<'a>(methods: impl Iterator<Item = &'a Method>) -> String {
+    methods.map(Method::as_str).collect::<Vec<_>>().join(", ")
 }
 
 /// `/orders` matches `/orders` and `/orders/1` but not `/ordersx`; `/orders/` matches only below.
@@ -1386,22 +1410,24 @@ impl FileConfig {
                 ));
             }
             // The first route that matches takes a request: an idempotent route below one that
-            // takes every path it covers, for a method it lists, would never see that method,
-            // and its requests would go on unprotected (or under the other route's settings).
+            // takes every path it covers, for a method it lists, never sees that method, and
+            // those requests go on unprotected (or under the other route's settings). An
+            // earlier route that takes only safe methods (reads kept free of keys) is fine.
             if route.idempotency.is_some() {
-                let shadow = routes.iter().enumerate().find(|(_, earlier)| {
-                    prefix_matches(&earlier.path_prefix, &route.path_prefix)
-                        && (earlier.methods.is_empty()
-                            || route.methods.is_empty()
-                            || earlier.methods.iter().any(|m| route.methods.contains(m)))
+                let shadow = routes.iter().enumerate().find_map(|(k, earlier)| {
+                    if !prefix_matches(&earlier.path_prefix, &route.path_prefix) {
+                        return None;
+                    }
+                    let hidden = hidden_unsafe_methods(&earlier.methods, &route.methods);
+                    (!hidden.is_empty()).then_some((k, earlier, hidden))
                 });
-                if let Some((k, earlier)) = shadow {
+                if let Some((k, earlier, hidden)) = shadow {
                     return Err(invalid(
                         format!("routes[{i}].path_prefix"),
                         format!(
-                            "never reached: routes[{k}] ({:?}, path_prefix {:?}) comes first and \
-                             takes every request under {:?} for a method both list; put this \
-                             route before it",
+                            "never reached for {hidden}: routes[{k}] ({:?}, path_prefix {:?}) \
+                             comes first and takes every such request under {:?}; put this \
+                             route before it, or narrow that one's methods",
                             earlier.name, earlier.path_prefix, route.path_prefix
                         ),
                     ));
@@ -2560,6 +2586,9 @@ fn resolves(
 ) -> Result<(), ConfigError> {
     let resolved: Vec<SocketAddr> = if lookup == Lookup::Offline {
         offline_address(addr).map_err(|message| invalid(field.clone(), message))?;
+        if addr.rsplit_once(':').is_some_and(|(_, port)| port == "0") {
+            return Err(invalid(field, "port 0 is no address to connect to"));
+        }
         addr.parse().into_iter().collect()
     } else {
         match addr.to_socket_addrs() {
@@ -2589,12 +2618,19 @@ fn resolves(
     Ok(())
 }
 
-/// Whether connecting to `to` reaches this host's listener `listener`.
+/// Whether connecting to `to` reaches this host's listener `listener`: the same address, or a
+/// loopback or wildcard one (which connects to this host) on a listener that takes it — a
+/// wildcard listener takes its own family's (an IPv6 one both, as Linux binds it by default),
+/// a loopback listener its family's wildcard.
 fn reaches_listener(to: SocketAddr, listener: SocketAddr) -> bool {
+    let local = |ip: std::net::IpAddr| ip.is_loopback() || ip.is_unspecified();
     to.port() == listener.port()
         && (to.ip() == listener.ip()
-            || (listener.ip().is_unspecified()
-                && (to.ip().is_loopback() || to.ip().is_unspecified())))
+            || (local(to.ip())
+                && ((listener.ip().is_unspecified() && (listener.is_ipv6() || to.is_ipv4()))
+                    || (listener.ip().is_loopback()
+                        && to.ip().is_unspecified()
+                        && to.is_ipv4() == listener.is_ipv4()))))
 }
 
 /// How upstream addresses are checked while a config is validated.
@@ -3354,6 +3390,8 @@ routes:
         )
         .to_string();
         assert!(e.contains("routes[0]: methods: an empty value"), "{e}");
+        let e = load_err("upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n").to_string();
+        assert!(e.contains("routes: an empty value"), "{e}");
         // `[]` still says "none".
         let config = load(&with_route_idempotency("scope_headers: []\n"));
         let idem = config.routes[0].idempotency.as_ref().expect("idempotent");
@@ -3375,7 +3413,8 @@ routes:
         ] {
             let e = load_err(&config(routes)).to_string();
             assert!(
-                e.contains("routes[1].path_prefix") && e.contains("never reached"),
+                e.contains("routes[1].path_prefix") && e.contains("never reached for ")
+                    && e.contains("POST"),
                 "{routes}: {e}"
             );
         }
@@ -3385,6 +3424,8 @@ routes:
             "  - {name: search, methods: [POST], path_prefix: /orders/search, upstream: a}\n  - {name: orders, methods: [POST], path_prefix: /, upstream: a, idempotency: {}}\n",
             "  - {name: reads, methods: [GET], path_prefix: /, upstream: a}\n  - {name: orders, methods: [POST], path_prefix: /orders, upstream: a, idempotency: {}}\n",
             "  - {name: below, path_prefix: /orders/, upstream: a}\n  - {name: orders, path_prefix: /orders, upstream: a, idempotency: {}}\n",
+            // Reads kept free of keys ahead of an idempotent route for every method.
+            "  - {name: reads, methods: [GET, HEAD], path_prefix: /, upstream: a}\n  - {name: api, path_prefix: /api, upstream: a, idempotency: {}}\n",
         ] {
             load(&config(routes));
         }
@@ -3411,9 +3452,18 @@ routes:
                 "{addr}: {e}"
             );
         }
-        // Another host on the proxy's port, or this host on another port, is an upstream.
+        // Another host on the proxy's port, this host on another port, or IPv6 loopback on
+        // the port of a listener that takes IPv4 only, is an upstream.
         load(&config("10.1.2.3:6180"));
         load(&config("127.0.0.1:6182"));
+        load(&config("[::1]:6180"));
+        // The wildcard address connects to this host, and to a loopback listener.
+        let e = load_err(
+            "listen: \"127.0.0.1:6190\"\nadmin: {listen: \"127.0.0.1:6191\"}\n\
+             upstreams: {a: {addrs: [\"0.0.0.0:6190\"]}}\nroutes: []\n",
+        )
+        .to_string();
+        assert!(e.contains("own listen"), "{e}");
     }
 
     #[test]

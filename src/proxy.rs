@@ -1302,15 +1302,19 @@ async fn write_problem(
 /// [`LINGER_BYTES`] at most, so the close that follows finds nothing unread. Closed with bytes
 /// unread, the connection is reset: a client still sending fails its upload (`EPIPE`,
 /// `ECONNRESET`) before it reads the 413 or 400 that says why (what nginx's lingering close
-/// avoids). A client slow to send (a 408) is not waited for, nor
-/// one that asked to be invited (`Expect: 100-continue`): told no, it sends nothing more.
+/// avoids). A client slow to send (a 408) is not waited for, nor one that asked to be invited
+/// (`Expect: 100-continue`) and has sent nothing: told no, it sends nothing more.
 async fn linger(session: &mut Session) {
-    let invited_only = session
-        .req_header()
-        .headers
-        .get(header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    if invited_only {
+    // Waiting to be invited: nothing of the body came (an HTTP/1.0 client, which knows no
+    // interim answers, sends it unasked).
+    let req = session.req_header();
+    let uninvited = req.version >= http::Version::HTTP_11
+        && req
+            .headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+        && session.body_bytes_read() == 0;
+    if uninvited {
         return;
     }
     let deadline = Instant::now() + LINGER_TIME;

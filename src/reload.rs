@@ -401,6 +401,7 @@ impl Reloader {
         // Same formula as `Config::source_hash`: hex SHA-256 of the file's bytes.
         let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&text));
         if hash == self.current.load().config.source_hash {
+            *self.polled.lock() = None;
             // A refused edit put back to the running bytes (the watcher missed it): the file
             // is fine again, and the failure gauge must not stay at 0 for good.
             if self.refused.lock().is_some() {
@@ -436,6 +437,8 @@ impl Reloader {
                         .is_ok_and(|age| age >= CLOSE_WAIT)
                 });
         if due && settled {
+            // Whatever the outcome, later bytes are judged from a sighting of their own.
+            *self.polled.lock() = None;
             let _ = self.reload("poll");
         }
     }

@@ -599,11 +599,11 @@ impl Exchange {
             }
             self.keep_alive = parsed.keep_alive && !self.request_cut;
             self.framing = if head_request || status == 204 || status == 304 {
-                // A body its head declares but the answer must not have (a HEAD answered by a
-                // GET handler that writes it anyway): bytes of it arriving after this read
-                // would be the next request's "answer" on a reused connection, so it is not
-                // reused. Rare in API traffic; a correct `Content-Length: 0` costs nothing.
-                if parsed.declares_body {
+                // A 204 that declares a body breaks its own rule (a HEAD's or a 304's length
+                // is the body a GET would have had, and correct): one that sends the body
+                // anyway, after this read, would hand it to the next request on a reused
+                // connection as its "answer", so it is not reused.
+                if status == 204 && parsed.declares_body {
                     self.keep_alive = false;
                 }
                 Framing::Done

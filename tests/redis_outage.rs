@@ -706,15 +706,13 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     link.set(Fault::Reset);
     tokio::time::sleep(Duration::from_millis(3500)).await;
     link.set(Fault::Pass);
-    // Until the circuit lets calls through again a retry gets 503; then it must get 409.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let retry = loop {
-        let r = req.send(proxy.addr).await;
-        if r.status != 503 || started.elapsed() > Duration::from_secs(9) {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    // The renewal that gets through first takes the lapsed lock back. (A retry that reached
+    // Redis before it would claim the lapsed key: renewing past the deadline narrows that
+    // race to the renewal pause, it does not close it.)
+    proxy
+        .metrics_containing("idemgate_lock_renewals_total 1")
+        .await;
+    let retry = req.send(proxy.addr).await;
     assert_eq!(
         (retry.status, retry.result()),
         (409, Some("CONFLICT")),
@@ -725,8 +723,6 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     assert_eq!(backend.count(), 1, "the key ran once");
-    let m = proxy.metrics().await;
-    assert!(metric(&m, "idemgate_lock_renewals_total") >= 2.0, "{m}");
 }
 
 #[tokio::test]

@@ -267,10 +267,9 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
         .key("copied-1")
         .json(r#"{"sku":"D"}"#);
     assert_eq!(changed.send(b.addr).await.status, 422);
-    // The INFO command itself, and at most a worker-id lease renewal of each replica's (one
-    // per 10 s), were added: B answered its eleven from its copy.
-    let added = redis.calls() - before;
-    assert!(added <= 3, "B replayed without Redis: {added} commands");
+    // Only the INFO command itself was added: B answered from its copy. (The harness gives
+    // each proxy a fixed worker id, so no lease renewal comes in between.)
+    assert_eq!(redis.calls(), before + 1, "B replayed without Redis");
     let m = b.metrics().await;
     assert_eq!(
         common::metric(&m, "idemgate_local_cache_copies_total"),
