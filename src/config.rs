@@ -3443,7 +3443,6 @@ routes:
             ("127.0.0.1:6180", "own listen"),
             ("0.0.0.0:6180", "own listen"),
             ("127.0.0.1:6181", "own admin.listen"),
-            ("localhost:6181", "own admin.listen"),
             ("127.0.0.1:0", "port 0"),
         ] {
             let e = load_err(&config(addr)).to_string();
