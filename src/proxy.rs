@@ -385,9 +385,10 @@ impl Gate {
         let req = session.req_header();
         // Headers `Connection` names are not forwarded: the fingerprint leaves them out too, so
         // hiding one from the backend is a changed request, not a replay of one that had it.
-        let hidden = match idem.fingerprint_headers.is_empty() {
-            true => Vec::new(),
-            false => upstream::connection_tokens(req.headers.get_all(header::CONNECTION)),
+        let hidden = if idem.fingerprint_headers.is_empty() {
+            Vec::new()
+        } else {
+            upstream::connection_tokens(req.headers.get_all(header::CONNECTION))
         };
         let fingerprint = key::fingerprint(
             &req.method,
@@ -442,7 +443,7 @@ impl Gate {
             let started = Instant::now();
             let deadline = *deadline.get_or_insert(started + idem.wait_timeout);
             let answer = store.claim(&claim_req).await;
-            self.observe_store(StoreOp::Claim, started, answer.is_err());
+            let answered = self.observe_store(StoreOp::Claim, started, answer.is_err());
             let existing = match answer {
                 Ok(ClaimOutcome::Acquired { execution_id }) => {
                     // A re-claimed record keeps its earlier execution id, which the backend is
@@ -455,7 +456,7 @@ impl Gate {
                         req: &claim_req,
                         execution_id,
                         lock_deadline: started + idem.lock_ttl,
-                        lapses_by: Instant::now() + idem.lock_ttl,
+                        lapses_by: answered + idem.lock_ttl,
                     };
                     let outcome = if degraded {
                         Outcome::Degraded
@@ -1057,11 +1058,11 @@ impl Gate {
     async fn renew(&self, claim: &mut Claim<'_>) -> Renewal {
         let started = Instant::now();
         let answer = claim.store.claim(claim.req).await;
-        self.observe_store(StoreOp::Claim, started, answer.is_err());
+        let answered = self.observe_store(StoreOp::Claim, started, answer.is_err());
         let record = key::hash_label(&claim.req.key.hash);
         if !matches!(answer, Ok(ClaimOutcome::Existing(_))) {
             // Renewed, or failed where the renewal may still have landed.
-            claim.lapses_by = Instant::now() + claim.req.lock_ttl;
+            claim.lapses_by = answered + claim.req.lock_ttl;
         }
         match answer {
             Ok(ClaimOutcome::Acquired { .. }) => {
@@ -1107,12 +1108,17 @@ impl Gate {
         }
     }
 
-    fn observe_store(&self, op: StoreOp, started: Instant, failed: bool) {
+    /// Counts a store operation that began at `started` and ended now; returns now (when the
+    /// store's answer came).
+    fn observe_store(&self, op: StoreOp, started: Instant, failed: bool) -> Instant {
+        let answered = Instant::now();
         let h = &self.store_ops[op as usize];
-        h.duration.observe(started.elapsed().as_secs_f64());
+        h.duration
+            .observe(answered.saturating_duration_since(started).as_secs_f64());
         if failed {
             h.errors.inc();
         }
+        answered
     }
 
     /// Writes a replay: `head` (from [`replay_head`]), then the stored body unless the request
