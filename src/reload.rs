@@ -122,9 +122,9 @@ pub struct Reloader {
     /// The last file content that failed to load: the poll tries it again now and then (see
     /// [`RETRY_REFUSED_EVERY`]) but reports it again only when it fails another way.
     refused: Mutex<Option<Refused>>,
-    /// Bytes the poll found different from the running config's (their hash), and when it first
-    /// did: the same bytes [`CLOSE_WAIT`] later have settled, whatever the file's time says.
-    polled: Mutex<Option<(String, Instant)>>,
+    /// Bytes the poll found different from the running config's (their hash): the same bytes
+    /// [`CLOSE_WAIT`] after it first saw them have settled, whatever the file's time says.
+    polled: Mutex<Settle<String>>,
     /// Told about every swapped-in config.
     on_swap: Mutex<Vec<SwapHook>>,
 }
@@ -155,7 +155,7 @@ impl Reloader {
             lock: Mutex::new(()),
             loaded_at: AtomicU64::new(now_unix()),
             refused: Mutex::new(None),
-            polled: Mutex::new(None),
+            polled: Mutex::new(Settle::new(CLOSE_WAIT)),
             on_swap: Mutex::new(Vec::new()),
         });
         metrics.pull_from(
@@ -401,7 +401,7 @@ impl Reloader {
         // Same formula as `Config::source_hash`: hex SHA-256 of the file's bytes.
         let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&text));
         if hash == self.current.load().config.source_hash {
-            *self.polled.lock() = None;
+            self.polled.lock().forget();
             // A refused edit put back to the running bytes (the watcher missed it): the file
             // is fine again, and the failure gauge must not stay at 0 for good.
             if self.refused.lock().is_some() {
@@ -418,16 +418,7 @@ impl Reloader {
         // later tick, and never catches half of it. Untouched for CLOSE_WAIT by its time, or
         // the same bytes CLOSE_WAIT after a poll first saw them: a time in the future (clock
         // skew on a network filesystem) says nothing, and the bytes decide.
-        let steady = {
-            let mut polled = self.polled.lock();
-            match &*polled {
-                Some((seen, at)) if *seen == hash => at.elapsed() >= CLOSE_WAIT,
-                _ => {
-                    *polled = Some((hash.clone(), Instant::now()));
-                    false
-                }
-            }
-        };
+        let steady = self.polled.lock().settled(hash.clone(), Instant::now());
         let settled = steady
             || std::fs::metadata(&self.path)
                 .and_then(|m| m.modified())
@@ -438,7 +429,7 @@ impl Reloader {
                 });
         if due && settled {
             // Whatever the outcome, later bytes are judged from a sighting of their own.
-            *self.polled.lock() = None;
+            self.polled.lock().forget();
             let _ = self.reload("poll");
         }
     }
@@ -463,6 +454,45 @@ impl Reloader {
         // working across them because the directory itself never changes.
         watcher.watch(&dir, RecursiveMode::NonRecursive)?;
         Ok(watcher)
+    }
+}
+
+/// Tells a settled file (or set of files) from one still being written: two readings that
+/// agree, the first at least `gap` before the second.
+pub(crate) struct Settle<T> {
+    gap: Duration,
+    /// The last reading, and when it was first seen.
+    last: Option<(T, Instant)>,
+}
+
+impl<T: PartialEq> Settle<T> {
+    pub(crate) fn new(gap: Duration) -> Self {
+        Settle { gap, last: None }
+    }
+
+    /// Takes a reading made at `now`: whether the one before it was the same and was first
+    /// seen at least `gap` earlier.
+    pub(crate) fn settled(&mut self, reading: T, now: Instant) -> bool {
+        match &self.last {
+            Some((last, since)) if *last == reading => now.duration_since(*since) >= self.gap,
+            _ => {
+                self.last = Some((reading, now));
+                false
+            }
+        }
+    }
+
+    /// Forgets the last reading: the next is a first sighting.
+    pub(crate) fn forget(&mut self) {
+        self.last = None;
+    }
+
+    /// Makes the last reading's first sighting `by` earlier (tests).
+    #[cfg(test)]
+    fn rewind(&mut self, by: Duration) {
+        if let Some((_, since)) = self.last.as_mut() {
+            *since = since.checked_sub(by).expect("the clock is past `by`");
+        }
     }
 }
 
@@ -806,62 +836,53 @@ routes:
         use notify::event::{
             AccessKind, AccessMode, CreateKind, DataChange, ModifyKind, RemoveKind, RenameMode,
         };
-        let event = |kind: EventKind, name: &str| {
-            notify::Event::new(kind).add_path(PathBuf::from("/etc/idemgate").join(name))
-        };
-        let of = |kind: EventKind, name: &str| {
-            file_event(
-                &event(kind, name),
-                Some(std::ffi::OsStr::new("idemgate.yaml")),
-            )
-        };
-        let reads = [
-            EventKind::Access(AccessKind::Open(AccessMode::Any)),
-            EventKind::Access(AccessKind::Read),
-            EventKind::Access(AccessKind::Close(AccessMode::Read)),
-            EventKind::Other,
-        ];
-        for kind in reads {
-            assert_eq!(of(kind, "idemgate.yaml"), None, "{kind:?}");
-        }
-        assert_eq!(
-            of(
+        let written = EventKind::Modify(ModifyKind::Data(DataChange::Content));
+        let cases = [
+            // Reads.
+            (
+                EventKind::Access(AccessKind::Open(AccessMode::Any)),
+                "idemgate.yaml",
+                None,
+            ),
+            (EventKind::Access(AccessKind::Read), "idemgate.yaml", None),
+            (
+                EventKind::Access(AccessKind::Close(AccessMode::Read)),
+                "idemgate.yaml",
+                None,
+            ),
+            (EventKind::Other, "idemgate.yaml", None),
+            // A writer done, bytes written in place, the file replaced or removed.
+            (
                 EventKind::Access(AccessKind::Close(AccessMode::Write)),
-                "idemgate.yaml"
+                "idemgate.yaml",
+                Some(FileEvent::Closed),
             ),
-            Some(FileEvent::Closed)
-        );
-        assert_eq!(
-            of(
-                EventKind::Modify(ModifyKind::Data(DataChange::Content)),
-                "idemgate.yaml"
+            (written, "idemgate.yaml", Some(FileEvent::Written)),
+            (
+                EventKind::Create(CreateKind::File),
+                "idemgate.yaml",
+                Some(FileEvent::Changed),
             ),
-            Some(FileEvent::Written)
-        );
-        assert_eq!(
-            of(EventKind::Create(CreateKind::File), "idemgate.yaml"),
-            Some(FileEvent::Changed)
-        );
-        assert_eq!(
-            of(EventKind::Remove(RemoveKind::File), "idemgate.yaml"),
-            Some(FileEvent::Changed)
-        );
-        // A ConfigMap's `..data` swap, seen only on the hidden names.
-        assert_eq!(
-            of(
+            (
+                EventKind::Remove(RemoveKind::File),
+                "idemgate.yaml",
+                Some(FileEvent::Changed),
+            ),
+            // A ConfigMap's `..data` swap, seen only on the hidden names.
+            (
                 EventKind::Modify(ModifyKind::Name(RenameMode::To)),
-                "..data"
+                "..data",
+                Some(FileEvent::Changed),
             ),
-            Some(FileEvent::Changed)
-        );
-        // Another file in the directory.
-        assert_eq!(
-            of(
-                EventKind::Modify(ModifyKind::Data(DataChange::Content)),
-                "other.yaml"
-            ),
-            None
-        );
+            // Another file in the directory.
+            (written, "other.yaml", None),
+        ];
+        for (kind, name, want) in cases {
+            let event =
+                notify::Event::new(kind).add_path(PathBuf::from("/etc/idemgate").join(name));
+            let got = file_event(&event, Some(std::ffi::OsStr::new("idemgate.yaml")));
+            assert_eq!(got, want, "{kind:?} on {name}");
+        }
     }
 
     #[test]
@@ -909,11 +930,7 @@ routes:
             Some(Duration::from_secs(7200)),
             "taken at first sight"
         );
-        if let Some((_, at)) = reloader.polled.lock().as_mut() {
-            *at = Instant::now()
-                .checked_sub(CLOSE_WAIT)
-                .expect("the clock is past CLOSE_WAIT");
-        }
+        reloader.polled.lock().rewind(CLOSE_WAIT);
         reloader.reload_if_changed();
         assert_eq!(ttl(), Some(Duration::from_secs(3 * 3600)), "steady bytes");
     }

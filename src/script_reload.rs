@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 
 use crate::config::ScriptsConfig;
+use crate::reload::Settle;
 use crate::scripts::Sources;
 use crate::store::redis::{ScriptsApplied, ScriptsError};
 use crate::store::RedisStore;
@@ -73,7 +74,7 @@ impl ScriptReloader {
         let mut watched: Option<PathBuf> = None;
         let mut watcher: Option<notify::RecommendedWatcher> = None;
         let mut unavailable = false;
-        let mut files = Settle::default();
+        let mut files = Settle::new(SETTLE_GAP);
         let mut poll = tokio::time::interval(poll_every);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -145,27 +146,6 @@ type Reading = Vec<Option<Sources>>;
 /// a copy whose files come less than this apart is never caught halfway.
 pub const SETTLE_GAP: Duration = Duration::from_secs(2);
 
-/// Tells a settled edit of the script files from one still being written.
-#[derive(Default)]
-struct Settle {
-    /// The last reading, and when it was first seen.
-    last: Option<(Reading, std::time::Instant)>,
-}
-
-impl Settle {
-    /// Takes a reading made at `now`: whether the one before it was the same and was first
-    /// seen at least [`SETTLE_GAP`] earlier.
-    fn settled(&mut self, reading: Reading, now: std::time::Instant) -> bool {
-        match &self.last {
-            Some((last, since)) if *last == reading => now.duration_since(*since) >= SETTLE_GAP,
-            _ => {
-                self.last = Some((reading, now));
-                false
-            }
-        }
-    }
-}
-
 fn read_versions(settings: &ScriptsConfig) -> Reading {
     let dir = settings.dir.as_deref();
     std::iter::once(&settings.version)
@@ -221,7 +201,7 @@ mod tests {
 
     #[test]
     fn an_edit_counts_once_two_readings_agree_far_enough_apart() {
-        let mut files = Settle::default();
+        let mut files = Settle::new(SETTLE_GAP);
         let old = vec![Sources::builtin("v1")];
         let mut half = old.clone();
         if let Some(s) = half[0].as_mut() {
