@@ -2623,14 +2623,20 @@ fn resolves(
 /// wildcard listener takes its own family's (an IPv6 one both, as Linux binds it by default),
 /// a loopback listener its family's wildcard.
 fn reaches_listener(to: SocketAddr, listener: SocketAddr) -> bool {
-    let local = |ip: std::net::IpAddr| ip.is_loopback() || ip.is_unspecified();
-    to.port() == listener.port()
-        && (to.ip() == listener.ip()
-            || (local(to.ip())
-                && ((listener.ip().is_unspecified() && (listener.is_ipv6() || to.is_ipv4()))
-                    || (listener.ip().is_loopback()
-                        && to.ip().is_unspecified()
-                        && to.is_ipv4() == listener.is_ipv4()))))
+    if to.port() != listener.port() {
+        return false;
+    }
+    if to.ip() == listener.ip() {
+        return true;
+    }
+    let this_host = to.ip().is_loopback() || to.ip().is_unspecified();
+    if listener.ip().is_unspecified() {
+        this_host && (listener.is_ipv6() || to.is_ipv4())
+    } else if listener.ip().is_loopback() {
+        to.ip().is_unspecified() && to.is_ipv4() == listener.is_ipv4()
+    } else {
+        false
+    }
 }
 
 /// How upstream addresses are checked while a config is validated.

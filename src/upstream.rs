@@ -796,6 +796,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             }
         }
     }
+    // The client gets one length, as parsed, in place of lines that are not one plain number.
+    let relength = !transfer_encoding && (length_lines > 1 || !length_plain);
     for &(n, nl, v, vl) in &fields {
         let name = &head[n..n + nl];
         let hop = RESPONSE_HOP_BY_HOP
@@ -804,8 +806,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             || connection_named
                 .iter()
                 .any(|c| name.eq_ignore_ascii_case(c))
-            || ((transfer_encoding || length_lines > 1 || !length_plain)
-                && name.eq_ignore_ascii_case(b"content-length"));
+            || ((transfer_encoding || relength) && name.eq_ignore_ascii_case(b"content-length"));
         if hop {
             continue;
         }
@@ -832,11 +833,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             .append_header(head.slice(n..n + nl), value)
             .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
     }
-    if let (false, Some(len), true) = (transfer_encoding, length, length_lines > 1 || !length_plain)
-    {
-        let value = HeaderValue::from(len);
+    if let Some(len) = length.filter(|_| relength) {
         header
-            .append_header(http::header::CONTENT_LENGTH, value)
+            .append_header(http::header::CONTENT_LENGTH, HeaderValue::from(len))
             .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
     }
     let framing = if transfer_encoding {

@@ -974,12 +974,13 @@ mod tests {
                                 hash,
                             };
                             let outcome = rt.block_on(store.claim(&claim_req(&key, lock_ttl)));
-                            if let Ok(ClaimOutcome::Existing(record)) = outcome {
-                                if let RecordState::InFlight { lock_remaining } = record.state {
-                                    if lock_remaining > lock_ttl {
-                                        longer.push(lock_remaining);
-                                    }
-                                }
+                            if let Ok(ClaimOutcome::Existing(Record {
+                                state: RecordState::InFlight { lock_remaining },
+                                ..
+                            })) = outcome
+                            {
+                                longer
+                                    .extend((lock_remaining > lock_ttl).then_some(lock_remaining));
                             }
                         }
                         longer
