@@ -51,11 +51,23 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok, "kill -{sig} {pid}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes() {
-    let mut redis = RedisServer::start();
-    let backend = Backend::start().await;
-    let proxy = builder(&backend, &redis).start().await;
+/// What [`load_through_an_outage`] saw: each answer with when it was sent (from the start)
+/// and how long it took, and how many executed.
+struct Load {
+    seen: Vec<(Duration, Duration, common::Response)>,
+    misses: usize,
+}
+
+/// One keyed request after another on fresh keys for 6 s, with `outage(true)` 500 ms in and
+/// `outage(false)` 1.5 s later. Every answer is a `MISS` or a 503 `store-unavailable` with
+/// `Retry-After`, none takes 2 s, every execution ran under a claim, some ran before the
+/// outage, service resumed within 3 s of its end (the circuit's 1 s open period, a probe and a
+/// reconnect, with room for a loaded machine), and the circuit opened.
+async fn load_through_an_outage(
+    proxy: &Proxy,
+    backend: &Backend,
+    mut outage: impl FnMut(bool),
+) -> Load {
     let addr = proxy.addr;
     let started = Instant::now();
     let load = tokio::spawn(async move {
@@ -67,42 +79,30 @@ async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes()
                 .body("{}");
             let sent = Instant::now();
             let r = req.send(addr).await;
-            let refusal = (r.status == 503).then(|| {
-                (
-                    r.problem_type(),
-                    r.header("retry-after").map(str::to_string),
-                )
-            });
-            seen.push((
-                sent - started,
-                sent.elapsed(),
-                r.status,
-                r.result().map(str::to_string),
-                refusal,
-            ));
+            seen.push((sent - started, sent.elapsed(), r));
             n += 1;
         }
         seen
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
-    redis.kill();
-    let killed_at = started.elapsed();
+    outage(true);
+    let began = started.elapsed();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    redis.restart();
-    let back_at = started.elapsed();
+    outage(false);
+    let ended = started.elapsed();
     let seen = load.await.unwrap();
 
     let mut misses = 0;
-    for (_, latency, status, result, refusal) in &seen {
-        match (status, result.as_deref()) {
+    for (_, latency, r) in &seen {
+        match (r.status, r.result()) {
             (201, Some("MISS")) => misses += 1,
             (503, Some("UNAVAILABLE")) => {
-                let (kind, retry_after) = refusal.as_ref().unwrap();
-                assert_eq!(kind, "store-unavailable");
-                assert!(retry_after.is_some(), "503 with Retry-After");
+                assert_eq!(r.problem_type(), "store-unavailable");
+                assert!(r.header("retry-after").is_some(), "503 with Retry-After");
             }
-            other => panic!("unexpected answer {other:?}"),
+            other => panic!("unexpected answer {other:?}: {}", r.text()),
         }
+        // A claim or completion waits one response timeout (200 ms) per try, never the outage.
         assert!(
             *latency < Duration::from_secs(2),
             "a request hung for {latency:?}"
@@ -113,15 +113,12 @@ async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes()
         misses,
         "every execution was protected by a claim"
     );
-    let refused = seen.iter().filter(|s| s.2 == 503).count();
-    assert!(refused > 0, "the outage was seen");
-    assert!(seen.iter().any(|s| s.0 < killed_at && s.2 == 201));
+    assert!(seen.iter().any(|s| s.0 < began && s.2.status == 201));
     let resumed = seen
         .iter()
-        .find(|s| s.0 > back_at && s.2 == 201)
-        .map(|s| s.0 - back_at)
+        .find(|s| s.0 > ended && s.2.status == 201)
+        .map(|s| s.0 - ended)
         .expect("service resumed");
-    // The circuit's 1 s open period, a probe and a reconnect, with room for a loaded machine.
     assert!(
         resumed < Duration::from_secs(3),
         "resumed after {resumed:?}"
@@ -131,6 +128,25 @@ async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes()
         metric(&m, "idemgate_store_circuit_opened_total") >= 1.0,
         "{m}"
     );
+    Load { seen, misses }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_redis_mid_load_never_forwards_unprotected_and_service_resumes() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = builder(&backend, &redis).start().await;
+    let load = load_through_an_outage(&proxy, &backend, |down| {
+        if down {
+            redis.kill();
+        } else {
+            redis.restart();
+        }
+    })
+    .await;
+    let refused = load.seen.iter().filter(|s| s.2.status == 503).count();
+    assert!(refused > 0, "the outage was seen");
+    let m = proxy.metrics().await;
     assert_eq!(metric(&m, "idemgate_store_circuit_state"), 0.0);
 }
 
@@ -1086,20 +1102,29 @@ async fn until_redis_answers(proxy: &Proxy) {
     }
 }
 
-#[tokio::test]
-async fn a_key_run_on_the_local_fallback_is_replayed_not_run_again_once_redis_is_back() {
+/// A `local`-policy proxy that ran `req` on the fallback while Redis was down, answering
+/// `status` (`DEGRADED`), with Redis back and answering since; and that first answer.
+async fn ran_on_the_fallback(
+    req: &Request,
+    status: u16,
+) -> (RedisServer, Backend, Proxy, common::Response) {
     let mut redis = RedisServer::start();
     let backend = Backend::start().await;
     let proxy = local_policy_proxy(&backend, redis.port).await;
     redis.kill();
+    let first = req.send(proxy.addr).await;
+    assert_eq!((first.status, first.result()), (status, Some("DEGRADED")));
+    redis.restart();
+    until_redis_answers(&proxy).await;
+    (redis, backend, proxy, first)
+}
+
+#[tokio::test]
+async fn a_key_run_on_the_local_fallback_is_replayed_not_run_again_once_redis_is_back() {
     let req = Request::post("/orders")
         .key("outage-order")
         .body("{\"sku\":1}");
-    let first = req.send(proxy.addr).await;
-    assert_eq!((first.status, first.result()), (201, Some("DEGRADED")));
-
-    redis.restart();
-    until_redis_answers(&proxy).await;
+    let (_redis, backend, proxy, first) = ran_on_the_fallback(&req, 201).await;
     let ran = backend.count();
     // Redis has no record of the key; the replica that ran it does.
     let again = req.send(proxy.addr).await;
@@ -1134,18 +1159,10 @@ async fn a_key_run_on_the_local_fallback_is_replayed_not_run_again_once_redis_is
 #[tokio::test]
 async fn a_key_released_on_the_local_fallback_keeps_its_id_and_its_fingerprint_once_redis_is_back()
 {
-    let mut redis = RedisServer::start();
-    let backend = Backend::start().await;
-    let proxy = local_policy_proxy(&backend, redis.port).await;
-    redis.kill();
     let req = Request::post("/orders/status/503")
         .key("released-in-outage")
         .body("{\"sku\":1}");
-    let first = req.send(proxy.addr).await;
-    assert_eq!((first.status, first.result()), (503, Some("DEGRADED")));
-
-    redis.restart();
-    until_redis_answers(&proxy).await;
+    let (_redis, backend, proxy, _first) = ran_on_the_fallback(&req, 503).await;
     let changed = Request::post("/orders/status/503")
         .key("released-in-outage")
         .body("{\"sku\":2}");
@@ -1204,72 +1221,16 @@ async fn a_redis_that_hangs_mid_load_opens_the_circuit_and_nothing_runs_unprotec
     let fault = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
     let proxy = builder_to(&backend, fault.redis_url()).start().await;
-    let addr = proxy.addr;
-    let started = Instant::now();
-    let load = tokio::spawn(async move {
-        let mut seen = Vec::new();
-        let mut n = 0u32;
-        while started.elapsed() < Duration::from_millis(6000) {
-            let req = Request::post("/orders")
-                .key(&format!("hang-{n}"))
-                .body("{}");
-            let sent = Instant::now();
-            let r = req.send(addr).await;
-            seen.push((sent - started, sent.elapsed(), r));
-            n += 1;
-        }
-        seen
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
     // A partition: Redis neither answers nor refuses; only the timeouts notice.
-    fault.set(Fault::Hold);
-    let held_at = started.elapsed();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    fault.set(Fault::Pass);
-    let healed_at = started.elapsed();
-    let seen = load.await.unwrap();
-
-    let mut misses = 0;
-    for (_, latency, r) in &seen {
-        match (r.status, r.result()) {
-            (201, Some("MISS")) => misses += 1,
-            (503, Some("UNAVAILABLE")) => {
-                assert_eq!(r.problem_type(), "store-unavailable");
-                assert!(r.header("retry-after").is_some(), "503 with Retry-After");
-            }
-            other => panic!("unexpected answer {other:?}: {}", r.text()),
-        }
-        // A claim or completion waits one response timeout (200 ms) per try, never the hang.
-        assert!(
-            *latency < Duration::from_secs(2),
-            "a request hung for {latency:?}"
-        );
-    }
-    assert_eq!(
-        backend.count(),
-        misses,
-        "every execution was protected by a claim"
-    );
-    assert!(seen.iter().any(|s| s.0 < held_at && s.2.status == 201));
+    let load = load_through_an_outage(&proxy, &backend, |down| {
+        fault.set(if down { Fault::Hold } else { Fault::Pass });
+    })
+    .await;
     assert!(
-        seen.iter().filter(|s| s.2.status == 503).count() > 3,
+        load.seen.iter().filter(|s| s.2.status == 503).count() > 3,
         "the hang was seen"
     );
-    let resumed = seen
-        .iter()
-        .find(|s| s.0 > healed_at && s.2.status == 201)
-        .map(|s| s.0 - healed_at)
-        .expect("service resumed");
-    // The circuit's 1 s open period, a probe and a reconnect, with room for a loaded machine.
-    assert!(
-        resumed < Duration::from_secs(3),
-        "resumed after {resumed:?}"
-    );
     let m = proxy.metrics().await;
-    assert!(
-        metric(&m, "idemgate_store_circuit_opened_total") >= 1.0,
-        "{m}"
-    );
     assert!(
         m.lines()
             .any(|l| l.starts_with("idemgate_store_errors_total{")
@@ -1279,7 +1240,8 @@ async fn a_redis_that_hangs_mid_load_opens_the_circuit_and_nothing_runs_unprotec
     assert!(
         m.lines().any(|l| l
             .starts_with("idemgate_store_operation_duration_seconds_count{op=\"claim\"")
-            && l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) >= Some(misses as f64)),
+            && l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok())
+                >= Some(load.misses as f64)),
         "claims timed: {m}"
     );
 }

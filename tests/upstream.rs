@@ -16,27 +16,25 @@ fn send(bytes: &[u8]) -> Step {
 }
 
 async fn proxy(backend: &RawBackend) -> Proxy {
-    // One worker thread: one upstream connection pool, so connection counts are exact.
-    ProxyBuilder::at(backend.addr)
-        .threads(1)
-        .idem("lock_ttl: 1s")
-        .upstream("connect_timeout: 200ms")
-        .upstream("write_timeout: 200ms")
-        .upstream("read_timeout: 500ms")
-        .start()
-        .await
+    proxy_reading(backend, "200ms", "500ms").await
 }
 
 /// [`proxy`] for backends that pause 400 ms between writes: reads wait 750 ms, so a pause
 /// overrun by a loaded machine is not a lost answer (connect and write shrink to keep the
 /// three under the 1 s lock).
 async fn patient_proxy(backend: &RawBackend) -> Proxy {
+    proxy_reading(backend, "100ms", "750ms").await
+}
+
+/// One worker thread (one upstream connection pool, so connection counts are exact), a 1 s
+/// lock, `connect_write` for the connect and write timeouts, `read` for the read timeout.
+async fn proxy_reading(backend: &RawBackend, connect_write: &str, read: &str) -> Proxy {
     ProxyBuilder::at(backend.addr)
         .threads(1)
         .idem("lock_ttl: 1s")
-        .upstream("connect_timeout: 100ms")
-        .upstream("write_timeout: 100ms")
-        .upstream("read_timeout: 750ms")
+        .upstream(&format!("connect_timeout: {connect_write}"))
+        .upstream(&format!("write_timeout: {connect_write}"))
+        .upstream(&format!("read_timeout: {read}"))
         .start()
         .await
 }

@@ -1677,55 +1677,58 @@ mod tests {
         assert!(a.own_claim(&live.key).is_some(), "the live claim is kept");
     }
 
-    #[tokio::test]
-    async fn a_lost_completion_is_kept_unless_its_key_was_purged_after_its_claim() {
-        use crate::store::retry::PendingCompletion;
-        let (shared, a, _b) = two_replicas();
-        let job = |req: &ClaimRequest| PendingCompletion {
+    /// `req`'s completion `body` as the retrier takes it, its lock lasting `lock` from now.
+    fn job_of(
+        req: &ClaimRequest,
+        body: &'static [u8],
+        lock: Duration,
+    ) -> crate::store::retry::PendingCompletion {
+        crate::store::retry::PendingCompletion {
             key: req.key.clone(),
             owner: req.owner,
-            completion: response(b"x"),
+            completion: response(body),
             ttl: req.ttl,
             execution_id: req.execution_id,
             fingerprint: req.fingerprint,
-            lock_deadline: Instant::now() + req.lock_ttl,
-            lapses_by: Instant::now() + req.lock_ttl,
+            lock_deadline: Instant::now() + lock,
+            lapses_by: Instant::now() + lock,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lost_completion_is_kept_unless_its_key_was_purged_after_its_claim() {
+        let (shared, a, _b) = two_replicas();
+        // `req` claimed on A, `meanwhile` done to it while its backend runs, its completion
+        // refused and kept as lost: what a retry on A then finds.
+        let lose = async |req: &ClaimRequest, meanwhile: &dyn RecordStore| {
+            assert!(matches!(
+                a.claim(req).await.unwrap(),
+                ClaimOutcome::Acquired { .. }
+            ));
+            meanwhile.delete(&req.key).await.unwrap();
+            let written = a.complete(&req.key, req.owner, response(b"x"), req.ttl);
+            assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
+            a.keep_lost(&job_of(req, b"x", req.lock_ttl));
+            a.claim(&retry_of(req)).await.unwrap()
         };
         // Purged before its claim (an earlier use of the key): no bearing on this execution.
+        // A failover then loses the claim while the backend runs.
         let before = claim("t", 41);
         a.delete(&before.key).await.unwrap();
-        assert!(matches!(
-            a.claim(&before).await.unwrap(),
-            ClaimOutcome::Acquired { .. }
-        ));
-        // A failover loses the claim while the backend runs.
-        shared.delete(&before.key).await.unwrap();
-        let written = a.complete(&before.key, before.owner, response(b"x"), before.ttl);
-        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
-        a.keep_lost(&job(&before));
-        let replay = a.claim(&retry_of(&before)).await.unwrap();
+        let replay = lose(&before, shared.as_ref()).await;
         assert!(
             matches!(replay, ClaimOutcome::Existing(_)),
             "the lost answer is replayed, not executed again: {replay:?}"
         );
 
         // Purged while it ran: the key is claimable afresh.
-        let during = claim("t", 42);
-        assert!(matches!(
-            a.claim(&during).await.unwrap(),
-            ClaimOutcome::Acquired { .. }
-        ));
-        a.delete(&during.key).await.unwrap();
-        let written = a.complete(&during.key, during.owner, response(b"x"), during.ttl);
-        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
-        a.keep_lost(&job(&during));
-        let again = a.claim(&retry_of(&during)).await.unwrap();
+        let again = lose(&claim("t", 42), &a).await;
         assert!(matches!(again, ClaimOutcome::Acquired { .. }), "{again:?}");
     }
 
     #[tokio::test]
     async fn a_completion_the_retrier_stores_goes_with_the_copies_from_then_on() {
-        use crate::store::retry::{CompletionRetrier, PendingCompletion, RetryOptions};
+        use crate::store::retry::{CompletionRetrier, RetryOptions};
         let (shared, a, _b) = two_replicas();
         let a = Arc::new(a);
         let req = claim("t", 21);
@@ -1741,16 +1744,7 @@ mod tests {
         };
         let (retrier, worker) = CompletionRetrier::new(shared.clone(), hooks, options);
         tokio::spawn(worker);
-        retrier.submit(PendingCompletion {
-            key: req.key.clone(),
-            owner: req.owner,
-            completion: response(b"x"),
-            ttl: req.ttl,
-            execution_id: req.execution_id,
-            fingerprint: req.fingerprint,
-            lock_deadline: Instant::now() + req.lock_ttl,
-            lapses_by: Instant::now() + req.lock_ttl,
-        });
+        retrier.submit(job_of(&req, b"x", req.lock_ttl));
         for _ in 0..200 {
             if retrier.pending() == 0 {
                 break;
@@ -1772,7 +1766,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_completion_given_up_on_stays_until_the_store_is_found_to_hold_it() {
-        use crate::store::retry::{CompletionRetrier, PendingCompletion, RetryOptions};
+        use crate::store::retry::{CompletionRetrier, RetryOptions};
         let (shared, a, _b) = two_replicas();
         let a = Arc::new(a);
         let (landed, lost) = (claim("t", 24), claim("t", 25));
@@ -1793,16 +1787,7 @@ mod tests {
         let (retrier, worker) = CompletionRetrier::new(shared.clone(), hooks, options);
         tokio::spawn(worker);
         for (req, body) in [(&landed, b"x"), (&lost, b"y")] {
-            retrier.submit(PendingCompletion {
-                key: req.key.clone(),
-                owner: req.owner,
-                completion: response(body),
-                ttl: req.ttl,
-                execution_id: req.execution_id,
-                fingerprint: req.fingerprint,
-                lock_deadline: Instant::now(),
-                lapses_by: Instant::now(),
-            });
+            retrier.submit(job_of(req, body, Duration::ZERO));
         }
         for _ in 0..200 {
             if retrier.pending() == 0 {

@@ -1266,15 +1266,20 @@ mod tests {
         assert_eq!(*stored.lock(), vec![(job.key, 42)]);
     }
 
-    #[tokio::test]
-    async fn a_completion_is_retried_while_its_lock_holds_however_many_attempts_that_takes() {
+    /// A completion the store takes only after 1.5 s down, far longer than three attempts
+    /// (about 70 ms), its lock lapsing `earliest` from now at the earliest and `latest` at the
+    /// latest: still retried when the store comes back, then stored, never dead-lettered.
+    async fn stored_after_an_outage(
+        n: u8,
+        earliest: Duration,
+        latest: Duration,
+    ) -> (PendingCompletion, Arc<FaultyStore<MemoryStore>>) {
         tokio::time::pause();
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
-        let mut job = claimed(store.as_ref(), 7).await;
-        job.lock_deadline = Instant::now() + Duration::from_secs(2);
-        job.lapses_by = job.lock_deadline;
-        // Down for far longer than three attempts take (about 70 ms), but not past the lock.
+        let mut job = claimed(store.as_ref(), n).await;
+        job.lock_deadline = Instant::now() + earliest;
+        job.lapses_by = Instant::now() + latest;
         store.set(Fault::Down);
         let (retrier, worker) =
             CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
@@ -1284,14 +1289,21 @@ mod tests {
         assert_eq!(retrier.pending(), 1, "still retried, not dead-lettered");
         store.set(Fault::None);
         settle(&retrier).await;
+        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
+        assert!(!dir.path().join("dead.jsonl").exists());
+        (job, store)
+    }
+
+    #[tokio::test]
+    async fn a_completion_is_retried_while_its_lock_holds_however_many_attempts_that_takes() {
+        let lock = Duration::from_secs(2);
+        let (job, store) = stored_after_an_outage(7, lock, lock).await;
         assert!(
             Instant::now() < job.lock_deadline,
             "stored before the lock lapsed"
         );
-        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
         let record = store.get(&job.key).await.unwrap().unwrap();
         assert_eq!(record.state, RecordState::Completed(job.completion));
-        assert!(!dir.path().join("dead.jsonl").exists());
     }
 
     /// The lock's earliest lapse is no reason to give up: the claim's answer (or a renewal's
@@ -1299,24 +1311,8 @@ mod tests {
     /// lock, later. Until the latest lapse nobody else can execute the key.
     #[tokio::test]
     async fn a_completion_is_retried_until_its_lock_has_lapsed_for_sure() {
-        tokio::time::pause();
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
-        let mut job = claimed(store.as_ref(), 17).await;
         // Sent long ago, answered late: the earliest lapse is past, the latest 2 s away.
-        job.lock_deadline = Instant::now();
-        job.lapses_by = Instant::now() + Duration::from_secs(2);
-        store.set(Fault::Down);
-        let (retrier, worker) =
-            CompletionRetrier::new(store.clone(), no_local_copies(), options(dir.path()));
-        tokio::spawn(worker);
-        retrier.submit(job.clone());
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        assert_eq!(retrier.pending(), 1, "still retried, not dead-lettered");
-        store.set(Fault::None);
-        settle(&retrier).await;
-        assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
-        assert!(!dir.path().join("dead.jsonl").exists());
+        stored_after_an_outage(17, Duration::ZERO, Duration::from_secs(2)).await;
     }
 
     #[tokio::test]

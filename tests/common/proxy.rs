@@ -9,25 +9,33 @@ use std::time::{Duration, Instant};
 use super::backend::Backend;
 use super::client::Request;
 
-/// Ports this test process has handed out: never handed out twice, so two proxies started at
-/// once cannot be given the same port (a port found free and released is free for anyone).
+/// Ports this test process has handed out: never handed out twice, so two servers started at
+/// once (or one on a port another test keeps free to start a server on later) cannot be given
+/// the same port (a port found free and released is free for anyone).
 static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A loopback port in `low..high` that is free now, with `free_too` of it (another port a
+/// server binds beside it) free too, and that this process has not handed out before.
+pub fn reserve_port(low: u16, high: u16, free_too: impl Fn(u16) -> Option<u16>) -> u16 {
+    let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..10_000 {
+        let port = low + rand::random::<u16>() % (high - low);
+        if !handed_out.contains(&port) && free(port) && free_too(port).is_none_or(free) {
+            handed_out.insert(port);
+            return port;
+        }
+    }
+    panic!("no free port in {low}-{high}");
+}
 
 /// A free loopback port for a proxy to bind right after. It lies below the kernel's ephemeral
 /// range (32768-60999 by default; Redis test servers take 20000 and up), so no outgoing
 /// connection of a concurrent test can take it in between, as one did with ports the kernel
 /// picked (`bind(0)` hands out ephemeral ones).
 pub fn free_port() -> u16 {
-    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
-    for _ in 0..10_000 {
-        let port = 10_000 + rand::random::<u16>() % 10_000;
-        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            handed_out.insert(port);
-            return port;
-        }
-    }
-    panic!("no free port in 10000-19999");
+    reserve_port(10_000, 20_000, |_| None)
 }
 
 /// Two free ports (see [`free_port`]), different from each other.

@@ -2,7 +2,6 @@
 //! process started on free ports in its own temporary directory and killed by pid, so tests can
 //! break Redis on purpose. Everything is killed on drop, panics included.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,24 +31,10 @@ pub const SCRIPT_RIGHTS: [&str; 10] = [
     "+time",
 ];
 
-/// Ports this test process has handed out for Redis: never twice, so two servers started at
-/// once (or one on a port another test keeps free to start a server on later) never share one.
-static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-    std::sync::Mutex::new(std::collections::BTreeSet::new());
-
 /// A loopback port that is free now (and, for cluster use, whose bus port is too), and that
-/// this process has not handed out before.
+/// this process has not handed out before (see [`super::proxy::reserve_port`]).
 pub fn free_redis_port() -> u16 {
-    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
-    for _ in 0..10_000 {
-        let port = 20_000 + (rand::random::<u16>() % (HIGHEST_PORT - 20_000));
-        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if !handed_out.contains(&port) && free(port) && free(port + 10_000) {
-            handed_out.insert(port);
-            return port;
-        }
-    }
-    panic!("no free port pair for redis");
+    super::proxy::reserve_port(20_000, HIGHEST_PORT, |port| Some(port + 10_000))
 }
 
 /// One `redis-server` process.
