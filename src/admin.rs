@@ -15,7 +15,7 @@ use crate::metrics::Metrics;
 use crate::proxy::Generation;
 use crate::reload::{ReloadOutcome, Reloader};
 use crate::store::purge::PurgeBus;
-use crate::store::{Completion, Record, RecordKey, RecordState};
+use crate::store::{Completion, Deletion, Record, RecordKey, RecordState, StoreError};
 use crate::store::{RecordStore, RedisStore};
 use crate::worker_lease::{WorkerIdSource, WorkerIds};
 
@@ -184,27 +184,37 @@ impl Admin {
         if delete {
             // A record in flight belongs to an execution that may still be running: purged, a
             // retry runs the key again beside it, under a new X-Idempotency-Id the backend's
-            // unique index cannot match. Only on purpose (`?force=true`).
-            if query.get("force").as_deref() != Some("true") {
-                if let Ok(Some(record)) = self.store.get(&record_key).await {
-                    if matches!(record.state, RecordState::InFlight { lock_remaining } if !lock_remaining.is_zero())
-                    {
-                        return error(
-                            StatusCode::CONFLICT,
-                            "the record is in flight: its execution may still be running, and a \
-                             retry after a purge runs the key again under a new \
-                             X-Idempotency-Id; wait for it to end, or purge with ?force=true",
-                        );
-                    }
-                }
-            }
+            // unique index cannot match. Only on purpose (`?force=true`). The check and the
+            // delete are one step in the store: a claim landing between a read and a delete
+            // would be removed from under its execution.
+            let force = query.get("force").as_deref() == Some("true");
+            let running = |lock_remaining: std::time::Duration| {
+                error(
+                    StatusCode::CONFLICT,
+                    &format!(
+                        "the record is in flight ({} ms of its lock left): its execution may \
+                         still be running, and a retry after a purge runs the key again under a \
+                         new X-Idempotency-Id; wait for it to end, or purge with ?force=true",
+                        lock_remaining.as_millis()
+                    ),
+                )
+            };
             // What this replica ran on its fallback during an outage goes too: a purged key
             // is never replayed from there (nor, by the announcement, from another replica's).
+            // First, so a refusal there leaves the shared record as it was.
             let local = match &self.fallback {
-                Some(fallback) => fallback.delete(&record_key).await.unwrap_or(false),
+                Some(fallback) => match purge_from(fallback.as_ref(), &record_key, force).await {
+                    Ok(Deletion::Running { lock_remaining }) => return running(lock_remaining),
+                    Ok(deletion) => deletion == Deletion::Deleted,
+                    Err(_) => false,
+                },
                 None => false,
             };
-            let deleted = self.store.delete(&record_key).await;
+            let deleted = match purge_from(self.store.as_ref(), &record_key, force).await {
+                Ok(Deletion::Running { lock_remaining }) => return running(lock_remaining),
+                Ok(deletion) => Ok(deletion == Deletion::Deleted),
+                Err(e) => Err(e),
+            };
             // Announced whether or not the store answered: a delete whose answer was lost may
             // have landed, and then the other replicas' copies would replay a record that is
             // gone. Dropping a copy of a record that is still there only costs a round trip.
@@ -457,6 +467,22 @@ fn tenant_and_name(
 /// An error the admin API makes: `application/problem+json` (RFC 9457), as every error the
 /// proxy makes itself, with a `type` per kind and the message as `detail`; `error` carries the
 /// message too, the member admin errors had before they were problems.
+/// An admin purge on one store: whatever the record's state with `force`, else only a record
+/// whose execution cannot still be running.
+async fn purge_from(
+    store: &dyn RecordStore,
+    key: &RecordKey,
+    force: bool,
+) -> Result<Deletion, StoreError> {
+    if !force {
+        return store.delete_settled(key).await;
+    }
+    Ok(match store.delete(key).await? {
+        true => Deletion::Deleted,
+        false => Deletion::Absent,
+    })
+}
+
 fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
     let kind = match status {
         StatusCode::BAD_REQUEST => "admin-request-invalid",

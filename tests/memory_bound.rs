@@ -12,7 +12,7 @@ use bytes::Bytes;
 use idemgate::store::cached::{CachedStore, LocalCacheOptions};
 use idemgate::store::memory::MemoryStore;
 use idemgate::store::{
-    ClaimOutcome, ClaimRequest, Completion, OwnerToken, Record, RecordKey, RecordState,
+    ClaimOutcome, ClaimRequest, Completion, Deletion, OwnerToken, Record, RecordKey, RecordState,
     RecordStore, StoreError, StoredResponse, WriteOutcome,
 };
 use sha2::Digest as _;
@@ -160,6 +160,9 @@ impl RecordStore for Nothing {
     }
     async fn delete(&self, _: &RecordKey) -> Result<bool, StoreError> {
         Ok(false)
+    }
+    async fn delete_settled(&self, _: &RecordKey) -> Result<Deletion, StoreError> {
+        Ok(Deletion::Absent)
     }
 }
 

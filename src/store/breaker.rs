@@ -19,8 +19,8 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{
-    ClaimOutcome, ClaimRequest, Completion, OwnerToken, Record, RecordKey, RecordStore, StoreError,
-    StoreUsage, WriteOutcome,
+    ClaimOutcome, ClaimRequest, Completion, Deletion, OwnerToken, Record, RecordKey, RecordStore,
+    StoreError, StoreUsage, WriteOutcome,
 };
 
 /// Breaker settings.
@@ -253,6 +253,11 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let epoch = self.admit().await?;
         self.record(epoch, self.inner.delete(key).await)
+    }
+
+    async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
+        let epoch = self.admit().await?;
+        self.record(epoch, self.inner.delete_settled(key).await)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -28,8 +28,8 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{
-    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
-    RecordStore, StoreError, StoreUsage, WriteOutcome,
+    ClaimOutcome, ClaimRequest, Completion, Deletion, Digest, OwnerToken, Record, RecordKey,
+    RecordState, RecordStore, StoreError, StoreUsage, WriteOutcome,
 };
 
 /// Sizing of the local fast path.
@@ -871,6 +871,15 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         let deleted = self.inner.delete(key).await;
         // Again once the store has it gone: a claim sent after the first forget may have read
         // the record before it went, and kept a copy.
+        self.forget(key);
+        deleted
+    }
+
+    async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
+        // A local copy is of a completed record, which the store removes too; a record the
+        // store spares (in flight) has none to keep. So, as `delete`, forgotten either way.
+        self.forget(key);
+        let deleted = self.inner.delete_settled(key).await;
         self.forget(key);
         deleted
     }

@@ -12,8 +12,8 @@ use bytes::Bytes;
 use tokio::sync::Barrier;
 
 use super::{
-    ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey, RecordState,
-    RecordStore, StoreError, StoredResponse, WriteOutcome,
+    ClaimOutcome, ClaimRequest, Completion, Deletion, Digest, OwnerToken, Record, RecordKey,
+    RecordState, RecordStore, StoreError, StoredResponse, WriteOutcome,
 };
 
 /// Lock lifetime for cases that let a lock lapse.
@@ -63,6 +63,8 @@ where
     case_lapsed_owner_may_finish_until_someone_reclaims(&make().await).await;
     case_different_fingerprint_does_not_take_over_a_lapsed_lock(&make().await).await;
     case_delete_removes(&make().await).await;
+    case_settled_delete_spares_a_running_claim(&make().await).await;
+    case_settled_delete_never_takes_a_claim_made_meanwhile(&make().await).await;
     case_tenants_are_distinct(&make().await).await;
 }
 
@@ -908,6 +910,96 @@ pub async fn case_delete_removes<S: RecordStore>(store: &Arc<S>) {
     ok(store.complete(&key, next.owner, completion, TTL).await);
     assert!(ok(store.delete(&key).await), "completed records delete too");
     assert_eq!(ok(store.get(&key).await), None);
+}
+
+/// A settled delete (an admin purge without force) leaves a record in flight under a live lock
+/// as it is, and removes it in every other state.
+pub async fn case_settled_delete_spares_a_running_claim<S: RecordStore>(store: &Arc<S>) {
+    let key = fresh_key();
+    let held = ClaimRequest {
+        lock_ttl: LONG_LOCK,
+        ..request(&key, fingerprint(1))
+    };
+    ok(store.claim(&held).await);
+    match ok(store.delete_settled(&key).await) {
+        Deletion::Running { lock_remaining } => assert!(
+            lock_remaining > Duration::ZERO && lock_remaining <= LONG_LOCK,
+            "lock_remaining {lock_remaining:?} outside (0, {LONG_LOCK:?}]"
+        ),
+        other => panic!("a running claim was not spared: {other:?}"),
+    }
+    assert_in_flight(&ok(store.get(&key).await).expect("spared"), LONG_LOCK);
+    completes_as_owner(store, &key, held.owner, held.execution_id, b"spared").await;
+    assert_eq!(ok(store.delete_settled(&key).await), Deletion::Deleted);
+    assert_eq!(ok(store.get(&key).await), None);
+    assert_eq!(ok(store.delete_settled(&key).await), Deletion::Absent);
+
+    let released = request(&key, fingerprint(2));
+    ok(store.claim(&released).await);
+    ok(store.release(&key, released.owner).await);
+    assert_eq!(ok(store.delete_settled(&key).await), Deletion::Deleted);
+
+    let lapsed = request(&key, fingerprint(3));
+    ok(store.claim(&lapsed).await);
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(200)).await;
+    assert_eq!(ok(store.delete_settled(&key).await), Deletion::Deleted);
+    assert_eq!(ok(store.get(&key).await), None);
+}
+
+/// Settled deletes racing claims of one key never remove a claim from under its holder: the
+/// check and the delete are one step. (A read followed by a delete removes, now and then, a
+/// claim made between the two, and its holder's release then finds the record gone.)
+pub async fn case_settled_delete_never_takes_a_claim_made_meanwhile<S: RecordStore>(
+    store: &Arc<S>,
+) {
+    const ROUNDS: usize = 400;
+    let key = fresh_key();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Both in tasks of their own, so each yield hands the turn to the other on any runtime.
+    let purger = tokio::spawn({
+        let (store, key, done) = (store.clone(), key.clone(), done.clone());
+        async move {
+            let mut deleted = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                if ok(store.delete_settled(&key).await) == Deletion::Deleted {
+                    deleted += 1;
+                }
+                tokio::task::yield_now().await;
+            }
+            deleted
+        }
+    });
+    let claimer = tokio::spawn({
+        let (store, key) = (store.clone(), key.clone());
+        async move {
+            for round in 0..ROUNDS {
+                let req = ClaimRequest {
+                    lock_ttl: LONG_LOCK,
+                    ..request(&key, fingerprint(1))
+                };
+                assert!(
+                    matches!(ok(store.claim(&req).await), ClaimOutcome::Acquired { .. }),
+                    "round {round}: a released or absent record is claimable"
+                );
+                tokio::task::yield_now().await;
+                assert_eq!(
+                    ok(store.release(&key, req.owner).await),
+                    WriteOutcome::Applied,
+                    "round {round}: a settled delete removed a running claim"
+                );
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    let claimed = claimer.await;
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let deleted = joined(purger.await);
+    joined(claimed);
+    // The race is real only if the deletes ran among the claims, not all after them.
+    assert!(
+        deleted > 1,
+        "{deleted} deletes landed between {ROUNDS} rounds"
+    );
 }
 
 /// The same hash under two tenants names two records.

@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::{
-    ClaimOutcome, ClaimRequest, Completion, OwnerToken, Record, RecordKey, RecordStore, StoreError,
-    StoreUsage, WriteOutcome,
+    ClaimOutcome, ClaimRequest, Completion, Deletion, OwnerToken, Record, RecordKey, RecordStore,
+    StoreError, StoreUsage, WriteOutcome,
 };
 
 /// What the fake does to calls.
@@ -118,6 +118,10 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.check("delete").await?;
         self.inner.delete(key).await
+    }
+    async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
+        self.check("delete").await?;
+        self.inner.delete_settled(key).await
     }
     async fn ping(&self) -> Result<(), StoreError> {
         self.check("ping").await?;

@@ -26,8 +26,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{
-    digest_word, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
-    RecordState, RecordStore, StoreError, StoreUsage, WriteOutcome,
+    digest_word, ClaimOutcome, ClaimRequest, Completion, Deletion, Digest, OwnerToken, Record,
+    RecordKey, RecordState, RecordStore, StoreError, StoreUsage, WriteOutcome,
 };
 
 /// Bytes charged against the capacity for every record, whatever its state, so `capacity`
@@ -163,6 +163,28 @@ impl MemoryStore {
             }
             None => false,
         }
+    }
+
+    /// Removes the record under `key` unless it is in flight under a live lock, in one step
+    /// under its shard's lock (see [`RecordStore::delete_settled`]).
+    pub fn remove_settled(&self, key: &RecordKey) -> Deletion {
+        let mut map = self.shard(key).lock();
+        let now = self.now();
+        self.expire_if_due(&mut map, key, now);
+        let view: &dyn KeyView = key;
+        let Some(entry) = map.get(view) else {
+            return Deletion::Absent;
+        };
+        if let EntryState::InFlight { lock_until, .. } = entry.state {
+            let lock_remaining = now.until(lock_until);
+            if !lock_remaining.is_zero() {
+                return Deletion::Running { lock_remaining };
+            }
+        }
+        if let Some(mut entry) = map.remove(view) {
+            self.forget(&mut entry);
+        }
+        Deletion::Deleted
     }
 
     /// A store holding at most `capacity_bytes` (see [`record_overhead`] and
@@ -593,6 +615,10 @@ impl RecordStore for MemoryStore {
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         Ok(self.remove(key))
+    }
+
+    async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
+        Ok(self.remove_settled(key))
     }
 
     fn usage(&self) -> Option<StoreUsage> {

@@ -179,6 +179,21 @@ pub enum WriteOutcome {
     NotOwner,
 }
 
+/// Answer to [`RecordStore::delete_settled`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deletion {
+    /// The record was removed.
+    Deleted,
+    /// There was no record (or only an expired one).
+    Absent,
+    /// The record is in flight and its lock has not lapsed: its execution may still be
+    /// running, so it was left as it is.
+    Running {
+        /// Time left on the holder's lock.
+        lock_remaining: Duration,
+    },
+}
+
 /// Failures of the store itself (not of the request).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -233,8 +248,15 @@ pub trait RecordStore: Send + Sync + 'static {
     /// Reads a record without changing it.
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
 
-    /// Removes a record whatever its state (admin purge). Returns whether one existed.
+    /// Removes a record whatever its state (admin purge with `?force=true`). Returns whether
+    /// one existed.
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError>;
+
+    /// Removes a record unless it is in flight under a lock that has not lapsed (admin purge).
+    /// One atomic step: a claim landing at the same moment is either removed before it was
+    /// made (and then runs on an absent record) or seen and spared, never taken from the
+    /// execution that holds it, as a read followed by a delete could.
+    async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError>;
 
     /// Checks the store can serve requests (readiness). The embedded store always can.
     async fn ping(&self) -> Result<(), StoreError> {
@@ -302,6 +324,9 @@ impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     }
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         (**self).delete(key).await
+    }
+    async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
+        (**self).delete_settled(key).await
     }
     async fn ping(&self) -> Result<(), StoreError> {
         (**self).ping().await

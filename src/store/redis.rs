@@ -79,7 +79,7 @@ pub use super::script_set::{
 };
 use super::script_set::{Canary, ScriptOp, ScriptSet, StatsRegistry, Version};
 use super::{
-    codec, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
+    codec, ClaimOutcome, ClaimRequest, Completion, Deletion, Digest, OwnerToken, Record, RecordKey,
     RecordState, RecordStore, StoreError, WriteOutcome,
 };
 use crate::config::{
@@ -1280,6 +1280,22 @@ impl RecordStore for RedisStore {
         }
     }
 
+    /// `lua/purge.lua`: the state read and the delete in one script, so a claim landing
+    /// meanwhile is never removed from under its execution.
+    async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
+        static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(PURGE_SCRIPT));
+        let key = self.record_key(key);
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha.arg(SCRIPT.get_hash()).arg(1).arg(&key);
+        let call = Call::Script {
+            evalsha,
+            text: PURGE_SCRIPT,
+            key: &key,
+        };
+        let reply = self.send("delete", call).await.map_err(|f| f.error)?;
+        parse_deletion(reply)
+    }
+
     /// Runs the get script (EVALSHA) on a key no record uses: a server that answers PING but
     /// cannot run scripts (ACL, broken script cache that cannot be reloaded) is not ready.
     async fn ping(&self) -> Result<(), StoreError> {
@@ -1516,6 +1532,9 @@ fn eval_of(evalsha: &Cmd, text: &str) -> Cmd {
 /// The worker-id lease script: see `lua/worker_lease.lua` and [`crate::worker_lease`].
 const WORKER_LEASE_SCRIPT: &str = include_str!("../../lua/worker_lease.lua");
 
+/// The admin purge's script: see `lua/purge.lua`.
+const PURGE_SCRIPT: &str = include_str!("../../lua/purge.lua");
+
 /// `SCRIPT LOAD <text>`.
 fn script_load(text: &str) -> Cmd {
     let mut cmd = redis::cmd("SCRIPT");
@@ -1621,6 +1640,21 @@ fn store_error(op: &str, err: RedisError) -> StoreError {
         ))
     } else {
         StoreError::Unavailable(format!("redis {op}: {err}"))
+    }
+}
+
+/// The reply of `lua/purge.lua`.
+fn parse_deletion(reply: Value) -> Result<Deletion, StoreError> {
+    match reply {
+        Value::Int(1) => Ok(Deletion::Deleted),
+        Value::Int(0) => Ok(Deletion::Absent),
+        Value::Array(ref items) => match items.as_slice() {
+            [Value::Int(ms)] if *ms > 0 => Ok(Deletion::Running {
+                lock_remaining: Duration::from_millis(ms.unsigned_abs()),
+            }),
+            _ => Err(unexpected("delete", &reply)),
+        },
+        other => Err(unexpected("delete", &other)),
     }
 }
 
@@ -1868,6 +1902,32 @@ mod tests {
             parse_write("release", Value::Int(0)).unwrap(),
             WriteOutcome::NotOwner
         );
+    }
+
+    #[test]
+    fn purge_replies_parse_and_odd_ones_are_corrupt() {
+        assert_eq!(parse_deletion(Value::Int(1)).unwrap(), Deletion::Deleted);
+        assert_eq!(parse_deletion(Value::Int(0)).unwrap(), Deletion::Absent);
+        assert_eq!(
+            parse_deletion(Value::Array(vec![Value::Int(1500)])).unwrap(),
+            Deletion::Running {
+                lock_remaining: Duration::from_millis(1500)
+            }
+        );
+        for odd in [
+            Value::Int(2),
+            Value::Nil,
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(0)]),
+            Value::Array(vec![Value::Int(-5)]),
+            Value::Array(vec![Value::Int(5), Value::Int(5)]),
+            Value::Array(vec![bulk(b"5")]),
+        ] {
+            assert!(
+                matches!(parse_deletion(odd.clone()), Err(StoreError::Corrupt(_))),
+                "{odd:?}"
+            );
+        }
     }
 
     #[test]
