@@ -3,8 +3,10 @@
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use common::faultproxy::FaultProxy;
 use common::redis::{RedisSentinel, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
@@ -291,6 +293,31 @@ async fn wait_for_listeners(server: &RedisServer, listeners: i64) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A purge listener whose connection died silently (a load balancer dropped the idle flow: no
+/// FIN, no RST, nothing delivered) notices at its next heartbeat, subscribes again, and hears
+/// the purges that follow.
+#[tokio::test]
+async fn a_purge_listener_whose_connection_died_silently_subscribes_again() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let a = ProxyBuilder::new(&backend)
+        .redis(&[link.redis_url()])
+        .start()
+        .await;
+    let b = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
+    wait_for_listeners(&redis, 2).await;
+    link.strand();
+    // Redis still counts A's first subscription (its end of that flow is open): a third
+    // listener is A on a new connection.
+    wait_for_listeners(&redis, 3).await;
+    purge_reaches_the_other_replica(&a, &b, "after-the-drop").await;
 }
 
 /// A executes `key` and keeps it in its local cache; B purges it; A must then execute it again

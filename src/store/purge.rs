@@ -12,6 +12,7 @@
 //! publish and every (re)subscription, so purges keep reaching every replica across a failover
 //! (a listener still on a demoted primary also keeps hearing them: Redis replicates `PUBLISH`).
 
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,8 +26,18 @@ use super::redis::{sentinel_client, single_client, SetupError};
 use super::{ForgetLocal, RecordKey};
 use crate::config::{RedisConfig, RedisTopology};
 
-/// How long a purge announcement may take to connect, and then to be answered.
+/// How long a purge announcement may take to connect, and then to be answered; and how long
+/// a listener's subscription, and each of its heartbeats, may take.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often a listener PINGs its subscribed connection. A subscription only ever reads, so a
+/// connection that died without a FIN or RST (a NAT or load balancer that dropped the idle
+/// flow, a host gone from the network) would otherwise go unnoticed for as long as the kernel's
+/// keepalive takes (two hours by default), every purge meanwhile missed and its copies still
+/// replayed. A PING unanswered within [`PUBLISH_TIMEOUT`] ends the session: the listener
+/// subscribes again, and drops its copies as after any loss. The traffic also keeps an idle
+/// flow from being dropped in the first place (load balancers drop idle flows after minutes).
+const HEARTBEAT: Duration = Duration::from_secs(5);
 
 /// Publishes and receives purge messages on one channel.
 #[derive(Clone)]
@@ -173,31 +184,11 @@ impl PurgeBus {
     ) {
         let mut pause = Duration::from_millis(100);
         loop {
-            let session = async {
-                let mut pubsub = self.client().await?.get_async_pubsub().await?;
-                pubsub.subscribe(&self.channel).await?;
-                tracing::debug!(channel = %self.channel, "listening for purges");
-                on_subscribed();
-                // Subscribed: the next loss starts its backoff afresh.
-                pause = Duration::from_millis(100);
-                let mut messages = pubsub.into_on_message();
-                while let Some(msg) = messages.next().await {
-                    let Ok(payload) = msg.get_payload::<String>() else {
-                        continue;
-                    };
-                    if let Some(key) = parse_message(&payload) {
-                        on_purge(&key);
-                    }
-                }
-                Ok::<(), redis::RedisError>(())
-            };
             tokio::select! {
-                result = session => {
-                    if let Err(e) = result {
-                        tracing::debug!(error = %e, "purge channel lost; reconnecting");
-                        // The next try goes to a Cluster's next seed: this one may be gone.
-                        self.server.load().next_seed();
-                    }
+                Err(e) = self.session(&on_purge, on_subscribed.as_ref(), &mut pause) => {
+                    tracing::debug!(error = %e, "purge channel lost; reconnecting");
+                    // The next try goes to a Cluster's next seed: this one may be gone.
+                    self.server.load().next_seed();
                 }
                 _ = shutdown.changed() => return,
             }
@@ -206,6 +197,51 @@ impl PurgeBus {
                 _ = shutdown.changed() => return,
             }
             pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// One subscription, from connecting until it is lost (the reason); `pause`, the backoff
+    /// before the next, starts afresh once subscribed.
+    async fn session(
+        &self,
+        on_purge: &ForgetLocal,
+        on_subscribed: &(dyn Fn() + Send + Sync),
+        pause: &mut Duration,
+    ) -> Result<Infallible, String> {
+        let subscribe = async {
+            let mut pubsub = self.client().await?.get_async_pubsub().await?;
+            pubsub.subscribe(&self.channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        };
+        // Bounded: a seed that drops SYNs would hold a connect for minutes, and a Cluster's
+        // other seeds would not be tried meanwhile.
+        let pubsub = tokio::time::timeout(PUBLISH_TIMEOUT, subscribe)
+            .await
+            .map_err(|_| "subscribing timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        tracing::debug!(channel = %self.channel, "listening for purges");
+        on_subscribed();
+        *pause = Duration::from_millis(100);
+        let (mut sink, mut messages) = pubsub.split();
+        let mut heartbeat = tokio::time::interval(HEARTBEAT);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        heartbeat.tick().await;
+        loop {
+            tokio::select! {
+                msg = messages.next() => {
+                    let msg = msg.ok_or_else(|| "the connection closed".to_string())?;
+                    if let Some(key) = msg.get_payload::<String>().ok().as_deref().and_then(parse_message) {
+                        on_purge(&key);
+                    }
+                }
+                _ = heartbeat.tick() => {
+                    // Messages arriving meanwhile wait in the connection's queue.
+                    tokio::time::timeout(PUBLISH_TIMEOUT, sink.ping::<redis::Value>())
+                        .await
+                        .map_err(|_| "a heartbeat went unanswered".to_string())?
+                        .map_err(|e| format!("heartbeat: {e}"))?;
+                }
+            }
         }
     }
 }

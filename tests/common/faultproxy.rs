@@ -10,6 +10,10 @@
 //!   pipelined protocol in a way no real network does.)
 //! - [`Fault::Reset`]: every relayed connection is aborted with RST (`SO_LINGER` 0) on both
 //!   sides, and new connections are reset as soon as they are accepted.
+//!
+//! Apart from the fault, [`FaultProxy::strand`] silences the connections open at that moment
+//! for good (a NAT or load balancer that dropped their flows: no FIN, no RST, nothing
+//! delivered either way), while new connections are relayed as usual.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +47,8 @@ pub struct FaultProxy {
     pub addr: SocketAddr,
     pub target: SocketAddr,
     mode: watch::Sender<Fault>,
+    /// Bumped by [`FaultProxy::strand`]; a relay accepted under an older value is silent.
+    strands: watch::Sender<u64>,
     pub stats: Arc<FaultStats>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -55,6 +61,7 @@ impl FaultProxy {
             .expect("bind fault proxy");
         let addr = listener.local_addr().expect("fault proxy addr");
         let (mode, rx) = watch::channel(Fault::Pass);
+        let (strands, stranded) = watch::channel(0u64);
         let stats = Arc::new(FaultStats::default());
         let accept = tokio::spawn({
             let stats = stats.clone();
@@ -64,7 +71,11 @@ impl FaultProxy {
                         continue;
                     };
                     stats.accepted.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(relay(client, target, rx.clone(), stats.clone()));
+                    let born = Strand {
+                        at: *stranded.borrow(),
+                        now: stranded.clone(),
+                    };
+                    tokio::spawn(relay(client, target, rx.clone(), born, stats.clone()));
                 }
             }
         });
@@ -72,9 +83,16 @@ impl FaultProxy {
             addr,
             target,
             mode,
+            strands,
             stats,
             accept,
         }
+    }
+
+    /// Silences every connection open now, for good: nothing more is delivered on them either
+    /// way and they stay open. Connections made afterwards are relayed as usual.
+    pub fn strand(&self) {
+        self.strands.send_modify(|n| *n += 1);
     }
 
     /// `redis://<addr>`: the proxy's address as a Redis URL.
@@ -101,6 +119,19 @@ impl Drop for FaultProxy {
     }
 }
 
+/// The strand count a relay was accepted under, and the proxy's current one.
+#[derive(Clone)]
+struct Strand {
+    at: u64,
+    now: watch::Receiver<u64>,
+}
+
+impl Strand {
+    fn stranded(&self) -> bool {
+        *self.now.borrow() > self.at
+    }
+}
+
 /// How one direction of a relay ended.
 enum End {
     Closed,
@@ -111,6 +142,7 @@ async fn relay(
     mut client: TcpStream,
     target: SocketAddr,
     mut mode: watch::Receiver<Fault>,
+    strand: Strand,
     stats: Arc<FaultStats>,
 ) {
     // A new connection during a partition hangs (connected, nothing relayed) until it heals.
@@ -136,8 +168,8 @@ async fn relay(
         let (cr, cw) = client.split();
         let (ur, uw) = upstream.split();
         tokio::select! {
-            end = pipe(cr, uw, mode.clone()) => end,
-            end = pipe(ur, cw, mode.clone()) => end,
+            end = pipe(cr, uw, mode.clone(), strand.clone()) => end,
+            end = pipe(ur, cw, mode.clone(), strand.clone()) => end,
         }
     };
     match end {
@@ -158,7 +190,12 @@ fn abort(client: &TcpStream, upstream: Option<&TcpStream>, stats: &FaultStats) {
 
 /// Relays one direction: a reader stamps chunks as they arrive, a writer delivers each one when
 /// the fault in force allows.
-async fn pipe(mut from: ReadHalf<'_>, mut to: WriteHalf<'_>, mode: watch::Receiver<Fault>) -> End {
+async fn pipe(
+    mut from: ReadHalf<'_>,
+    mut to: WriteHalf<'_>,
+    mode: watch::Receiver<Fault>,
+    strand: Strand,
+) -> End {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let mut read_mode = mode.clone();
     // Both halves own what they use: when the reader ends, its sender is dropped and the writer
@@ -182,6 +219,11 @@ async fn pipe(mut from: ReadHalf<'_>, mut to: WriteHalf<'_>, mode: watch::Receiv
     let mut write_mode = mode;
     let writer = async move {
         while let Some((read_at, chunk)) = rx.recv().await {
+            if strand.stranded() {
+                // Silent until the proxy goes (its drop resets every relay).
+                until_reset(&mut write_mode).await;
+                return End::Reset;
+            }
             loop {
                 let fault = *write_mode.borrow_and_update();
                 match fault {
