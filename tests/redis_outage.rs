@@ -741,6 +741,64 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 
+/// During an outage that outlasts the lock, a retry on the replica still running the key is a
+/// conflict: each failed renewal proves the execution still runs there, so the replica counts
+/// the key as its own until it ends, and the outage policy never runs it beside itself.
+#[tokio::test]
+async fn a_retry_on_the_replica_running_the_key_is_refused_through_an_outage_longer_than_the_lock()
+{
+    use common::rawbackend::{RawBackend, Step};
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    // A backend still at work after the lock: `102 Processing` every second for 6 s.
+    let mut script = Vec::new();
+    for _ in 0..6 {
+        script.push(Step::Send(b"HTTP/1.1 102 Processing\r\n\r\n".to_vec()));
+        script.push(Step::Pause(Duration::from_secs(1)));
+    }
+    script.push(Step::Send(
+        b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}".to_vec(),
+    ));
+    let backend = RawBackend::start(script).await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .redis(&[link.redis_url()])
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 200ms")
+        .store("on_unavailable: local")
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 300ms")
+        .upstream("read_timeout: 1500ms")
+        .idem("lock_ttl: 2500ms")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("outlasted").body("{}");
+    let first = req.spawn_send(proxy.addr);
+    let started = Instant::now();
+    while backend.count() < 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never forwarded"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Redis is cut off from 1 s on, before the first renewal (at three quarters of the lock);
+    // the lock lapses at 2.5 s, and the retry comes 2.5 s after that.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    link.set(Fault::Reset);
+    tokio::time::sleep(Duration::from_millis(4000)).await;
+    let retry = req.send(proxy.addr).await;
+    assert_eq!(
+        (retry.status, retry.result()),
+        (409, Some("CONFLICT")),
+        "{}\n{}",
+        retry.text(),
+        proxy.log()
+    );
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(backend.count(), 1, "the key ran once");
+}
+
 #[tokio::test]
 async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
     let redis = RedisServer::start();

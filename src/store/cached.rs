@@ -413,6 +413,18 @@ impl<S: RecordStore> CachedStore<S> {
         filters.current.check(hash) || filters.previous.check(hash)
     }
 
+    /// A claim whose owner holds the key here already is a renewal, sent only while that
+    /// execution still runs in this process. One the store failed still proves that much: the
+    /// claim counts as held here for another lock from now, so during an outage longer than the
+    /// lock a retry on this replica is refused as in flight ([`RecordStore::own_claim`]) rather
+    /// than run beside it under the outage policy.
+    fn still_running(&self, req: &ClaimRequest) {
+        let mut pending = self.pending.lock();
+        if let Some(p) = pending.map.get_mut(&(req.key.hash, req.owner.0)) {
+            p.deadline = p.deadline.max(Instant::now() + req.lock_ttl);
+        }
+    }
+
     fn cached(&self, key: &RecordKey) -> Option<Record> {
         let mut cache = self.shard(&key.hash).lock();
         let now = Instant::now();
@@ -759,7 +771,13 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         }
         let mark = self.mark(&req.key.hash);
         let sent = Instant::now();
-        let outcome = self.inner.claim(req).await?;
+        let outcome = match self.inner.claim(req).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                self.still_running(req);
+                return Err(e);
+            }
+        };
         if let ClaimOutcome::Existing(record) = &outcome {
             self.keep_copy(&req.key, record, sent, mark);
         }
