@@ -952,15 +952,20 @@ pub async fn case_settled_delete_spares_a_running_claim<S: RecordStore>(store: &
 pub async fn case_settled_delete_never_takes_a_claim_made_meanwhile<S: RecordStore>(
     store: &Arc<S>,
 ) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     const ROUNDS: usize = 400;
     let key = fresh_key();
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
+    // Deletes begun: after each release the claimer waits for one to begin, then claims at
+    // once, so every round a delete runs into a claim made while it is under way.
+    let begun = Arc::new(AtomicUsize::new(0));
     // Both in tasks of their own, so each yield hands the turn to the other on any runtime.
     let purger = tokio::spawn({
-        let (store, key, done) = (store.clone(), key.clone(), done.clone());
+        let (store, key, done, begun) = (store.clone(), key.clone(), done.clone(), begun.clone());
         async move {
             let mut deleted = 0;
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+            while !done.load(Relaxed) {
+                begun.fetch_add(1, Relaxed);
                 if ok(store.delete_settled(&key).await) == Deletion::Deleted {
                     deleted += 1;
                 }
@@ -970,7 +975,7 @@ pub async fn case_settled_delete_never_takes_a_claim_made_meanwhile<S: RecordSto
         }
     });
     let claimer = tokio::spawn({
-        let (store, key) = (store.clone(), key.clone());
+        let (store, key, begun) = (store.clone(), key.clone(), begun.clone());
         async move {
             for round in 0..ROUNDS {
                 let req = ClaimRequest {
@@ -987,12 +992,16 @@ pub async fn case_settled_delete_never_takes_a_claim_made_meanwhile<S: RecordSto
                     WriteOutcome::Applied,
                     "round {round}: a settled delete removed a running claim"
                 );
-                tokio::task::yield_now().await;
+                let before = begun.load(Relaxed);
+                let waited = Instant::now();
+                while begun.load(Relaxed) == before && waited.elapsed() < WAIT_TIMEOUT {
+                    tokio::task::yield_now().await;
+                }
             }
         }
     });
     let claimed = claimer.await;
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    done.store(true, Relaxed);
     let deleted = joined(purger.await);
     joined(claimed);
     // The race is real only if the deletes ran among the claims, not all after them.
