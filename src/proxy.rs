@@ -167,6 +167,7 @@ impl UpstreamPool {
                 peer.options.read_timeout = Some(up.read_timeout);
                 peer.options.write_timeout = Some(up.write_timeout);
                 peer.options.idle_timeout = Some(up.idle_timeout);
+                peer.options.tcp_keepalive = Some(upstream::keepalive(up.write_timeout));
                 peers.push(peer);
                 backends.push(Backend {
                     addr: sa,

@@ -6,7 +6,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::faultproxy::FaultProxy;
+use common::faultproxy::{Fault, FaultProxy};
 use common::redis::{RedisSentinel, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
@@ -120,7 +120,17 @@ async fn a_purge_drops_the_local_copy_on_every_replica() {
 async fn a_purge_whose_answer_was_lost_still_drops_the_copies() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let (a, b) = two_replicas(&backend, &redis.url()).await;
+    // B, which purges, reaches Redis through a link that can be slowed.
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let a = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .start()
+        .await;
+    let b = ProxyBuilder::new(&backend)
+        .redis(&[link.redis_url()])
+        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await;
     wait_for_listeners(&redis, 2).await;
     let req = Request::post("/orders").key("lost-answer").body("{}");
     let first = req.send(a.addr).await;
@@ -131,17 +141,17 @@ async fn a_purge_whose_answer_was_lost_still_drops_the_copies() {
         "A's local copy"
     );
 
-    // A first purge (of a key never used) has Redis load the purge script: a call of a
-    // script Redis does not know yet waits out a pause only to be told NOSCRIPT, and is not
-    // sent again once the caller has given up.
+    // A first purge (of a key never used) has Redis load the purge script, so the slowed one
+    // below is one call.
     let warm = Request::new("DELETE", "/admin/records/default/never-used")
         .header("Authorization", format!("Bearer {TOKEN}"))
         .send(b.admin)
         .await;
     assert_eq!(warm.status, 200, "{}", warm.text());
-    // Writes (the purge script, and PUBLISH with it) wait 1.5 s: B's delete gives up after its response
-    // timeouts (2 x 200 ms), then Redis deletes the record and delivers the announcement.
-    let _: String = redis.cmd(&["CLIENT", "PAUSE", "1500", "WRITE"]);
+    // Every byte between B and Redis takes 600 ms each way: B's delete gives up after its
+    // response timeout (200 ms), Redis deletes the record at 600 ms, and the announcement
+    // (which waits up to 2 s for its answer) is delivered.
+    link.set(Fault::Delay(Duration::from_millis(600)));
     let del = Request::new("DELETE", "/admin/records/default/lost-answer")
         .header("Authorization", format!("Bearer {TOKEN}"))
         .send(b.admin)
@@ -153,8 +163,6 @@ async fn a_purge_whose_answer_was_lost_still_drops_the_copies() {
         "{}",
         del.text()
     );
-    // The delete and the announcement went on two connections: once the pause ends, Redis
-    // may run the announcement first, and the delete a moment later.
     let deadline = Instant::now() + Duration::from_secs(3);
     while redis.cmd::<i64>(&["DBSIZE"]) != 0 {
         assert!(Instant::now() < deadline, "the delete never landed");

@@ -741,6 +741,50 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 
+/// A Redis connection that dies without a word (a dropped flow; a proxy on the way that keeps
+/// acknowledging and never answers) is replaced once a call on it times out with nothing
+/// answered since it went out: keyed requests are served again within a few timeouts. (redis-rs
+/// reconnects after I/O errors only, and kept sending every call on the dead connection.)
+#[tokio::test]
+async fn a_redis_connection_that_went_silent_is_replaced() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let proxy = builder_to(&backend, link.redis_url())
+        .threads(1)
+        .start()
+        .await;
+    let before = Request::post("/orders")
+        .key("before")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(before.result(), Some("MISS"), "{}", before.text());
+    link.strand();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for n in 0.. {
+        let r = Request::post("/orders")
+            .key(&format!("after-{n}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        if r.result() == Some("MISS") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never served again: {} {}\n{}",
+            r.status,
+            r.text(),
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    proxy
+        .log_containing("redis connection answered nothing since the call went out")
+        .await;
+}
+
 /// During an outage that outlasts the lock, a retry on the replica still running the key is a
 /// conflict: each failed renewal proves the execution still runs there, so the replica counts
 /// the key as its own until it ends, and the outage policy never runs it beside itself.

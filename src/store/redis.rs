@@ -19,7 +19,9 @@
 //!
 //! Failure handling: every operation is bounded by `connect_timeout + 2 × response_timeout`
 //! and then fails as [`StoreError::Unavailable`]. An operation whose connection turns out to be
-//! dead (Redis restarted, failed over) is sent once more on a fresh connection. That re-send is
+//! dead (Redis restarted, failed over) is sent once more on a fresh connection; one that went
+//! silent (no answer to anything since a call that timed out went out) is dropped, so the next
+//! call makes another (see [`Held`]). That re-send is
 //! safe even when the first send did reach Redis: a claim by the same owner re-acquires, and
 //! complete/release carry a random write id the scripts remember, so a repeated write answers
 //! "applied" instead of "not owner".
@@ -71,7 +73,6 @@ use redis::{
     ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, RedisError, RedisFuture, RedisResult,
     ServerErrorKind, TlsCertificates, TlsMode, Value,
 };
-use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 pub use super::script_set::{
@@ -206,11 +207,11 @@ enum Backend {
     Single {
         client: redis::Client,
         config: ConnectionManagerConfig,
-        conn: PerRuntime<ConnectionManager>,
+        conn: PerRuntime,
     },
     Cluster {
         client: ClusterClient,
-        conn: PerRuntime<ClusterConnection>,
+        conn: PerRuntime,
     },
     Sentinel(Arc<SentinelBackend>),
 }
@@ -417,32 +418,107 @@ fn same_certificates(a: &TlsCertificates, b: &TlsCertificates) -> bool {
 /// runtime that created it, so a connection shared across pingora's runtimes (each service and,
 /// without work stealing, each proxy thread has its own) made every call wake another thread:
 /// measured at a fifth of a core on the keyed-miss benchmark. The runtimes are few and fixed.
-struct PerRuntime<C> {
-    cells: parking_lot::Mutex<Vec<RuntimeCell<C>>>,
+#[derive(Default)]
+struct PerRuntime {
+    cells: parking_lot::Mutex<Vec<(Option<tokio::runtime::Id>, Arc<RuntimeSlot>)>>,
 }
 
-/// A runtime (None: called outside any) and its connection, once made.
-type RuntimeCell<C> = (Option<tokio::runtime::Id>, Arc<OnceCell<C>>);
+/// The connection of one runtime: made on first use, dropped when found dead
+/// ([`Held::silent_since`]) so the next call makes another.
+#[derive(Default)]
+struct RuntimeSlot {
+    held: parking_lot::Mutex<Option<Arc<Held>>>,
+    /// Held while connecting: concurrent first calls share one attempt.
+    connecting: tokio::sync::Mutex<()>,
+}
 
-impl<C> Default for PerRuntime<C> {
-    fn default() -> Self {
-        PerRuntime {
-            cells: parking_lot::Mutex::new(Vec::new()),
-        }
+/// A connection in use, and when it last answered anything.
+///
+/// A connection can die without a word: a NAT or load balancer drops the flow, or a proxy on
+/// the way (a service mesh sidecar, say) keeps acknowledging what is sent and never answers.
+/// redis-rs reconnects after an I/O error, but a response timeout is no I/O error to it, so
+/// every later call would go out on the dead connection and time out in turn. A call that timed
+/// out while the connection answered nothing at all since that call went out drops it
+/// ([`Backend::suspect`]): a server that is merely slow goes on answering other calls and keeps
+/// its connection, and of the many calls a dead one fails, only the first drops it.
+struct Held {
+    conn: Conn,
+    /// Nanoseconds from [`clock_base`] to the last answer (any reply, an error reply too).
+    answered: AtomicU64,
+}
+
+impl Held {
+    fn new(conn: Conn) -> Arc<Held> {
+        Arc::new(Held {
+            conn,
+            answered: AtomicU64::new(since_base(Instant::now())),
+        })
+    }
+
+    /// Notes that the server answered now.
+    fn answered(&self) {
+        self.answered
+            .fetch_max(since_base(Instant::now()), Ordering::Relaxed);
+    }
+
+    /// Whether nothing came back on this connection since `sent`.
+    fn silent_since(&self, sent: Instant) -> bool {
+        self.answered.load(Ordering::Relaxed) < since_base(sent)
     }
 }
 
-impl<C> PerRuntime<C> {
-    /// The cell of the calling runtime.
-    fn current(&self) -> Arc<OnceCell<C>> {
+/// What [`Held`] counts its answers from.
+fn clock_base() -> Instant {
+    static BASE: LazyLock<Instant> = LazyLock::new(Instant::now);
+    *BASE
+}
+
+/// Nanoseconds from [`clock_base`] to `at` (0 before it).
+fn since_base(at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(clock_base()).as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl PerRuntime {
+    /// The slot of the calling runtime.
+    fn current(&self) -> Arc<RuntimeSlot> {
         let id = tokio::runtime::Handle::try_current().ok().map(|h| h.id());
         let mut cells = self.cells.lock();
-        if let Some((_, cell)) = cells.iter().find(|(i, _)| *i == id) {
-            return cell.clone();
+        if let Some((_, slot)) = cells.iter().find(|(i, _)| *i == id) {
+            return slot.clone();
         }
-        let cell = Arc::new(OnceCell::new());
-        cells.push((id, cell.clone()));
-        cell
+        let slot = Arc::new(RuntimeSlot::default());
+        cells.push((id, slot.clone()));
+        slot
+    }
+}
+
+impl RuntimeSlot {
+    /// The connection, made with `connect` if there is none.
+    async fn get<F, Fut>(&self, connect: F) -> RedisResult<Arc<Held>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = RedisResult<Conn>>,
+    {
+        if let Some(held) = self.held.lock().clone() {
+            return Ok(held);
+        }
+        let _one = self.connecting.lock().await;
+        if let Some(held) = self.held.lock().clone() {
+            return Ok(held);
+        }
+        let held = Held::new(connect().await?);
+        *self.held.lock() = Some(held.clone());
+        Ok(held)
+    }
+
+    /// Drops `held` if it is still this slot's connection.
+    fn drop_if_current(&self, held: &Arc<Held>) -> bool {
+        let mut current = self.held.lock();
+        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, held)) {
+            *current = None;
+            return true;
+        }
+        false
     }
 }
 
@@ -450,7 +526,7 @@ impl<C> PerRuntime<C> {
 struct SentinelBackend {
     sentinel: tokio::sync::Mutex<SentinelClient>,
     config: ConnectionManagerConfig,
-    current: parking_lot::Mutex<Option<ConnectionManager>>,
+    current: parking_lot::Mutex<Option<Arc<Held>>>,
 }
 
 /// A connection handle for one call: cheap to clone, shared with other calls.
@@ -542,7 +618,7 @@ impl RedisStore {
         match tokio::time::timeout(self.op_timeout, backend.conn()).await {
             Ok(Ok(_)) => {}
             Ok(Err(err)) => {
-                backend.on_error(&err);
+                backend.on_error(&err, None);
                 return Err(store_error("connect", err));
             }
             Err(_) => return Err(self.timed_out("connect")),
@@ -854,12 +930,13 @@ impl RedisStore {
     async fn load(&self, version: &Version) -> Result<Vec<String>, ScriptsError> {
         let backend = self.backend.load_full();
         let attempt = async {
-            let conn = backend
+            let held = backend
                 .conn()
                 .await
                 .map_err(|e| ScriptsError::Unavailable(e.to_string()))?;
+            let sent = Instant::now();
             let sends = version.sources.texts.iter().map(|text| {
-                let mut conn = conn.clone();
+                let mut conn = held.conn.clone();
                 let cmd = script_load(text);
                 async move {
                     match &mut conn {
@@ -885,6 +962,9 @@ impl RedisStore {
                 }
             });
             let answers = futures_util::future::join_all(sends).await;
+            if answers.iter().any(|a| a.is_ok() || is_script_fault_ref(a)) {
+                held.answered();
+            }
             let mut files = Vec::new();
             for (i, (loaded, script)) in answers.into_iter().zip(version.scripts.all()).enumerate()
             {
@@ -904,7 +984,7 @@ impl RedisStore {
                         })
                     }
                     Err(err) => {
-                        backend.on_error(&err);
+                        backend.on_error(&err, Some((&held, sent)));
                         return Err(ScriptsError::Unavailable(err.to_string()));
                     }
                 }
@@ -1038,22 +1118,28 @@ impl RedisStore {
     /// dead, all within the operation deadline.
     async fn send(&self, op: &'static str, call: Call<'_>) -> Result<Value, Failure> {
         let backend = self.backend.load_full();
+        // The connection the call last went out on, and when.
+        let mut used = None;
         let attempt = async {
-            let mut conn = backend.conn().await?;
-            match call.send(&mut conn).await {
+            let held = backend.conn().await?;
+            used = Some((held.clone(), Instant::now()));
+            match call.send_on(&held).await {
                 Err(err) if worth_resending(&err) => {
                     tracing::debug!(op, error = %err, "redis connection lost; sending again");
-                    backend.on_error(&err);
-                    let mut conn = backend.conn().await?;
-                    call.send(&mut conn).await
+                    backend.on_error(&err, used.as_ref().map(|(h, at)| (h, *at)));
+                    let held = backend.conn().await?;
+                    used = Some((held.clone(), Instant::now()));
+                    call.send_on(&held).await
                 }
                 other => other,
             }
         };
-        match tokio::time::timeout(self.op_timeout, attempt).await {
+        let result = tokio::time::timeout(self.op_timeout, attempt).await;
+        let used = used.as_ref().map(|(h, at)| (h, *at));
+        match result {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) => {
-                backend.on_error(&err);
+                backend.on_error(&err, used);
                 let script_fault = is_script_fault(&err);
                 let answered = matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension);
                 // A script that fails is no outage: Redis is up and would fail it the same way
@@ -1071,11 +1157,16 @@ impl RedisStore {
                     error,
                 })
             }
-            Err(_) => Err(Failure {
-                error: self.timed_out(op),
-                script_fault: false,
-                answered: false,
-            }),
+            Err(_) => {
+                let timed_out =
+                    RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+                backend.on_error(&timed_out, used);
+                Err(Failure {
+                    error: self.timed_out(op),
+                    script_fault: false,
+                    answered: false,
+                })
+            }
         }
     }
 
@@ -1339,40 +1430,55 @@ impl fmt::Debug for RedisStore {
 impl Backend {
     /// A connection, made now if there is none yet. Concurrent first calls share one attempt;
     /// a failed attempt leaves nothing behind, so the next call tries again.
-    async fn conn(&self) -> RedisResult<Conn> {
+    async fn conn(&self) -> RedisResult<Arc<Held>> {
         match self {
             Backend::Single {
                 client,
                 config,
                 conn,
             } => {
-                let cell = conn.current();
-                let manager = cell
-                    .get_or_try_init(|| {
-                        ConnectionManager::new_with_config(client.clone(), config.clone())
-                    })
-                    .await?;
-                Ok(Conn::Manager(manager.clone()))
+                let connect = || async {
+                    ConnectionManager::new_with_config(client.clone(), config.clone())
+                        .await
+                        .map(Conn::Manager)
+                };
+                conn.current().get(connect).await
             }
             Backend::Cluster { client, conn } => {
-                let cell = conn.current();
-                let cluster = cell
-                    .get_or_try_init(|| client.get_async_connection())
-                    .await?;
-                Ok(Conn::Cluster(cluster.clone()))
+                let connect = || async { client.get_async_connection().await.map(Conn::Cluster) };
+                conn.current().get(connect).await
             }
-            Backend::Sentinel(sentinel) => SentinelBackend::conn(sentinel).await.map(Conn::Manager),
+            Backend::Sentinel(sentinel) => SentinelBackend::conn(sentinel).await,
         }
     }
 
-    /// Lets the backend react to a failed call: the Sentinel backend forgets a primary that
-    /// stopped answering or was demoted. The others reconnect by themselves.
-    fn on_error(&self, err: &RedisError) {
-        if let Backend::Sentinel(sentinel) = self {
-            let demoted =
-                is_read_only(err) || err.kind() == ErrorKind::Server(ServerErrorKind::MasterDown);
-            if demoted || err.is_io_error() || err.is_timeout() {
-                sentinel.forget();
+    /// Lets the backend react to a call that failed on `held` (sent at `sent`), or to a failure
+    /// to connect at all (`None`). A connection that went silent is dropped (see [`Held`]); the
+    /// Sentinel backend also forgets a primary that was demoted or whose connection broke, and
+    /// looks it up again. Otherwise redis-rs reconnects by itself.
+    fn on_error(&self, err: &RedisError, used: Option<(&Arc<Held>, Instant)>) {
+        let silent = used.is_some_and(|(held, sent)| held.silent_since(sent));
+        match self {
+            Backend::Single { conn, .. } | Backend::Cluster { conn, .. } => {
+                if let (Some((held, _)), true) = (used, err.is_timeout() && silent) {
+                    if conn.current().drop_if_current(held) {
+                        tracing::warn!(error = %err, "redis connection answered nothing since the call went out; reconnecting");
+                    }
+                }
+            }
+            Backend::Sentinel(sentinel) => {
+                let demoted = is_read_only(err)
+                    || err.kind() == ErrorKind::Server(ServerErrorKind::MasterDown);
+                // A slow primary that still answers other calls keeps its connection: a lookup
+                // and a new connection per timeout would only slow it further.
+                let dead = if err.is_timeout() {
+                    silent
+                } else {
+                    err.is_io_error()
+                };
+                if demoted || dead {
+                    sentinel.forget(used.map(|(held, _)| held));
+                }
             }
         }
     }
@@ -1393,7 +1499,7 @@ impl SentinelBackend {
         })
     }
 
-    async fn conn(this: &Arc<Self>) -> RedisResult<ConnectionManager> {
+    async fn conn(this: &Arc<Self>) -> RedisResult<Arc<Held>> {
         if let Some(conn) = this.current.lock().clone() {
             return Ok(conn);
         }
@@ -1410,8 +1516,9 @@ impl SentinelBackend {
             }
             let client = sentinel.async_get_client().await?;
             let conn = ConnectionManager::new_with_config(client, this.config.clone()).await?;
-            *this.current.lock() = Some(conn.clone());
-            Ok(conn)
+            let held = Held::new(Conn::Manager(conn));
+            *this.current.lock() = Some(held.clone());
+            Ok(held)
         });
         lookup.await.unwrap_or_else(|e| {
             Err(RedisError::from(std::io::Error::other(format!(
@@ -1420,8 +1527,18 @@ impl SentinelBackend {
         })
     }
 
-    fn forget(&self) {
-        self.current.lock().take();
+    /// Forgets the primary's connection, if it is still `failed` (any: `None`), so the next
+    /// call looks the primary up again. A call that failed on a connection already replaced
+    /// leaves the new one alone.
+    fn forget(&self, failed: Option<&Arc<Held>>) {
+        let mut current = self.current.lock();
+        let same = match (current.as_ref(), failed) {
+            (Some(current), Some(failed)) => Arc::ptr_eq(current, failed),
+            _ => true,
+        };
+        if same {
+            current.take();
+        }
     }
 }
 
@@ -1473,6 +1590,20 @@ impl<'a> Call<'a> {
             text: &version.sources.texts[Scripts::index(op)],
             key,
         }
+    }
+
+    /// Sends the call on `held`, noting there whether the server answered.
+    async fn send_on(&self, held: &Held) -> RedisResult<Value> {
+        let mut conn = held.conn.clone();
+        let result = self.send(&mut conn).await;
+        let answered = match &result {
+            Ok(_) => true,
+            Err(err) => !(err.is_timeout() || err.is_io_error() || err.is_connection_dropped()),
+        };
+        if answered {
+            held.answered();
+        }
+        result
     }
 
     async fn send(&self, conn: &mut Conn) -> RedisResult<Value> {
@@ -1586,6 +1717,11 @@ fn millis(duration: Duration) -> u64 {
 /// new one up). Neither case executed the script, and the scripts tolerate a repeat anyway.
 fn worth_resending(err: &RedisError) -> bool {
     err.is_connection_dropped() || err.is_connection_refusal() || is_read_only(err)
+}
+
+/// Whether a SCRIPT LOAD was refused by the server (which then answered).
+fn is_script_fault_ref(loaded: &RedisResult<String>) -> bool {
+    loaded.as_ref().is_err_and(is_script_fault)
 }
 
 /// READONLY, as its own error kind or (older servers) inside a script error.
