@@ -470,7 +470,7 @@ impl Gate {
                         .map(Some);
                 }
                 Ok(ClaimOutcome::Existing(record)) => record,
-                Err(StoreError::Full { .. }) => {
+                Err(StoreError::Full { .. } | StoreError::OutOfMemory(_)) => {
                     return self.refuse(session, Problem::StoreFull).await
                 }
                 // The store answered, but not in a way this proxy can use: a record it cannot

@@ -741,6 +741,47 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 
+/// Redis full (`maxmemory` under `noeviction`) answers OOM: the store is full, not down, so the
+/// request is refused 503 `store-full` and never forwarded, whatever the outage policy says
+/// (under `pass` it went to the backend unprotected, and its retry ran again).
+#[tokio::test]
+async fn a_redis_out_of_memory_is_a_full_store_not_an_outage() {
+    let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+    let backend = Backend::start().await;
+    let proxy = builder_to(&backend, redis.url())
+        .store("on_unavailable: pass")
+        .start()
+        .await;
+    let warm = Request::post("/orders")
+        .key("before")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
+    // Redis over its memory limit: every write that may grow it is refused (OOM).
+    let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+    assert!(
+        redis.try_cmd(&["SET", "one-more", "x"]).is_err(),
+        "Redis took a write over its limit"
+    );
+    for _ in 0..5 {
+        let r = Request::post("/orders")
+            .key("when-full")
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        assert_eq!(r.status, 503, "{}\n{}", r.text(), proxy.log());
+        assert_eq!(r.problem_type(), "store-full", "{}", r.text());
+    }
+    assert_eq!(backend.count(), 1, "nothing forwarded while Redis was full");
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "idemgate_store_circuit_opened_total"),
+        0.0,
+        "a full store is no outage: the circuit stays closed\n{m}"
+    );
+}
+
 /// A Redis connection that dies without a word (a dropped flow; a proxy on the way that keeps
 /// acknowledging and never answers) is replaced once a call on it times out with nothing
 /// answered since it went out: keyed requests are served again within a few timeouts. (redis-rs

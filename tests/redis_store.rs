@@ -549,6 +549,26 @@ async fn ping_fails_on_a_server_that_takes_no_writes() {
     single(&primary).ping().await.expect("the primary does");
 }
 
+/// A hash under a record's name that holds no fingerprint is no record: a claim starts it
+/// afresh, its stray fields gone.
+#[tokio::test]
+async fn a_hash_without_a_fingerprint_is_claimed_afresh() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    let key = fresh_key();
+    let name = store.record_key(&key);
+    let _: () = server.cmd(&["HSET", &name, "s", "c", "p", "stale", "w", "old"]);
+    let claimed = store.claim(&claim_request(&key)).await;
+    assert!(
+        matches!(claimed, Ok(ClaimOutcome::Acquired { .. })),
+        "{claimed:?}"
+    );
+    for stray in ["p", "w"] {
+        let left: Option<String> = server.cmd(&["HGET", &name, stray]);
+        assert_eq!(left, None, "{stray} left over");
+    }
+}
+
 #[tokio::test]
 async fn malformed_records_are_corrupt_not_panics() {
     let server = RedisServer::start();

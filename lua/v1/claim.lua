@@ -51,12 +51,18 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local lock_until = string.format('%.0f', now + lock_ms)
 
-local rec = redis.call('HMGET', key, 'f', 'x', 's', 'o', 'l', 'p')
-local f, x, s, o, l, p = rec[1], rec[2], rec[3], rec[4], rec[5], rec[6]
+local rec = redis.call('HMGET', key, 'f', 'x', 's', 'o', 'l', 'p', 'w')
+local f, x, s, o, l, p, w = rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]
 
 if not f then
-  -- Absent. A hash without a fingerprint is no record any script writes: start afresh.
-  redis.call('DEL', key)
+  -- Absent. A hash without a fingerprint is no record any script writes: start afresh,
+  -- clearing any fields a script would read. Only for such a hash: Redis at maxmemory (under
+  -- noeviction) refuses a script's first write with OOM, but lets every write after it through,
+  -- so a DEL first would let the HSET grow a full Redis (and the claim succeed while the
+  -- completions that follow are refused).
+  if x or s or o or l or p or w then
+    redis.call('DEL', key)
+  end
   redis.call('HSET', key, 'f', fingerprint, 'x', execution_id, 's', 'i', 'o', owner,
     'l', lock_until)
   redis.call('PEXPIRE', key, life)

@@ -62,11 +62,17 @@ local now = now_ms()
 local lock_until = string.format('%.0f', now + lock_ms)
 
 -- HMGET answers false for a missing field, so the list has no holes to trip unpack.
-local f, x, s, o, l, p = unpack(redis.call('HMGET', key, 'f', 'x', 's', 'o', 'l', 'p'))
+local f, x, s, o, l, p, w = unpack(redis.call('HMGET', key, 'f', 'x', 's', 'o', 'l', 'p', 'w'))
 
 if not f then
-  -- Absent. A hash without a fingerprint is no record any script writes: start afresh.
-  redis.call('DEL', key)
+  -- Absent. A hash without a fingerprint is no record any script writes: start afresh,
+  -- clearing any fields a script would read. Only for such a hash: Redis at maxmemory (under
+  -- noeviction) refuses a script's first write with OOM, but lets every write after it through,
+  -- so a DEL first would let the HSET grow a full Redis (and the claim succeed while the
+  -- completions that follow are refused).
+  if x or s or o or l or p or w then
+    redis.call('DEL', key)
+  end
   redis.call('HSET', key, 'f', fingerprint, 'x', execution_id, 's', 'i', 'o', owner,
     'l', lock_until, 'v', VERSION)
   redis.call('PEXPIRE', key, life)

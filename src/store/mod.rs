@@ -205,6 +205,12 @@ pub enum StoreError {
         /// Configured capacity.
         capacity: usize,
     },
+    /// Redis refused a write for want of memory (`maxmemory` reached under the `noeviction`
+    /// policy). Like [`StoreError::Full`] it is no outage: the store answered, so the outage
+    /// policy does not apply (`pass` would forward every keyed request unprotected while Redis
+    /// is full) and the circuit does not open.
+    #[error("record store is out of memory: {0}")]
+    OutOfMemory(String),
     /// The store could not be reached or answered in time.
     #[error("record store unavailable: {0}")]
     Unavailable(String),

@@ -1768,12 +1768,20 @@ fn refusal_key(settings: &ScriptsConfig, active: &Sources, canary: Option<&Sourc
 }
 
 fn store_error(op: &str, err: RedisError) -> StoreError {
-    // Only a key of the wrong type under our prefix is the data's fault; everything else
-    // (I/O, timeouts, READONLY, CLUSTERDOWN, LOADING, NOPERM, ...) means Redis cannot serve.
-    if err.to_string().contains("WRONGTYPE") {
+    // Only a key of the wrong type under our prefix is the data's fault, and only OOM says the
+    // store is full; everything else (I/O, timeouts, READONLY, CLUSTERDOWN, LOADING, NOPERM,
+    // ...) means Redis cannot serve.
+    let text = err.to_string();
+    let says = |code: &str| {
+        text.split(|c: char| !c.is_ascii_alphanumeric())
+            .any(|word| word == code)
+    };
+    if says("WRONGTYPE") {
         StoreError::Corrupt(format!(
             "redis {op}: a record key holds another type: {err}"
         ))
+    } else if says("OOM") {
+        StoreError::OutOfMemory(format!("redis {op}: {err}"))
     } else {
         StoreError::Unavailable(format!("redis {op}: {err}"))
     }
