@@ -18,7 +18,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -234,6 +234,9 @@ pub struct CachedStore<S> {
     /// The last Bloom fill ratio counted, and when.
     fill: Mutex<Option<(Instant, f64)>>,
     stats: Arc<LocalCacheStats>,
+    /// Set while [`CachedStore::check_given_up`] runs: one at a time, as the purge channel may
+    /// be subscribed again sooner than a check of many entries against a slow store ends.
+    checking_given_up: AtomicBool,
 }
 
 /// How long a counted Bloom fill ratio is reported before the filter is counted again.
@@ -289,6 +292,7 @@ impl<S: RecordStore> CachedStore<S> {
             unsettled: Mutex::new(VecDeque::new()),
             fill: Mutex::new(None),
             stats: Arc::default(),
+            checking_given_up: AtomicBool::new(false),
         })
     }
 
@@ -698,6 +702,18 @@ impl<S: RecordStore> CachedStore<S> {
     /// its answer. Returns how many went. Called when the purge channel is
     /// subscribed again, when Redis is back and purges may have been missed.
     pub async fn check_given_up(&self) -> usize {
+        // One at a time: a second run would only ask the store the same again. Entries given
+        // up after the running one looked are checked at the next subscription.
+        if self.checking_given_up.swap(true, Ordering::AcqRel) {
+            return 0;
+        }
+        struct Done<'a>(&'a AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _done = Done(&self.checking_given_up);
         let now = Instant::now();
         let given_up: Vec<(RecordKey, Completion)> = self
             .cache
@@ -1855,6 +1871,43 @@ mod tests {
         );
         assert_eq!(a.check_given_up().await, 0);
         assert!(a.cached(&lost.key).is_some());
+    }
+
+    /// One check of the given-up entries runs at a time: a second, while the first waits on a
+    /// slow store, asks it nothing.
+    #[tokio::test]
+    async fn one_check_of_given_up_entries_runs_at_a_time() {
+        let (shared, a, _b) = two_replicas();
+        let a = Arc::new(a);
+        let req = claim("t", 24);
+        executed_unstored(&a, &shared, &req, b"x").await;
+        a.completion_given_up(&req.key, req.execution_id);
+        shared.set(Fault::GetStalls);
+        let before = shared.calls.load(Ordering::Relaxed);
+        let first = tokio::spawn({
+            let a = a.clone();
+            async move { a.check_given_up().await }
+        });
+        while shared.calls.load(Ordering::Relaxed) == before {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let second = tokio::time::timeout(Duration::from_secs(2), a.check_given_up()).await;
+        assert_eq!(
+            second.ok(),
+            Some(0),
+            "the second check waited for the store"
+        );
+        assert_eq!(
+            shared.calls.load(Ordering::Relaxed),
+            before + 1,
+            "the second check asked the store nothing"
+        );
+        shared.set(Fault::None);
+        assert_eq!(first.await.unwrap(), 0, "the store lacks it: kept");
+        // Done: the next check runs.
+        let calls = shared.calls.load(Ordering::Relaxed);
+        a.check_given_up().await;
+        assert_eq!(shared.calls.load(Ordering::Relaxed), calls + 1);
     }
 
     /// A given-up entry gives way to another execution's completion the store holds (the key
