@@ -826,6 +826,69 @@ async fn a_redis_connection_that_went_silent_is_replaced() {
         .await;
 }
 
+/// A reconnect that Redis turns away without an I/O error (an AUTH it refuses: a password
+/// changed on the server and changed back, say) left the connection failed for good: redis-rs
+/// reconnects after I/O errors only, and answered every later call with that error. The
+/// connection is dropped, and a later call connects afresh once Redis takes it again.
+#[tokio::test]
+async fn a_reconnect_redis_turned_away_is_tried_again() {
+    let redis = RedisServer::start();
+    let _: () = redis.cmd(&["CONFIG", "SET", "requirepass", "s3cret"]);
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let proxy = builder_to(&backend, format!("redis://:s3cret@{}", link.addr))
+        .threads(1)
+        .start()
+        .await;
+    let addr = proxy.addr;
+    let send = move |key: String| async move {
+        Request::post("/orders")
+            .key(&key)
+            .body("{}")
+            .send(addr)
+            .await
+    };
+    let warm = send("before".into()).await;
+    assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
+    let admin_client =
+        redis::Client::open(format!("redis://:s3cret@127.0.0.1:{}", redis.port)).unwrap();
+    let mut admin = admin_client.get_connection().unwrap();
+    let password = |admin: &mut redis::Connection, to: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("requirepass")
+            .arg(to)
+            .query(admin)
+            .unwrap();
+    };
+    // The proxy's connections break, and its reconnects are refused at AUTH.
+    password(&mut admin, "another");
+    link.set(Fault::Reset);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    link.set(Fault::Pass);
+    for n in 0..5 {
+        let r = send(format!("refused-{n}")).await;
+        assert_eq!(r.status, 503, "{}", r.text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    password(&mut admin, "s3cret");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for n in 0.. {
+        let r = send(format!("after-{n}")).await;
+        if r.result() == Some("MISS") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never served again: {} {}\n{}",
+            r.status,
+            r.text(),
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// During an outage that outlasts the lock, a retry on the replica still running the key is a
 /// conflict: each failed renewal proves the execution still runs there, so the replica counts
 /// the key as its own until it ends, and the outage policy never runs it beside itself.

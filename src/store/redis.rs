@@ -1460,10 +1460,15 @@ impl Backend {
         let silent = used.is_some_and(|(held, sent)| held.silent_since(sent));
         match self {
             Backend::Single { conn, .. } | Backend::Cluster { conn, .. } => {
-                if let (Some((held, _)), true) = (used, err.is_timeout() && silent) {
+                let Some((held, _)) = used else {
+                    return;
+                };
+                if err.is_timeout() && silent {
                     if conn.current().drop_if_current(held) {
                         tracing::warn!(error = %err, "redis connection answered nothing since the call went out; reconnecting");
                     }
+                } else if turned_away(err) && conn.current().drop_if_current(held) {
+                    tracing::warn!(error = %err, "redis turned the connection away; connecting afresh");
                 }
             }
             Backend::Sentinel(sentinel) => {
@@ -1476,7 +1481,7 @@ impl Backend {
                 } else {
                     err.is_io_error()
                 };
-                if demoted || dead {
+                if demoted || dead || turned_away(err) {
                     sentinel.forget(used.map(|(held, _)| held));
                 }
             }
@@ -1722,6 +1727,16 @@ fn worth_resending(err: &RedisError) -> bool {
 /// Whether a SCRIPT LOAD was refused by the server (which then answered).
 fn is_script_fault_ref(loaded: &RedisResult<String>) -> bool {
     loaded.as_ref().is_err_and(is_script_fault)
+}
+
+/// Whether Redis turned a connection away while it was being set up (redis-rs reads any error
+/// reply to AUTH as a failed authentication: a password changed on the server, and changed
+/// back; a server refusing clients). redis-rs then keeps that failed connection, and answers
+/// every later call with the same error: it reconnects after I/O errors only. So the connection
+/// is dropped and the next call makes a new one (a password that is really wrong fails the same
+/// way each time; the circuit breaker spaces those attempts out).
+fn turned_away(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::AuthenticationFailed
 }
 
 /// READONLY, as its own error kind or (older servers) inside a script error.
