@@ -196,6 +196,32 @@ impl UpstreamPool {
     fn pick(&self) -> usize {
         self.next.fetch_add(1, Ordering::Relaxed) % self.peers.len()
     }
+
+    /// Sends a request to the next address, and to the one after it when it cannot be
+    /// connected to (nothing was sent, so even a request that may change something goes on):
+    /// each address once at most, while `may_go_on` allows another connect, write and read.
+    /// An address that is down costs its `connect_timeout`, not the request, as with nginx's
+    /// default `proxy_next_upstream error timeout`.
+    async fn send(
+        &self,
+        head: &[u8],
+        body: &[u8],
+        started: Instant,
+        pooled: bool,
+        may_go_on: impl Fn(&upstream::Backend) -> bool,
+    ) -> std::result::Result<upstream::Exchange, UpstreamError> {
+        let mut tries = self.backends.len();
+        loop {
+            let backend = &self.backends[self.pick()];
+            match upstream::send(backend, head, body, started, pooled).await {
+                Err(e @ UpstreamError::Connect { .. }) if tries > 1 && may_go_on(backend) => {
+                    tracing::warn!(error = %e, "backend unreachable; trying the next address");
+                    tries -= 1;
+                }
+                sent => return sent,
+            }
+        }
+    }
 }
 
 /// Counts requests being handled so shutdown can tell when the drain is done.
@@ -645,7 +671,6 @@ impl Gate {
         // and metrics still count the execution it was.
         ctx.outcome = Some(outcome);
         let pool = &ctx.gen.pools[route.upstream];
-        let backend = &pool.backends[pool.pick()];
 
         let req = session.req_header();
         let had_body = !body.is_empty()
@@ -664,7 +689,16 @@ impl Gate {
         let head_request = req.method == http::Method::HEAD;
 
         let started = Instant::now();
-        let mut exchange = match upstream::send(backend, &head, &body, started, true).await {
+        // Another address only while the claim's lock outlasts a whole exchange with it, as
+        // the config's rule for the first one: a request sent after its lock lapsed could run
+        // beside a retry that took the key.
+        let lock_deadline = claim.as_ref().map(|c| c.lock_deadline);
+        let may_go_on = |b: &upstream::Backend| {
+            lock_deadline.is_none_or(|deadline| {
+                Instant::now() + b.connect_timeout + b.write_timeout + b.read_timeout < deadline
+            })
+        };
+        let mut exchange = match pool.send(&head, &body, started, true, may_go_on).await {
             Ok(x) => x,
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
@@ -918,8 +952,9 @@ impl Gate {
         let mut attempt = 0;
         let (mut exchange, response) = loop {
             attempt += 1;
-            let backend = &pool.backends[pool.pick()];
-            let sent = upstream::send(backend, &head, &body, started, attempt == 1).await;
+            let sent = pool
+                .send(&head, &body, started, attempt == 1, |_| true)
+                .await;
             let mut exchange = match sent {
                 Ok(x) => x,
                 Err(e) => {

@@ -1108,3 +1108,28 @@ async fn a_pooled_connection_past_its_idle_time_is_not_reused_after_a_slow_uploa
         "the stale pooled connection was reused"
     );
 }
+
+/// An address of the upstream that cannot be connected to gives way to the next one: nothing
+/// was sent, so a keyed POST goes on too, and no request fails for that address.
+#[tokio::test]
+async fn a_request_goes_on_to_the_next_address_when_one_cannot_be_connected_to() {
+    let backend = common::Backend::start().await;
+    let down = std::net::SocketAddr::from(([127, 0, 0, 1], common::proxy::free_port()));
+    let proxy = ProxyBuilder::new(&backend).orders_first(down).start().await;
+    for n in 0..4 {
+        let keyed = Request::post("/orders")
+            .key(&format!("next-{n}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        assert_eq!(
+            (keyed.status, keyed.result()),
+            (201, Some("MISS")),
+            "{}",
+            keyed.text()
+        );
+        let plain = Request::post("/plain").json("{}").send(proxy.addr).await;
+        assert_eq!(plain.status, 201, "{}", plain.text());
+    }
+    assert_eq!(backend.count(), 8);
+}

@@ -58,6 +58,8 @@ pub struct ProxyBuilder {
     configmap: bool,
     worker_id: Option<u16>,
     threads: usize,
+    /// An address listed before the backend in the `orders` upstream.
+    orders_first: Option<SocketAddr>,
 }
 
 impl ProxyBuilder {
@@ -85,7 +87,14 @@ impl ProxyBuilder {
             configmap: false,
             worker_id: Some(1),
             threads: 2,
+            orders_first: None,
         }
+    }
+    /// Lists `addr` before the backend in the `orders` upstream (round robin starts there).
+    #[allow(dead_code)]
+    pub fn orders_first(mut self, addr: SocketAddr) -> Self {
+        self.orders_first = Some(addr);
+        self
     }
     /// The Snowflake worker id (default 1); give each of several instances its own.
     pub fn worker_id(mut self, id: u16) -> Self {
@@ -154,13 +163,17 @@ impl ProxyBuilder {
         };
         format!(
             "listen: \"127.0.0.1:{port}\"\nthreads: {threads}\n{top}admin:\n  listen: \"127.0.0.1:{admin}\"\n\
-             upstreams:\n  orders:\n    addrs: [\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
+             upstreams:\n  orders:\n    addrs: [{first}\"{backend}\"]\n{up}  other:\n    addrs: [\"{backend}\"]\n\
              idempotency:\n  {worker_id}\n{global}store:\n  backend: {store_backend}\n{store}\
              routes:\n  - name: orders\n    methods: [POST, PUT, PATCH, DELETE]\n    path_prefix: /orders\n    upstream: orders\n    idempotency:\n      key: required\n{idem}\
              \x20 - name: optional\n    methods: [POST]\n    path_prefix: /optional\n    upstream: orders\n    idempotency:\n      key: optional\n\
              \x20 - name: plain\n    path_prefix: /plain\n    upstream: orders\n",
             top = ind(&self.top, 0),
             backend = self.backend,
+            first = self
+                .orders_first
+                .map(|a| format!("\"{a}\", "))
+                .unwrap_or_default(),
             up = ind(&self.upstream, 4),
             store_backend = self.store_backend,
             // The block must not be empty: a filler line when no id is set.
