@@ -208,6 +208,7 @@ const CACHE_SHARD_BYTES: usize = 1 << 20;
 const MAX_CACHE_SHARDS: usize = 64;
 
 /// What a claim this replica acquired will need at completion to build the cached record.
+#[derive(Clone)]
 struct Pending {
     fingerprint: Digest,
     execution_id: u64,
@@ -242,21 +243,102 @@ pub struct CachedStore<S> {
 /// How long a counted Bloom fill ratio is reported before the filter is counted again.
 const FILL_RECOUNT_EVERY: Duration = Duration::from_secs(1);
 
-/// Pending claims kept at most (claims whose outcome never came back are pruned past their lock).
-const MAX_PENDING: usize = 65_536;
+/// Pending claims kept at most (claims whose outcome never came back are pruned past their
+/// lock): about 200 bytes each with their index, so some 25 MiB when full. Past it a new claim
+/// is not kept, and [`RecordStore::own_claim`] cannot answer for it during an outage.
+const MAX_PENDING: usize = 1 << 17;
 
-/// This replica's claims not completed or released yet, by record hash and owner. Claims whose
-/// outcome never came back (an unknown outcome keeps its lock) stay until pruned past their
-/// lock: whenever the map has doubled since the last prune, so it holds about twice the live
-/// claims at most and a walk of it for [`RecordStore::own_claim`] stays short.
+/// This replica's claims not completed or released yet, by record hash (then owner: a hash
+/// rarely has more than one), so [`RecordStore::own_claim`] is one lookup. Claims whose outcome
+/// never came back (an unknown outcome keeps its lock) stay until pruned past their lock:
+/// whenever the map has doubled since the last prune, so it holds about twice the live claims.
+/// A prune that leaves it full is not run again for [`FULL_PRUNE_PAUSE`], so claims meanwhile
+/// do not each walk the whole of it.
 struct PendingClaims {
-    map: HashMap<(Digest, u128), Pending>,
+    by_hash: HashMap<Digest, Vec<(u128, Pending)>>,
+    len: usize,
     /// The size at which the next prune runs.
     prune_at: usize,
+    /// No prune before this (set when one left the map full).
+    pause_until: Option<Instant>,
 }
 
 /// Size below which the pending claims are never pruned.
 const PENDING_PRUNE_FLOOR: usize = 1024;
+
+/// How long a prune that left the pending claims full holds off the next one.
+const FULL_PRUNE_PAUSE: Duration = Duration::from_millis(100);
+
+impl PendingClaims {
+    fn new() -> Self {
+        PendingClaims {
+            by_hash: HashMap::new(),
+            len: 0,
+            prune_at: PENDING_PRUNE_FLOOR,
+            pause_until: None,
+        }
+    }
+
+    /// Records `owner`'s claim of `hash` (replacing its earlier one: a renewal).
+    fn insert(&mut self, hash: Digest, owner: u128, pending: Pending, now: Instant) {
+        if self.len >= self.prune_at.min(MAX_PENDING)
+            && self.pause_until.is_none_or(|until| now >= until)
+        {
+            self.prune(now);
+        }
+        let claims = self.by_hash.entry(hash).or_default();
+        if let Some(slot) = claims.iter_mut().find(|(o, _)| *o == owner) {
+            slot.1 = pending;
+        } else if self.len < MAX_PENDING {
+            claims.push((owner, pending));
+            self.len += 1;
+        } else if claims.is_empty() {
+            self.by_hash.remove(&hash);
+        }
+    }
+
+    /// Drops the claims past their locks.
+    fn prune(&mut self, now: Instant) {
+        let mut len = 0;
+        self.by_hash.retain(|_, claims| {
+            claims.retain(|(_, p)| p.deadline > now);
+            len += claims.len();
+            !claims.is_empty()
+        });
+        self.len = len;
+        self.prune_at = (len * 2).max(PENDING_PRUNE_FLOOR);
+        self.pause_until = (len >= MAX_PENDING).then(|| now + FULL_PRUNE_PAUSE);
+    }
+
+    fn get_mut(&mut self, hash: &Digest, owner: u128) -> Option<&mut Pending> {
+        self.by_hash
+            .get_mut(hash)?
+            .iter_mut()
+            .find(|(o, _)| *o == owner)
+            .map(|(_, p)| p)
+    }
+
+    fn remove(&mut self, hash: &Digest, owner: u128) -> Option<Pending> {
+        let claims = self.by_hash.get_mut(hash)?;
+        let at = claims.iter().position(|(o, _)| *o == owner)?;
+        let (_, pending) = claims.swap_remove(at);
+        if claims.is_empty() {
+            self.by_hash.remove(hash);
+        }
+        self.len -= 1;
+        Some(pending)
+    }
+
+    /// What is left of the longest live claim of `hash`.
+    fn longest_left(&self, hash: &Digest, now: Instant) -> Option<Duration> {
+        self.by_hash
+            .get(hash)?
+            .iter()
+            .filter(|(_, p)| p.deadline > now)
+            .map(|(_, p)| p.deadline - now)
+            .max()
+    }
+}
 
 /// Unsettled completions remembered at most; one forgotten falls back to the shard's recent
 /// purges.
@@ -285,10 +367,7 @@ impl<S: RecordStore> CachedStore<S> {
             filters: Mutex::new(filters),
             cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
             shard_keys: std::hash::RandomState::new(),
-            pending: Mutex::new(PendingClaims {
-                map: HashMap::new(),
-                prune_at: PENDING_PRUNE_FLOOR,
-            }),
+            pending: Mutex::new(PendingClaims::new()),
             unsettled: Mutex::new(VecDeque::new()),
             fill: Mutex::new(None),
             stats: Arc::default(),
@@ -424,7 +503,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// than run beside it under the outage policy.
     fn still_running(&self, req: &ClaimRequest) {
         let mut pending = self.pending.lock();
-        if let Some(p) = pending.map.get_mut(&(req.key.hash, req.owner.0)) {
+        if let Some(p) = pending.get_mut(&req.key.hash, req.owner.0) {
             p.deadline = p.deadline.max(Instant::now() + req.lock_ttl);
         }
     }
@@ -799,21 +878,15 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         }
         if let ClaimOutcome::Acquired { execution_id } = outcome {
             let now = Instant::now();
-            let mut pending = self.pending.lock();
-            if pending.map.len() >= pending.prune_at.min(MAX_PENDING) {
-                pending.map.retain(|_, p| p.deadline > now);
-                pending.prune_at = (pending.map.len() * 2).max(PENDING_PRUNE_FLOOR);
-            }
-            let pending = &mut pending.map;
-            if pending.len() < MAX_PENDING {
-                let entry = Pending {
-                    fingerprint: req.fingerprint,
-                    execution_id,
-                    deadline: now + req.lock_ttl,
-                    purges: mark.purges,
-                };
-                pending.insert((req.key.hash, req.owner.0), entry);
-            }
+            let entry = Pending {
+                fingerprint: req.fingerprint,
+                execution_id,
+                deadline: now + req.lock_ttl,
+                purges: mark.purges,
+            };
+            self.pending
+                .lock()
+                .insert(req.key.hash, req.owner.0, entry, now);
         }
         Ok(outcome)
     }
@@ -825,7 +898,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        let pending = self.pending.lock().map.remove(&(key.hash, owner.0));
+        let pending = self.pending.lock().remove(&key.hash, owner.0);
         let mark = self.mark(&key.hash);
         // The store's record lives `ttl` from when it takes the write, no earlier than now: the
         // local copy, counted from before the write, never outlives it.
@@ -872,7 +945,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
-        self.pending.lock().map.remove(&(key.hash, owner.0));
+        self.pending.lock().remove(&key.hash, owner.0);
         self.inner.release(key, owner).await
     }
 
@@ -927,18 +1000,14 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
     }
 
     /// From the claims this replica made and has not completed or released yet (a full
-    /// pending map, 65,536 live claims, may miss one).
+    /// pending map, [`MAX_PENDING`] live claims, may miss one).
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
         let pending = self.pending.lock();
         // Read under the lock: a claim recorded meanwhile read the clock before it, so what is
         // left of it never comes out longer than its lock (a Retry-After past `lock_ttl`).
         let now = Instant::now();
         pending
-            .map
-            .iter()
-            .filter(|((hash, _), p)| *hash == key.hash && p.deadline > now)
-            .map(|(_, p)| p.deadline - now)
-            .max()
+            .longest_left(&key.hash, now)
             .or_else(|| self.inner.own_claim(key))
     }
 }
@@ -1690,6 +1759,81 @@ mod tests {
         assert_eq!(b.stats().copied.load(Ordering::Relaxed), 2);
     }
 
+    fn pending_until(deadline: Instant) -> Pending {
+        Pending {
+            fingerprint: [0; 32],
+            execution_id: 1,
+            deadline,
+            purges: 0,
+        }
+    }
+
+    #[test]
+    fn pending_claims_are_found_by_hash_and_owner() {
+        let now = Instant::now();
+        let mut claims = PendingClaims::new();
+        let (h, other) = ([1u8; 32], [2u8; 32]);
+        claims.insert(h, 10, pending_until(now + Duration::from_secs(3)), now);
+        claims.insert(h, 11, pending_until(now + Duration::from_secs(5)), now);
+        claims.insert(other, 10, pending_until(now + Duration::from_secs(9)), now);
+        assert_eq!(claims.len, 3);
+        assert_eq!(
+            claims.longest_left(&h, now),
+            Some(Duration::from_secs(5)),
+            "the longest of the hash's claims, not another hash's"
+        );
+        // A renewal replaces its owner's claim.
+        claims.insert(h, 10, pending_until(now + Duration::from_secs(7)), now);
+        assert_eq!(claims.len, 3);
+        assert_eq!(claims.longest_left(&h, now), Some(Duration::from_secs(7)));
+        claims.get_mut(&h, 10).unwrap().deadline = now + Duration::from_secs(8);
+        assert_eq!(claims.longest_left(&h, now), Some(Duration::from_secs(8)));
+        assert!(claims.remove(&h, 10).is_some());
+        assert!(claims.remove(&h, 10).is_none());
+        assert_eq!(claims.longest_left(&h, now), Some(Duration::from_secs(5)));
+        assert!(claims.remove(&h, 11).is_some());
+        assert_eq!(claims.longest_left(&h, now), None);
+        assert!(
+            !claims.by_hash.contains_key(&h),
+            "no empty lists left behind"
+        );
+        assert_eq!(claims.len, 1);
+        // Past its deadline a claim no longer counts.
+        assert_eq!(
+            claims.longest_left(&other, now + Duration::from_secs(9)),
+            None
+        );
+    }
+
+    #[test]
+    fn a_full_map_of_live_claims_is_not_walked_by_every_claim() {
+        let now = Instant::now();
+        let mut claims = PendingClaims::new();
+        let live = pending_until(now + Duration::from_secs(60));
+        for n in 0..MAX_PENDING as u32 {
+            let mut h = [0u8; 32];
+            h[..4].copy_from_slice(&n.to_be_bytes());
+            claims.insert(h, 1, live.clone(), now);
+        }
+        assert_eq!(claims.len, MAX_PENDING);
+        // Full of live claims: the next is not kept, and the prune it ran holds off the next.
+        claims.insert([0xff; 32], 1, live.clone(), now);
+        assert_eq!(claims.len, MAX_PENDING);
+        assert_eq!(claims.longest_left(&[0xff; 32], now), None);
+        assert_eq!(claims.pause_until, Some(now + FULL_PRUNE_PAUSE));
+        // Once they lapse, the next claim after the pause prunes them and is kept.
+        let later = now + Duration::from_secs(61);
+        claims.insert(
+            [0xfe; 32],
+            1,
+            pending_until(later + Duration::from_secs(1)),
+            later,
+        );
+        assert_eq!(claims.len, 1);
+        assert!(claims.longest_left(&[0xfe; 32], later).is_some());
+        assert_eq!(claims.pause_until, None);
+    }
+
     #[tokio::test]
     async fn claims_whose_outcome_never_came_back_are_pruned_as_the_map_doubles() {
         let (_shared, a, _b) = two_replicas();
@@ -1712,7 +1856,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(5)).await;
         let live = claim("t", 43);
         a.claim(&live).await.unwrap();
-        let kept = a.pending.lock().map.len();
+        let kept = a.pending.lock().len;
         assert!(
             kept < 2 * PENDING_PRUNE_FLOOR,
             "{kept} pending claims kept, most past their locks"
