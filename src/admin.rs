@@ -201,19 +201,31 @@ impl Admin {
             };
             // What this replica ran on its fallback during an outage goes too: a purged key
             // is never replayed from there (nor, by the announcement, from another replica's).
-            // First, so a refusal there leaves the shared record as it was.
-            let local = match &self.fallback {
-                Some(fallback) => match purge_from(fallback.as_ref(), &record_key, force).await {
-                    Ok(Deletion::Running { lock_remaining }) => return running(lock_remaining),
-                    Ok(deletion) => deletion == Deletion::Deleted,
-                    Err(_) => false,
-                },
-                None => false,
-            };
+            // A key running there is refused before anything is deleted anywhere; the store's
+            // refusal comes before the fallback is touched.
+            if let (false, Some(fallback)) = (force, &self.fallback) {
+                if let Ok(Some(Record {
+                    state: RecordState::InFlight { lock_remaining },
+                    ..
+                })) = fallback.get(&record_key).await
+                {
+                    if !lock_remaining.is_zero() {
+                        return running(lock_remaining);
+                    }
+                }
+            }
             let deleted = match purge_from(self.store.as_ref(), &record_key, force).await {
                 Ok(Deletion::Running { lock_remaining }) => return running(lock_remaining),
                 Ok(deletion) => Ok(deletion == Deletion::Deleted),
                 Err(e) => Err(e),
+            };
+            // A fallback claim made since the look above is spared (and reported not deleted).
+            let local = match &self.fallback {
+                Some(fallback) => matches!(
+                    purge_from(fallback.as_ref(), &record_key, force).await,
+                    Ok(Deletion::Deleted)
+                ),
+                None => false,
             };
             // Announced whether or not the store answered: a delete whose answer was lost may
             // have landed, and then the other replicas' copies would replay a record that is

@@ -210,13 +210,17 @@ impl UpstreamPool {
         pooled: bool,
         may_go_on: impl Fn(&upstream::Backend) -> bool,
     ) -> std::result::Result<upstream::Exchange, UpstreamError> {
-        let mut tries = self.backends.len();
+        // From one pick, on through the list: the shared counter moves with every other
+        // request meanwhile, and could send this one back to the address that just failed.
+        let n = self.backends.len();
+        let first = self.pick();
+        let mut i = 0;
         loop {
-            let backend = &self.backends[self.pick()];
+            let backend = &self.backends[(first + i) % n];
             match upstream::send(backend, head, body, started, pooled).await {
-                Err(e @ UpstreamError::Connect { .. }) if tries > 1 && may_go_on(backend) => {
+                Err(e @ UpstreamError::Connect { .. }) if i + 1 < n && may_go_on(backend) => {
                     tracing::warn!(error = %e, "backend unreachable; trying the next address");
-                    tries -= 1;
+                    i += 1;
                 }
                 sent => return sent,
             }

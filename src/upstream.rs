@@ -256,11 +256,13 @@ fn put_idle(backend: &Backend, stream: TcpStream, since: Instant) {
 /// 11 s of idling, and `take_idle` then drops it on its pending error. Sent data left
 /// unacknowledged 10 s (or `write_timeout`, if longer) ends the connection at once instead of
 /// after `read_timeout`: a live host acknowledges within a round trip, whatever its load.
+#[cfg_attr(not(target_os = "linux"), allow(unused_variables))]
 pub fn keepalive(write_timeout: Duration) -> TcpKeepalive {
     TcpKeepalive {
         idle: Duration::from_secs(5),
         interval: Duration::from_secs(2),
         count: 3,
+        #[cfg(target_os = "linux")]
         user_timeout: write_timeout.max(Duration::from_secs(10)),
     }
 }
@@ -1006,6 +1008,7 @@ mod tests {
     use super::*;
 
     /// One integer socket option of `stream`.
+    #[cfg(target_os = "linux")]
     fn sockopt(stream: &TcpStream, level: libc::c_int, name: libc::c_int) -> libc::c_int {
         use std::os::fd::AsRawFd;
         let mut value: libc::c_int = 0;
@@ -1024,6 +1027,7 @@ mod tests {
         value
     }
 
+    #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn backend_connections_probe_for_a_vanished_host() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

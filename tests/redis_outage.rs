@@ -826,6 +826,64 @@ async fn a_redis_connection_that_went_silent_is_replaced() {
         .await;
 }
 
+/// A stall shorter than an operation's deadline (a snapshot's fork, a slow command) costs the
+/// calls it holds, not the connection: once Redis answers again, the same connection serves,
+/// and no runtime reconnects.
+#[tokio::test]
+async fn a_short_redis_stall_keeps_the_connection() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    // Deadline of an operation: 200 ms to connect + 2 x 200 ms to answer.
+    let proxy = builder_to(&backend, link.redis_url())
+        .threads(1)
+        .start()
+        .await;
+    let send = |key: String| {
+        let addr = proxy.addr;
+        async move {
+            Request::post("/orders")
+                .key(&key)
+                .body("{}")
+                .send(addr)
+                .await
+        }
+    };
+    let warm = send("before".into()).await;
+    assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
+    let connections = link
+        .stats
+        .accepted
+        .load(std::sync::atomic::Ordering::Relaxed);
+    // Held 400 ms: the claim sent meanwhile times out (200 ms), answered by nothing.
+    link.set(Fault::Hold);
+    let held = send("during".into()).await;
+    assert_eq!(held.status, 503, "{}", held.text());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    link.set(Fault::Pass);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for n in 0.. {
+        let r = send(format!("after-{n}")).await;
+        if r.result() == Some("MISS") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never served again: {}",
+            r.text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        link.stats
+            .accepted
+            .load(std::sync::atomic::Ordering::Relaxed),
+        connections,
+        "a connection was made again after a short stall\n{}",
+        proxy.log()
+    );
+}
+
 /// A reconnect that Redis turns away without an I/O error (an AUTH it refuses: a password
 /// changed on the server and changed back, say) left the connection failed for good: redis-rs
 /// reconnects after I/O errors only, and answered every later call with that error. The

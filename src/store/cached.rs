@@ -238,6 +238,8 @@ pub struct CachedStore<S> {
     /// Set while [`CachedStore::check_given_up`] runs: one at a time, as the purge channel may
     /// be subscribed again sooner than a check of many entries against a slow store ends.
     checking_given_up: AtomicBool,
+    /// Asked for while a check ran: the running one goes round once more.
+    recheck_given_up: AtomicBool,
 }
 
 /// How long a counted Bloom fill ratio is reported before the filter is counted again.
@@ -252,8 +254,8 @@ const MAX_PENDING: usize = 1 << 17;
 /// rarely has more than one), so [`RecordStore::own_claim`] is one lookup. Claims whose outcome
 /// never came back (an unknown outcome keeps its lock) stay until pruned past their lock:
 /// whenever the map has doubled since the last prune, so it holds about twice the live claims.
-/// A prune that leaves it full is not run again for [`FULL_PRUNE_PAUSE`], so claims meanwhile
-/// do not each walk the whole of it.
+/// A prune that leaves it three quarters full is not run again for [`FULL_PRUNE_PAUSE`], so
+/// claims meanwhile do not each walk the whole of it.
 struct PendingClaims {
     by_hash: HashMap<Digest, Vec<(u128, Pending)>>,
     len: usize,
@@ -266,7 +268,7 @@ struct PendingClaims {
 /// Size below which the pending claims are never pruned.
 const PENDING_PRUNE_FLOOR: usize = 1024;
 
-/// How long a prune that left the pending claims full holds off the next one.
+/// How long a prune that left the pending claims three quarters full holds off the next one.
 const FULL_PRUNE_PAUSE: Duration = Duration::from_millis(100);
 
 impl PendingClaims {
@@ -307,7 +309,8 @@ impl PendingClaims {
         });
         self.len = len;
         self.prune_at = (len * 2).max(PENDING_PRUNE_FLOOR);
-        self.pause_until = (len >= MAX_PENDING).then(|| now + FULL_PRUNE_PAUSE);
+        // Mostly live claims: the next prune would free little, so it waits.
+        self.pause_until = (len >= MAX_PENDING * 3 / 4).then(|| now + FULL_PRUNE_PAUSE);
     }
 
     fn get_mut(&mut self, hash: &Digest, owner: u128) -> Option<&mut Pending> {
@@ -372,6 +375,7 @@ impl<S: RecordStore> CachedStore<S> {
             fill: Mutex::new(None),
             stats: Arc::default(),
             checking_given_up: AtomicBool::new(false),
+            recheck_given_up: AtomicBool::new(false),
         })
     }
 
@@ -781,18 +785,35 @@ impl<S: RecordStore> CachedStore<S> {
     /// its answer. Returns how many went. Called when the purge channel is
     /// subscribed again, when Redis is back and purges may have been missed.
     pub async fn check_given_up(&self) -> usize {
-        // One at a time: a second run would only ask the store the same again. Entries given
-        // up after the running one looked are checked at the next subscription.
-        if self.checking_given_up.swap(true, Ordering::AcqRel) {
-            return 0;
-        }
+        // One at a time. One asked for meanwhile (the channel subscribed again: the store may
+        // answer now what it failed to before) makes the running one go round once more.
+        self.recheck_given_up.store(true, Ordering::Release);
         struct Done<'a>(&'a AtomicBool);
         impl Drop for Done<'_> {
             fn drop(&mut self) {
                 self.0.store(false, Ordering::Release);
             }
         }
-        let _done = Done(&self.checking_given_up);
+        let mut dropped = 0;
+        loop {
+            if self.checking_given_up.swap(true, Ordering::AcqRel) {
+                return dropped;
+            }
+            {
+                let _done = Done(&self.checking_given_up);
+                while self.recheck_given_up.swap(false, Ordering::AcqRel) {
+                    dropped += self.check_given_up_once().await;
+                }
+            }
+            // One asked for between the last round and the flag's clearing found a check
+            // running and left it to it: taken up here.
+            if !self.recheck_given_up.load(Ordering::Acquire) {
+                return dropped;
+            }
+        }
+    }
+
+    async fn check_given_up_once(&self) -> usize {
         let now = Instant::now();
         let given_up: Vec<(RecordKey, Completion)> = self
             .cache
@@ -983,11 +1004,14 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
     }
 
     async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
-        // A local copy is of a completed record, which the store removes too; a record the
-        // store spares (in flight) has none to keep. So, as `delete`, forgotten either way.
-        self.forget(key);
         let deleted = self.inner.delete_settled(key).await;
-        self.forget(key);
+        // Forgotten once the store has it gone (or may have: no answer), not before: a record
+        // the store spares is in flight, and this replica may hold the only trace of its
+        // answer (a completion whose write failed, kept while it is retried). A copy read
+        // before the delete is dropped here, or refused by its purge mark if kept later.
+        if !matches!(deleted, Ok(Deletion::Running { .. })) {
+            self.forget(key);
+        }
         deleted
     }
 
@@ -2048,6 +2072,11 @@ mod tests {
         );
         shared.set(Fault::None);
         assert_eq!(first.await.unwrap(), 0, "the store lacks it: kept");
+        assert_eq!(
+            shared.calls.load(Ordering::Relaxed),
+            before + 2,
+            "the check asked for meanwhile ran once the first was done"
+        );
         // Done: the next check runs.
         let calls = shared.calls.load(Ordering::Relaxed);
         a.check_given_up().await;
@@ -2275,5 +2304,27 @@ mod tests {
             store.claim(&again).await.unwrap(),
             ClaimOutcome::Acquired { .. }
         ));
+    }
+
+    /// A settled delete the store refuses (the record is in flight: its completion's write
+    /// failed and is being retried) leaves this replica's trace of the answer, and a settled
+    /// delete that goes through drops it.
+    #[tokio::test]
+    async fn a_refused_settled_delete_keeps_the_only_trace_of_an_answer() {
+        let (shared, a, _b) = two_replicas();
+        let req = claim("t", 25);
+        executed_unstored(&a, &shared, &req, b"answer").await;
+        shared.set(Fault::None);
+        assert!(matches!(
+            a.delete_settled(&req.key).await.unwrap(),
+            Deletion::Running { .. }
+        ));
+        assert!(a.cached(&req.key).is_some(), "the trace is kept");
+        let retry = a.claim(&retry_of(&req)).await.unwrap();
+        assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
+        // Once it no longer runs (lapsed, released), the delete goes through, the trace too.
+        shared.release(&req.key, req.owner).await.unwrap();
+        assert_eq!(a.delete_settled(&req.key).await.unwrap(), Deletion::Deleted);
+        assert!(a.cached(&req.key).is_none());
     }
 }

@@ -438,9 +438,12 @@ struct RuntimeSlot {
 /// the way (a service mesh sidecar, say) keeps acknowledging what is sent and never answers.
 /// redis-rs reconnects after an I/O error, but a response timeout is no I/O error to it, so
 /// every later call would go out on the dead connection and time out in turn. A call that timed
-/// out while the connection answered nothing at all since that call went out drops it
-/// ([`Backend::suspect`]): a server that is merely slow goes on answering other calls and keeps
-/// its connection, and of the many calls a dead one fails, only the first drops it.
+/// out on a connection that answered nothing at all since that call went out, nor for a whole
+/// operation's deadline (`connect_timeout + 2 × response_timeout`), drops it
+/// ([`Backend::on_error`]): a server that is merely slow goes on answering other calls, and a
+/// short stall (a fork for a snapshot, a slow command) ends before the deadline, so neither
+/// costs every runtime a reconnect at once; of the many calls a dead one fails, only the first
+/// drops it.
 struct Held {
     conn: Conn,
     /// Nanoseconds from [`clock_base`] to the last answer (any reply, an error reply too).
@@ -461,9 +464,11 @@ impl Held {
             .fetch_max(since_base(Instant::now()), Ordering::Relaxed);
     }
 
-    /// Whether nothing came back on this connection since `sent`.
-    fn silent_since(&self, sent: Instant) -> bool {
-        self.answered.load(Ordering::Relaxed) < since_base(sent)
+    /// Whether nothing came back on this connection since `sent`, nor for `quiet` up to now.
+    fn silent_since(&self, sent: Instant, quiet: Duration) -> bool {
+        let answered = self.answered.load(Ordering::Relaxed);
+        let quiet = u64::try_from(quiet.as_nanos()).unwrap_or(u64::MAX);
+        answered < since_base(sent) && since_base(Instant::now()).saturating_sub(answered) >= quiet
     }
 }
 
@@ -618,7 +623,7 @@ impl RedisStore {
         match tokio::time::timeout(self.op_timeout, backend.conn()).await {
             Ok(Ok(_)) => {}
             Ok(Err(err)) => {
-                backend.on_error(&err, None);
+                backend.on_error(&err, None, self.op_timeout);
                 return Err(store_error("connect", err));
             }
             Err(_) => return Err(self.timed_out("connect")),
@@ -984,7 +989,7 @@ impl RedisStore {
                         })
                     }
                     Err(err) => {
-                        backend.on_error(&err, Some((&held, sent)));
+                        backend.on_error(&err, Some((&held, sent)), self.op_timeout);
                         return Err(ScriptsError::Unavailable(err.to_string()));
                     }
                 }
@@ -1126,7 +1131,7 @@ impl RedisStore {
             match call.send_on(&held).await {
                 Err(err) if worth_resending(&err) => {
                     tracing::debug!(op, error = %err, "redis connection lost; sending again");
-                    backend.on_error(&err, used.as_ref().map(|(h, at)| (h, *at)));
+                    backend.on_error(&err, used.as_ref().map(|(h, at)| (h, *at)), self.op_timeout);
                     let held = backend.conn().await?;
                     used = Some((held.clone(), Instant::now()));
                     call.send_on(&held).await
@@ -1139,7 +1144,7 @@ impl RedisStore {
         match result {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) => {
-                backend.on_error(&err, used);
+                backend.on_error(&err, used, self.op_timeout);
                 let script_fault = is_script_fault(&err);
                 let answered = matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension);
                 // A script that fails is no outage: Redis is up and would fail it the same way
@@ -1160,7 +1165,7 @@ impl RedisStore {
             Err(_) => {
                 let timed_out =
                     RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
-                backend.on_error(&timed_out, used);
+                backend.on_error(&timed_out, used, self.op_timeout);
                 Err(Failure {
                     error: self.timed_out(op),
                     script_fault: false,
@@ -1456,8 +1461,8 @@ impl Backend {
     /// to connect at all (`None`). A connection that went silent is dropped (see [`Held`]); the
     /// Sentinel backend also forgets a primary that was demoted or whose connection broke, and
     /// looks it up again. Otherwise redis-rs reconnects by itself.
-    fn on_error(&self, err: &RedisError, used: Option<(&Arc<Held>, Instant)>) {
-        let silent = used.is_some_and(|(held, sent)| held.silent_since(sent));
+    fn on_error(&self, err: &RedisError, used: Option<(&Arc<Held>, Instant)>, quiet: Duration) {
+        let silent = used.is_some_and(|(held, sent)| held.silent_since(sent, quiet));
         match self {
             Backend::Single { conn, .. } | Backend::Cluster { conn, .. } => {
                 let Some((held, _)) = used else {
@@ -1481,8 +1486,10 @@ impl Backend {
                 } else {
                     err.is_io_error()
                 };
-                if demoted || dead || turned_away(err) {
-                    sentinel.forget(used.map(|(held, _)| held));
+                // Without a connection used (the lookup or the connect failed), there is none
+                // to forget: one installed meanwhile by another caller stays.
+                if let (Some((held, _)), true) = (used, demoted || dead || turned_away(err)) {
+                    sentinel.forget(held);
                 }
             }
         }
@@ -1532,16 +1539,12 @@ impl SentinelBackend {
         })
     }
 
-    /// Forgets the primary's connection, if it is still `failed` (any: `None`), so the next
-    /// call looks the primary up again. A call that failed on a connection already replaced
-    /// leaves the new one alone.
-    fn forget(&self, failed: Option<&Arc<Held>>) {
+    /// Forgets the primary's connection, if it is still `failed`, so the next call looks the
+    /// primary up again. A call that failed on a connection already replaced leaves the new
+    /// one alone.
+    fn forget(&self, failed: &Arc<Held>) {
         let mut current = self.current.lock();
-        let same = match (current.as_ref(), failed) {
-            (Some(current), Some(failed)) => Arc::ptr_eq(current, failed),
-            _ => true,
-        };
-        if same {
+        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, failed)) {
             current.take();
         }
     }
