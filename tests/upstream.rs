@@ -1133,3 +1133,57 @@ async fn a_request_goes_on_to_the_next_address_when_one_cannot_be_connected_to()
     }
     assert_eq!(backend.count(), 8);
 }
+
+/// An address whose connects hang (a listener whose accept queue is full drops new SYNs), held
+/// open by the listener and the connections that fill it.
+fn address_that_never_connects() -> (
+    std::net::SocketAddr,
+    tokio::net::TcpListener,
+    Vec<std::net::TcpStream>,
+) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut queued = Vec::new();
+    while queued.len() < 16 {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            Ok(s) => queued.push(s),
+            Err(_) => return (addr, listener, queued),
+        }
+    }
+    panic!("the accept queue never filled");
+}
+
+/// A keyed request goes on to the next address only while its claim's lock outlasts a whole
+/// further exchange: sent after the lock lapsed, it could run beside a retry that took the key.
+/// A request without a key goes on regardless.
+#[tokio::test]
+async fn a_keyed_request_goes_on_to_the_next_address_only_within_its_lock() {
+    let backend = common::Backend::start().await;
+    let (hangs, _listener, _queued) = address_that_never_connects();
+    // The lock (2.5 s) covers one exchange (1 s + 300 ms + 1 s), not a second after a 1 s
+    // connect that timed out.
+    let proxy = ProxyBuilder::new(&backend)
+        .orders_first(hangs)
+        .threads(1)
+        .upstream("connect_timeout: 1s")
+        .upstream("write_timeout: 300ms")
+        .upstream("read_timeout: 1s")
+        .idem("lock_ttl: 2500ms")
+        .start()
+        .await;
+    // Round robin: the first request starts at the address that hangs, the second at the
+    // backend, the third at the one that hangs again.
+    let keyed = Request::post("/orders")
+        .key("within-the-lock")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(keyed.status, 502, "{}", keyed.text());
+    let plain = Request::post("/plain").json("{}").send(proxy.addr).await;
+    assert_eq!(plain.status, 201, "{}", plain.text());
+    let plain = Request::post("/plain").json("{}").send(proxy.addr).await;
+    assert_eq!(plain.status, 201, "{}", plain.text());
+    assert_eq!(backend.count(), 2, "the keyed request was never sent");
+}
