@@ -138,6 +138,10 @@ pub struct RetryStats {
     /// Completions waiting right now: to be retried, or for their dead-letter line to be
     /// written.
     pub pending: AtomicUsize,
+    /// Of those, the dead letters handed over and not written yet. They do not count against
+    /// `queue_capacity`: a dead-letter file that hangs (a disk, another process's lock) must
+    /// not turn every later failed write into a dead letter without one retry.
+    pub letters: AtomicUsize,
     /// Retried completions the store refused because a newer execution holds the key (the
     /// lock lapsed and the key ran again): each is dead-lettered as `lock taken over`.
     pub fenced: AtomicU64,
@@ -362,7 +366,9 @@ impl CompletionRetrier {
     /// `queue_capacity` completions are waiting already.
     pub fn submit(&self, job: PendingCompletion) {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
-        if self.stats.pending.fetch_add(1, Ordering::AcqRel) >= self.capacity {
+        let waiting = self.stats.pending.fetch_add(1, Ordering::AcqRel);
+        let letters = self.stats.letters.load(Ordering::Acquire);
+        if waiting.saturating_sub(letters) >= self.capacity {
             give_up(&self.dead, &self.local, job, 0, "retry queue full");
             return;
         }
@@ -709,6 +715,7 @@ impl DeadLetters {
     /// Dead-letters `job`, which is counted as pending: the count drops once its line is
     /// written, so shutdown (which waits on the count) waits for the write.
     fn settle(&self, job: PendingCompletion, attempts: u32, reason: &str, in_store: InStore) {
+        self.file.stats.letters.fetch_add(1, Ordering::AcqRel);
         let line = LetterLine {
             job,
             attempts,
@@ -872,6 +879,7 @@ impl DeadLetterFile {
                 }
             }
             self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            self.stats.letters.fetch_sub(1, Ordering::AcqRel);
             self.stats.pending.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -913,6 +921,7 @@ impl DeadLetterFile {
             "cannot write the dead-letter file; the whole line went to stderr"
         );
         self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        self.stats.letters.fetch_sub(1, Ordering::AcqRel);
         self.stats.pending.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -1766,6 +1775,41 @@ mod tests {
         assert_eq!(text.lines().count(), 2, "{text}");
         assert!(text.contains("store write out") && text.contains("retry queue full"));
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 2);
+    }
+
+    /// Dead letters waiting for a file that cannot be written for now (another process's lock,
+    /// a disk that hangs) do not fill the retry queue: a completion whose first write fails
+    /// after them is still retried, and lands. (They counted against `queue_capacity`, and
+    /// such a completion was dead-lettered at once, without one retry.)
+    #[tokio::test]
+    async fn dead_letters_waiting_for_the_file_leave_the_retry_queue_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        let held = hold_lock_of(&path);
+        let store = faulty();
+        let mut o = options(dir.path());
+        o.queue_capacity = 2;
+        let (retrier, worker) = CompletionRetrier::new(store.clone(), no_local_copies(), o);
+        tokio::spawn(worker);
+        for n in 30..32 {
+            let job = claimed(store.as_ref(), n).await;
+            retrier.abandoned(job, "process stopped with the store write out");
+        }
+        assert_eq!(retrier.pending(), 2, "two lines wait for the file");
+        retrier.submit(claimed(store.as_ref(), 32).await);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while retrier.stats().recovered.load(Ordering::Relaxed) == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the completion was not retried"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(held);
+        retrier.flush_dead_letters();
+        assert_eq!(retrier.pending(), 0);
+        assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 2);
+        assert_eq!(retrier.stats().letters.load(Ordering::Relaxed), 0);
     }
 
     #[tokio::test]
