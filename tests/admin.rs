@@ -289,7 +289,9 @@ async fn two_replicas(backend: &Backend, url: &str) -> (Proxy, Proxy) {
 
 /// Waits until `listeners` purge listeners are subscribed on `server`.
 async fn wait_for_listeners(server: &RedisServer, listeners: i64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // A listener notices a dead connection at its next heartbeat (5 s) once a PING goes
+    // unanswered (2 s), then subscribes again: room for that on a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let subs: Vec<redis::Value> = server.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
         if matches!(subs.get(1), Some(redis::Value::Int(n)) if *n == listeners) {

@@ -834,8 +834,12 @@ async fn a_short_redis_stall_keeps_the_connection() {
     let redis = RedisServer::start();
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
-    // Deadline of an operation: 200 ms to connect + 2 x 200 ms to answer.
-    let proxy = builder_to(&backend, link.redis_url())
+    // Deadline of an operation, and the silence that drops a connection: 1 s to connect +
+    // 2 x 200 ms to answer, well past the stall and a slow answer after it on a loaded machine.
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[link.redis_url()])
+        .store("  connect_timeout: 1s")
+        .store("  response_timeout: 200ms")
         .threads(1)
         .start()
         .await;
