@@ -109,6 +109,16 @@ pub struct UpstreamConfig {
     pub idle_timeout: Duration,
 }
 
+impl UpstreamConfig {
+    /// Longest one exchange with this upstream may take: connecting, writing the whole request,
+    /// then waiting for the answer. A claim's lock must outlast it.
+    pub fn exchange_bound(&self) -> Duration {
+        self.connect_timeout
+            .saturating_add(self.write_timeout)
+            .saturating_add(self.read_timeout)
+    }
+}
+
 /// Idempotency settings shared by every route.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GlobalIdempotency {
@@ -1095,7 +1105,7 @@ impl Config {
             let Some(up) = self.upstreams.get(route.upstream) else {
                 continue;
             };
-            let budget = up.connect_timeout + up.write_timeout + up.read_timeout;
+            let budget = up.exchange_bound();
             if budget > self.shutdown.grace_period {
                 warnings.push(format!(
                     "routes[{}]: its upstream {} may take {} (connect_timeout + write_timeout + \
@@ -2474,10 +2484,7 @@ impl FileRouteIdempotency {
         if let Some(upstream) = upstream {
             // Connecting, writing the whole request, then waiting for the answer: the claim
             // must outlast all three, or a retry re-claims while the backend still works.
-            let execution = upstream
-                .connect_timeout
-                .saturating_add(upstream.write_timeout)
-                .saturating_add(upstream.read_timeout);
+            let execution = upstream.exchange_bound();
             if lock_ttl <= execution {
                 return Err(invalid(
                     format!("{base}.lock_ttl"),

@@ -208,7 +208,7 @@ impl UpstreamPool {
         body: &[u8],
         started: Instant,
         pooled: bool,
-        may_go_on: impl Fn(&upstream::Backend) -> bool,
+        may_go_on: impl Fn() -> bool,
     ) -> std::result::Result<upstream::Exchange, UpstreamError> {
         // From one pick, on through the list: the shared counter moves with every other
         // request meanwhile, and could send this one back to the address that just failed.
@@ -218,7 +218,7 @@ impl UpstreamPool {
         loop {
             let backend = &self.backends[(first + i) % n];
             match upstream::send(backend, head, body, started, pooled).await {
-                Err(e @ UpstreamError::Connect { .. }) if i + 1 < n && may_go_on(backend) => {
+                Err(e @ UpstreamError::Connect { .. }) if i + 1 < n && may_go_on() => {
                     tracing::warn!(error = %e, "backend unreachable; trying the next address");
                     i += 1;
                 }
@@ -697,11 +697,9 @@ impl Gate {
         // the config's rule for the first one: a request sent after its lock lapsed could run
         // beside a retry that took the key.
         let lock_deadline = claim.as_ref().map(|c| c.lock_deadline);
-        let may_go_on = |b: &upstream::Backend| {
-            lock_deadline.is_none_or(|deadline| {
-                Instant::now() + b.connect_timeout + b.write_timeout + b.read_timeout < deadline
-            })
-        };
+        let exchange = ctx.gen.config.upstreams[route.upstream].exchange_bound();
+        let may_go_on =
+            || lock_deadline.is_none_or(|deadline| Instant::now() + exchange < deadline);
         let mut exchange = match pool.send(&head, &body, started, true, may_go_on).await {
             Ok(x) => x,
             Err(e) => {
@@ -957,7 +955,7 @@ impl Gate {
         let (mut exchange, response) = loop {
             attempt += 1;
             let sent = pool
-                .send(&head, &body, started, attempt == 1, |_| true)
+                .send(&head, &body, started, attempt == 1, || true)
                 .await;
             let mut exchange = match sent {
                 Ok(x) => x,

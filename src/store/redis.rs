@@ -518,13 +518,18 @@ impl RuntimeSlot {
 
     /// Drops `held` if it is still this slot's connection.
     fn drop_if_current(&self, held: &Arc<Held>) -> bool {
-        let mut current = self.held.lock();
-        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, held)) {
-            *current = None;
-            return true;
-        }
-        false
+        take_if_current(&self.held, held)
     }
+}
+
+/// Empties `slot` if it still holds `held` (not a connection made since); returns whether.
+fn take_if_current(slot: &parking_lot::Mutex<Option<Arc<Held>>>, held: &Arc<Held>) -> bool {
+    let mut current = slot.lock();
+    let same = current.as_ref().is_some_and(|c| Arc::ptr_eq(c, held));
+    if same {
+        *current = None;
+    }
+    same
 }
 
 /// A primary found through Sentinel, kept until it fails, then looked up again.
@@ -1543,10 +1548,7 @@ impl SentinelBackend {
     /// primary up again. A call that failed on a connection already replaced leaves the new
     /// one alone.
     fn forget(&self, failed: &Arc<Held>) {
-        let mut current = self.current.lock();
-        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, failed)) {
-            current.take();
-        }
+        take_if_current(&self.current, failed);
     }
 }
 
@@ -1757,10 +1759,15 @@ fn is_script_fault(err: &RedisError) -> bool {
     if err.kind() != ErrorKind::Server(ServerErrorKind::ResponseError) {
         return false;
     }
-    let text = err.to_string();
-    !text
-        .split(|c: char| !c.is_ascii_alphanumeric())
-        .any(|word| NOT_THE_SCRIPTS_FAULT.contains(&word))
+    !names_code(&err.to_string(), |word| {
+        NOT_THE_SCRIPTS_FAULT.contains(&word)
+    })
+}
+
+/// Whether an error's text holds a word (an error code such as `OOM`) that `code` accepts:
+/// codes come first in a reply, or inside a script error's message.
+fn names_code(text: &str, code: impl Fn(&str) -> bool) -> bool {
+    text.split(|c: char| !c.is_ascii_alphanumeric()).any(code)
 }
 
 /// The sources of the active version and the canary `settings` name.
@@ -1790,10 +1797,7 @@ fn store_error(op: &str, err: RedisError) -> StoreError {
     // store is full; everything else (I/O, timeouts, READONLY, CLUSTERDOWN, LOADING, NOPERM,
     // ...) means Redis cannot serve.
     let text = err.to_string();
-    let says = |code: &str| {
-        text.split(|c: char| !c.is_ascii_alphanumeric())
-            .any(|word| word == code)
-    };
+    let says = |code: &str| names_code(&text, |word| word == code);
     if says("WRONGTYPE") {
         StoreError::Corrupt(format!(
             "redis {op}: a record key holds another type: {err}"
