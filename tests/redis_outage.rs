@@ -685,18 +685,9 @@ async fn an_unprotected_execution_that_fails_is_marked_degraded() {
 /// the first execution.
 #[tokio::test]
 async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_the_key_again() {
-    use common::rawbackend::{RawBackend, Step};
     let redis = RedisServer::start();
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
-    let mut script = Vec::new();
-    for _ in 0..10 {
-        script.push(Step::Send(b"HTTP/1.1 102 Processing\r\n\r\n".to_vec()));
-        script.push(Step::Pause(Duration::from_secs(1)));
-    }
-    script.push(Step::Send(
-        b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}".to_vec(),
-    ));
-    let backend = RawBackend::start(script).await;
+    let backend = still_processing_for(10).await;
     // The lock (4 s) is renewed from 3 s on; Redis is cut off from 2.5 s to 6 s.
     let proxy = ProxyBuilder::at(backend.addr)
         .redis(&[link.redis_url()])
@@ -710,14 +701,7 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
         .await;
     let req = Request::post("/orders").key("past-the-lock").body("{}");
     let first = req.spawn_send(proxy.addr);
-    let started = Instant::now();
-    while backend.count() < 1 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "never forwarded"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_forwarded(&backend).await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
     link.set(Fault::Reset);
     tokio::time::sleep(Duration::from_millis(3500)).await;
@@ -795,32 +779,10 @@ async fn a_redis_connection_that_went_silent_is_replaced() {
         .threads(1)
         .start()
         .await;
-    let before = Request::post("/orders")
-        .key("before")
-        .body("{}")
-        .send(proxy.addr)
-        .await;
+    let before = order(&proxy, "before").await;
     assert_eq!(before.result(), Some("MISS"), "{}", before.text());
     link.strand();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    for n in 0.. {
-        let r = Request::post("/orders")
-            .key(&format!("after-{n}"))
-            .body("{}")
-            .send(proxy.addr)
-            .await;
-        if r.result() == Some("MISS") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never served again: {} {}\n{}",
-            r.status,
-            r.text(),
-            proxy.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_redis_answers_within(&proxy, Duration::from_secs(5)).await;
     proxy
         .log_containing("redis connection answered nothing since the call went out")
         .await;
@@ -843,17 +805,7 @@ async fn a_short_redis_stall_keeps_the_connection() {
         .threads(1)
         .start()
         .await;
-    let send = |key: String| {
-        let addr = proxy.addr;
-        async move {
-            Request::post("/orders")
-                .key(&key)
-                .body("{}")
-                .send(addr)
-                .await
-        }
-    };
-    let warm = send("before".into()).await;
+    let warm = order(&proxy, "before").await;
     assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
     let connections = link
         .stats
@@ -861,23 +813,11 @@ async fn a_short_redis_stall_keeps_the_connection() {
         .load(std::sync::atomic::Ordering::Relaxed);
     // Held 400 ms: the claim sent meanwhile times out (200 ms), answered by nothing.
     link.set(Fault::Hold);
-    let held = send("during".into()).await;
+    let held = order(&proxy, "during").await;
     assert_eq!(held.status, 503, "{}", held.text());
     tokio::time::sleep(Duration::from_millis(400)).await;
     link.set(Fault::Pass);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    for n in 0.. {
-        let r = send(format!("after-{n}")).await;
-        if r.result() == Some("MISS") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never served again: {}",
-            r.text()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_redis_answers_within(&proxy, Duration::from_secs(5)).await;
     assert_eq!(
         link.stats
             .accepted
@@ -902,15 +842,7 @@ async fn a_reconnect_redis_turned_away_is_tried_again() {
         .threads(1)
         .start()
         .await;
-    let addr = proxy.addr;
-    let send = move |key: String| async move {
-        Request::post("/orders")
-            .key(&key)
-            .body("{}")
-            .send(addr)
-            .await
-    };
-    let warm = send("before".into()).await;
+    let warm = order(&proxy, "before").await;
     assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
     let admin_client =
         redis::Client::open(format!("redis://:s3cret@127.0.0.1:{}", redis.port)).unwrap();
@@ -929,26 +861,12 @@ async fn a_reconnect_redis_turned_away_is_tried_again() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     link.set(Fault::Pass);
     for n in 0..5 {
-        let r = send(format!("refused-{n}")).await;
+        let r = order(&proxy, &format!("refused-{n}")).await;
         assert_eq!(r.status, 503, "{}", r.text());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     password(&mut admin, "s3cret");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    for n in 0.. {
-        let r = send(format!("after-{n}")).await;
-        if r.result() == Some("MISS") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never served again: {} {}\n{}",
-            r.status,
-            r.text(),
-            proxy.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_redis_answers_within(&proxy, Duration::from_secs(5)).await;
 }
 
 /// During an outage that outlasts the lock, a retry on the replica still running the key is a
@@ -957,19 +875,10 @@ async fn a_reconnect_redis_turned_away_is_tried_again() {
 #[tokio::test]
 async fn a_retry_on_the_replica_running_the_key_is_refused_through_an_outage_longer_than_the_lock()
 {
-    use common::rawbackend::{RawBackend, Step};
     let redis = RedisServer::start();
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
-    // A backend still at work after the lock: `102 Processing` every second for 6 s.
-    let mut script = Vec::new();
-    for _ in 0..6 {
-        script.push(Step::Send(b"HTTP/1.1 102 Processing\r\n\r\n".to_vec()));
-        script.push(Step::Pause(Duration::from_secs(1)));
-    }
-    script.push(Step::Send(
-        b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}".to_vec(),
-    ));
-    let backend = RawBackend::start(script).await;
+    // A backend still at work after the lock.
+    let backend = still_processing_for(6).await;
     let proxy = ProxyBuilder::at(backend.addr)
         .redis(&[link.redis_url()])
         .store("  connect_timeout: 200ms")
@@ -983,14 +892,7 @@ async fn a_retry_on_the_replica_running_the_key_is_refused_through_an_outage_lon
         .await;
     let req = Request::post("/orders").key("outlasted").body("{}");
     let first = req.spawn_send(proxy.addr);
-    let started = Instant::now();
-    while backend.count() < 1 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "never forwarded"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_forwarded(&backend).await;
     // Redis is cut off from 1 s on, before the first renewal (at three quarters of the lock);
     // the lock lapses at 2.5 s, and the retry comes 2.5 s after that.
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -1355,18 +1257,60 @@ async fn local_policy_proxy(backend: &Backend, port: u16) -> Proxy {
 
 /// Waits until a keyed request on a fresh key is answered from Redis again (`MISS`).
 async fn until_redis_answers(proxy: &Proxy) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    until_redis_answers_within(proxy, Duration::from_secs(10)).await
+}
+
+/// [`until_redis_answers`], failing after `within`.
+async fn until_redis_answers_within(proxy: &Proxy, within: Duration) {
+    let deadline = Instant::now() + within;
     for n in 0.. {
-        let probe = Request::post("/orders")
-            .key(&format!("probe-{n}"))
-            .body("{}")
-            .send(proxy.addr)
-            .await;
+        let probe = order(proxy, &format!("probe-{n}")).await;
         if probe.result() == Some("MISS") {
             return;
         }
-        assert!(Instant::now() < deadline, "Redis never answered again");
+        assert!(
+            Instant::now() < deadline,
+            "Redis never answered again: {} {}\n{}",
+            probe.status,
+            probe.text(),
+            proxy.log()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A keyed `POST /orders` of `{}` under `key`.
+async fn order(proxy: &Proxy, key: &str) -> common::Response {
+    Request::post("/orders")
+        .key(key)
+        .body("{}")
+        .send(proxy.addr)
+        .await
+}
+
+/// A backend that answers `102 Processing` every second for `seconds`, then 201.
+async fn still_processing_for(seconds: usize) -> common::rawbackend::RawBackend {
+    use common::rawbackend::{RawBackend, Step};
+    let mut script = Vec::new();
+    for _ in 0..seconds {
+        script.push(Step::Send(b"HTTP/1.1 102 Processing\r\n\r\n".to_vec()));
+        script.push(Step::Pause(Duration::from_secs(1)));
+    }
+    script.push(Step::Send(
+        b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}".to_vec(),
+    ));
+    RawBackend::start(script).await
+}
+
+/// Waits until `backend` has taken a request (5 s at most).
+async fn until_forwarded(backend: &common::rawbackend::RawBackend) {
+    let started = Instant::now();
+    while backend.count() < 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never forwarded"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
