@@ -122,15 +122,7 @@ async fn a_purge_whose_answer_was_lost_still_drops_the_copies() {
     let backend = Backend::start().await;
     // B, which purges, reaches Redis through a link that can be slowed.
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
-    let a = ProxyBuilder::new(&backend)
-        .redis(&[redis.url()])
-        .start()
-        .await;
-    let b = ProxyBuilder::new(&backend)
-        .redis(&[link.redis_url()])
-        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
-        .start()
-        .await;
+    let (a, b) = two_replicas_at(&backend, &redis.url(), &link.redis_url()).await;
     wait_for_listeners(&redis, 2).await;
     let req = Request::post("/orders").key("lost-answer").body("{}");
     let first = req.send(a.addr).await;
@@ -275,12 +267,17 @@ async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
 }
 
 async fn two_replicas(backend: &Backend, url: &str) -> (Proxy, Proxy) {
+    two_replicas_at(backend, url, url).await
+}
+
+/// [`two_replicas`] reaching Redis at `a_url` and `b_url` (one through a fault proxy, say).
+async fn two_replicas_at(backend: &Backend, a_url: &str, b_url: &str) -> (Proxy, Proxy) {
     let a = ProxyBuilder::new(backend)
-        .redis(&[url.to_owned()])
+        .redis(&[a_url.to_owned()])
         .start()
         .await;
     let b = ProxyBuilder::new(backend)
-        .redis(&[url.to_owned()])
+        .redis(&[b_url.to_owned()])
         .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
         .start()
         .await;
@@ -313,15 +310,7 @@ async fn a_purge_listener_whose_connection_died_silently_subscribes_again() {
     let redis = RedisServer::start();
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
-    let a = ProxyBuilder::new(&backend)
-        .redis(&[link.redis_url()])
-        .start()
-        .await;
-    let b = ProxyBuilder::new(&backend)
-        .redis(&[redis.url()])
-        .env("IDEMGATE_ADMIN_TOKEN", TOKEN)
-        .start()
-        .await;
+    let (a, b) = two_replicas_at(&backend, &link.redis_url(), &redis.url()).await;
     wait_for_listeners(&redis, 2).await;
     link.strand();
     // Redis still counts A's first subscription (its end of that flow is open): a third
