@@ -721,6 +721,7 @@ fn config_json(c: &Config) -> serde_json::Value {
         "max_request_header_bytes": c.max_request_header_bytes,
         "request_body_timeout": secs(c.request_body_timeout),
         "request_body_total_timeout": secs(c.request_body_total_timeout),
+        "max_buffered_request_bytes": c.max_buffered_request_bytes,
         "response_send_timeout": secs(c.response_send_timeout),
         "shutdown": {
             "grace_period": secs(c.shutdown.grace_period),
@@ -958,6 +959,7 @@ routes:
             "/max_request_header_bytes",
             "/request_body_timeout",
             "/request_body_total_timeout",
+            "/max_buffered_request_bytes",
             "/response_send_timeout",
             "/shutdown/grace_period",
             "/shutdown/graceful_shutdown_timeout",

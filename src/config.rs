@@ -42,6 +42,9 @@ pub struct Config {
     /// wait: a client trickling a byte now and then, each inside `request_body_timeout`, is cut
     /// off by this. Bodies pingora streams (large uploads) are timed read by read only.
     pub request_body_total_timeout: Duration,
+    /// Most bytes the bodies of keyed requests (each read whole before its claim) may hold in
+    /// memory at once, across every connection; a body that would go past it is refused (503).
+    pub max_buffered_request_bytes: usize,
     /// Longest a write of a response may wait for the client to take it (a client that stopped
     /// reading); then the client's connection is closed.
     pub response_send_timeout: Duration,
@@ -481,6 +484,10 @@ const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 const DEFAULT_SCRIPTS_VERSION: &str = "v1";
 const DEFAULT_SENTINEL_PORT: u16 = 26379;
 const MAX_BODY_BYTES: u64 = 1 << 30;
+
+/// Largest `max_buffered_request_bytes`: 64 GiB.
+const MAX_BUFFERED_BYTES: u64 = 1 << 36;
+
 /// Bounds of `idempotency.worker_lease`: renewed every third, so 3 s means a Redis call a
 /// second; a process cut off from Redis keeps its id for up to this long, so more than ten
 /// minutes would keep ids unavailable that long after a crash.
@@ -508,6 +515,8 @@ struct FileConfig {
     request_body_timeout: Scalar,
     #[serde(default = "default_request_body_total_timeout")]
     request_body_total_timeout: Scalar,
+    #[serde(default = "default_max_buffered_request_bytes")]
+    max_buffered_request_bytes: Scalar,
     #[serde(default = "default_response_send_timeout")]
     response_send_timeout: Scalar,
     #[serde(default)]
@@ -771,6 +780,10 @@ fn default_request_header_timeout() -> Scalar {
 
 fn default_max_request_header_bytes() -> Scalar {
     Scalar::text("64KiB")
+}
+
+fn default_max_buffered_request_bytes() -> Scalar {
+    Scalar::text("64MiB")
 }
 
 fn default_request_body_timeout() -> Scalar {
@@ -1352,6 +1365,12 @@ impl FileConfig {
         )?;
         let response_send_timeout =
             positive_duration("response_send_timeout".into(), &self.response_send_timeout)?;
+        let max_buffered_request_bytes = byte_size_in_range(
+            "max_buffered_request_bytes".into(),
+            &self.max_buffered_request_bytes,
+            1 << 10,
+            MAX_BUFFERED_BYTES,
+        )?;
 
         let shutdown = ShutdownConfig {
             // Zero would skip the drain: in-flight requests cut off at once.
@@ -1443,6 +1462,21 @@ impl FileConfig {
                     ));
                 }
             }
+            // A body the budget can never hold would be refused on every try, as if the
+            // proxy were busy: say so now.
+            if let Some(idem) = &route.idempotency {
+                if idem.max_request_bytes > max_buffered_request_bytes {
+                    return Err(invalid(
+                        format!("routes[{i}].idempotency.max_request_bytes"),
+                        format!(
+                            "{} bytes is more than max_buffered_request_bytes ({} bytes), \
+                             which every keyed request's body is held within: raise \
+                             max_buffered_request_bytes or lower this",
+                            idem.max_request_bytes, max_buffered_request_bytes
+                        ),
+                    ));
+                }
+            }
             routes.push(route);
         }
 
@@ -1454,6 +1488,7 @@ impl FileConfig {
             max_request_header_bytes,
             request_body_timeout,
             request_body_total_timeout,
+            max_buffered_request_bytes,
             response_send_timeout,
             shutdown,
             admin,
@@ -3265,6 +3300,7 @@ routes:
         assert_eq!(config.max_request_header_bytes, 64 << 10);
         assert_eq!(config.request_body_timeout, secs(10));
         assert_eq!(config.request_body_total_timeout, secs(60));
+        assert_eq!(config.max_buffered_request_bytes, 64 << 20);
         assert_eq!(config.response_send_timeout, secs(60));
         assert_eq!(
             config.shutdown,
@@ -4604,12 +4640,43 @@ routes:
             assert_field(&with_route_idempotency(&format!("{key}: 2GiB")), &field);
             assert_field(&with_route_idempotency(&format!("{key}: 1.5MiB")), &field);
         }
-        let config = load(&with_route_idempotency(
-            "max_request_bytes: 1GiB\nmax_response_bytes: 64KiB",
+        let config = load(&format!(
+            "max_buffered_request_bytes: 1GiB\n{}",
+            with_route_idempotency("max_request_bytes: 1GiB\nmax_response_bytes: 64KiB")
         ));
         let idem = config.routes[0].idempotency.as_ref().unwrap();
         assert_eq!(idem.max_request_bytes, 1 << 30);
         assert_eq!(idem.max_response_bytes, 64 << 10);
+        assert_eq!(config.max_buffered_request_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn every_keyed_body_fits_the_buffer_budget() {
+        for bad in ["0", "1000", "65GiB", "lots"] {
+            assert_field(
+                &format!("max_buffered_request_bytes: {bad}\n{MINIMAL}"),
+                "max_buffered_request_bytes",
+            );
+        }
+        // A route whose largest body the budget could never hold: every such request would be
+        // refused as if the proxy were busy.
+        let message = assert_field(
+            &format!(
+                "max_buffered_request_bytes: 4MiB\n{}",
+                with_route_idempotency("max_request_bytes: 5MiB")
+            ),
+            "routes[0].idempotency.max_request_bytes",
+        );
+        assert!(message.contains("max_buffered_request_bytes"), "{message}");
+        assert_field(
+            &with_route_idempotency("max_request_bytes: 65MiB"),
+            "routes[0].idempotency.max_request_bytes",
+        );
+        let config = load(&format!(
+            "max_buffered_request_bytes: 4MiB\n{}",
+            with_route_idempotency("max_request_bytes: 4MiB")
+        ));
+        assert_eq!(config.max_buffered_request_bytes, 4 << 20);
     }
 
     #[test]

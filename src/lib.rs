@@ -19,10 +19,12 @@
 //! - [`reload`]: live config reload; [`script_reload`]: live Lua script versions.
 //! - [`headguard`]: limits on request headers (deadline, size), problem+json for the ones
 //!   pingora refuses itself, and a deadline on writes that wait for the client.
+//! - [`budget`]: the memory all keyed requests' bodies may hold at once.
 //! - [`server`]: wires pingora services, logging and graceful shutdown.
 
 pub mod accesslog;
 pub mod admin;
+pub mod budget;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;

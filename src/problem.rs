@@ -25,7 +25,8 @@ pub enum Outcome {
     Bypass,
     /// The store was unavailable and policy forwarded the request anyway.
     Degraded,
-    /// 503: the store was unavailable (or full) and policy refused the request.
+    /// 503: the store was unavailable (or full) and policy refused the request, or the proxy
+    /// had no room for its body; nothing was claimed or forwarded.
     Unavailable,
 }
 
@@ -59,6 +60,9 @@ pub enum Problem {
         /// The configured limit.
         limit: usize,
     },
+    /// The bodies of keyed requests in progress hold `max_buffered_request_bytes`: this one's
+    /// would go past it. Refused before any claim, so nothing ran.
+    RequestBuffersFull,
     /// The client stopped sending the body for longer than `request_body_timeout`.
     RequestTimeout,
     /// The client did not send a whole request header within `request_header_timeout`.
@@ -127,6 +131,7 @@ impl Problem {
             Problem::InFlight { .. } | Problem::NotReplayable => 409,
             Problem::FingerprintMismatch => 422,
             Problem::StoreUnavailable | Problem::StoreFull => 503,
+            Problem::RequestBuffersFull => 503,
             Problem::StoreRecordUnreadable => 503,
             Problem::NoRoute => 404,
             Problem::MethodCase => 400,
@@ -143,6 +148,7 @@ impl Problem {
             Problem::KeyInvalid(_) => "idempotency-key-invalid",
             Problem::TenantInvalid(_) => "tenant-invalid",
             Problem::RequestTooLarge { .. } => "request-too-large",
+            Problem::RequestBuffersFull => "request-buffers-full",
             Problem::RequestTimeout => "request-timeout",
             Problem::RequestHeaderTimeout => "request-header-timeout",
             Problem::RequestHeaderTooLarge { .. } => "request-header-too-large",
@@ -171,6 +177,7 @@ impl Problem {
             Problem::KeyInvalid(_) => "Idempotency-Key header is malformed",
             Problem::TenantInvalid(_) => "Tenant header is malformed",
             Problem::RequestTooLarge { .. } => "Request body too large",
+            Problem::RequestBuffersFull => "Proxy busy: request buffers full",
             Problem::RequestTimeout => "Request body not received in time",
             Problem::RequestHeaderTimeout => "Request header not received in time",
             Problem::RequestHeaderTooLarge { .. } => "Request header too large",
@@ -199,6 +206,9 @@ impl Problem {
             Problem::RequestTooLarge { limit } => {
                 format!("The request body exceeds the limit of {limit} bytes.")
             }
+            Problem::RequestBuffersFull => "Too many request bodies are held in memory at once; \
+                this one was not read or forwarded. Retry later with the same key."
+                .into(),
             Problem::RequestTimeout => "The client stopped sending the request body.".into(),
             Problem::RequestHeaderTooLarge { limit } => format!(
                 "The request line and header fields exceed the limit of {limit} bytes; the \
@@ -273,9 +283,10 @@ impl Problem {
             | Problem::TransferCodingUnsupported => Outcome::Invalid,
             Problem::InFlight { .. } | Problem::NotReplayable => Outcome::Conflict,
             Problem::FingerprintMismatch => Outcome::Mismatch,
-            Problem::StoreUnavailable | Problem::StoreFull | Problem::StoreRecordUnreadable => {
-                Outcome::Unavailable
-            }
+            Problem::StoreUnavailable
+            | Problem::StoreFull
+            | Problem::StoreRecordUnreadable
+            | Problem::RequestBuffersFull => Outcome::Unavailable,
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect
             | Problem::UpstreamOutcomeUnknown
@@ -289,9 +300,10 @@ impl Problem {
             Problem::InFlight { retry_after } => {
                 Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
             }
-            Problem::StoreUnavailable | Problem::StoreFull | Problem::StoreRecordUnreadable => {
-                Some(1)
-            }
+            Problem::StoreUnavailable
+            | Problem::StoreFull
+            | Problem::StoreRecordUnreadable
+            | Problem::RequestBuffersFull => Some(1),
             _ => None,
         }
     }

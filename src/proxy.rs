@@ -15,18 +15,19 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{Error, Result};
 
+use crate::budget::{BodyBudget, BodyPermit};
 use crate::config::{
     Config, KeyMode, OnInFlight, OnUnavailable, Route, RouteIdempotency, RouteMatch,
 };
 use crate::key;
-use crate::metrics::{Metrics, RouteHandles, StoreOpHandles};
+use crate::metrics::{Metrics, Pull, RouteHandles, StoreOpHandles};
 use crate::problem::{Outcome, Problem};
 use crate::store::retry::{CompletionRetrier, PendingCompletion, Refusal};
 use crate::store::{
@@ -48,6 +49,8 @@ pub const EXECUTION_ID_HEADER: &str = "x-idempotency-id";
 /// for and drops before closing the connection (see [`linger`]).
 const LINGER_TIME: Duration = Duration::from_secs(2);
 const LINGER_BYTES: usize = 16 << 20;
+/// The first buffer a keyed request's chunked body (no declared length) is read into.
+const MIN_BODY_BUFFER: usize = 16 << 10;
 
 /// A config and the upstream pools built from it: swapped as one, so a request sees one version.
 pub struct Generation {
@@ -271,11 +274,13 @@ pub struct RequestCtx {
 
 impl RequestCtx {
     /// `problem` answers the request itself, before anything was forwarded (its body stalled,
-    /// broke or was too large): on an idempotent route that is an `INVALID` request, a
-    /// bypassing one included. The backend's failures keep the request's own result.
+    /// broke or was too large: an `INVALID` request; the proxy had no room for it:
+    /// `UNAVAILABLE`), on an idempotent route a bypassing one included. The backend's failures
+    /// keep the request's own result.
     fn refused_for_its_request(&mut self, problem: &Problem) {
-        if self.outcome.is_some() && problem.outcome() == Outcome::Invalid {
-            self.outcome = Some(Outcome::Invalid);
+        let own = problem.outcome();
+        if self.outcome.is_some() && matches!(own, Outcome::Invalid | Outcome::Unavailable) {
+            self.outcome = Some(own);
         }
     }
 }
@@ -290,6 +295,8 @@ pub struct Gate {
     in_flight: Arc<InFlightCounter>,
     retrier: CompletionRetrier,
     store_ops: [StoreOpHandles; 4],
+    /// The memory keyed requests' bodies hold, within `max_buffered_request_bytes`.
+    bodies: Arc<BodyBudget>,
 }
 
 /// Store operations timed by `idemgate_store_operation_duration_seconds`.
@@ -343,7 +350,28 @@ impl Gate {
         retrier: CompletionRetrier,
     ) -> Self {
         let store_ops = ["claim", "complete", "release", "wait"].map(|op| metrics.store_op(op));
+        let bodies = Arc::new(BodyBudget::default());
+        metrics.pull_from(
+            &bodies,
+            &[
+                (
+                    "idemgate_request_body_buffered_bytes",
+                    "Bytes of keyed request bodies held in memory now (bounded by \
+                     max_buffered_request_bytes)",
+                    Pull::Gauge,
+                    |b| b.held() as f64,
+                ),
+                (
+                    "idemgate_request_bodies_refused_total",
+                    "Keyed requests refused (503 request-buffers-full) because their bodies \
+                     would have taken max_buffered_request_bytes past its limit",
+                    Pull::Counter,
+                    |b| b.refused() as f64,
+                ),
+            ],
+        );
         Gate {
+            bodies,
             current,
             store,
             fallback,
@@ -406,8 +434,11 @@ impl Gate {
                 .refuse(session, Problem::TransferCodingUnsupported)
                 .await;
         }
+        // Held until the request ends: its body is sent on from memory, and again to the next
+        // address if one cannot be connected to.
+        let mut held = self.bodies.permit();
         let body = match self
-            .read_body(session, idem.max_request_bytes, config)
+            .read_body(session, idem.max_request_bytes, config, &mut held)
             .await
         {
             Ok(b) => b,
@@ -597,12 +628,14 @@ impl Gate {
         }
     }
 
-    /// Reads the whole request body, bounded by `limit` bytes and `timeout` between reads.
+    /// Reads the whole request body, bounded by `limit` bytes and `timeout` between reads; the
+    /// memory it takes is covered by `held`, within `max_buffered_request_bytes`.
     async fn read_body(
         &self,
         session: &mut Session,
         limit: usize,
         config: &Config,
+        held: &mut BodyPermit<'_>,
     ) -> std::result::Result<Bytes, Problem> {
         // Each read waits request_body_timeout at most, and all of them together
         // request_body_total_timeout from the first that has to wait: a client trickling a
@@ -623,6 +656,12 @@ impl Gate {
         if session.is_body_done() {
             return Ok(Bytes::new());
         }
+        // A declared body is taken from the budget whole, before it is invited: refused, the
+        // client has sent none of it, or need send no more.
+        let budget = config.max_buffered_request_bytes;
+        if !held.cover(declared.unwrap_or(0), budget) {
+            return Err(Problem::RequestBuffersFull);
+        }
         if expects_continue {
             // The key and tenant were valid: invite the body now.
             session
@@ -633,7 +672,9 @@ impl Gate {
         // Every read below is bounded here; pingora's own read timeout (60 s unless set) would
         // cut a longer request_body_timeout short with a read error, so it only backs this up.
         session.set_read_timeout(Some(config.request_body_timeout + Duration::from_secs(1)));
-        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
+        // Sized by hand, so the budget covers what is allocated: a chunked body grows by
+        // doubling, never past `limit`.
+        let mut buf = Vec::with_capacity(declared.unwrap_or(0).min(limit));
         loop {
             let chunk = upstream::bounded(session.read_request_body(), || {
                 let now = Instant::now();
@@ -648,14 +689,22 @@ impl Gate {
                 Ok(Err(_)) => return Err(Problem::RequestBodyUnreadable),
                 Ok(Ok(None)) => break,
                 Ok(Ok(Some(data))) => {
-                    if buf.len() + data.len() > limit {
+                    let need = buf.len() + data.len();
+                    if need > limit {
                         return Err(Problem::RequestTooLarge { limit });
+                    }
+                    if need > buf.capacity() {
+                        let grown = need.max(buf.capacity() * 2).max(MIN_BODY_BUFFER).min(limit);
+                        if !held.cover(grown, budget) {
+                            return Err(Problem::RequestBuffersFull);
+                        }
+                        buf.reserve_exact(grown - buf.len());
                     }
                     buf.extend_from_slice(&data);
                 }
             }
         }
-        Ok(buf.freeze())
+        Ok(Bytes::from(buf))
     }
 
     /// Forwards a keyed request and stores (or releases) its outcome. The client going away
@@ -923,8 +972,9 @@ impl Gate {
         let pool = &gen.pools[upstream_index];
         let config = &gen.config;
 
+        let mut held = self.bodies.permit();
         let body = match self
-            .read_body(session, upstream::FORWARD_BODY_BYTES, config)
+            .read_body(session, upstream::FORWARD_BODY_BYTES, config, &mut held)
             .await
         {
             Ok(body) => body,

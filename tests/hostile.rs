@@ -878,3 +878,119 @@ async fn a_request_without_a_key_refused_for_its_body_is_invalid_not_a_bypass() 
         .metrics_containing(r#"idemgate_requests_total{result="INVALID",route="optional"} 2"#)
         .await;
 }
+
+/// The bodies keyed requests hold at once stay within `max_buffered_request_bytes`: with a
+/// slow upload holding most of it, a body that would go past it is refused (503, before any
+/// claim, whether its length is declared or it comes chunked), a small one still goes through,
+/// and once the upload ends its bytes are given back and the refused key runs when retried.
+#[tokio::test]
+async fn request_bodies_held_at_once_stay_within_their_budget() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("max_buffered_request_bytes: 1MiB")
+        .idem("max_request_bytes: 600KiB")
+        .start()
+        .await;
+    let size = 600 << 10;
+    let mut slow = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow\r\nContent-Length: {size}\r\n\r\n"
+    );
+    slow.write_all(head.as_bytes()).await.unwrap();
+    slow.write_all(&vec![b'x'; 1000]).await.unwrap();
+    // A declared body is taken from the budget whole, as soon as its header is read.
+    proxy
+        .metrics_containing(&format!("idemgate_request_body_buffered_bytes {size}"))
+        .await;
+
+    let refused = |resp: &common::client::Response, what: &str| {
+        assert_eq!(resp.status, 503, "{what}: {}", resp.text());
+        assert_eq!(resp.problem_type(), "request-buffers-full", "{what}");
+        assert_eq!(resp.result(), Some("UNAVAILABLE"), "{what}");
+        assert_eq!(resp.header("retry-after"), Some("1"), "{what}");
+    };
+    let declared = Request::post("/orders")
+        .key("second")
+        .body(vec![b'y'; size]);
+    refused(&declared.send(proxy.addr).await, "declared length");
+    let chunked = Request::post("/orders")
+        .key("third")
+        .body(vec![b'z'; size])
+        .chunked(64 << 10);
+    refused(&chunked.send(proxy.addr).await, "chunked");
+    // Asked to invite the body, the proxy refuses it before inviting it.
+    let mut invited = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: fourth\r\nExpect: 100-continue\r\n\
+         Content-Length: {size}\r\n\r\n"
+    );
+    invited.write_all(head.as_bytes()).await.unwrap();
+    let mut first = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(5), invited.read_exact(&mut first))
+        .await
+        .expect("an answer without the body")
+        .unwrap();
+    assert_eq!(
+        &first,
+        b"HTTP/1.1 503",
+        "{}",
+        String::from_utf8_lossy(&first)
+    );
+
+    let small = Request::post("/orders").key("small").json("{}");
+    assert_eq!(small.send(proxy.addr).await.status, 201);
+    assert_eq!(backend.count(), 1, "no refused request reached the backend");
+
+    slow.write_all(&vec![b'x'; size - 1000]).await.unwrap();
+    let resp = common::client::read_response(&mut slow, false)
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 201, "{}", resp.text());
+    proxy
+        .metrics_containing("idemgate_request_body_buffered_bytes 0\n")
+        .await;
+    let again = declared.send(proxy.addr).await;
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert_eq!(again.result(), Some("MISS"));
+    assert_eq!(backend.count(), 3);
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains("idemgate_request_bodies_refused_total 3"),
+        "{metrics}"
+    );
+}
+
+/// A body forwarded without a key, which idemgate reads whole too (up to 64 KiB), is held
+/// within the same budget.
+#[tokio::test]
+async fn bodies_forwarded_without_a_key_share_the_budget() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("max_buffered_request_bytes: 1MiB")
+        .idem("max_request_bytes: 1MiB")
+        .start()
+        .await;
+    let size = (1 << 20) - (32 << 10);
+    let mut slow = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow\r\nContent-Length: {size}\r\n\r\n"
+    );
+    slow.write_all(head.as_bytes()).await.unwrap();
+    proxy
+        .metrics_containing(&format!("idemgate_request_body_buffered_bytes {size}"))
+        .await;
+    let plain = Request::post("/plain").body(vec![b'p'; 40 << 10]);
+    let resp = plain.send(proxy.addr).await;
+    assert_eq!(resp.status, 503, "{}", resp.text());
+    assert_eq!(resp.problem_type(), "request-buffers-full");
+    assert_eq!(backend.count(), 0);
+    let small = Request::post("/plain").body(vec![b'p'; 16 << 10]);
+    assert_eq!(small.send(proxy.addr).await.status, 201);
+    drop(slow);
+    proxy
+        .metrics_containing("idemgate_request_body_buffered_bytes 0\n")
+        .await;
+    assert_eq!(plain.send(proxy.addr).await.status, 201);
+}
