@@ -485,6 +485,27 @@ const DEFAULT_SCRIPTS_VERSION: &str = "v1";
 const DEFAULT_SENTINEL_PORT: u16 = 26379;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 
+/// Largest file the config names or is (the config itself, TLS files): what a config or a
+/// certificate bundle is, many times over. A path pointing at something else (a log, a
+/// device) is refused rather than read into memory whole.
+pub const MAX_FILE_BYTES: u64 = 4 << 20;
+
+/// Reads the file at `path` whole, if it has at most `cap` bytes.
+pub fn read_bounded(path: &Path, cap: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(cap + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {cap} bytes, more than this file may be"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// Largest `max_buffered_request_bytes`: 64 GiB.
 const MAX_BUFFERED_BYTES: u64 = 1 << 36;
 
@@ -1061,10 +1082,15 @@ impl<'de> Deserialize<'de> for Scalar {
 impl Config {
     /// Reads and validates the config file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = read_bounded(path, MAX_FILE_BYTES)
+            .and_then(|bytes| {
+                String::from_utf8(bytes)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+            })
+            .map_err(|source| ConfigError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Config::from_yaml_str(&text)
     }
 
@@ -2112,7 +2138,7 @@ fn readable_file(field: &str, raw: &str) -> Result<(PathBuf, Vec<u8>), ConfigErr
         return Err(invalid(field, "must not be empty"));
     }
     let path = PathBuf::from(raw);
-    let bytes = std::fs::read(&path)
+    let bytes = read_bounded(&path, MAX_FILE_BYTES)
         .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
     Ok((path, bytes))
 }
@@ -3539,6 +3565,17 @@ routes:
         assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
         assert_eq!(err.field(), None);
         assert!(err.to_string().contains("missing.yaml"), "{err}");
+
+        // A path to something else (a log, a device) is refused, not read into memory whole.
+        let huge = dir.path().join("huge.yaml");
+        let mut text = MINIMAL.to_string();
+        text.push_str(&"# padding\n".repeat((MAX_FILE_BYTES as usize) / 10));
+        std::fs::write(&huge, &text).unwrap();
+        let err = Config::load(&huge).unwrap_err();
+        assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
+        assert!(err.to_string().contains("larger than"), "{err}");
+        let zero = Config::load(Path::new("/dev/zero")).unwrap_err();
+        assert!(zero.to_string().contains("larger than"), "{zero}");
     }
 
     #[test]

@@ -144,9 +144,8 @@ fn no_transparent_huge_pages() {
 /// `--reconcile`: runs [`idemgate::reconcile`] against the config's Redis store, printing a
 /// line per dead letter and a summary.
 fn reconcile(config: &Config, dead_letters: &std::path::Path, apply: bool) -> ExitCode {
-    // Bytes, not a string: a torn or hand-damaged line must fail alone, not the whole file.
-    let text = match idemgate::reconcile::read_dead_letters(dead_letters) {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+    let mut lines = match idemgate::reconcile::open_dead_letters(dead_letters) {
+        Ok(lines) => lines,
         Err(e) => {
             eprintln!("idemgate: cannot read {}: {e}", dead_letters.display());
             return ExitCode::from(EXIT_BAD_CONFIG);
@@ -182,7 +181,7 @@ fn reconcile(config: &Config, dead_letters: &std::path::Path, apply: bool) -> Ex
     };
     let mut out = std::io::stdout().lock();
     match runtime.block_on(idemgate::reconcile::reconcile(
-        &store, &text, apply, &mut out,
+        &store, &mut lines, apply, &mut out,
     )) {
         Ok(tally) if tally.needs_action() => ExitCode::FAILURE,
         Ok(_) => ExitCode::SUCCESS,

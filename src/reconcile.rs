@@ -177,26 +177,32 @@ impl fmt::Display for Tally {
     }
 }
 
-/// Reads the dead-letter file under a shared `flock`: a proxy appending to it (each append
-/// takes the exclusive lock) finishes its lines first, so a line being written is never read
-/// half-way and reported unreadable.
-pub fn read_dead_letters(path: &std::path::Path) -> io::Result<Vec<u8>> {
+/// Opens the dead-letter file for [`reconcile`], to be read a line at a time (a file of many
+/// large responses need not fit in memory), up to its length when opened. That length is read
+/// under a shared `flock`: a proxy appending (each append takes the exclusive lock) finishes
+/// its line first, so no line below it is read half-way and reported unreadable. Lines
+/// appended later are left for the next run; an append never rewrites what came before it (a
+/// failed one cuts the file back to where it began), so the lock need not be held while the
+/// lines are judged, and proxies appending meanwhile do not wait on a long `--apply`.
+pub fn open_dead_letters(path: &std::path::Path) -> io::Result<impl io::BufRead> {
     use std::io::Read;
-    let mut file = std::fs::File::open(path)?;
-    // `flock(2)` on Unix, as a proxy's appends take it; released when `file` closes.
+    let file = std::fs::File::open(path)?;
+    // `flock(2)` on Unix, as a proxy's appends take it.
     file.lock_shared()?;
-    let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)?;
-    Ok(bytes)
+    let len = file.metadata()?.len();
+    file.unlock()?;
+    Ok(io::BufReader::new(file.take(len)))
 }
 
-/// Reconciles every line of `dead_letters` (the file's text) against `store`, writing one line
-/// per dead letter and a summary to `out`; with `apply`, restores the missing ones. Every line
-/// is judged (and restored) even when `out` fails (`--apply | head` closes the pipe early): the
-/// report stops, the work does not, and the first write error is returned at the end.
+/// Reconciles every line of `dead_letters` against `store`, writing one line per dead letter
+/// and a summary to `out`; with `apply`, restores the missing ones. Lines are read one at a
+/// time, as bytes: a torn or hand-damaged line fails alone, not the whole file. Every line is
+/// judged (and restored) even when `out` fails (`--apply | head` closes the pipe early): the
+/// report stops, the work does not, and the first write error is returned at the end. A read
+/// of the file that fails ends the run there, counted as a failed line.
 pub async fn reconcile(
     store: &Arc<dyn RecordStore>,
-    dead_letters: &str,
+    dead_letters: &mut dyn io::BufRead,
     apply: bool,
     out: &mut dyn Write,
 ) -> io::Result<Tally> {
@@ -207,7 +213,21 @@ pub async fn reconcile(
         }
     };
     let mut tally = Tally::default();
-    for (n, text) in dead_letters.lines().enumerate() {
+    let mut line = Vec::new();
+    for n in 0.. {
+        line.clear();
+        match dead_letters.read_until(b'\n', &mut line) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => {
+                let verdict = Verdict::Failed(format!("reading the file: {e}"));
+                tally.count(&verdict);
+                say(format_args!("line {}: ?: {verdict}", n + 1));
+                break;
+            }
+        }
+        let text = String::from_utf8_lossy(&line);
+        let text = text.trim_end_matches(['\n', '\r']);
         if text.trim().is_empty() {
             continue;
         }
@@ -537,7 +557,9 @@ mod tests {
 
     async fn run(store: &Arc<dyn RecordStore>, text: &str, apply: bool) -> (Tally, String) {
         let mut out = Vec::new();
-        let tally = reconcile(store, text, apply, &mut out).await.unwrap();
+        let tally = reconcile(store, &mut text.as_bytes(), apply, &mut out)
+            .await
+            .unwrap();
         (tally, String::from_utf8(out).unwrap())
     }
 
@@ -866,7 +888,7 @@ mod tests {
             .map(|job| dead_letter_line(job, 1, "store failed", InStore::Unknown))
             .collect();
         let mut out = Closed(1);
-        let result = reconcile(&store, &text, true, &mut out).await;
+        let result = reconcile(&store, &mut text.as_bytes(), true, &mut out).await;
         assert_eq!(
             result.map(|_| ()).unwrap_err().kind(),
             io::ErrorKind::BrokenPipe
@@ -886,10 +908,32 @@ mod tests {
         }
     }
 
+    /// A line of bytes that are not text (a torn write, a damaged disk) fails alone: the lines
+    /// around it are judged and restored.
+    #[tokio::test]
+    async fn a_line_of_damaged_bytes_fails_alone() {
+        let store = store();
+        let (a, b) = (letter(50, response(b"a")), letter(51, response(b"b")));
+        let mut file = dead_letter_line(&a, 1, "store failed", InStore::Unknown).into_bytes();
+        file.extend_from_slice(b"\xff\xfe{\"key\":\x00\n");
+        file.extend_from_slice(
+            dead_letter_line(&b, 1, "store failed", InStore::Unknown).as_bytes(),
+        );
+        let mut out = Vec::new();
+        let tally = reconcile(&store, &mut &file[..], true, &mut out)
+            .await
+            .unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert_eq!((tally.restored, tally.failed), (2, 1), "{out}");
+        assert!(out.contains("line 2: ?: failed: unreadable line"), "{out}");
+    }
+
     /// The file is read only once an append in progress (under the exclusive lock a proxy
-    /// takes for it) is done: a half-written line is never read.
+    /// takes for it) is done: a half-written line is never read. Lines appended once it is
+    /// open are left for the next run, and do not wait for this one.
     #[test]
     fn the_file_is_read_between_appends() {
+        use std::io::Read;
         use std::os::unix::io::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dead.jsonl");
@@ -903,13 +947,26 @@ mod tests {
         (&writer).write_all(b"{\"second\":").unwrap();
         let reader = std::thread::spawn({
             let path = path.clone();
-            move || read_dead_letters(&path).unwrap()
+            move || open_dead_letters(&path).unwrap()
         });
         std::thread::sleep(Duration::from_millis(200));
-        assert!(!reader.is_finished(), "read during an append");
+        assert!(!reader.is_finished(), "opened during an append");
         (&writer).write_all(b"2}\n").unwrap();
         drop(writer);
-        let text = String::from_utf8(reader.join().unwrap()).unwrap();
+        let mut lines = reader.join().unwrap();
+        let later = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        // SAFETY: flock on a descriptor `later` keeps open.
+        assert_eq!(
+            unsafe { libc::flock(later.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+            0,
+            "an open reader holds no lock"
+        );
+        (&later).write_all(b"{\"third\":3}\n").unwrap();
+        let mut text = String::new();
+        lines.read_to_string(&mut text).unwrap();
         assert_eq!(text, "{\"first\":1}\n{\"second\":2}\n");
     }
 
