@@ -673,6 +673,7 @@ fn config_json(c: &Config) -> serde_json::Value {
                     "fingerprint": { "body": i.fingerprint_body,
                         "headers": i.fingerprint_headers.iter().map(|h| h.as_str()).collect::<Vec<_>>() },
                     "scope_headers": i.scope_headers.iter().map(|h| h.as_str()).collect::<Vec<_>>(),
+                    "scope_required": i.scope_required,
                     "cache_statuses": format!("{:?}", i.cache_statuses),
                     "replay_exclude_headers": i.replay_exclude_headers.iter().map(|h| h.as_str()).collect::<Vec<_>>(),
                     "max_request_bytes": i.max_request_bytes,

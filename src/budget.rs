@@ -1,13 +1,17 @@
-//! The memory every keyed request's body may hold at once (`max_buffered_request_bytes`).
+//! The memory the request bodies idemgate reads whole may hold at once
+//! (`max_buffered_request_bytes`).
 //!
 //! A keyed request's body is read whole before its claim, up to its route's
-//! `max_request_bytes`, and held until the request is answered. Each body is bounded, but
+//! `max_request_bytes`, and held until it is sent to the backend (or the request is answered
+//! without it). Each body is bounded, but
 //! their number is bounded only by the connections clients open: a few hundred slow uploads of
 //! a megabyte would take a sidecar past its memory limit, and the kernel's OOM killer would take
 //! every execution in flight with it (their outcomes unstored, their keys locked until
-//! `lock_ttl`). The budget refuses the body that would go past it instead (503 with
-//! `Retry-After`, before any claim, so nothing ran), and gives its bytes back when the request
-//! that held them ends.
+//! `lock_ttl`). The budget refuses the keyed body that would go past it instead (503 with
+//! `Retry-After`, before any claim, so nothing ran), and gives its bytes back when the body is
+//! dropped. Small bodies forwarded without a key are held within it too; one it has no room for
+//! is streamed by pingora instead. Bytes are charged as they arrive, so a connection that
+//! declares a large body and sends little takes little.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -29,6 +33,12 @@ impl BodyBudget {
         self.refused.load(Ordering::Relaxed)
     }
 
+    /// Counts a body refused for the budget (a 503): a permit that could not grow may also
+    /// have been met another way, so its caller says which.
+    pub fn count_refusal(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A permit holding nothing yet.
     pub fn permit(&self) -> BodyPermit<'_> {
         BodyPermit {
@@ -42,7 +52,6 @@ impl BodyBudget {
         let mut held = self.held.load(Ordering::Relaxed);
         loop {
             let Some(total) = held.checked_add(more).filter(|&t| t <= limit) else {
-                self.refused.fetch_add(1, Ordering::Relaxed);
                 return false;
             };
             match self
@@ -65,8 +74,8 @@ pub struct BodyPermit<'a> {
 
 impl BodyPermit<'_> {
     /// Makes the permit cover `total` bytes, if the budget's `limit` allows the growth. A
-    /// permit that already covers `total` asks nothing of the budget. A refusal is counted
-    /// and leaves the permit as it was.
+    /// permit that already covers `total` asks nothing of the budget. A refusal leaves the
+    /// permit as it was.
     pub fn cover(&mut self, total: usize, limit: usize) -> bool {
         if total <= self.bytes {
             return true;
@@ -76,6 +85,16 @@ impl BodyPermit<'_> {
         }
         self.bytes = total;
         true
+    }
+
+    /// Whether the permit could grow to `total` bytes now, without taking them: a look ahead
+    /// (others may take the room meanwhile).
+    pub fn has_room_for(&self, total: usize, limit: usize) -> bool {
+        let more = total.saturating_sub(self.bytes);
+        self.budget
+            .held()
+            .checked_add(more)
+            .is_some_and(|t| t <= limit)
     }
 
     /// Bytes this permit holds.
@@ -115,9 +134,14 @@ mod tests {
         drop(a);
         assert_eq!(budget.held(), 400);
         assert!(b.cover(1000, 1000), "a's bytes were given back");
+        assert!(b.has_room_for(1000, 1000), "b holds all but a's");
+        assert!(!b.has_room_for(1001, 1000));
         drop(b);
         assert_eq!(budget.held(), 0);
-        assert_eq!(budget.refused(), 2);
+        assert!(budget.permit().has_room_for(1000, 1000));
+        assert_eq!(budget.refused(), 0, "refusals are counted by the caller");
+        budget.count_refusal();
+        assert_eq!(budget.refused(), 1);
     }
 
     #[test]

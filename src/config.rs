@@ -42,8 +42,9 @@ pub struct Config {
     /// wait: a client trickling a byte now and then, each inside `request_body_timeout`, is cut
     /// off by this. Bodies pingora streams (large uploads) are timed read by read only.
     pub request_body_total_timeout: Duration,
-    /// Most bytes the bodies of keyed requests (each read whole before its claim) may hold in
-    /// memory at once, across every connection; a body that would go past it is refused (503).
+    /// Most bytes the request bodies idemgate reads whole (keyed requests', before their claim;
+    /// small forwarded ones) may hold in memory at once, across every connection; a keyed body
+    /// that would go past it is refused (503), a forwarded one streamed instead.
     pub max_buffered_request_bytes: usize,
     /// Longest a write of a response may wait for the client to take it (a client that stopped
     /// reading); then the client's connection is closed.
@@ -378,6 +379,9 @@ pub struct RouteIdempotency {
     pub fingerprint_headers: Vec<HeaderName>,
     /// Headers that bind a key to its principal (lower-case, sorted, unique).
     pub scope_headers: Vec<HeaderName>,
+    /// A keyed request must carry one of `scope_headers` with a value (else 400): without,
+    /// it shares its key space with every other request of its tenant that has none.
+    pub scope_required: bool,
     /// Which response statuses are stored for replay.
     pub cache_statuses: StatusSet,
     /// Response headers never stored for replay (lower-case, sorted, unique).
@@ -742,6 +746,7 @@ struct FileRouteIdempotency {
     fingerprint: FileFingerprint,
     #[serde(deserialize_with = "scope_headers_list")]
     scope_headers: Vec<String>,
+    scope_required: bool,
     #[serde(deserialize_with = "cache_statuses_list")]
     cache_statuses: Vec<Scalar>,
     #[serde(deserialize_with = "replay_exclude_headers_list")]
@@ -924,6 +929,7 @@ impl Default for FileRouteIdempotency {
             wait_timeout: Scalar::text("5s"),
             fingerprint: FileFingerprint::default(),
             scope_headers: vec!["Authorization".to_owned()],
+            scope_required: false,
             cache_statuses: vec![Scalar::text("2xx"), Scalar::text("4xx")],
             replay_exclude_headers: vec!["Set-Cookie".to_owned()],
             max_request_bytes: Scalar::Int(1 << 20),
@@ -2566,6 +2572,12 @@ impl FileRouteIdempotency {
             &self.fingerprint.headers,
         )?;
         let scope_headers = header_list(&format!("{base}.scope_headers"), &self.scope_headers)?;
+        if self.scope_required && scope_headers.is_empty() {
+            return Err(invalid(
+                format!("{base}.scope_required"),
+                "true needs a header to require: scope_headers is empty",
+            ));
+        }
         let replay_exclude_headers = header_list(
             &format!("{base}.replay_exclude_headers"),
             &self.replay_exclude_headers,
@@ -2595,6 +2607,7 @@ impl FileRouteIdempotency {
             fingerprint_body: self.fingerprint.body,
             fingerprint_headers,
             scope_headers,
+            scope_required: self.scope_required,
             cache_statuses,
             replay_exclude_headers,
             max_request_bytes,
@@ -3404,6 +3417,7 @@ routes:
                     fingerprint_body: true,
                     fingerprint_headers: vec![],
                     scope_headers: vec![header("authorization")],
+                    scope_required: false,
                     cache_statuses: StatusSet::default(),
                     replay_exclude_headers: vec![header("set-cookie")],
                     max_request_bytes: 1 << 20,
@@ -4604,6 +4618,30 @@ routes:
             vec![header("set-cookie"), header("x-trace")]
         );
         assert_eq!(idem.key, KeyMode::Optional);
+    }
+
+    #[test]
+    fn scope_required_needs_a_scope_header() {
+        let message = assert_field(
+            &with_route_idempotency("scope_headers: []\nscope_required: true"),
+            "routes[0].idempotency.scope_required",
+        );
+        assert!(message.contains("scope_headers is empty"), "{message}");
+        let config = load(&with_route_idempotency("scope_required: true"));
+        assert!(
+            config.routes[0]
+                .idempotency
+                .as_ref()
+                .unwrap()
+                .scope_required
+        );
+        assert!(
+            !load(MINIMAL).routes[0]
+                .idempotency
+                .as_ref()
+                .unwrap()
+                .scope_required
+        );
     }
 
     #[test]

@@ -165,6 +165,17 @@ pub fn record_hash(
     h.finalize().into()
 }
 
+/// Whether the request names a principal: one of `scope_names` is present with a value that is
+/// not blank (an empty `Authorization:` identifies no one).
+pub fn has_scope(headers: &http::HeaderMap, scope_names: &[http::HeaderName]) -> bool {
+    scope_names.iter().any(|name| {
+        headers
+            .get_all(name)
+            .iter()
+            .any(|v| v.as_bytes().iter().any(|b| !b.is_ascii_whitespace()))
+    })
+}
+
 /// Fingerprint: SHA-256 over method, path-and-query (raw bytes as received), the values of
 /// `fingerprint_headers` (each name and all its values, absent distinguished from empty), and
 /// the body when `Some`; length-prefixed parts. A header the request's `Connection` header
@@ -386,6 +397,25 @@ fn put_headers_except(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_principal_is_a_scope_header_with_a_value() {
+        let names = [
+            http::HeaderName::from_static("authorization"),
+            http::HeaderName::from_static("x-user-id"),
+        ];
+        let mut headers = http::HeaderMap::new();
+        assert!(!has_scope(&headers, &names));
+        headers.insert("authorization", http::HeaderValue::from_static(""));
+        headers.insert("x-other", http::HeaderValue::from_static("u-1"));
+        assert!(!has_scope(&headers, &names), "blank, or not a scope header");
+        headers.append("authorization", http::HeaderValue::from_static("Bearer a"));
+        assert!(has_scope(&headers, &names), "one of its values is one");
+        let mut user = http::HeaderMap::new();
+        user.insert("X-User-Id", http::HeaderValue::from_static("u-1"));
+        assert!(has_scope(&user, &names));
+        assert!(!has_scope(&user, &[]));
+    }
     use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
     fn hv(bytes: &[u8]) -> HeaderValue {

@@ -55,13 +55,16 @@ pub enum Problem {
     KeyInvalid(String),
     /// The tenant header is malformed.
     TenantInvalid(String),
+    /// `scope_required` and none of the route's scope headers carries a value (the names, as
+    /// configured, to send one of).
+    ScopeMissing(String),
     /// The request body exceeds `max_request_bytes`.
     RequestTooLarge {
         /// The configured limit.
         limit: usize,
     },
-    /// The bodies of keyed requests in progress hold `max_buffered_request_bytes`: this one's
-    /// would go past it. Refused before any claim, so nothing ran.
+    /// The request bodies held in memory hold `max_buffered_request_bytes`: this keyed
+    /// request's would go past it. Refused before any claim, so nothing ran.
     RequestBuffersFull,
     /// The client stopped sending the body for longer than `request_body_timeout`.
     RequestTimeout,
@@ -121,6 +124,7 @@ impl Problem {
     pub fn status(&self) -> u16 {
         match self {
             Problem::KeyMissing | Problem::KeyInvalid(_) | Problem::TenantInvalid(_) => 400,
+            Problem::ScopeMissing(_) => 400,
             Problem::RequestBodyUnreadable => 400,
             Problem::TransferCodingUnsupported => 501,
             Problem::RequestTooLarge { .. } => 413,
@@ -147,6 +151,7 @@ impl Problem {
             Problem::KeyMissing => "idempotency-key-missing",
             Problem::KeyInvalid(_) => "idempotency-key-invalid",
             Problem::TenantInvalid(_) => "tenant-invalid",
+            Problem::ScopeMissing(_) => "scope-missing",
             Problem::RequestTooLarge { .. } => "request-too-large",
             Problem::RequestBuffersFull => "request-buffers-full",
             Problem::RequestTimeout => "request-timeout",
@@ -176,6 +181,7 @@ impl Problem {
             Problem::KeyMissing => "Idempotency-Key header required",
             Problem::KeyInvalid(_) => "Idempotency-Key header is malformed",
             Problem::TenantInvalid(_) => "Tenant header is malformed",
+            Problem::ScopeMissing(_) => "Principal header required",
             Problem::RequestTooLarge { .. } => "Request body too large",
             Problem::RequestBuffersFull => "Proxy busy: request buffers full",
             Problem::RequestTimeout => "Request body not received in time",
@@ -203,11 +209,15 @@ impl Problem {
         match self {
             Problem::KeyMissing => "This route requires an idempotency key header.".into(),
             Problem::KeyInvalid(why) | Problem::TenantInvalid(why) => why.clone(),
+            Problem::ScopeMissing(names) => format!(
+                "This route binds idempotency keys to the principal that sends them: send \
+                 {names} with a value."
+            ),
             Problem::RequestTooLarge { limit } => {
                 format!("The request body exceeds the limit of {limit} bytes.")
             }
             Problem::RequestBuffersFull => "Too many request bodies are held in memory at once; \
-                this one was not read or forwarded. Retry later with the same key."
+                this one was not forwarded and its key not claimed. Retry later with the same key."
                 .into(),
             Problem::RequestTimeout => "The client stopped sending the request body.".into(),
             Problem::RequestHeaderTooLarge { limit } => format!(
@@ -273,6 +283,7 @@ impl Problem {
             Problem::KeyMissing
             | Problem::KeyInvalid(_)
             | Problem::TenantInvalid(_)
+            | Problem::ScopeMissing(_)
             | Problem::RequestTooLarge { .. }
             | Problem::RequestTimeout
             | Problem::RequestHeaderTimeout

@@ -49,8 +49,10 @@ pub const EXECUTION_ID_HEADER: &str = "x-idempotency-id";
 /// for and drops before closing the connection (see [`linger`]).
 const LINGER_TIME: Duration = Duration::from_secs(2);
 const LINGER_BYTES: usize = 16 << 20;
-/// The first buffer a keyed request's chunked body (no declared length) is read into.
+/// The first buffer a chunked request body (no declared length) is read into.
 const MIN_BODY_BUFFER: usize = 16 << 10;
+/// The most of a declared request body charged to the budget before any of it arrives.
+const FIRST_BODY_BUFFER: usize = 64 << 10;
 
 /// A config and the upstream pools built from it: swapped as one, so a request sees one version.
 pub struct Generation {
@@ -295,7 +297,8 @@ pub struct Gate {
     in_flight: Arc<InFlightCounter>,
     retrier: CompletionRetrier,
     store_ops: [StoreOpHandles; 4],
-    /// The memory keyed requests' bodies hold, within `max_buffered_request_bytes`.
+    /// The memory the request bodies idemgate reads whole hold, within
+    /// `max_buffered_request_bytes`.
     bodies: Arc<BodyBudget>,
 }
 
@@ -356,7 +359,7 @@ impl Gate {
             &[
                 (
                     "idemgate_request_body_buffered_bytes",
-                    "Bytes of keyed request bodies held in memory now (bounded by \
+                    "Bytes of request bodies held in memory now (bounded by \
                      max_buffered_request_bytes)",
                     Pull::Gauge,
                     |b| b.held() as f64,
@@ -423,6 +426,11 @@ impl Gate {
                     .await
             }
         };
+        if idem.scope_required && !key::has_scope(&req.headers, &idem.scope_headers) {
+            let names = idem.scope_headers.iter().map(HeaderName::as_str);
+            let names = names.collect::<Vec<_>>().join(" or ");
+            return self.refuse(session, Problem::ScopeMissing(names)).await;
+        }
         let hash = key::record_hash(&tenant, &req.headers, &idem.scope_headers, &key);
         ctx.record_label = Some(key::hash_label(&hash));
         let record_key = RecordKey { tenant, hash };
@@ -442,7 +450,12 @@ impl Gate {
             .await
         {
             Ok(b) => b,
-            Err(p) => return self.refuse(session, p).await,
+            Err(p) => {
+                // The body read so far is gone: its share is not held while the refusal is
+                // written and the rest of it drained.
+                drop(held);
+                return self.refuse(session, p).await;
+            }
         };
         let req = session.req_header();
         // Headers `Connection` names are not forwarded: the fingerprint leaves them out too, so
@@ -526,7 +539,15 @@ impl Gate {
                         Outcome::Miss
                     };
                     return self
-                        .execute(session, ctx, route, idem, body, Some(claim), outcome)
+                        .execute(
+                            session,
+                            ctx,
+                            route,
+                            idem,
+                            (body, held),
+                            Some(claim),
+                            outcome,
+                        )
                         .await
                         .map(Some);
                 }
@@ -560,7 +581,15 @@ impl Gate {
                         }
                         OnUnavailable::Pass => {
                             return self
-                                .execute(session, ctx, route, idem, body, None, Outcome::Degraded)
+                                .execute(
+                                    session,
+                                    ctx,
+                                    route,
+                                    idem,
+                                    (body, held),
+                                    None,
+                                    Outcome::Degraded,
+                                )
                                 .await
                                 .map(Some);
                         }
@@ -656,10 +685,15 @@ impl Gate {
         if session.is_body_done() {
             return Ok(Bytes::new());
         }
-        // A declared body is taken from the budget whole, before it is invited: refused, the
-        // client has sent none of it, or need send no more.
+        // A declared body that could not fit now is refused before it is invited (the client
+        // has sent none of it, or need send no more). It is charged as it arrives, not ahead:
+        // a connection that declares a megabyte and sends it a byte at a time must not hold a
+        // megabyte of the budget it does not use.
         let budget = config.max_buffered_request_bytes;
-        if !held.cover(declared.unwrap_or(0), budget) {
+        let first = declared.unwrap_or(0).min(FIRST_BODY_BUFFER);
+        let room = declared.is_none_or(|n| held.has_room_for(n, budget));
+        if !room || !held.cover(first, budget) {
+            self.bodies.count_refusal();
             return Err(Problem::RequestBuffersFull);
         }
         if expects_continue {
@@ -672,9 +706,10 @@ impl Gate {
         // Every read below is bounded here; pingora's own read timeout (60 s unless set) would
         // cut a longer request_body_timeout short with a read error, so it only backs this up.
         session.set_read_timeout(Some(config.request_body_timeout + Duration::from_secs(1)));
-        // Sized by hand, so the budget covers what is allocated: a chunked body grows by
-        // doubling, never past `limit`.
-        let mut buf = Vec::with_capacity(declared.unwrap_or(0).min(limit));
+        // Sized by hand, so the budget covers what is allocated: it grows by doubling, never
+        // past the declared length (or, chunked, `limit`).
+        let most = declared.unwrap_or(limit);
+        let mut buf = Vec::with_capacity(first);
         loop {
             let chunk = upstream::bounded(session.read_request_body(), || {
                 let now = Instant::now();
@@ -694,8 +729,12 @@ impl Gate {
                         return Err(Problem::RequestTooLarge { limit });
                     }
                     if need > buf.capacity() {
-                        let grown = need.max(buf.capacity() * 2).max(MIN_BODY_BUFFER).min(limit);
+                        let grown = (buf.capacity() * 2)
+                            .max(MIN_BODY_BUFFER)
+                            .min(most)
+                            .max(need);
                         if !held.cover(grown, budget) {
+                            self.bodies.count_refusal();
                             return Err(Problem::RequestBuffersFull);
                         }
                         buf.reserve_exact(grown - buf.len());
@@ -716,7 +755,7 @@ impl Gate {
         ctx: &mut RequestCtx,
         route: &Route,
         idem: &RouteIdempotency,
-        body: Bytes,
+        (body, held): (Bytes, BodyPermit<'_>),
         mut claim: Option<Claim<'_>>,
         outcome: Outcome,
     ) -> Result<Handled> {
@@ -750,7 +789,13 @@ impl Gate {
         let may_go_on =
             || lock_deadline.is_none_or(|deadline| Instant::now() + exchange < deadline);
         let mut exchange = match pool.send(&head, &body, started, true, may_go_on).await {
-            Ok(x) => x,
+            Ok(x) => {
+                // Sent whole: the body's memory, and its share of the budget, need not wait
+                // for the answer (nor for a slow client to take it).
+                drop(body);
+                drop(held);
+                x
+            }
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
                 tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
@@ -972,7 +1017,13 @@ impl Gate {
         let pool = &gen.pools[upstream_index];
         let config = &gen.config;
 
+        // Held whole from the start (it is small); with no room for it now, it is left to
+        // pingora to stream, as a larger one is, rather than refused.
         let mut held = self.bodies.permit();
+        if !held.cover(declared.unwrap_or(0), config.max_buffered_request_bytes) {
+            session.set_read_timeout(Some(config.request_body_timeout));
+            return Ok(false);
+        }
         let body = match self
             .read_body(session, upstream::FORWARD_BODY_BYTES, config, &mut held)
             .await

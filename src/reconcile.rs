@@ -183,10 +183,16 @@ impl fmt::Display for Tally {
 /// its line first, so no line below it is read half-way and reported unreadable. Lines
 /// appended later are left for the next run; an append never rewrites what came before it (a
 /// failed one cuts the file back to where it began), so the lock need not be held while the
-/// lines are judged, and proxies appending meanwhile do not wait on a long `--apply`.
+/// lines are judged, and proxies appending meanwhile do not wait on a long `--apply`. Anything
+/// other than a file (a pipe: `--reconcile <(zcat dead.jsonl.gz)`) has no length, and is read
+/// to its end.
 pub fn open_dead_letters(path: &std::path::Path) -> io::Result<impl io::BufRead> {
     use std::io::Read;
     let file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Ok(io::BufReader::new(file.take(u64::MAX)));
+    }
     // `flock(2)` on Unix, as a proxy's appends take it.
     file.lock_shared()?;
     let len = file.metadata()?.len();
@@ -906,6 +912,28 @@ mod tests {
                 "not restored: {record:?}"
             );
         }
+    }
+
+    /// A pipe has no length: it is read to its end (`--reconcile <(zcat dead.jsonl.gz)`).
+    #[test]
+    fn a_pipe_is_read_to_its_end() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("letters");
+        let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a path we own, as a NUL-terminated string.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        let writer = std::thread::spawn({
+            let fifo = fifo.clone();
+            move || std::fs::write(&fifo, "{\"first\":1}\n{\"second\":2}\n").unwrap()
+        });
+        let mut text = String::new();
+        open_dead_letters(&fifo)
+            .unwrap()
+            .read_to_string(&mut text)
+            .unwrap();
+        writer.join().unwrap();
+        assert_eq!(text, "{\"first\":1}\n{\"second\":2}\n");
     }
 
     /// A line of bytes that are not text (a torn write, a damaged disk) fails alone: the lines

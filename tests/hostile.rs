@@ -882,7 +882,8 @@ async fn a_request_without_a_key_refused_for_its_body_is_invalid_not_a_bypass() 
 /// The bodies keyed requests hold at once stay within `max_buffered_request_bytes`: with a
 /// slow upload holding most of it, a body that would go past it is refused (503, before any
 /// claim, whether its length is declared or it comes chunked), a small one still goes through,
-/// and once the upload ends its bytes are given back and the refused key runs when retried.
+/// and once the upload is sent on its bytes are given back and the refused key runs when
+/// retried.
 #[tokio::test]
 async fn request_bodies_held_at_once_stay_within_their_budget() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -898,8 +899,8 @@ async fn request_bodies_held_at_once_stay_within_their_budget() {
         "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow\r\nContent-Length: {size}\r\n\r\n"
     );
     slow.write_all(head.as_bytes()).await.unwrap();
-    slow.write_all(&vec![b'x'; 1000]).await.unwrap();
-    // A declared body is taken from the budget whole, as soon as its header is read.
+    slow.write_all(&vec![b'x'; size - 1000]).await.unwrap();
+    // Charged as it arrives, up to its declared length.
     proxy
         .metrics_containing(&format!("idemgate_request_body_buffered_bytes {size}"))
         .await;
@@ -919,7 +920,7 @@ async fn request_bodies_held_at_once_stay_within_their_budget() {
         .body(vec![b'z'; size])
         .chunked(64 << 10);
     refused(&chunked.send(proxy.addr).await, "chunked");
-    // Asked to invite the body, the proxy refuses it before inviting it.
+    // Asked to invite a body that cannot fit, the proxy refuses it before inviting it.
     let mut invited = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let head = format!(
         "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: fourth\r\nExpect: 100-continue\r\n\
@@ -942,7 +943,7 @@ async fn request_bodies_held_at_once_stay_within_their_budget() {
     assert_eq!(small.send(proxy.addr).await.status, 201);
     assert_eq!(backend.count(), 1, "no refused request reached the backend");
 
-    slow.write_all(&vec![b'x'; size - 1000]).await.unwrap();
+    slow.write_all(&vec![b'x'; 1000]).await.unwrap();
     let resp = common::client::read_response(&mut slow, false)
         .await
         .unwrap();
@@ -961,10 +962,49 @@ async fn request_bodies_held_at_once_stay_within_their_budget() {
     );
 }
 
-/// A body forwarded without a key, which idemgate reads whole too (up to 64 KiB), is held
-/// within the same budget.
+/// A declared length is charged as the body arrives: connections that declare large bodies
+/// and send next to nothing (slow, or idle) cannot take the budget from requests that send
+/// theirs.
 #[tokio::test]
-async fn bodies_forwarded_without_a_key_share_the_budget() {
+async fn a_declared_length_alone_does_not_take_the_budget() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("max_buffered_request_bytes: 1MiB")
+        .idem("max_request_bytes: 600KiB")
+        .start()
+        .await;
+    let mut idle = Vec::new();
+    for n in 0..4 {
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let head = format!(
+            "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: idle-{n}\r\n\
+             Content-Length: {}\r\n\r\nx",
+            600 << 10
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        idle.push(stream);
+    }
+    proxy
+        .metrics_containing(&format!(
+            "idemgate_request_body_buffered_bytes {}",
+            4 * (64 << 10)
+        ))
+        .await;
+    let resp = Request::post("/orders")
+        .key("sent")
+        .body(vec![b'y'; 600 << 10])
+        .send(proxy.addr)
+        .await;
+    assert_eq!(resp.status, 201, "{}", resp.text());
+    drop(idle);
+}
+
+/// A body forwarded without a key, which idemgate reads whole too (up to 64 KiB), is held
+/// within the same budget; with no room for it, it is streamed to the backend instead (as a
+/// larger one is), never refused.
+#[tokio::test]
+async fn bodies_forwarded_without_a_key_are_streamed_when_the_budget_is_full() {
     use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
@@ -978,19 +1018,22 @@ async fn bodies_forwarded_without_a_key_share_the_budget() {
         "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow\r\nContent-Length: {size}\r\n\r\n"
     );
     slow.write_all(head.as_bytes()).await.unwrap();
+    slow.write_all(&vec![b'x'; size - 10]).await.unwrap();
     proxy
         .metrics_containing(&format!("idemgate_request_body_buffered_bytes {size}"))
         .await;
     let plain = Request::post("/plain").body(vec![b'p'; 40 << 10]);
     let resp = plain.send(proxy.addr).await;
-    assert_eq!(resp.status, 503, "{}", resp.text());
-    assert_eq!(resp.problem_type(), "request-buffers-full");
-    assert_eq!(backend.count(), 0);
-    let small = Request::post("/plain").body(vec![b'p'; 16 << 10]);
-    assert_eq!(small.send(proxy.addr).await.status, 201);
+    assert_eq!(resp.status, 201, "{}", resp.text());
+    assert_eq!(
+        resp.text(),
+        format!("{{\"order\":1,\"bytes\":{}}}", 40 << 10)
+    );
+    assert_eq!(backend.count(), 1);
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains("idemgate_request_bodies_refused_total 0"),
+        "{metrics}"
+    );
     drop(slow);
-    proxy
-        .metrics_containing("idemgate_request_body_buffered_bytes 0\n")
-        .await;
-    assert_eq!(plain.send(proxy.addr).await.status, 201);
 }

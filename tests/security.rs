@@ -674,6 +674,56 @@ async fn with_no_scope_headers_tenants_stay_isolated_but_principals_share_record
     );
 }
 
+/// `scope_required: true`: a keyed request that names no principal (no scope header, or only
+/// blank ones) is refused rather than put in the scope every such request of its tenant shares,
+/// where one client's response would be replayed to another that picked the same key.
+#[tokio::test]
+async fn a_route_that_requires_a_principal_refuses_requests_without_one() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("scope_headers: [Authorization, X-User-Id]")
+        .idem("scope_required: true")
+        .start()
+        .await;
+    for (what, headers) in [
+        ("no scope header", &[][..]),
+        ("a blank Authorization", &[("Authorization", " ")][..]),
+        ("an empty X-User-Id", &[("X-User-Id", "")][..]),
+    ] {
+        let resp = scoped("anonymous", headers).send(proxy.addr).await;
+        assert_eq!(resp.status, 400, "{what}: {}", resp.text());
+        assert_eq!(resp.problem_type(), "scope-missing", "{what}");
+        assert_eq!(resp.result(), Some("INVALID"), "{what}");
+        assert!(
+            resp.text().contains("authorization or x-user-id"),
+            "{what}: {}",
+            resp.text()
+        );
+    }
+    assert_eq!(backend.count(), 0);
+    // Either header names a principal, and principals stay apart.
+    assert_isolated(
+        &proxy,
+        &backend,
+        &[
+            scoped("named", &[("Authorization", "Bearer alice")]),
+            scoped("named", &[("X-User-Id", "u-42")]),
+        ],
+        "scope required",
+    )
+    .await;
+    // With the key made optional, a request without one is not keyed: nothing to scope.
+    let mut proxy = proxy;
+    proxy.edit_config(Edit::Rename, |y| {
+        y.replacen("      key: required\n", "      key: optional\n", 1)
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while common::no_key_result(&proxy).await.as_deref() != Some("BYPASS") {
+        assert!(Instant::now() < deadline, "the edit was never applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 // === No raw key, scope value or body in logs, metrics or Redis key names ===
 
 const SECRET_KEY: &str = "idem-KEY-q7Zx9w";
