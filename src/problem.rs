@@ -108,6 +108,12 @@ pub enum Problem {
     MethodCase,
     /// The backend could not be reached; nothing was sent, the key was released.
     UpstreamConnect,
+    /// The backend could not be reached and nothing was sent, but the key could not be
+    /// released (the store did not answer): it stays locked until its lock lapses.
+    UpstreamConnectKeyLocked {
+        /// When the lock has lapsed at the latest.
+        retry_after: Duration,
+    },
     /// The request was sent but no complete answer came back; the key stays locked.
     UpstreamOutcomeUnknown,
     /// A request forwarded without a claim (no key, or `on_unavailable: pass`) reached the
@@ -139,7 +145,7 @@ impl Problem {
             Problem::StoreRecordUnreadable => 503,
             Problem::NoRoute => 404,
             Problem::MethodCase => 400,
-            Problem::UpstreamConnect => 502,
+            Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => 502,
             Problem::UpstreamOutcomeUnknown => 504,
             Problem::UpstreamAnswerLost => 502,
         }
@@ -169,7 +175,9 @@ impl Problem {
             Problem::StoreRecordUnreadable => "store-record-unreadable",
             Problem::NoRoute => "no-route",
             Problem::MethodCase => "method-case",
-            Problem::UpstreamConnect => "upstream-unreachable",
+            Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => {
+                "upstream-unreachable"
+            }
             Problem::UpstreamOutcomeUnknown => "upstream-outcome-unknown",
             Problem::UpstreamAnswerLost => "upstream-answer-lost",
         }
@@ -199,7 +207,9 @@ impl Problem {
             Problem::StoreRecordUnreadable => "Stored record for this idempotency key unreadable",
             Problem::NoRoute => "No route for this request",
             Problem::MethodCase => "Request method in the wrong case",
-            Problem::UpstreamConnect => "Backend unreachable",
+            Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => {
+                "Backend unreachable"
+            }
             Problem::UpstreamOutcomeUnknown => "Backend outcome unknown",
             Problem::UpstreamAnswerLost => "Backend answer lost",
         }
@@ -268,6 +278,10 @@ impl Problem {
             Problem::UpstreamConnect => "The backend could not be reached; the request was not \
                 sent and may be retried with the same key."
                 .into(),
+            Problem::UpstreamConnectKeyLocked { .. } => "The backend could not be reached; the \
+                request was not sent, but its key could not be released and stays locked until \
+                its lock expires: retry with the same key after Retry-After."
+                .into(),
             Problem::UpstreamOutcomeUnknown => "The request was sent but the backend's answer \
                 was lost; retries with this key are refused until the lock expires."
                 .into(),
@@ -300,6 +314,7 @@ impl Problem {
             | Problem::RequestBuffersFull => Outcome::Unavailable,
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect
+            | Problem::UpstreamConnectKeyLocked { .. }
             | Problem::UpstreamOutcomeUnknown
             | Problem::UpstreamAnswerLost => Outcome::Miss,
         }
@@ -308,7 +323,8 @@ impl Problem {
     /// Seconds for `Retry-After`, where a retry can help.
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
-            Problem::InFlight { retry_after } => {
+            Problem::InFlight { retry_after }
+            | Problem::UpstreamConnectKeyLocked { retry_after } => {
                 Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
             }
             Problem::StoreUnavailable

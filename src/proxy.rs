@@ -798,13 +798,16 @@ impl Gate {
             }
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
-                tracing::warn!(error = %e, route = %route.name, "backend unreachable; claim released");
-                if let Some(c) = &claim {
-                    self.release(c).await;
-                }
-                return self
-                    .refuse_executed(session, Problem::UpstreamConnect, outcome)
-                    .await;
+                tracing::warn!(error = %e, route = %route.name, "backend unreachable; releasing the claim");
+                // Nothing was sent, so a retry may run the key: at once once it is released,
+                // or once the lock lapses when the store did not take the release.
+                let problem = match &claim {
+                    Some(c) if !self.release(c).await => Problem::UpstreamConnectKeyLocked {
+                        retry_after: c.lapses_by.saturating_duration_since(Instant::now()),
+                    },
+                    _ => Problem::UpstreamConnect,
+                };
+                return self.refuse_executed(session, problem, outcome).await;
             }
         };
 
@@ -1234,15 +1237,22 @@ impl Gate {
             .await;
     }
 
-    async fn release(&self, claim: &Claim<'_>) {
+    /// Releases `claim`. Returns false when the store did not take the release: the key
+    /// stays locked until the lock lapses. (A claim another request took over is no longer
+    /// this one's to release: true.)
+    async fn release(&self, claim: &Claim<'_>) -> bool {
         let started = Instant::now();
         let written = claim.store.release(&claim.req.key, claim.req.owner).await;
         self.observe_store(StoreOp::Release, started, written.is_err());
         match written {
-            Ok(WriteOutcome::Applied) => {}
-            Ok(WriteOutcome::NotOwner) => self.metrics.fenced_writes.inc(),
+            Ok(WriteOutcome::Applied) => true,
+            Ok(WriteOutcome::NotOwner) => {
+                self.metrics.fenced_writes.inc();
+                true
+            }
             Err(e) => {
                 tracing::warn!(record = %key::hash_label(&claim.req.key.hash), error = %e, "releasing the claim failed; it lapses at lock_ttl");
+                false
             }
         }
     }

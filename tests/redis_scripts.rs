@@ -1158,3 +1158,61 @@ async fn a_canary_completion_that_fails_after_its_write_is_finished_by_the_activ
         assert_eq!(counts(&store, "vhalf"), (2, 1), "{active}");
     }
 }
+
+/// A backend that cannot be reached was sent nothing, so the key is released and a retry may
+/// run it at once. When the store does not take the release (here a release script that fails),
+/// the answer says the key stays locked, and until when: a retry meanwhile gets 409, not a
+/// run.
+#[tokio::test]
+async fn an_unreachable_backend_says_whether_the_key_was_released() {
+    let redis = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    script_dir(root.path(), "vnorel", "v1", |name, text| {
+        if name == "release" {
+            "return redis.error_reply('release refused')\n".to_string()
+        } else {
+            text
+        }
+    });
+    let closed = std::net::SocketAddr::from(([127, 0, 0, 1], RedisServer::unused_port()));
+    let start = |version: &str| {
+        ProxyBuilder::at(closed)
+            .redis(&[redis.url()])
+            .store(&format!(
+                "  scripts: {{dir: \"{}\", version: {version}}}",
+                root.path().display()
+            ))
+            .store("local_cache: {enabled: false}")
+            .upstream("connect_timeout: 1s")
+            .upstream("write_timeout: 1s")
+            .upstream("read_timeout: 2s")
+            .idem("lock_ttl: 5s")
+            .start()
+    };
+    let order = |key: &str| Request::post("/orders").key(key).json(r#"{"sku":"A"}"#);
+
+    let released = start("v1").await;
+    for attempt in ["first", "retry"] {
+        let resp = order("k1").send(released.addr).await;
+        assert_eq!(resp.status, 502, "{attempt}: {}", resp.text());
+        assert_eq!(resp.problem_type(), "upstream-unreachable", "{attempt}");
+        assert_eq!(resp.header("retry-after"), None, "{attempt}");
+        assert!(resp.text().contains("may be retried"), "{}", resp.text());
+    }
+
+    let locked = start("vnorel").await;
+    let resp = order("k2").send(locked.addr).await;
+    assert_eq!(resp.status, 502, "{}", resp.text());
+    assert_eq!(resp.problem_type(), "upstream-unreachable");
+    assert_eq!(resp.result(), Some("MISS"));
+    assert!(resp.text().contains("stays locked"), "{}", resp.text());
+    let secs: u64 = resp
+        .header("retry-after")
+        .expect("a Retry-After")
+        .parse()
+        .unwrap();
+    assert!((1..=5).contains(&secs), "Retry-After {secs}");
+    let retry = order("k2").send(locked.addr).await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert_eq!(retry.problem_type(), "request-in-flight");
+}
