@@ -23,6 +23,12 @@ use crate::worker_lease::{WorkerIdSource, WorkerIds};
 /// without the store (`pass`, `local`): well inside a Kubernetes probe's default 1 s timeout.
 const PERMISSIVE_PING_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How long a readiness ping's outcome answers later probes: however hard `/readyz` is
+/// polled (anyone who reaches the admin port can), the store sees a ping at most this often,
+/// and the proxy's requests, which share its connection and circuit breaker, never queue
+/// behind them.
+const PING_REUSE: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Readiness latches shared with the server: flipped once, read on every probe.
 #[derive(Default)]
 pub struct Readiness {
@@ -58,7 +64,14 @@ pub struct Admin {
     /// A readiness ping under a permissive policy is still out: probes that come meanwhile do
     /// not start another, so hard polling during an outage cannot pile up pings.
     ping_in_flight: Arc<AtomicBool>,
+    /// The last readiness ping's outcome, answered from for [`PING_REUSE`]; and the turn a
+    /// ping under `reject` waits for, so probes that come while one is out share its answer.
+    last_ping: Arc<parking_lot::Mutex<Option<PingAnswer>>>,
+    ping_turn: tokio::sync::Mutex<()>,
 }
+
+/// When a readiness ping answered, and what.
+type PingAnswer = (tokio::time::Instant, Result<(), String>);
 
 /// Clears the ping-in-flight flag when the ping ends, however it ends.
 struct PingOut(Arc<AtomicBool>);
@@ -90,6 +103,8 @@ impl Admin {
             ids: None,
             fallback: None,
             ping_in_flight: Arc::default(),
+            last_ping: Arc::default(),
+            ping_turn: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -124,7 +139,8 @@ impl Admin {
         // is whatever the caller writes in the path, where through the proxy it comes from the
         // layer that authenticated the client, so a key (with `scope_headers: []`, nothing
         // more) would let anyone who reaches the admin port read another tenant's responses.
-        if query.get("body").as_deref() == Some("true") && !self.authorized(session) {
+        let trusted = self.authorized(session);
+        if !trusted && asks_for_secrets(&query) {
             return unauthorized();
         }
         let route = match query.get("route") {
@@ -143,7 +159,7 @@ impl Admin {
             }
         }
         let hash = key::record_hash(&tenant, &scope, &idem.scope_headers, &key);
-        self.record_at(RecordKey { tenant, hash }, &query, delete)
+        self.record_at(RecordKey { tenant, hash }, &query, delete, trusted)
             .await
     }
 
@@ -156,7 +172,8 @@ impl Admin {
         // the raw key and its principal's scope values it proves nothing: the stored body is
         // shown only with the admin token.
         let query = Query(req.uri.query().unwrap_or(""));
-        if query.get("body").as_deref() == Some("true") && !self.authorized(session) {
+        let trusted = self.authorized(session);
+        if !trusted && asks_for_secrets(&query) {
             return unauthorized();
         }
         let (tenant, id) =
@@ -170,7 +187,7 @@ impl Admin {
                 "the record id is not 64 hex digits",
             );
         };
-        self.record_at(RecordKey { tenant, hash }, &query, delete)
+        self.record_at(RecordKey { tenant, hash }, &query, delete, trusted)
             .await
     }
 
@@ -180,6 +197,7 @@ impl Admin {
         record_key: RecordKey,
         query: &Query<'_>,
         delete: bool,
+        trusted: bool,
     ) -> Response<Vec<u8>> {
         if delete {
             // A record in flight belongs to an execution that may still be running: purged, a
@@ -273,6 +291,7 @@ impl Admin {
                     &record,
                     query.get("body").as_deref() == Some("true"),
                     query.get("fingerprint").as_deref(),
+                    trusted,
                 ),
             ),
             Ok(None) => error(StatusCode::NOT_FOUND, "no such record"),
@@ -394,6 +413,28 @@ impl Admin {
     /// [`PERMISSIVE_PING_WAIT`]: a blackholed Redis takes connect_timeout + 2 × response_timeout
     /// to fail, longer than a Kubernetes probe's 1 s default, and every replica would go unready
     /// in exactly the outage the policy is there to ride out.
+    /// The last ping's outcome, if it answered within [`PING_REUSE`].
+    fn recent_ping(&self) -> Option<Result<(), String>> {
+        let last = self.last_ping.lock();
+        let (at, answer) = last.as_ref()?;
+        (at.elapsed() < PING_REUSE).then(|| answer.clone())
+    }
+
+    /// A ping of the store, or the answer of one that ended within [`PING_REUSE`]; probes that
+    /// come while one is out wait for its answer rather than send their own.
+    async fn shared_ping(&self) -> Result<(), String> {
+        if let Some(answer) = self.recent_ping() {
+            return answer;
+        }
+        let _turn = self.ping_turn.lock().await;
+        if let Some(answer) = self.recent_ping() {
+            return answer;
+        }
+        let answer = self.store.ping().await.map_err(|e| e.to_string());
+        *self.last_ping.lock() = Some((tokio::time::Instant::now(), answer.clone()));
+        answer
+    }
+
     async fn ready(&self) -> (StatusCode, String) {
         if self.readiness.is_draining() {
             return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
@@ -407,13 +448,18 @@ impl Admin {
         }
         let policy = self.current.load().config.store.on_unavailable;
         if policy == OnUnavailable::Reject {
-            return match self.store.ping().await {
+            return match self.shared_ping().await {
                 Ok(()) => (StatusCode::OK, "ready\n".into()),
                 Err(e) => (
                     StatusCode::SERVICE_UNAVAILABLE,
                     format!("store unavailable: {e}\n"),
                 ),
             };
+        }
+        match self.recent_ping() {
+            Some(Ok(())) => return (StatusCode::OK, "ready\n".into()),
+            Some(Err(e)) => return (StatusCode::OK, format!("ready (store degraded: {e})\n")),
+            None => {}
         }
         if self.ping_in_flight.swap(true, Ordering::AcqRel) {
             return (
@@ -425,9 +471,15 @@ impl Admin {
         // breaker still counts its outcome as it always has.
         let store = self.store.clone();
         let out = PingOut(self.ping_in_flight.clone());
+        let last = self.last_ping.clone();
         let ping = tokio::spawn(async move {
             let _out = out;
-            store.ping().await
+            let answer = store.ping().await;
+            *last.lock() = Some((
+                tokio::time::Instant::now(),
+                answer.as_ref().map_err(|e| e.to_string()).copied(),
+            ));
+            answer
         });
         match tokio::time::timeout(PERMISSIVE_PING_WAIT, ping).await {
             Ok(Ok(Ok(()))) => (StatusCode::OK, "ready\n".into()),
@@ -558,12 +610,22 @@ impl<'a> Query<'a> {
     }
 }
 
-/// A record as the admin API shows it: state, timestamps, fingerprint; the body only on request.
+/// Whether an admin record read asks for what only the token shows: the stored body
+/// (`?body=true`), or a match against the fingerprint (`?fingerprint=`).
+fn asks_for_secrets(query: &Query<'_>) -> bool {
+    query.get("body").as_deref() == Some("true") || query.get("fingerprint").is_some()
+}
+
+/// A record as the admin API shows it: state, timestamps; with the admin token (`trusted`)
+/// the fingerprint too, and the body on request. The fingerprint is an unsalted SHA-256 over
+/// the request, body included: shown to anyone, it would let them try guesses at a body (an
+/// amount, an account) offline until one matches.
 fn record_json(
     key: &RecordKey,
     record: &Record,
     with_body: bool,
     fingerprint: Option<&str>,
+    trusted: bool,
 ) -> serde_json::Value {
     use base64::Engine;
     let created = crate::snowflake::decode(record.execution_id).unix_ms;
@@ -572,8 +634,10 @@ fn record_json(
         "record": hex::encode(key.hash),
         "execution_id": record.execution_id.to_string(),
         "created_at_unix_ms": created,
-        "fingerprint": hex::encode(record.fingerprint),
     });
+    if trusted {
+        v["fingerprint"] = hex::encode(record.fingerprint).into();
+    }
     if let Some(left) = record.expires_in {
         v["expires_in_ms"] = (left.as_millis() as u64).into();
     }
@@ -997,19 +1061,28 @@ routes:
             }),
             false,
             None,
+            false,
         );
         assert_eq!(v["state"], "in_flight");
+        assert!(v.get("fingerprint").is_none(), "only with the token");
         assert_eq!(v["lock_remaining_ms"], 1500);
         assert_eq!(v["execution_id"], (7u64 << 22).to_string());
         assert_eq!(v["record"], "01".repeat(32));
         assert!(v.get("fingerprint_matches").is_none());
 
-        let v = record_json(&key, &record(RecordState::Released), false, None);
+        let v = record_json(&key, &record(RecordState::Released), false, None, true);
+        assert_eq!(v["fingerprint"], "ab".repeat(32));
         assert_eq!(v["state"], "released");
         assert!(v.get("status").is_none());
 
         let unreplayable = RecordState::Completed(Completion::Unreplayable { status: 201 });
-        let v = record_json(&key, &record(unreplayable), true, Some(&"AB".repeat(32)));
+        let v = record_json(
+            &key,
+            &record(unreplayable),
+            true,
+            Some(&"AB".repeat(32)),
+            true,
+        );
         assert_eq!(v["state"], "completed");
         assert_eq!(v["replayable"], false);
         assert_eq!(v["status"], 201);
@@ -1021,11 +1094,11 @@ routes:
             vec![("x-a", Bytes::from_static(b"1"))],
             Bytes::from_static(b"\x00\xff"),
         ))));
-        let v = record_json(&key, &record(response.clone()), false, Some("00"));
+        let v = record_json(&key, &record(response.clone()), false, Some("00"), true);
         assert_eq!(v["body_bytes"], 2);
         assert!(v.get("body_base64").is_none(), "no body unless asked");
         assert_eq!(v["fingerprint_matches"], false);
-        let v = record_json(&key, &record(response), true, None);
+        let v = record_json(&key, &record(response), true, None, true);
         assert_eq!(v["body_base64"], "AP8=");
         assert_eq!(v["headers"], serde_json::json!([["x-a", "1"]]));
     }

@@ -40,7 +40,19 @@ async fn inspect_and_purge_a_record() {
     assert!(v["created_at_unix_ms"].as_u64().unwrap() > 1_700_000_000_000);
     let exec = backend.executions()[0].execution_id.clone().unwrap();
     assert_eq!(v["execution_id"], exec);
-    let fp = v["fingerprint"].as_str().unwrap().to_string();
+    // The fingerprint (a hash of the body, among others: guesses at it could be tried
+    // offline) only with the admin token, as is a match against it.
+    assert!(v.get("fingerprint").is_none(), "{v}");
+    let with_token = as_alice(Request::get(path))
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send(proxy.admin)
+        .await;
+    let trusted: serde_json::Value = serde_json::from_slice(&with_token.body).unwrap();
+    let fp = trusted["fingerprint"].as_str().unwrap().to_string();
+    let matched = as_alice(Request::get(&format!("{path}?fingerprint={fp}")))
+        .send(proxy.admin)
+        .await;
+    assert_eq!(matched.status, 401, "{}", matched.text());
     // The same record by its id (the 64 hex digits dead-letter lines carry), no key needed.
     let id = v["record"].as_str().unwrap().to_string();
     assert_eq!(id.len(), 64);

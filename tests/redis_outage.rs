@@ -1490,3 +1490,29 @@ async fn a_stop_that_loses_dead_letters_exits_74() {
     assert!(log.contains("1 dead letters could not be written"), "{log}");
     drop(held);
 }
+
+/// However hard `/readyz` is polled (anyone who reaches the admin port can), the store sees a
+/// ping at most every 250 ms: probes that come while one is out, or soon after, share its
+/// answer, so they cannot load Redis or queue the proxy's own calls behind theirs.
+#[tokio::test]
+async fn readiness_probes_share_their_store_pings() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .start()
+        .await;
+    assert_eq!(Request::get("/readyz").send(proxy.admin).await.status, 200);
+    let before = redis.calls();
+    let probes: Vec<_> = (0..60)
+        .map(|_| Request::get("/readyz").spawn_send(proxy.admin))
+        .collect();
+    for probe in probes {
+        let answer = probe.await.unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.text());
+    }
+    // A ping is two commands (the get script and a PEXPIRE); the INFO that read `before` and
+    // the purge channel's heartbeat come on top. Sixty pings would be 120.
+    let commands = redis.calls() - before;
+    assert!(commands <= 16, "{commands} Redis commands for 60 probes");
+}
