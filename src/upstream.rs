@@ -151,6 +151,9 @@ fn timed_out(what: &str) -> io::Error {
 struct Idle {
     stream: TcpStream,
     since: Instant,
+    /// How long it may stay idle: `idle_timeout`, or less when the backend said it closes
+    /// idle connections sooner.
+    limit: Duration,
 }
 
 /// One worker thread's idle connections, by backend address.
@@ -161,11 +164,10 @@ struct Pool {
     swept: Option<Instant>,
 }
 
-/// The idle connections to one address, oldest first, and how long they may stay.
+/// The idle connections to one address, oldest first.
 #[derive(Default)]
 struct Pooled {
     idle: VecDeque<Idle>,
-    idle_timeout: Duration,
 }
 
 /// How often a worker thread's pool drops the connections past their idle time at every
@@ -179,10 +181,9 @@ impl Pool {
     fn sweep(&mut self, now: Instant) {
         self.swept = Some(now);
         self.by_addr.retain(|_, pooled| {
-            let timeout = pooled.idle_timeout;
             pooled
                 .idle
-                .retain(|c| now.saturating_duration_since(c.since) < timeout);
+                .retain(|c| now.saturating_duration_since(c.since) < c.limit);
             !pooled.idle.is_empty()
         });
     }
@@ -199,7 +200,7 @@ fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
         let mut pool = pool.borrow_mut();
         let idle = &mut pool.by_addr.get_mut(&backend.addr)?.idle;
         while let Some(conn) = idle.pop_back() {
-            if now.saturating_duration_since(conn.since) < backend.idle_timeout
+            if now.saturating_duration_since(conn.since) < conn.limit.min(backend.idle_timeout)
                 && still_open(&conn.stream)
             {
                 return Some(conn.stream);
@@ -210,16 +211,39 @@ fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
 }
 
 /// A pooled connection is usable when it has nothing to read: a backend that closed it (or
-/// sent bytes nobody asked for) makes it readable. tokio answers from its readiness state when
-/// it knows the socket is idle, so the usual case costs no system call.
+/// sent bytes nobody asked for) makes it readable. Asked of the socket itself (a `MSG_PEEK`
+/// receive that does not wait), not of tokio's readiness state: that learns of a close or of
+/// stray bytes only when its driver next polls, which under load can come after the
+/// connection was handed out again, and the next request, perhaps another tenant's, would
+/// read those bytes as its answer, or go into a connection already closed (an unknown
+/// outcome that keeps its key locked). One system call per reuse.
 fn still_open(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
     let mut probe = [0u8; 1];
-    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    // SAFETY: a valid fd and a buffer of the length given; MSG_PEEK leaves what is there.
+    let got = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            probe.as_mut_ptr().cast(),
+            probe.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    got < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock
 }
 
 /// Pools `stream`, idle since `since` (when its request started: earlier than the truth, so
-/// a connection is dropped a little before `idle_timeout`, never after).
-fn put_idle(backend: &Backend, stream: TcpStream, since: Instant) {
+/// a connection is dropped a little before `idle_timeout`, never after), for `idle_timeout`, or
+/// for `advertised` (the backend's `Keep-Alive: timeout`) less a second when that is shorter:
+/// a connection the backend is about to close must not take a request that then fails.
+fn put_idle(backend: &Backend, stream: TcpStream, since: Instant, advertised: Option<Duration>) {
+    let limit = advertised.map_or(backend.idle_timeout, |t| {
+        t.saturating_sub(Duration::from_secs(1))
+            .min(backend.idle_timeout)
+    });
+    if limit.is_zero() {
+        return;
+    }
     POOL.with(|pool| {
         let mut pool = pool.borrow_mut();
         if pool
@@ -228,20 +252,17 @@ fn put_idle(backend: &Backend, stream: TcpStream, since: Instant) {
         {
             pool.sweep(since);
         }
-        let pooled = pool.by_addr.entry(backend.addr).or_default();
-        pooled.idle_timeout = backend.idle_timeout;
-        let idle = &mut pooled.idle;
-        // Oldest first: drop the ones past their idle time, and the oldest when full.
-        while idle
-            .front()
-            .is_some_and(|c| since.saturating_duration_since(c.since) >= backend.idle_timeout)
-        {
-            idle.pop_front();
-        }
+        let idle = &mut pool.by_addr.entry(backend.addr).or_default().idle;
+        // Drop the ones past their idle time, and the oldest when full.
+        idle.retain(|c| since.saturating_duration_since(c.since) < c.limit);
         if idle.len() >= MAX_IDLE_PER_ADDRESS {
             idle.pop_front();
         }
-        idle.push_back(Idle { stream, since });
+        idle.push_back(Idle {
+            stream,
+            since,
+            limit,
+        });
     });
 }
 
@@ -498,6 +519,8 @@ pub struct Exchange {
     framing: Framing,
     /// The connection may carry another request once the response is read whole.
     keep_alive: bool,
+    /// How long the backend keeps it open idle, as its `Keep-Alive: timeout` said.
+    advertised_idle: Option<Duration>,
     /// The connection came from the pool.
     reused: bool,
     /// Bytes of response received so far (head included).
@@ -523,6 +546,7 @@ impl Exchange {
             buf: BytesMut::new(),
             framing: Framing::Close,
             keep_alive: false,
+            advertised_idle: None,
             reused,
             received: 0,
             backend: backend.clone(),
@@ -623,6 +647,7 @@ impl Exchange {
                 continue;
             }
             self.keep_alive = parsed.keep_alive && !self.request_cut;
+            self.advertised_idle = parsed.advertised_idle;
             self.framing = if head_request || status == 204 || status == 304 {
                 // A 204 that declares a body breaks its own rule (a HEAD's or a 304's length
                 // is the body a GET would have had, and correct): one that sends the body
@@ -712,7 +737,12 @@ impl Exchange {
     /// keeps it open; otherwise closes it.
     pub fn finish(self) {
         if self.done() && self.keep_alive && self.buf.is_empty() {
-            put_idle(&self.backend, self.stream, self.started);
+            put_idle(
+                &self.backend,
+                self.stream,
+                self.started,
+                self.advertised_idle,
+            );
         }
     }
 }
@@ -721,6 +751,8 @@ struct ParsedHead {
     header: ResponseHeader,
     framing: Framing,
     keep_alive: bool,
+    /// `Keep-Alive: timeout=<seconds>`: how long the backend keeps an idle connection open.
+    advertised_idle: Option<Duration>,
     /// A `Transfer-Encoding`, or a `Content-Length` above zero.
     declares_body: bool,
 }
@@ -778,6 +810,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     // answer is closed unless it asks to stay open.
     let (mut saw_close, mut saw_keep_alive) = (false, false);
     let mut connection_named: Vec<Bytes> = Vec::new();
+    let mut advertised_idle: Option<Duration> = None;
     // Whether `Content-Length` came as one plain number: `5, 5`, two lines of it or `05` agree
     // with themselves but strict clients refuse them, so the client gets the one length instead.
     let (mut length_lines, mut length_plain) = (0, true);
@@ -809,6 +842,23 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             if let Some(last) = codings(value).last() {
                 chunked = last.eq_ignore_ascii_case(b"chunked");
             }
+        } else if name.eq_ignore_ascii_case(b"keep-alive") {
+            // `timeout=5, max=100`; the shortest timeout, if it says more than one.
+            for param in value.split(|&b| b == b',').map(|p| p.trim_ascii()) {
+                let Some(eq) = param.iter().position(|&b| b == b'=') else {
+                    continue;
+                };
+                let (key, secs) = (&param[..eq], &param[eq + 1..]);
+                let secs = std::str::from_utf8(secs.trim_ascii())
+                    .ok()
+                    .and_then(|s| s.parse::<u64>().ok());
+                if key.trim_ascii().eq_ignore_ascii_case(b"timeout") {
+                    if let Some(secs) = secs {
+                        let t = Duration::from_secs(secs);
+                        advertised_idle = Some(advertised_idle.map_or(t, |a| a.min(t)));
+                    }
+                }
+            }
         } else if name.eq_ignore_ascii_case(b"connection") {
             for token in value.split(|&b| b == b',').map(|t| t.trim_ascii()) {
                 if token.eq_ignore_ascii_case(b"close") {
@@ -823,6 +873,10 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     }
     // The client gets one length, as parsed, in place of lines that are not one plain number.
     let relength = !transfer_encoding && (length_lines > 1 || !length_plain);
+    // A 204 has no body and may carry no framing (RFC 9110 §8.6, RFC 9112 §6.1): one that
+    // declares a length or a coding is passed on (and stored) without it, or a lenient client
+    // framing by it would take the start of its next answer for this one's body.
+    let no_content = code == 204;
     for &(n, nl, v, vl) in &fields {
         let name = &head[n..n + nl];
         let hop = RESPONSE_HOP_BY_HOP
@@ -831,7 +885,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             || connection_named
                 .iter()
                 .any(|c| name.eq_ignore_ascii_case(c))
-            || ((transfer_encoding || relength) && name.eq_ignore_ascii_case(b"content-length"));
+            || ((transfer_encoding || relength || no_content)
+                && name.eq_ignore_ascii_case(b"content-length"))
+            || (no_content && name.eq_ignore_ascii_case(b"transfer-encoding"));
         if hop {
             continue;
         }
@@ -858,7 +914,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             .append_header(head.slice(n..n + nl), value)
             .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
     }
-    if let Some(len) = length.filter(|_| relength) {
+    if let Some(len) = length.filter(|_| relength && !no_content) {
         header
             .append_header(http::header::CONTENT_LENGTH, HeaderValue::from(len))
             .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
@@ -881,6 +937,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     // transfer codings (RFC 9112 §6.1): either way, do not trust the connection after it.
     let keep_alive = !(close || transfer_encoding && (length.is_some() || version == 0));
     Ok(Some(ParsedHead {
+        advertised_idle,
         declares_body: transfer_encoding || length.is_some_and(|l| l > 0),
         header,
         framing,
@@ -1006,6 +1063,30 @@ fn decode_chunked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bytes (or a close) the kernel holds are seen at once, before tokio's driver has polled
+    /// the socket: its readiness state alone says the socket is idle.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_pooled_connection_with_bytes_or_a_close_waiting_is_not_reused() {
+        use std::io::Write;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connect = || {
+            let ours = std::net::TcpStream::connect(addr).unwrap();
+            ours.set_nonblocking(true).unwrap();
+            let theirs = listener.accept().unwrap().0;
+            (TcpStream::from_std(ours).unwrap(), theirs)
+        };
+        let (idle, _peer) = connect();
+        assert!(still_open(&idle), "nothing to read: usable");
+        let (stray, mut peer) = connect();
+        peer.write_all(b"HTTP/1.1 200 OK\r\n").unwrap();
+        assert!(!still_open(&stray), "stray bytes waiting");
+        assert!(!still_open(&stray), "a peek reads nothing away");
+        let (closed, peer) = connect();
+        drop(peer);
+        assert!(!still_open(&closed), "closed by the backend");
+    }
 
     /// One integer socket option of `stream`.
     #[cfg(target_os = "linux")]
