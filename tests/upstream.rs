@@ -1235,5 +1235,9 @@ async fn a_connection_is_not_reused_past_the_idle_time_the_backend_advertised() 
     for key in ["kb-1", "kb-2"] {
         assert_eq!(order(key).send(brief_proxy.addr).await.status, 201);
     }
-    assert_eq!(brief.connections(), 2, "timeout=1 leaves no time to reuse it");
+    assert_eq!(
+        brief.connections(),
+        2,
+        "timeout=1 leaves no time to reuse it"
+    );
 }
