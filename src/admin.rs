@@ -407,12 +407,6 @@ impl Admin {
         json(StatusCode::OK, body)
     }
 
-    /// `GET /readyz`. Under `on_unavailable: reject` the answer waits for the store's ping,
-    /// since a replica that cannot reach its store refuses every idempotent request. Under
-    /// `pass` or `local` it is ready whatever the ping says, so it waits at most
-    /// [`PERMISSIVE_PING_WAIT`]: a blackholed Redis takes connect_timeout + 2 × response_timeout
-    /// to fail, longer than a Kubernetes probe's 1 s default, and every replica would go unready
-    /// in exactly the outage the policy is there to ride out.
     /// The last ping's outcome, if it answered within [`PING_REUSE`].
     fn recent_ping(&self) -> Option<Result<(), String>> {
         let last = self.last_ping.lock();
@@ -435,6 +429,13 @@ impl Admin {
         answer
     }
 
+    /// `GET /readyz`. Under `on_unavailable: reject` the answer waits for the store's ping,
+    /// since a replica that cannot reach its store refuses every idempotent request. Under
+    /// `pass` or `local` it is ready whatever the ping says, so it waits at most
+    /// [`PERMISSIVE_PING_WAIT`]: a blackholed Redis takes connect_timeout + 2 × response_timeout
+    /// to fail, longer than a Kubernetes probe's 1 s default, and every replica would go unready
+    /// in exactly the outage the policy is there to ride out. Either way a ping that answered
+    /// within [`PING_REUSE`] answers for it.
     async fn ready(&self) -> (StatusCode, String) {
         if self.readiness.is_draining() {
             return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());

@@ -1209,16 +1209,17 @@ async fn a_keyed_request_goes_on_to_the_next_address_only_within_its_lock() {
 /// it has been idle under N less a second, and with `timeout=1` not at all.
 #[tokio::test]
 async fn a_connection_is_not_reused_past_the_idle_time_the_backend_advertised() {
-    let answer = |secs: u32| {
+    let answer = |timeout: &str| {
         send(
             format!(
-                "HTTP/1.1 201 Created\r\nKeep-Alive: timeout={secs}, max=100\r\n\
+                "HTTP/1.1 201 Created\r\nKeep-Alive: timeout={timeout}, max=100\r\n\
                  Content-Length: 2\r\n\r\n{{}}"
             )
             .as_bytes(),
         )
     };
-    let backend = RawBackend::start(vec![answer(2)]).await;
+    // The value as a quoted string, which the header's grammar allows too.
+    let backend = RawBackend::start(vec![answer("\"2\"")]).await;
     let patient = proxy(&backend).await;
     for key in ["ka-1", "ka-2"] {
         let r = order(key).send(patient.addr).await;
@@ -1230,7 +1231,7 @@ async fn a_connection_is_not_reused_past_the_idle_time_the_backend_advertised() 
     assert_eq!(order("ka-3").send(patient.addr).await.status, 201);
     assert_eq!(backend.connections(), 2, "idle past 2 s less a second");
 
-    let brief = RawBackend::start(vec![answer(1)]).await;
+    let brief = RawBackend::start(vec![answer("1")]).await;
     let brief_proxy = proxy(&brief).await;
     for key in ["kb-1", "kb-2"] {
         assert_eq!(order(key).send(brief_proxy.addr).await.status, 201);
