@@ -1399,8 +1399,13 @@ impl Downstream {
 /// HTTP/1.0 client knows no transfer codings (RFC 9112 §6.1): pingora would chunk the body
 /// for it all the same, and the client would take the chunk sizes for body bytes. Without
 /// `Transfer-Encoding` (a `Content-Length` never stands beside it) the body goes as it is,
-/// ended by closing the connection.
+/// ended by closing the connection. A 204 goes without the framing it may not carry (RFC 9110
+/// §8.6; idemgate's own client drops it as it parses, pingora's streaming path does not).
 fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
+    if header.status == http::StatusCode::NO_CONTENT {
+        header.remove_header(&header::CONTENT_LENGTH);
+        header.remove_header(&header::TRANSFER_ENCODING);
+    }
     if session.req_header().version == http::Version::HTTP_10
         && header.headers.contains_key(header::TRANSFER_ENCODING)
     {
@@ -1570,8 +1575,12 @@ fn add_host(session: &mut Session, pool: &UpstreamPool) -> Result<()> {
 /// refuses rather than answer with a broken message.
 fn replay_head(stored: &StoredResponse, exclude: &[HeaderName]) -> Option<ResponseHeader> {
     let mut resp = ResponseHeader::build(stored.status, Some(stored.header_count() + 4)).ok()?;
+    // A 204 stored before its framing was dropped at parse replays without it all the same.
+    let no_content = stored.status == 204;
     for (name, value) in stored.shared_headers() {
-        if is_excluded(name, exclude) {
+        if is_excluded(name, exclude)
+            || (no_content && (name == "content-length" || name == "transfer-encoding"))
+        {
             continue;
         }
         let value = HeaderValue::from_maybe_shared(value).ok()?;
@@ -1877,6 +1886,28 @@ mod tests {
         assert!(replay_head(&stored(1000, b"fine"), &[]).is_none());
         let bad_name = StoredResponse::new(201, vec![("x a", Bytes::new())], Bytes::new());
         assert!(replay_head(&bad_name, &[]).is_none());
+    }
+
+    #[test]
+    fn a_204_stored_with_framing_replays_without_it() {
+        let framed = |status: u16| {
+            StoredResponse::new(
+                status,
+                vec![
+                    ("content-length", Bytes::from_static(b"5")),
+                    ("transfer-encoding", Bytes::from_static(b"chunked")),
+                    ("x-a", Bytes::from_static(b"1")),
+                ],
+                Bytes::new(),
+            )
+        };
+        let head = replay_head(&framed(204), &[]).unwrap();
+        assert!(!head.headers.contains_key("content-length"));
+        assert!(!head.headers.contains_key("transfer-encoding"));
+        assert_eq!(head.headers["x-a"], "1");
+        // A 304's length is the representation's: kept.
+        let head = replay_head(&framed(304), &[]).unwrap();
+        assert_eq!(head.headers["content-length"], "5");
     }
 
     #[test]
