@@ -283,17 +283,31 @@ impl Admin {
                 ),
             };
         }
+        let show = |record: &Record| {
+            record_json(
+                &record_key,
+                record,
+                query.get("body").as_deref() == Some("true"),
+                query.get("fingerprint").as_deref(),
+                trusted,
+            )
+        };
+        // A key this replica ran on the fallback during an outage (`on_unavailable: local`) is
+        // answered from there while its record lives, Redis back or not: show that record, as
+        // the proxy would replay it (a released one gives way to the store's, as it does there).
+        if let Some(local) = &self.fallback {
+            if local.usage().is_some_and(|u| u.records > 0) {
+                if let Ok(Some(record)) = local.get(&record_key).await {
+                    if !matches!(record.state, RecordState::Released) {
+                        let mut v = show(&record);
+                        v["held_by"] = "fallback".into();
+                        return json(StatusCode::OK, v);
+                    }
+                }
+            }
+        }
         match self.store.get(&record_key).await {
-            Ok(Some(record)) => json(
-                StatusCode::OK,
-                record_json(
-                    &record_key,
-                    &record,
-                    query.get("body").as_deref() == Some("true"),
-                    query.get("fingerprint").as_deref(),
-                    trusted,
-                ),
-            ),
+            Ok(Some(record)) => json(StatusCode::OK, show(&record)),
             Ok(None) => error(StatusCode::NOT_FOUND, "no such record"),
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
         }

@@ -1352,6 +1352,17 @@ async fn a_key_run_on_the_local_fallback_is_replayed_not_run_again_once_redis_is
         .body("{\"sku\":2}");
     assert_eq!(changed.send(proxy.addr).await.status, 422);
     assert_eq!(backend.count(), ran, "the key did not run again");
+    // The admin API shows the record the proxy answers from.
+    let view = Request::get("/admin/records/default/outage-order")
+        .send(proxy.admin)
+        .await;
+    assert_eq!(view.status, 200, "{}", view.text());
+    let view: serde_json::Value = serde_json::from_slice(&view.body).unwrap();
+    assert_eq!(
+        (&view["state"], &view["held_by"]),
+        (&"completed".into(), &"fallback".into()),
+        "{view}"
+    );
 
     // A purge drops the fallback's record too: the key may run afresh, on Redis.
     let del = Request::new("DELETE", "/admin/records/default/outage-order")
