@@ -191,13 +191,44 @@ pub fn open_dead_letters(path: &std::path::Path) -> io::Result<impl io::BufRead>
     let file = std::fs::File::open(path)?;
     let meta = file.metadata()?;
     if !meta.is_file() {
-        return Ok(io::BufReader::new(file.take(u64::MAX)));
+        return Ok(io::BufReader::new(Exactly {
+            inner: file.take(u64::MAX),
+            left: None,
+        }));
     }
     // `flock(2)` on Unix, as a proxy's appends take it.
     file.lock_shared()?;
     let len = file.metadata()?.len();
     file.unlock()?;
-    Ok(io::BufReader::new(file.take(len)))
+    Ok(io::BufReader::new(Exactly {
+        inner: file.take(len),
+        left: Some(len),
+    }))
+}
+
+/// Reads `left` bytes of `inner` (all of it when `None`: a pipe) and then ends; an end before
+/// that (the file cut short by hand while it is read) is an error, not a quiet early end that
+/// would leave lines unjudged.
+struct Exactly<R> {
+    inner: R,
+    left: Option<u64>,
+}
+
+impl<R: io::Read> io::Read for Exactly<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let Some(left) = &mut self.left else {
+            return Ok(n);
+        };
+        if n == 0 && *left > 0 && !buf.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("the file was cut short while it was read ({left} bytes missing)"),
+            ));
+        }
+        *left = left.saturating_sub(n as u64);
+        Ok(n)
+    }
 }
 
 /// Reconciles every line of `dead_letters` against `store`, writing one line per dead letter
@@ -912,6 +943,34 @@ mod tests {
                 "not restored: {record:?}"
             );
         }
+    }
+
+    /// A file cut short while it is read (by hand: proxies only append) ends the run with an
+    /// error for the lines it lost, not quietly.
+    #[tokio::test]
+    async fn a_file_cut_short_while_it_is_read_is_reported() {
+        let store = store();
+        let (a, b) = (letter(60, response(b"a")), letter(61, response(b"b")));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        let first = dead_letter_line(&a, 1, "store failed", InStore::Unknown);
+        let second = dead_letter_line(&b, 1, "store failed", InStore::Unknown);
+        std::fs::write(&path, format!("{first}{second}")).unwrap();
+        let lines = open_dead_letters(&path).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(first.len() as u64)
+            .unwrap();
+        let mut lines = lines;
+        let mut out = Vec::new();
+        let tally = reconcile(&store, &mut lines, false, &mut out)
+            .await
+            .unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert_eq!((tally.missing, tally.failed), (1, 1), "{out}");
+        assert!(out.contains("cut short"), "{out}");
     }
 
     /// A pipe has no length: it is read to its end (`--reconcile <(zcat dead.jsonl.gz)`).
