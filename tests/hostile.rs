@@ -879,6 +879,31 @@ async fn a_request_without_a_key_refused_for_its_body_is_invalid_not_a_bypass() 
         .await;
 }
 
+/// A proxy whose request bodies may hold 1 MiB at once, keyed ones up to `max_request`.
+async fn budget_proxy(backend: &Backend, max_request: &str) -> Proxy {
+    ProxyBuilder::new(backend)
+        .top("max_buffered_request_bytes: 1MiB")
+        .idem(&format!("max_request_bytes: {max_request}"))
+        .start()
+        .await
+}
+
+/// A keyed upload of `size` bytes with all but `unsent` of its body sent, once the proxy holds
+/// it (the budget's gauge shows `size`, its declared length, which it grew to).
+async fn slow_upload(proxy: &Proxy, size: usize, unsent: usize) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut slow = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow\r\nContent-Length: {size}\r\n\r\n"
+    );
+    slow.write_all(head.as_bytes()).await.unwrap();
+    slow.write_all(&vec![b'x'; size - unsent]).await.unwrap();
+    proxy
+        .metrics_containing(&format!("idemgate_request_body_buffered_bytes {size}"))
+        .await;
+    slow
+}
+
 /// The bodies keyed requests hold at once stay within `max_buffered_request_bytes`: with a
 /// slow upload holding most of it, a body that would go past it is refused (503, before any
 /// claim, whether its length is declared or it comes chunked), a small one still goes through,
@@ -888,22 +913,10 @@ async fn a_request_without_a_key_refused_for_its_body_is_invalid_not_a_bypass() 
 async fn request_bodies_held_at_once_stay_within_their_budget() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .top("max_buffered_request_bytes: 1MiB")
-        .idem("max_request_bytes: 600KiB")
-        .start()
-        .await;
+    let proxy = budget_proxy(&backend, "600KiB").await;
     let size = 600 << 10;
-    let mut slow = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let head = format!(
-        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow\r\nContent-Length: {size}\r\n\r\n"
-    );
-    slow.write_all(head.as_bytes()).await.unwrap();
-    slow.write_all(&vec![b'x'; size - 1000]).await.unwrap();
     // Charged as it arrives, up to its declared length.
-    proxy
-        .metrics_containing(&format!("idemgate_request_body_buffered_bytes {size}"))
-        .await;
+    let mut slow = slow_upload(&proxy, size, 1000).await;
 
     let refused = |resp: &common::client::Response, what: &str| {
         assert_eq!(resp.status, 503, "{what}: {}", resp.text());
@@ -969,11 +982,7 @@ async fn request_bodies_held_at_once_stay_within_their_budget() {
 async fn a_declared_length_alone_does_not_take_the_budget() {
     use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .top("max_buffered_request_bytes: 1MiB")
-        .idem("max_request_bytes: 600KiB")
-        .start()
-        .await;
+    let proxy = budget_proxy(&backend, "600KiB").await;
     let mut idle = Vec::new();
     for n in 0..4 {
         let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
@@ -1005,23 +1014,9 @@ async fn a_declared_length_alone_does_not_take_the_budget() {
 /// larger one is), never refused.
 #[tokio::test]
 async fn bodies_forwarded_without_a_key_are_streamed_when_the_budget_is_full() {
-    use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .top("max_buffered_request_bytes: 1MiB")
-        .idem("max_request_bytes: 1MiB")
-        .start()
-        .await;
-    let size = (1 << 20) - (32 << 10);
-    let mut slow = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let head = format!(
-        "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: slow\r\nContent-Length: {size}\r\n\r\n"
-    );
-    slow.write_all(head.as_bytes()).await.unwrap();
-    slow.write_all(&vec![b'x'; size - 10]).await.unwrap();
-    proxy
-        .metrics_containing(&format!("idemgate_request_body_buffered_bytes {size}"))
-        .await;
+    let proxy = budget_proxy(&backend, "1MiB").await;
+    let slow = slow_upload(&proxy, (1 << 20) - (32 << 10), 10).await;
     let plain = Request::post("/plain").body(vec![b'p'; 40 << 10]);
     let resp = plain.send(proxy.addr).await;
     assert_eq!(resp.status, 201, "{}", resp.text());
