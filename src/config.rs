@@ -2621,8 +2621,35 @@ impl FileRouteIdempotency {
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
-        message: message.into(),
+        message: without_credentials(&message.into()),
     }
+}
+
+/// `message` with the user and password of every URL in it (`scheme://user:pass@host`) written
+/// as `***`: a message may repeat the value it refuses, and a Redis URL pasted into the wrong
+/// key (`listen`, an upstream address) would otherwise put its password in the log, the
+/// terminal and a CI transcript.
+fn without_credentials(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find("://") {
+        let (before, after) = rest.split_at(at + 3);
+        out.push_str(before);
+        // The authority ends at the first `/`, `?`, `#`, quote or space; a `@` before that
+        // ends the user information.
+        let authority_end = after
+            .find(|c: char| matches!(c, '/' | '?' | '#' | '"' | '\'' | ' ') || c.is_whitespace())
+            .unwrap_or(after.len());
+        match after[..authority_end].rfind('@') {
+            Some(user_end) => {
+                out.push_str("***");
+                rest = &after[user_end..];
+            }
+            None => rest = after,
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 fn socket_addr(field: &str, raw: &str) -> Result<SocketAddr, ConfigError> {
@@ -4618,6 +4645,25 @@ routes:
             vec![header("set-cookie"), header("x-trace")]
         );
         assert_eq!(idem.key, KeyMode::Optional);
+    }
+
+    #[test]
+    fn refusals_never_repeat_a_url_password() {
+        for (line, field) in [
+            ("listen: \"redis://app:S3cretPass@redis:6379/0\"", "listen"),
+            (
+                "admin:\n  listen: \"rediss://S3cretPass@10.0.0.1:6379\"",
+                "admin.listen",
+            ),
+        ] {
+            let message = assert_field(&format!("{line}\n{MINIMAL}"), field);
+            assert!(!message.contains("S3cretPass"), "{message}");
+            assert!(message.contains("***@"), "{message}");
+        }
+        assert_eq!(
+            without_credentials("\"http://u:p@h/x?a=b@c\" and https://h:1/@x and x://@y"),
+            "\"http://***@h/x?a=b@c\" and https://h:1/@x and x://***@y"
+        );
     }
 
     #[test]
