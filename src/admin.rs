@@ -406,9 +406,17 @@ impl Admin {
         }
     }
 
-    fn config(&self) -> Response<Vec<u8>> {
+    fn config(&self, session: &ServerSession) -> Response<Vec<u8>> {
         let generation = self.current.load();
         let mut body = config_json(&generation.config);
+        // The hash is of the file as written, secrets included: a plain SHA-256 anyone could
+        // test guesses at a password against, given the rest of the file (much of which this
+        // view shows). With the token, as `POST /admin/reload` shows it.
+        if !self.authorized(session) {
+            if let Some(fields) = body.as_object_mut() {
+                fields.remove("hash");
+            }
+        }
         body["loaded_at_unix"] = self.reloader.loaded_at().into();
         if let Some(ids) = &self.ids {
             body["idempotency"]["worker_id_in_use"] = ids.worker_id().into();
@@ -885,7 +893,7 @@ impl Admin {
         let is_post = req.method == http::Method::POST;
         let path = req.uri.path().to_owned();
         match (is_get, path.as_str()) {
-            (true, "/admin/config") => self.config(),
+            (true, "/admin/config") => self.config(session),
             (true, p) if p.starts_with("/admin/records/") => self.record(session, false).await,
             (false, p)
                 if p.starts_with("/admin/records/") && req.method == http::Method::DELETE =>
