@@ -1284,6 +1284,7 @@ impl Gate {
         if !(head_only || has_no_body(stored.status)) {
             resp.insert_header(header::CONTENT_LENGTH, stored.body().len())?;
         }
+        frame_for_client(session, &mut resp);
         resp.insert_header(header::DATE, get_cached_date())?;
         resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
         resp.insert_header(REPLAYED_HEADER, "true")?;
@@ -1399,13 +1400,10 @@ impl Downstream {
 /// HTTP/1.0 client knows no transfer codings (RFC 9112 §6.1): pingora would chunk the body
 /// for it all the same, and the client would take the chunk sizes for body bytes. Without
 /// `Transfer-Encoding` (a `Content-Length` never stands beside it) the body goes as it is,
-/// ended by closing the connection. A 204 goes without the framing it may not carry (RFC 9110
-/// §8.6; idemgate's own client drops it as it parses, pingora's streaming path does not).
+/// ended by closing the connection. Every answer written to the client comes through here:
+/// idemgate's own client's, pingora's streaming path's and replays.
 fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
-    if header.status == http::StatusCode::NO_CONTENT {
-        header.remove_header(&header::CONTENT_LENGTH);
-        header.remove_header(&header::TRANSFER_ENCODING);
-    }
+    without_no_content_framing(header);
     if session.req_header().version == http::Version::HTTP_10
         && header.headers.contains_key(header::TRANSFER_ENCODING)
     {
@@ -1416,6 +1414,16 @@ fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
         if !bodiless {
             session.set_keepalive(None);
         }
+    }
+}
+
+/// A 204 without the framing it may not carry (RFC 9110 §8.6, RFC 9112 §6.1): one that
+/// declares a length or a coding, passed on or replayed, would have a lenient client framing by
+/// it take the start of its next answer for this one's body.
+fn without_no_content_framing(header: &mut ResponseHeader) {
+    if header.status == http::StatusCode::NO_CONTENT {
+        header.remove_header(&header::CONTENT_LENGTH);
+        header.remove_header(&header::TRANSFER_ENCODING);
     }
 }
 
@@ -1575,12 +1583,8 @@ fn add_host(session: &mut Session, pool: &UpstreamPool) -> Result<()> {
 /// refuses rather than answer with a broken message.
 fn replay_head(stored: &StoredResponse, exclude: &[HeaderName]) -> Option<ResponseHeader> {
     let mut resp = ResponseHeader::build(stored.status, Some(stored.header_count() + 4)).ok()?;
-    // A 204 stored before its framing was dropped at parse replays without it all the same.
-    let no_content = stored.status == 204;
     for (name, value) in stored.shared_headers() {
-        if is_excluded(name, exclude)
-            || (no_content && (name == "content-length" || name == "transfer-encoding"))
-        {
+        if is_excluded(name, exclude) {
             continue;
         }
         let value = HeaderValue::from_maybe_shared(value).ok()?;
@@ -1901,12 +1905,18 @@ mod tests {
                 Bytes::new(),
             )
         };
-        let head = replay_head(&framed(204), &[]).unwrap();
+        // A replay's head goes through the client's framing as every answer does.
+        let replayed = |status: u16| {
+            let mut head = replay_head(&framed(status), &[]).unwrap();
+            without_no_content_framing(&mut head);
+            head
+        };
+        let head = replayed(204);
         assert!(!head.headers.contains_key("content-length"));
         assert!(!head.headers.contains_key("transfer-encoding"));
         assert_eq!(head.headers["x-a"], "1");
         // A 304's length is the representation's: kept.
-        let head = replay_head(&framed(304), &[]).unwrap();
+        let head = replayed(304);
         assert_eq!(head.headers["content-length"], "5");
     }
 

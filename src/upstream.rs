@@ -879,10 +879,6 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     }
     // The client gets one length, as parsed, in place of lines that are not one plain number.
     let relength = !transfer_encoding && (length_lines > 1 || !length_plain);
-    // A 204 has no body and may carry no framing (RFC 9110 §8.6, RFC 9112 §6.1): one that
-    // declares a length or a coding is passed on (and stored) without it, or a lenient client
-    // framing by it would take the start of its next answer for this one's body.
-    let no_content = code == 204;
     for &(n, nl, v, vl) in &fields {
         let name = &head[n..n + nl];
         let hop = RESPONSE_HOP_BY_HOP
@@ -891,9 +887,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             || connection_named
                 .iter()
                 .any(|c| name.eq_ignore_ascii_case(c))
-            || ((transfer_encoding || relength || no_content)
-                && name.eq_ignore_ascii_case(b"content-length"))
-            || (no_content && name.eq_ignore_ascii_case(b"transfer-encoding"));
+            || ((transfer_encoding || relength) && name.eq_ignore_ascii_case(b"content-length"));
         if hop {
             continue;
         }
@@ -920,7 +914,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
             .append_header(head.slice(n..n + nl), value)
             .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
     }
-    if let Some(len) = length.filter(|_| relength && !no_content) {
+    if let Some(len) = length.filter(|_| relength) {
         header
             .append_header(http::header::CONTENT_LENGTH, HeaderValue::from(len))
             .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
