@@ -302,6 +302,21 @@ pub struct Gate {
     bodies: Arc<BodyBudget>,
 }
 
+/// A request body read whole, with its share of `max_buffered_request_bytes`: given back when
+/// the body is dropped (once sent to the backend, or when the request ends).
+struct HeldBody<'a> {
+    bytes: Bytes,
+    _share: BodyPermit<'a>,
+}
+
+impl std::ops::Deref for HeldBody<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
 /// Store operations timed by `idemgate_store_operation_duration_seconds`.
 #[derive(Clone, Copy)]
 enum StoreOp {
@@ -442,20 +457,17 @@ impl Gate {
                 .refuse(session, Problem::TransferCodingUnsupported)
                 .await;
         }
-        // Held until the request ends: its body is sent on from memory, and again to the next
-        // address if one cannot be connected to.
-        let mut held = self.bodies.permit();
         let body = match self
-            .read_body(session, idem.max_request_bytes, config, &mut held)
+            .read_body(
+                session,
+                idem.max_request_bytes,
+                config,
+                self.bodies.permit(),
+            )
             .await
         {
             Ok(b) => b,
-            Err(p) => {
-                // The body read so far is gone: its share is not held while the refusal is
-                // written and the rest of it drained.
-                drop(held);
-                return self.refuse(session, p).await;
-            }
+            Err(p) => return self.refuse(session, p).await,
         };
         let req = session.req_header();
         // Headers `Connection` names are not forwarded: the fingerprint leaves them out too, so
@@ -539,15 +551,7 @@ impl Gate {
                         Outcome::Miss
                     };
                     return self
-                        .execute(
-                            session,
-                            ctx,
-                            route,
-                            idem,
-                            (body, held),
-                            Some(claim),
-                            outcome,
-                        )
+                        .execute(session, ctx, route, idem, body, Some(claim), outcome)
                         .await
                         .map(Some);
                 }
@@ -581,15 +585,7 @@ impl Gate {
                         }
                         OnUnavailable::Pass => {
                             return self
-                                .execute(
-                                    session,
-                                    ctx,
-                                    route,
-                                    idem,
-                                    (body, held),
-                                    None,
-                                    Outcome::Degraded,
-                                )
+                                .execute(session, ctx, route, idem, body, None, Outcome::Degraded)
                                 .await
                                 .map(Some);
                         }
@@ -658,14 +654,15 @@ impl Gate {
     }
 
     /// Reads the whole request body, bounded by `limit` bytes and `timeout` between reads; the
-    /// memory it takes is covered by `held`, within `max_buffered_request_bytes`.
-    async fn read_body(
-        &self,
+    /// memory it takes is covered by `held` (grown as the body arrives, within
+    /// `max_buffered_request_bytes`), which the body keeps until it is dropped.
+    async fn read_body<'a>(
+        &'a self,
         session: &mut Session,
         limit: usize,
         config: &Config,
-        held: &mut BodyPermit<'_>,
-    ) -> std::result::Result<Bytes, Problem> {
+        mut held: BodyPermit<'a>,
+    ) -> std::result::Result<HeldBody<'a>, Problem> {
         // Each read waits request_body_timeout at most, and all of them together
         // request_body_total_timeout from the first that has to wait: a client trickling a
         // byte inside every pause is cut off. A body that came with its header reads no clock.
@@ -683,7 +680,10 @@ impl Gate {
                 .get(header::EXPECT)
                 .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
         if session.is_body_done() {
-            return Ok(Bytes::new());
+            return Ok(HeldBody {
+                bytes: Bytes::new(),
+                _share: held,
+            });
         }
         // A declared body that could not fit now is refused before it is invited (the client
         // has sent none of it, or need send no more). It is charged as it arrives, not ahead:
@@ -743,7 +743,10 @@ impl Gate {
                 }
             }
         }
-        Ok(Bytes::from(buf))
+        Ok(HeldBody {
+            bytes: Bytes::from(buf),
+            _share: held,
+        })
     }
 
     /// Forwards a keyed request and stores (or releases) its outcome. The client going away
@@ -755,7 +758,7 @@ impl Gate {
         ctx: &mut RequestCtx,
         route: &Route,
         idem: &RouteIdempotency,
-        (body, held): (Bytes, BodyPermit<'_>),
+        body: HeldBody<'_>,
         mut claim: Option<Claim<'_>>,
         outcome: Outcome,
     ) -> Result<Handled> {
@@ -793,7 +796,6 @@ impl Gate {
                 // Sent whole: the body's memory, and its share of the budget, need not wait
                 // for the answer (nor for a slow client to take it).
                 drop(body);
-                drop(held);
                 x
             }
             Err(e) => {
@@ -1028,7 +1030,7 @@ impl Gate {
             return Ok(false);
         }
         let body = match self
-            .read_body(session, upstream::FORWARD_BODY_BYTES, config, &mut held)
+            .read_body(session, upstream::FORWARD_BODY_BYTES, config, held)
             .await
         {
             Ok(body) => body,
