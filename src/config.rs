@@ -2621,35 +2621,10 @@ impl FileRouteIdempotency {
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
-        message: without_credentials(&message.into()),
+        // A message may repeat the value it refuses, and a Redis URL pasted into the wrong key
+        // (`listen`, an upstream address) would otherwise put its password in the log.
+        message: redact_url(&message.into()),
     }
-}
-
-/// `message` with the user and password of every URL in it (`scheme://user:pass@host`) written
-/// as `***`: a message may repeat the value it refuses, and a Redis URL pasted into the wrong
-/// key (`listen`, an upstream address) would otherwise put its password in the log, the
-/// terminal and a CI transcript.
-fn without_credentials(message: &str) -> String {
-    let mut out = String::with_capacity(message.len());
-    let mut rest = message;
-    while let Some(at) = rest.find("://") {
-        let (before, after) = rest.split_at(at + 3);
-        out.push_str(before);
-        // The authority ends at the first `/`, `?`, `#`, quote or space; a `@` before that
-        // ends the user information.
-        let authority_end = after
-            .find(|c: char| matches!(c, '/' | '?' | '#' | '"' | '\'' | ' ') || c.is_whitespace())
-            .unwrap_or(after.len());
-        match after[..authority_end].rfind('@') {
-            Some(user_end) => {
-                out.push_str("***");
-                rest = &after[user_end..];
-            }
-            None => rest = after,
-        }
-    }
-    out.push_str(rest);
-    out
 }
 
 fn socket_addr(field: &str, raw: &str) -> Result<SocketAddr, ConfigError> {
@@ -3151,18 +3126,28 @@ impl fmt::Debug for SentinelUrl {
     }
 }
 
-/// Replaces the `user:pass@` part of a URL with `***@`, for logs.
-pub fn redact_url(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let authority_end = rest.find('/').unwrap_or(rest.len());
-            match rest[..authority_end].rfind('@') {
-                Some(at) => format!("{scheme}://***{}", &rest[at..]),
-                None => url.to_owned(),
+/// Replaces the `user:pass@` part of every URL in `text` (a URL alone, or a message that
+/// repeats one) with `***@`, for logs and views. A URL's authority ends at the first `/`, quote
+/// or space: a password with a raw `?` or `#` in it is hidden too.
+pub fn redact_url(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (before, after) = rest.split_at(at + 3);
+        out.push_str(before);
+        let authority_end = after
+            .find(|c: char| matches!(c, '/' | '"' | '\'') || c.is_whitespace())
+            .unwrap_or(after.len());
+        match after[..authority_end].rfind('@') {
+            Some(user_end) => {
+                out.push_str("***");
+                rest = &after[user_end..];
             }
+            None => rest = after,
         }
-        None => url.to_owned(),
     }
+    out.push_str(rest);
+    out
 }
 
 // === impl ConfigError ===
@@ -4661,7 +4646,7 @@ routes:
             assert!(message.contains("***@"), "{message}");
         }
         assert_eq!(
-            without_credentials("\"http://u:p@h/x?a=b@c\" and https://h:1/@x and x://@y"),
+            redact_url("\"http://u:p@h/x?a=b@c\" and https://h:1/@x and x://@y"),
             "\"http://***@h/x?a=b@c\" and https://h:1/@x and x://***@y"
         );
     }
