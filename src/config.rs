@@ -492,11 +492,12 @@ const MAX_BODY_BYTES: u64 = 1 << 30;
 /// Largest file the config names or is (the config itself, TLS files): what a config or a
 /// certificate bundle is, many times over. A path pointing at something else (a log, a
 /// device) is refused rather than read into memory whole.
-pub const MAX_FILE_BYTES: u64 = 4 << 20;
+const MAX_FILE_BYTES: u64 = 4 << 20;
 
-/// Reads the file at `path` whole, if it has at most `cap` bytes.
-pub fn read_bounded(path: &Path, cap: u64) -> std::io::Result<Vec<u8>> {
+/// Reads the file at `path` whole, if it has at most [`MAX_FILE_BYTES`].
+pub fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
+    let cap = MAX_FILE_BYTES;
     let mut bytes = Vec::new();
     std::fs::File::open(path)?
         .take(cap + 1)
@@ -1088,7 +1089,7 @@ impl<'de> Deserialize<'de> for Scalar {
 impl Config {
     /// Reads and validates the config file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = read_bounded(path, MAX_FILE_BYTES)
+        let text = read_bounded(path)
             .and_then(|bytes| {
                 String::from_utf8(bytes)
                     .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
@@ -2144,7 +2145,7 @@ fn readable_file(field: &str, raw: &str) -> Result<(PathBuf, Vec<u8>), ConfigErr
         return Err(invalid(field, "must not be empty"));
     }
     let path = PathBuf::from(raw);
-    let bytes = read_bounded(&path, MAX_FILE_BYTES)
+    let bytes = read_bounded(&path)
         .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
     Ok((path, bytes))
 }

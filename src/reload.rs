@@ -22,7 +22,7 @@ use notify::{EventKind, RecursiveMode, Watcher};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
-use crate::config::{read_bounded, Config, ScriptsConfig, MAX_FILE_BYTES};
+use crate::config::{read_bounded, Config, ScriptsConfig};
 use crate::metrics::{Metrics, Pull};
 use crate::proxy::Generation;
 
@@ -214,7 +214,7 @@ impl Reloader {
     /// On error the running config stays, and the error says why (naming the field).
     pub fn reload(&self, trigger: &str) -> Result<ReloadOutcome, String> {
         let _serial = self.lock.lock();
-        let text_hash = read_bounded(&self.path, MAX_FILE_BYTES)
+        let text_hash = read_bounded(&self.path)
             .ok()
             .map(|t| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&t)));
         // Found by the watcher, not asked for by someone (SIGHUP, the admin endpoint).
@@ -395,7 +395,7 @@ impl Reloader {
     /// refused are tried again once [`RETRY_REFUSED_EVERY`] has passed, since what refused them
     /// may have been outside the file (DNS, a script directory, TLS files) and be there now.
     fn reload_if_changed(&self) {
-        let Ok(text) = read_bounded(&self.path, MAX_FILE_BYTES) else {
+        let Ok(text) = read_bounded(&self.path) else {
             return;
         };
         // Same formula as `Config::source_hash`: hex SHA-256 of the file's bytes.

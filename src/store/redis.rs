@@ -367,7 +367,7 @@ fn load_certificates(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError
 /// The `store.redis.tls` files as they are now, unchecked.
 fn read_tls_files(tls: &RedisTlsConfig) -> Result<TlsCertificates, SetupError> {
     let read = |field: &str, path: &std::path::Path| {
-        crate::config::read_bounded(path, crate::config::MAX_FILE_BYTES)
+        crate::config::read_bounded(path)
             .map_err(|e| SetupError::Tls(format!("{field}: cannot read {}: {e}", path.display())))
     };
     let root_cert = tls
