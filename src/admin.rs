@@ -61,24 +61,53 @@ pub struct Admin {
     ids: Option<Arc<WorkerIds>>,
     /// The in-process store `on_unavailable: local` falls back to: a purge drops its record too.
     fallback: Option<Arc<dyn RecordStore>>,
-    /// A readiness ping under a permissive policy is still out: probes that come meanwhile do
-    /// not start another, so hard polling during an outage cannot pile up pings.
-    ping_in_flight: Arc<AtomicBool>,
-    /// The last readiness ping's outcome, answered from for [`PING_REUSE`]; and the turn a
-    /// ping under `reject` waits for, so probes that come while one is out share its answer.
-    last_ping: Arc<parking_lot::Mutex<Option<PingAnswer>>>,
-    ping_turn: tokio::sync::Mutex<()>,
+    /// The store's readiness pings: one out at a time, each answer kept a while.
+    pings: Arc<Pings>,
 }
 
-/// When a readiness ping answered, and what.
-type PingAnswer = (tokio::time::Instant, Result<(), String>);
+/// Readiness pings of the store, one at a time (its `turn` is held while one is out), each
+/// answer serving every probe for [`PING_REUSE`]: however hard `/readyz` is polled, the store
+/// sees a few pings a second at most.
+struct Pings {
+    store: Arc<dyn RecordStore>,
+    /// When the last ping answered, and what.
+    last: parking_lot::Mutex<Option<(tokio::time::Instant, Result<(), String>)>>,
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
 
-/// Clears the ping-in-flight flag when the ping ends, however it ends.
-struct PingOut(Arc<AtomicBool>);
+impl Pings {
+    /// The last ping's answer, if it came within [`PING_REUSE`].
+    fn recent(&self) -> Option<Result<(), String>> {
+        let last = self.last.lock();
+        let (at, answer) = last.as_ref()?;
+        (at.elapsed() < PING_REUSE).then(|| answer.clone())
+    }
 
-impl Drop for PingOut {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+    /// Pings the store (the caller holds the turn) and keeps the answer.
+    async fn ping(&self) -> Result<(), String> {
+        let answer = self.store.ping().await.map_err(|e| e.to_string());
+        *self.last.lock() = Some((tokio::time::Instant::now(), answer.clone()));
+        answer
+    }
+
+    /// A recent answer, or a ping's: one that is out is waited for rather than sent again.
+    async fn shared(&self) -> Result<(), String> {
+        if let Some(answer) = self.recent() {
+            return answer;
+        }
+        let _turn = self.turn.lock().await;
+        match self.recent() {
+            Some(answer) => answer,
+            None => self.ping().await,
+        }
+    }
+}
+
+/// `/readyz` under a permissive policy: ready whatever the store answered.
+fn ready_anyway(answer: Result<(), String>) -> (StatusCode, String) {
+    match answer {
+        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Err(e) => (StatusCode::OK, format!("ready (store degraded: {e})\n")),
     }
 }
 
@@ -92,7 +121,13 @@ impl Admin {
         reloader: Arc<Reloader>,
         purge: Option<PurgeBus>,
     ) -> Self {
+        let pings = Arc::new(Pings {
+            store: store.clone(),
+            last: parking_lot::Mutex::new(None),
+            turn: Arc::default(),
+        });
         Admin {
+            pings,
             current,
             store,
             metrics,
@@ -102,9 +137,6 @@ impl Admin {
             scripts: None,
             ids: None,
             fallback: None,
-            ping_in_flight: Arc::default(),
-            last_ping: Arc::default(),
-            ping_turn: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -429,28 +461,6 @@ impl Admin {
         json(StatusCode::OK, body)
     }
 
-    /// The last ping's outcome, if it answered within [`PING_REUSE`].
-    fn recent_ping(&self) -> Option<Result<(), String>> {
-        let last = self.last_ping.lock();
-        let (at, answer) = last.as_ref()?;
-        (at.elapsed() < PING_REUSE).then(|| answer.clone())
-    }
-
-    /// A ping of the store, or the answer of one that ended within [`PING_REUSE`]; probes that
-    /// come while one is out wait for its answer rather than send their own.
-    async fn shared_ping(&self) -> Result<(), String> {
-        if let Some(answer) = self.recent_ping() {
-            return answer;
-        }
-        let _turn = self.ping_turn.lock().await;
-        if let Some(answer) = self.recent_ping() {
-            return answer;
-        }
-        let answer = self.store.ping().await.map_err(|e| e.to_string());
-        *self.last_ping.lock() = Some((tokio::time::Instant::now(), answer.clone()));
-        answer
-    }
-
     /// `GET /readyz`. Under `on_unavailable: reject` the answer waits for the store's ping,
     /// since a replica that cannot reach its store refuses every idempotent request. Under
     /// `pass` or `local` it is ready whatever the ping says, so it waits at most
@@ -471,7 +481,7 @@ impl Admin {
         }
         let policy = self.current.load().config.store.on_unavailable;
         if policy == OnUnavailable::Reject {
-            return match self.shared_ping().await {
+            return match self.pings.shared().await {
                 Ok(()) => (StatusCode::OK, "ready\n".into()),
                 Err(e) => (
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -479,34 +489,25 @@ impl Admin {
                 ),
             };
         }
-        match self.recent_ping() {
-            Some(Ok(())) => return (StatusCode::OK, "ready\n".into()),
-            Some(Err(e)) => return (StatusCode::OK, format!("ready (store degraded: {e})\n")),
-            None => {}
+        if let Some(answer) = self.pings.recent() {
+            return ready_anyway(answer);
         }
-        if self.ping_in_flight.swap(true, Ordering::AcqRel) {
+        // One out already: not waited for here, nor sent again.
+        let Ok(turn) = self.pings.turn.clone().try_lock_owned() else {
             return (
                 StatusCode::OK,
                 "ready (store degraded: an earlier ping has not answered)\n".into(),
             );
-        }
+        };
         // Spawned rather than dropped at the deadline: the ping runs to its end, so the circuit
         // breaker still counts its outcome as it always has.
-        let store = self.store.clone();
-        let out = PingOut(self.ping_in_flight.clone());
-        let last = self.last_ping.clone();
+        let pings = self.pings.clone();
         let ping = tokio::spawn(async move {
-            let _out = out;
-            let answer = store.ping().await;
-            *last.lock() = Some((
-                tokio::time::Instant::now(),
-                answer.as_ref().map_err(|e| e.to_string()).copied(),
-            ));
-            answer
+            let _turn = turn;
+            pings.ping().await
         });
         match tokio::time::timeout(PERMISSIVE_PING_WAIT, ping).await {
-            Ok(Ok(Ok(()))) => (StatusCode::OK, "ready\n".into()),
-            Ok(Ok(Err(e))) => (StatusCode::OK, format!("ready (store degraded: {e})\n")),
+            Ok(Ok(answer)) => ready_anyway(answer),
             Ok(Err(e)) => (
                 StatusCode::OK,
                 format!("ready (store degraded: ping failed: {e})\n"),
