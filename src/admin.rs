@@ -15,7 +15,9 @@ use crate::metrics::Metrics;
 use crate::proxy::Generation;
 use crate::reload::{ReloadOutcome, Reloader};
 use crate::store::purge::PurgeBus;
-use crate::store::{Completion, Deletion, Record, RecordKey, RecordState, StoreError};
+use crate::store::{
+    fallback_record, Completion, Deletion, Record, RecordKey, RecordState, StoreError,
+};
 use crate::store::{RecordStore, RedisStore};
 use crate::worker_lease::{WorkerIdSource, WorkerIds};
 
@@ -328,14 +330,11 @@ impl Admin {
         // answered from there while its record lives, Redis back or not: show that record, as
         // the proxy would replay it (a released one gives way to the store's, as it does there).
         if let Some(local) = &self.fallback {
-            if local.usage().is_some_and(|u| u.records > 0) {
-                if let Ok(Some(record)) = local.get(&record_key).await {
-                    if !matches!(record.state, RecordState::Released) {
-                        let mut v = show(&record);
-                        v["held_by"] = "fallback".into();
-                        return json(StatusCode::OK, v);
-                    }
-                }
+            let held = fallback_record(local.as_ref(), &record_key).await;
+            if let Some(record) = held.filter(|r| !matches!(r.state, RecordState::Released)) {
+                let mut v = show(&record);
+                v["held_by"] = "fallback".into();
+                return json(StatusCode::OK, v);
             }
         }
         match self.store.get(&record_key).await {

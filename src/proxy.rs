@@ -31,8 +31,8 @@ use crate::metrics::{Metrics, Pull, RouteHandles, StoreOpHandles};
 use crate::problem::{Outcome, Problem};
 use crate::store::retry::{CompletionRetrier, PendingCompletion, Refusal};
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState, RecordStore,
-    ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
+    fallback_record, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
+    RecordStore, ResponseBuilder, StoreError, StoredResponse, WriteOutcome,
 };
 use crate::upstream::{self, Backend, UpstreamError};
 use crate::worker_lease::WorkerIds;
@@ -508,19 +508,17 @@ impl Gate {
         // its record lives: the store, back, has no record of it, and a claim there would run
         // it again. Looked up only while the fallback holds anything.
         if let Some(local) = &self.fallback {
-            if local.usage().is_some_and(|u| u.records > 0) {
-                if let Ok(Some(record)) = local.get(&claim_req.key).await {
-                    if !matches!(record.state, RecordState::Released) {
-                        store = local.as_ref();
-                        degraded = true;
-                    } else if record.fingerprint != claim_req.fingerprint {
-                        // Released there (a 5xx during the outage): the store, back, knows
-                        // nothing of it, but the key still runs only for the same request...
-                        return self.refuse(session, Problem::FingerprintMismatch).await;
-                    } else {
-                        // ...and under the id the backend already saw.
-                        claim_req.execution_id = record.execution_id;
-                    }
+            if let Some(record) = fallback_record(local.as_ref(), &claim_req.key).await {
+                if !matches!(record.state, RecordState::Released) {
+                    store = local.as_ref();
+                    degraded = true;
+                } else if record.fingerprint != claim_req.fingerprint {
+                    // Released there (a 5xx during the outage): the store, back, knows
+                    // nothing of it, but the key still runs only for the same request...
+                    return self.refuse(session, Problem::FingerprintMismatch).await;
+                } else {
+                    // ...and under the id the backend already saw.
+                    claim_req.execution_id = record.execution_id;
                 }
             }
         }

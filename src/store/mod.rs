@@ -284,6 +284,16 @@ pub trait RecordStore: Send + Sync + 'static {
     }
 }
 
+/// The record `fallback` (the in-process store `on_unavailable: local` falls back to) holds
+/// for `key`, if any: a key this replica ran there during an outage is answered from there while
+/// its record lives. Looked up only while it holds anything, as it is empty but for outages.
+pub async fn fallback_record(fallback: &dyn RecordStore, key: &RecordKey) -> Option<Record> {
+    if fallback.usage().is_none_or(|u| u.records == 0) {
+        return None;
+    }
+    fallback.get(key).await.ok().flatten()
+}
+
 /// Size of what a store holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StoreUsage {
