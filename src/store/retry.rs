@@ -147,6 +147,16 @@ pub struct RetryStats {
     pub fenced: AtomicU64,
 }
 
+impl RetryStats {
+    /// A dead letter handed to the writer is out (to the file or to stderr): counted
+    /// dead-lettered, and no longer waiting.
+    fn letter_written(&self) {
+        self.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        self.letters.fetch_sub(1, Ordering::AcqRel);
+        self.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// What the retrier tells the local cache in front of the store (nothing without one).
 #[derive(Clone)]
 pub struct LocalHooks {
@@ -878,9 +888,7 @@ impl DeadLetterFile {
                     continue;
                 }
             }
-            self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            self.stats.letters.fetch_sub(1, Ordering::AcqRel);
-            self.stats.pending.fetch_sub(1, Ordering::AcqRel);
+            self.stats.letter_written();
         }
     }
 
@@ -920,9 +928,7 @@ impl DeadLetterFile {
             %record,
             "cannot write the dead-letter file; the whole line went to stderr"
         );
-        self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-        self.stats.letters.fetch_sub(1, Ordering::AcqRel);
-        self.stats.pending.fetch_sub(1, Ordering::AcqRel);
+        self.stats.letter_written();
     }
 }
 
