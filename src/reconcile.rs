@@ -193,7 +193,7 @@ pub fn open_dead_letters(path: &std::path::Path) -> io::Result<impl io::BufRead>
     if !meta.is_file() {
         return Ok(io::BufReader::new(Exactly {
             inner: file.take(u64::MAX),
-            left: None,
+            sized: false,
         }));
     }
     // `flock(2)` on Unix, as a proxy's appends take it.
@@ -202,31 +202,28 @@ pub fn open_dead_letters(path: &std::path::Path) -> io::Result<impl io::BufRead>
     file.unlock()?;
     Ok(io::BufReader::new(Exactly {
         inner: file.take(len),
-        left: Some(len),
+        sized: true,
     }))
 }
 
-/// Reads `left` bytes of `inner` (all of it when `None`: a pipe) and then ends; an end before
-/// that (the file cut short by hand while it is read) is an error, not a quiet early end that
-/// would leave lines unjudged.
-struct Exactly<R> {
-    inner: R,
-    left: Option<u64>,
+/// Reads `inner` to its limit (the file's length when opened, if `sized`; a pipe is read to its
+/// end) and then ends; an end before that (the file cut short by hand while it is read) is an
+/// error, not a quiet early end that would leave lines unjudged.
+struct Exactly {
+    inner: io::Take<std::fs::File>,
+    sized: bool,
 }
 
-impl<R: io::Read> io::Read for Exactly<R> {
+impl io::Read for Exactly {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
-        let Some(left) = &mut self.left else {
-            return Ok(n);
-        };
-        if n == 0 && *left > 0 && !buf.is_empty() {
+        let left = self.inner.limit();
+        if n == 0 && self.sized && left > 0 && !buf.is_empty() {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 format!("the file was cut short while it was read ({left} bytes missing)"),
             ));
         }
-        *left = left.saturating_sub(n as u64);
         Ok(n)
     }
 }
@@ -956,14 +953,13 @@ mod tests {
         let first = dead_letter_line(&a, 1, "store failed", InStore::Unknown);
         let second = dead_letter_line(&b, 1, "store failed", InStore::Unknown);
         std::fs::write(&path, format!("{first}{second}")).unwrap();
-        let lines = open_dead_letters(&path).unwrap();
+        let mut lines = open_dead_letters(&path).unwrap();
         std::fs::OpenOptions::new()
             .write(true)
             .open(&path)
             .unwrap()
             .set_len(first.len() as u64)
             .unwrap();
-        let mut lines = lines;
         let mut out = Vec::new();
         let tally = reconcile(&store, &mut lines, false, &mut out)
             .await
