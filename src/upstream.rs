@@ -843,27 +843,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
                 chunked = last.eq_ignore_ascii_case(b"chunked");
             }
         } else if name.eq_ignore_ascii_case(b"keep-alive") {
-            // `timeout=5, max=100`; the shortest timeout, if it says more than one.
-            for param in value.split(|&b| b == b',').map(|p| p.trim_ascii()) {
-                let Some(eq) = param.iter().position(|&b| b == b'=') else {
-                    continue;
-                };
-                let (key, secs) = (&param[..eq], &param[eq + 1..]);
-                // A token or a quoted string (RFC 9110 §5.6.6).
-                let secs = secs.trim_ascii();
-                let secs = secs
-                    .strip_prefix(b"\"")
-                    .and_then(|s| s.strip_suffix(b"\""))
-                    .unwrap_or(secs);
-                let secs = std::str::from_utf8(secs)
-                    .ok()
-                    .and_then(|s| s.parse::<u64>().ok());
-                if key.trim_ascii().eq_ignore_ascii_case(b"timeout") {
-                    if let Some(secs) = secs {
-                        let t = Duration::from_secs(secs);
-                        advertised_idle = Some(advertised_idle.map_or(t, |a| a.min(t)));
-                    }
-                }
+            // The shortest, if it says more than one.
+            if let Some(t) = keep_alive_timeout(value) {
+                advertised_idle = Some(advertised_idle.map_or(t, |a| a.min(t)));
             }
         } else if name.eq_ignore_ascii_case(b"connection") {
             for token in value.split(|&b| b == b',').map(|t| t.trim_ascii()) {
@@ -943,6 +925,28 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         framing,
         keep_alive,
     }))
+}
+
+/// The `timeout` of a `Keep-Alive` value (`timeout=5, max=100`), in seconds: how long the
+/// backend keeps an idle connection open. A value may be a token or a quoted string (RFC 9110
+/// §5.6.6); the shortest, if it names more than one.
+fn keep_alive_timeout(value: &[u8]) -> Option<Duration> {
+    value
+        .split(|&b| b == b',')
+        .filter_map(|param| {
+            let eq = param.iter().position(|&b| b == b'=')?;
+            if !param[..eq].trim_ascii().eq_ignore_ascii_case(b"timeout") {
+                return None;
+            }
+            let secs = param[eq + 1..].trim_ascii();
+            let secs = secs
+                .strip_prefix(b"\"")
+                .and_then(|s| s.strip_suffix(b"\""))
+                .unwrap_or(secs);
+            std::str::from_utf8(secs).ok()?.parse().ok()
+        })
+        .min()
+        .map(Duration::from_secs)
 }
 
 /// Whether the bytes of `buf` from `from` on (with the two before, so an end split across
@@ -1086,7 +1090,7 @@ mod tests {
         peer.write_all(b"HTTP/1.1 200 OK\r\n").unwrap();
         delivered();
         assert!(!still_open(&stray), "stray bytes waiting");
-        assert!(!still_open(&stray), "a peek reads nothing away");
+        assert!(!still_open(&stray), "asking reads nothing away");
         let (closed, peer) = connect();
         drop(peer);
         delivered();
