@@ -98,7 +98,8 @@ impl BodyPermit<'_> {
     }
 
     /// Bytes this permit holds.
-    pub fn bytes(&self) -> usize {
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
         self.bytes
     }
 }

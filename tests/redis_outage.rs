@@ -1509,10 +1509,7 @@ async fn a_stop_that_loses_dead_letters_exits_74() {
 async fn readiness_probes_share_their_store_pings() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .redis(&[redis.url()])
-        .start()
-        .await;
+    let proxy = builder(&backend, &redis).start().await;
     assert_eq!(Request::get("/readyz").send(proxy.admin).await.status, 200);
     let before = redis.calls();
     let probes: Vec<_> = (0..60)
