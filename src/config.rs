@@ -1120,6 +1120,50 @@ impl Config {
     /// idempotent route that stores no status, or whose backend may take longer than
     /// `shutdown.grace_period` (its upstream's connect + write + read timeouts), so a request in
     /// flight at `SIGTERM` can be cut off before its outcome is stored.
+    /// Checks that every route's largest stored response can wait in the completion retry
+    /// queue: one that could not would be dead-lettered at the first failed write, queue empty
+    /// or not, and its key executed again once its lock lapsed. Run on the file as loaded and
+    /// again on a reload's config once the running `queue_bytes` (read only at start-up) is in
+    /// it.
+    pub fn check_retry_queue(&self) -> Result<(), ConfigError> {
+        let queue_bytes = self.store.completion_retry.queue_bytes;
+        for (i, route) in self.routes.iter().enumerate() {
+            let Some(idem) = &route.idempotency else {
+                continue;
+            };
+            // A stored response is its head (64 KiB at most) and its body.
+            let largest = idem
+                .max_response_bytes
+                .saturating_add(crate::upstream::MAX_RESPONSE_HEAD_BYTES);
+            if largest > queue_bytes {
+                return Err(invalid(
+                    format!("routes[{i}].idempotency.max_response_bytes"),
+                    format!(
+                        "{} bytes and a head of up to 64 KiB is more than \
+                         store.completion_retry.queue_bytes ({queue_bytes} bytes in force): a \
+                         response the store failed to take could not wait for a retry; raise \
+                         queue_bytes (a restart) or lower this",
+                        idem.max_response_bytes
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that no upstream address is one of the running listeners `ours`, when a reload
+    /// keeps them (they are read only at start-up) while the file names others: the file's
+    /// own check compared the addresses with the listeners it names.
+    pub fn check_upstreams_against(&self, ours: &[(&str, SocketAddr)]) -> Result<(), ConfigError> {
+        for upstream in &self.upstreams {
+            for (j, addr) in upstream.addrs.iter().enumerate() {
+                let field = format!("upstreams.{}.addrs[{j}]", upstream.name);
+                resolves(field, addr, Lookup::System, ours)?;
+            }
+        }
+        Ok(())
+    }
+
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         let keyed = self
@@ -1146,6 +1190,21 @@ impl Config {
                     route.name,
                     fmt_duration(idem.ttl),
                     fmt_duration(idem.lock_ttl)
+                ));
+            }
+            // The embedded store keeps a response larger than its whole capacity as executed,
+            // not replayable: every retry of such a key gets 409 for the record's ttl.
+            let largest = idem
+                .max_response_bytes
+                .saturating_add(crate::upstream::MAX_RESPONSE_HEAD_BYTES);
+            let capacity = self.store.memory.capacity_bytes;
+            if self.store.backend == StoreBackend::Memory && largest > capacity {
+                warnings.push(format!(
+                    "routes[{}].idempotency.max_response_bytes ({} bytes, with a head of up to \
+                     64 KiB) is more than store.memory.capacity ({capacity} bytes): a response \
+                     larger than the store is kept as executed but not replayable, so its \
+                     retries get 409 instead of the response",
+                    route.name, idem.max_response_bytes
                 ));
             }
             let Some(up) = self.upstreams.get(route.upstream) else {
@@ -1513,7 +1572,7 @@ impl FileConfig {
             routes.push(route);
         }
 
-        Ok(Config {
+        let config = Config {
             listen,
             threads,
             work_stealing: self.work_stealing,
@@ -1531,7 +1590,9 @@ impl FileConfig {
             store,
             routes,
             source_hash,
-        })
+        };
+        config.check_retry_queue()?;
+        Ok(config)
     }
 }
 
@@ -1721,6 +1782,9 @@ fn without_quoted_values(message: &str) -> String {
     redacted
 }
 
+/// The shortest `store.completion_retry.base_delay`.
+const MIN_RETRY_DELAY: Duration = Duration::from_millis(10);
+
 /// The smallest `store.memory.capacity`: about a hundred small records.
 const MIN_MEMORY_CAPACITY: u64 = 64 << 10;
 
@@ -1818,6 +1882,14 @@ impl FileStore {
         let r = &self.completion_retry;
         let base_delay =
             positive_duration("store.completion_retry.base_delay".into(), &r.base_delay)?;
+        if base_delay < MIN_RETRY_DELAY {
+            // Attempts fail at once while the circuit is open: pauses of a millisecond or
+            // less would spin every waiting completion through the retrier, a core's worth.
+            return Err(invalid(
+                "store.completion_retry.base_delay",
+                "must be at least 10ms: shorter pauses retry a store that is down in a busy loop",
+            ));
+        }
         let max_delay = positive_duration("store.completion_retry.max_delay".into(), &r.max_delay)?;
         if max_delay < base_delay {
             return Err(invalid(
@@ -1878,14 +1950,20 @@ impl FileRedis {
             (None, None) => ("store.redis.url", vec![DEFAULT_REDIS_URL.to_owned()]),
         };
         let several = urls.len() > 1;
+        // What each URL is called in errors: `url`, or `urls[i]` when there are several.
+        let fields: Vec<String> = (0..urls.len())
+            .map(|i| {
+                if several {
+                    format!("{field}[{i}]")
+                } else {
+                    field.to_owned()
+                }
+            })
+            .collect();
         let mut sentinels = 0;
         let mut plain = None;
-        for (i, url) in urls.iter().enumerate() {
-            let field = if several {
-                format!("{field}[{i}]")
-            } else {
-                field.to_owned()
-            };
+        for (url, field) in urls.iter().zip(&fields) {
+            let field = field.clone();
             if check_redis_url(url).map_err(|message| invalid(field.clone(), message))? {
                 sentinels += 1;
             }
@@ -1964,7 +2042,7 @@ impl FileRedis {
             }
             RedisTopology::Sentinel
         } else if self.cluster || several {
-            check_cluster_seeds(&urls)?;
+            check_cluster_seeds(&urls, &fields)?;
             RedisTopology::Cluster
         } else {
             RedisTopology::Single
@@ -2292,10 +2370,10 @@ fn sentinel_url_names_db(url: &str) -> bool {
 /// client refuses to start otherwise, which `--check` would not have caught), and database 0,
 /// the only one a Cluster has (any other fails every connection with `SELECT is not allowed in
 /// cluster mode`, so every keyed request would be refused). Errors never echo the URL.
-fn check_cluster_seeds(urls: &[String]) -> Result<(), ConfigError> {
+fn check_cluster_seeds(urls: &[String], fields: &[String]) -> Result<(), ConfigError> {
     let mut first = None;
-    for (i, url) in urls.iter().enumerate() {
-        let field = || format!("store.redis.urls[{i}]");
+    for (url, field) in urls.iter().zip(fields) {
+        let field = || field.clone();
         let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) else {
             // Checked already by check_redis_url; nothing more to compare.
             continue;
@@ -2943,6 +3021,8 @@ fn parse_byte_size(raw: &Scalar) -> Result<u64, String> {
         "KiB" => 1 << 10,
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
+        "TB" => 1_000_000_000_000,
+        "TiB" => 1 << 40,
         _ => return Err(bad()),
     };
     value.checked_mul(unit).ok_or_else(bad)
@@ -4043,7 +4123,7 @@ routes:
             // A Cluster has only database 0: any other fails every connection.
             (
                 "{url: \"redis://127.0.0.1:7000/3\", cluster: true}",
-                "store.redis.urls[0]",
+                "store.redis.url",
             ),
             (
                 "{urls: [\"redis://127.0.0.1:7000/0\", \"redis://127.0.0.1:7001/3\"]}",
@@ -4787,6 +4867,55 @@ routes:
     }
 
     #[test]
+    fn every_stored_response_fits_the_retry_queue() {
+        // A response the queue could never hold would be dead-lettered at its first failed
+        // write, however empty the queue.
+        let message = assert_field(
+            &with_route_idempotency("max_response_bytes: 256MiB"),
+            "routes[0].idempotency.max_response_bytes",
+        );
+        assert!(message.contains("queue_bytes"), "{message}");
+        let config = load(&format!(
+            "store: {{completion_retry: {{queue_bytes: 512MiB}}}}\n{}",
+            with_route_idempotency("max_response_bytes: 256MiB")
+        ));
+        assert!(config.check_retry_queue().is_ok());
+        // The smallest queue holds a response of up to 960 KiB, not the default 1 MiB.
+        assert_field(
+            &format!("store: {{completion_retry: {{queue_bytes: 1MiB}}}}\n{MINIMAL}"),
+            "routes[0].idempotency.max_response_bytes",
+        );
+        load(&format!(
+            "store: {{completion_retry: {{queue_bytes: 1MiB}}}}\n{}",
+            with_route_idempotency("max_response_bytes: 960KiB")
+        ));
+    }
+
+    #[test]
+    fn a_memory_store_smaller_than_a_response_is_warned_of() {
+        let small = load(&format!(
+            "store: {{memory: {{capacity: 512KiB}}}}\n{MINIMAL}"
+        ));
+        let warnings = small.warnings();
+        assert!(
+            warnings.iter().any(
+                |w| w.contains("routes[orders].idempotency.max_response_bytes")
+                    && w.contains("store.memory.capacity")
+            ),
+            "{warnings:?}"
+        );
+        let roomy = load(&format!("store: {{memory: {{capacity: 2MiB}}}}\n{MINIMAL}"));
+        assert!(
+            !roomy
+                .warnings()
+                .iter()
+                .any(|w| w.contains("store.memory.capacity")),
+            "{:?}",
+            roomy.warnings()
+        );
+    }
+
+    #[test]
     fn errors_name_the_right_route_index() {
         let text = "upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n  - {name: one, path_prefix: /one, upstream: a, idempotency: {}}\n  - {name: two, path_prefix: /two, upstream: a, idempotency: {ttl: 3 parsecs}}\n";
         assert_field(text, "routes[1].idempotency.ttl");
@@ -4865,6 +4994,9 @@ routes:
             (text("2KB"), 2_000),
             (text("3MB"), 3_000_000),
             (text("1GB"), 1_000_000_000),
+            // The largest `queue_bytes`, as its reference writes it.
+            (text("1TiB"), 1 << 40),
+            (text("2TB"), 2_000_000_000_000),
         ];
         for (input, expected) in cases {
             assert_eq!(parse_byte_size(&input), Ok(expected), "{input}");
@@ -5367,6 +5499,10 @@ routes:
             (
                 "store: {completion_retry: {base_delay: 2s, max_delay: 1s}}",
                 "store.completion_retry.max_delay",
+            ),
+            (
+                "store: {completion_retry: {base_delay: 9ms, max_delay: 9ms}}",
+                "store.completion_retry.base_delay",
             ),
             (
                 "store: {completion_retry: {dead_letter_path: \"\"}}",

@@ -120,6 +120,22 @@ pub enum Problem {
     /// backend (whole or in part) and no answer came back: it may have been executed, and no
     /// lock makes a retry safe.
     UpstreamAnswerLost,
+    /// A keyed request's backend answered with a final status, in a head that is not HTTP
+    /// idemgate can relay; its status decided what became of the key.
+    UpstreamAnswerInvalid(AnswerSettled),
+}
+
+/// What became of the claim of a request whose answer could not be relayed
+/// ([`Problem::UpstreamAnswerInvalid`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnswerSettled {
+    /// A status the route stores: recorded as executed, not replayable.
+    Recorded,
+    /// A status that releases the key (5xx, 408, 429 by default): released.
+    Released,
+    /// A status that releases the key, but the store did not take the release: the key stays
+    /// locked until its lock lapses.
+    Locked,
 }
 
 /// Base of every problem `type` URI.
@@ -147,7 +163,7 @@ impl Problem {
             Problem::MethodCase => 400,
             Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => 502,
             Problem::UpstreamOutcomeUnknown => 504,
-            Problem::UpstreamAnswerLost => 502,
+            Problem::UpstreamAnswerLost | Problem::UpstreamAnswerInvalid(_) => 502,
         }
     }
 
@@ -180,6 +196,7 @@ impl Problem {
             }
             Problem::UpstreamOutcomeUnknown => "upstream-outcome-unknown",
             Problem::UpstreamAnswerLost => "upstream-answer-lost",
+            Problem::UpstreamAnswerInvalid(_) => "upstream-answer-invalid",
         }
     }
 
@@ -212,6 +229,7 @@ impl Problem {
             }
             Problem::UpstreamOutcomeUnknown => "Backend outcome unknown",
             Problem::UpstreamAnswerLost => "Backend answer lost",
+            Problem::UpstreamAnswerInvalid(_) => "Backend answer not valid HTTP",
         }
     }
 
@@ -258,8 +276,8 @@ impl Problem {
                 path, body or fingerprinted headers; use a new key for a new request."
                 .into(),
             Problem::NotReplayable => "The request was executed, but its response was larger \
-                than the replay limit or still streaming when its lock was about to lapse; it \
-                will not be executed again."
+                than the replay limit, still streaming when its lock was about to lapse, or not \
+                HTTP that could be relayed; it will not be executed again."
                 .into(),
             Problem::StoreUnavailable => {
                 "The request was not forwarded because duplicates could not be detected.".into()
@@ -287,6 +305,18 @@ impl Problem {
                 .into(),
             Problem::UpstreamAnswerLost => "The request reached the backend but no answer came \
                 back; it may have been executed, and no idempotency lock guards a retry."
+                .into(),
+            Problem::UpstreamAnswerInvalid(AnswerSettled::Recorded) => "The backend answered, \
+                but not with HTTP that can be relayed. The request was executed: retries with \
+                this key get 409 and are not executed again."
+                .into(),
+            Problem::UpstreamAnswerInvalid(AnswerSettled::Released) => "The backend answered \
+                with an error status, but not with HTTP that can be relayed; the key was \
+                released, so the request may be retried with the same key."
+                .into(),
+            Problem::UpstreamAnswerInvalid(AnswerSettled::Locked) => "The backend answered \
+                with an error status, but not with HTTP that can be relayed, and the key could \
+                not be released: retries with this key are refused until its lock expires."
                 .into(),
         }
     }
@@ -316,7 +346,8 @@ impl Problem {
             Problem::UpstreamConnect
             | Problem::UpstreamConnectKeyLocked { .. }
             | Problem::UpstreamOutcomeUnknown
-            | Problem::UpstreamAnswerLost => Outcome::Miss,
+            | Problem::UpstreamAnswerLost
+            | Problem::UpstreamAnswerInvalid(_) => Outcome::Miss,
         }
     }
 

@@ -28,7 +28,7 @@ use crate::config::{
 };
 use crate::key;
 use crate::metrics::{Metrics, Pull, RouteHandles, StoreOpHandles};
-use crate::problem::{Outcome, Problem};
+use crate::problem::{AnswerSettled, Outcome, Problem};
 use crate::store::retry::{CompletionRetrier, PendingCompletion, Refusal};
 use crate::store::{
     fallback_record, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
@@ -162,10 +162,13 @@ impl UpstreamPool {
         use std::net::ToSocketAddrs;
         let mut peers = Vec::new();
         let mut backends = Vec::new();
-        for addr in &up.addrs {
-            let resolved = addr
-                .to_socket_addrs()
-                .map_err(|e| format!("upstreams.{}.addrs: cannot resolve {addr}: {e}", up.name))?;
+        for (j, addr) in up.addrs.iter().enumerate() {
+            let resolved = addr.to_socket_addrs().map_err(|e| {
+                format!(
+                    "upstreams.{}.addrs[{j}]: cannot resolve {addr}: {e}",
+                    up.name
+                )
+            })?;
             for sa in resolved {
                 let mut peer = HttpPeer::new(sa, false, String::new());
                 peer.options.connection_timeout = Some(up.connect_timeout);
@@ -188,7 +191,7 @@ impl UpstreamPool {
         }
         let first = up.addrs.first().map_or("", String::as_str);
         let host = http::HeaderValue::from_str(first)
-            .map_err(|_| format!("upstreams.{}.addrs: {first:?} is no host name", up.name))?;
+            .map_err(|_| format!("upstreams.{}.addrs[0]: {first:?} is no host name", up.name))?;
         Ok(UpstreamPool {
             peers,
             backends,
@@ -222,7 +225,10 @@ impl UpstreamPool {
         let mut i = 0;
         loop {
             let backend = &self.backends[(first + i) % n];
-            match upstream::send(backend, head, body, started, pooled).await {
+            // The clock again after a connect that failed (perhaps by timing out): the pool
+            // judges its idle connections by it, and pools the one used by it.
+            let now = if i == 0 { started } else { Instant::now() };
+            match upstream::send(backend, head, body, now, pooled).await {
                 Err(e @ UpstreamError::Connect { .. }) if i + 1 < n && may_go_on() => {
                     tracing::warn!(error = %e, "backend unreachable; trying the next address");
                     i += 1;
@@ -845,8 +851,28 @@ impl Gate {
             Ok(r) => r,
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
-                tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
-                let problem = unknown_outcome(claim.is_some());
+                let problem = match (&e, claim.as_ref()) {
+                    // An answer that cannot be relayed still says the request ran, and its
+                    // status decides as any answer's would: recorded (as executed, not
+                    // replayable: nothing of it can be replayed) or released. Kept until the
+                    // lock lapsed, it would be executed again by a retry after that.
+                    (&UpstreamError::Invalid { status, .. }, Some(c)) => {
+                        let settled = if idem.cache_statuses.contains(status) {
+                            self.complete(c, Completion::Unreplayable { status }).await;
+                            AnswerSettled::Recorded
+                        } else if self.release(c).await {
+                            AnswerSettled::Released
+                        } else {
+                            AnswerSettled::Locked
+                        };
+                        tracing::warn!(error = %e, route = %route.name, ?settled, "backend answer not relayable; the key settled by its status");
+                        Problem::UpstreamAnswerInvalid(settled)
+                    }
+                    _ => {
+                        tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
+                        unknown_outcome(claim.is_some())
+                    }
+                };
                 return self.refuse_executed(session, problem, outcome).await;
             }
         };
@@ -868,10 +894,11 @@ impl Gate {
             .then(|| stored_response(&response, &idem.replay_exclude_headers, declared, bodiless));
 
         let mut downstream = response;
-        downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
-        // A backend's own (a framework with idempotency keys of its own, a gateway behind)
-        // would call this fresh execution a replay.
-        downstream.remove_header(REPLAYED_HEADER);
+        if let Err(e) = mark_outcome(&mut downstream, outcome) {
+            // Cannot happen (a static name and value, and the head has room); were it to,
+            // the answer still settles its claim below.
+            tracing::error!(error = %e, "could not mark the response's outcome");
+        }
 
         // The last bytes of the response (and the header, until a body chunk follows it) are held
         // back until the record is stored or released: a client that has the whole response and
@@ -1096,7 +1123,7 @@ impl Gate {
         };
         let mut downstream = response;
         if let Some(outcome) = ctx.outcome {
-            downstream.insert_header(RESULT_HEADER, outcome.as_str())?;
+            mark_outcome(&mut downstream, outcome)?;
         }
         let mut out = Downstream {
             header: Some(Box::new(downstream)),
@@ -1350,6 +1377,15 @@ fn renewal_pause(lock_deadline: Instant) -> Duration {
 
 /// The problem for a request sent whose answer was lost: with a claim the key stays locked;
 /// without one (forwarded unprotected by `on_unavailable: pass`) nothing stops a retry.
+/// Marks a backend's answer on a route with idempotency with its `outcome`. A backend's own
+/// `Idempotent-Replayed` (a framework with idempotency keys of its own, a gateway behind) does
+/// not go with it: on such a route that header is idemgate's to say, on its replays only.
+fn mark_outcome(resp: &mut ResponseHeader, outcome: Outcome) -> Result<()> {
+    resp.remove_header(REPLAYED_HEADER);
+    resp.insert_header(RESULT_HEADER, outcome.as_str())?;
+    Ok(())
+}
+
 fn unknown_outcome(claimed: bool) -> Problem {
     if claimed {
         Problem::UpstreamOutcomeUnknown
@@ -1770,7 +1806,7 @@ impl ProxyHttp for Gate {
     ) -> Result<()> {
         frame_for_client(session, upstream_response);
         if let Some(outcome) = ctx.outcome {
-            upstream_response.insert_header(RESULT_HEADER, outcome.as_str())?;
+            mark_outcome(upstream_response, outcome)?;
         }
         Ok(())
     }

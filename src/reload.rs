@@ -247,7 +247,19 @@ impl Reloader {
                 // so the running config (and `/admin/config`) says what is in force and the
                 // next reload compares against that, warning again while the file differs.
                 let mut config = config;
+                // The listeners stay as they run: an upstream the file points at one of them
+                // (a swap of ports, say) would loop requests back into the proxy.
+                let (listen, admin) = (running.config.listen, running.config.admin.listen);
+                if (config.listen, config.admin.listen) != (listen, admin) {
+                    let running = [("listen (running)", listen), ("admin.listen (running)", admin)];
+                    config
+                        .check_upstreams_against(&running)
+                        .map_err(|e| e.to_string())?;
+                }
                 let restart_only = keep_restart_only(&running.config, &mut config);
+                // Likewise the store's settings, whose queue must still hold every route's
+                // largest response.
+                config.check_retry_queue().map_err(|e| e.to_string())?;
                 // Only a file that changed nothing but restart-only settings takes no effect (an
                 // edit of comments alone changes nothing at all, and goes live as before).
                 let takes_effect = restart_only.is_empty() || {
@@ -996,6 +1008,63 @@ routes:
         assert_eq!(stats.last_successful.load(Ordering::Relaxed), 1);
         assert_eq!(failures(), 3);
         assert!(tried_at().is_none(), "a success forgets the refusal");
+    }
+
+    /// What a reload keeps of the running config (listeners, the store) is checked against
+    /// what it takes from the file: the file's own checks compared it with the file's values.
+    #[test]
+    fn an_edit_is_checked_against_the_settings_a_reload_keeps() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("idemgate.yaml");
+        let config = |listen: u16, app: u16, queue: &str, response: &str| {
+            format!(
+                "listen: \"127.0.0.1:{listen}\"\nupstreams: {{app: {{addrs: [\"127.0.0.1:{app}\"]}}}}\n\
+                 store: {{completion_retry: {{queue_bytes: {queue}}}}}\n\
+                 routes:\n  - {{name: orders, path_prefix: /, upstream: app, \
+                 idempotency: {{max_response_bytes: {response}}}}}\n"
+            )
+        };
+        write_settled(&path, &config(16180, 18080, "256MiB", "1MiB"));
+        let metrics = Arc::new(Metrics::new());
+        let running = Config::load(&path).expect("initial config");
+        let generation = Generation::new(running, &metrics).expect("generation");
+        let current = Arc::new(ArcSwap::from_pointee(generation));
+        let reloader = Reloader::new(path.clone(), current.clone(), metrics);
+        let upstream = || current.load().config.upstreams[0].addrs[0].clone();
+
+        // Ports swapped: valid as a file, but `listen` stays 16180 until a restart, and the
+        // upstream would be the proxy itself.
+        write_settled(&path, &config(18080, 16180, "256MiB", "1MiB"));
+        let refused = reloader.reload("admin").expect_err("loops back");
+        assert!(
+            refused.contains("upstreams.app.addrs[0]") && refused.contains("listen (running)"),
+            "{refused}"
+        );
+        assert_eq!(upstream(), "127.0.0.1:18080");
+
+        // A larger queue (a restart) and responses that only it could hold: the running queue
+        // stays, so the responses may not grow past it yet.
+        write_settled(&path, &config(16180, 18080, "1GiB", "512MiB"));
+        let refused = reloader
+            .reload("admin")
+            .expect_err("the running queue is too small");
+        assert!(
+            refused.contains("routes[0].idempotency.max_response_bytes"),
+            "{refused}"
+        );
+        let live = current.load();
+        let idem = live.config.routes[0].idempotency.as_ref().expect("keyed");
+        assert_eq!(idem.max_response_bytes, 1 << 20);
+
+        // Within the running queue it goes live (the queue's change waits for a restart).
+        write_settled(&path, &config(16180, 18080, "1GiB", "128MiB"));
+        reloader
+            .reload("admin")
+            .expect("valid against the running queue");
+        let live = current.load();
+        let idem = live.config.routes[0].idempotency.as_ref().expect("keyed");
+        assert_eq!(idem.max_response_bytes, 128 << 20);
+        assert_eq!(live.config.store.completion_retry.queue_bytes, 256 << 20);
     }
 
     #[test]

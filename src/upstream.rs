@@ -116,6 +116,11 @@ pub enum UpstreamError {
     /// The backend's answer is not HTTP/1.x as this client accepts it.
     #[error("malformed response: {0}")]
     Malformed(&'static str),
+    /// The backend gave a final status (`status`, 200 or above), but the head that carried it
+    /// cannot be relayed (`what`): the request was answered, so it ran, yet nothing of the
+    /// answer can go on.
+    #[error("malformed {status} response: {what}")]
+    Invalid { status: u16, what: &'static str },
 }
 
 /// `fast_timeout`, except that no timer is armed when `fut` is ready at its first poll: a write
@@ -277,6 +282,9 @@ fn put_idle(backend: &Backend, stream: TcpStream, since: Instant, advertised: Op
 /// 11 s of idling, and `take_idle` then drops it on its pending error. Sent data left
 /// unacknowledged 10 s (or `write_timeout`, if longer) ends the connection at once instead of
 /// after `read_timeout`: a live host acknowledges within a round trip, whatever its load.
+/// The kernel takes that bound as a C `int` of milliseconds (pingora converts with `as`), so it
+/// is held to [`MAX_USER_TIMEOUT`]: a longer `write_timeout` would wrap to a negative value the
+/// kernel refuses, and pingora fails every connect it makes with it.
 #[cfg_attr(not(target_os = "linux"), allow(unused_variables))]
 pub fn keepalive(write_timeout: Duration) -> TcpKeepalive {
     TcpKeepalive {
@@ -284,9 +292,12 @@ pub fn keepalive(write_timeout: Duration) -> TcpKeepalive {
         interval: Duration::from_secs(2),
         count: 3,
         #[cfg(target_os = "linux")]
-        user_timeout: write_timeout.max(Duration::from_secs(10)),
+        user_timeout: write_timeout.clamp(Duration::from_secs(10), MAX_USER_TIMEOUT),
     }
 }
+
+/// The longest `TCP_USER_TIMEOUT` set: a day, well inside an `int` of milliseconds (24.8 days).
+pub const MAX_USER_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 async fn connect(backend: &Backend) -> Result<TcpStream, UpstreamError> {
     let connected = fast_timeout(backend.connect_timeout, TcpStream::connect(backend.addr))
@@ -768,13 +779,18 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         resp = httparse::Response::new(&mut many);
         status = resp.parse(buf);
     }
+    // A fault past a final status line is an answer that cannot be relayed, not a lost one:
+    // the status says the request ran (see [`UpstreamError::Invalid`]).
+    let final_status = resp.code.filter(|&c| (200..=999).contains(&c));
+    let refuse = |what| match final_status {
+        Some(status) => UpstreamError::Invalid { status, what },
+        None => UpstreamError::Malformed(what),
+    };
     let head_len = match status {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(UpstreamError::Malformed("too many response headers"))
-        }
-        Err(_) => return Err(UpstreamError::Malformed("unparsable response head")),
+        Err(httparse::Error::TooManyHeaders) => return Err(refuse("too many response headers")),
+        Err(_) => return Err(refuse("unparsable response head")),
     };
     let code = resp.code.unwrap_or(0);
     let version = resp.version.unwrap_or(1);
@@ -827,11 +843,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
                     .ok()
                     .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
                     .and_then(|s| s.parse::<u64>().ok())
-                    .ok_or(UpstreamError::Malformed("invalid Content-Length"))?;
+                    .ok_or(refuse("invalid Content-Length"))?;
                 if length.is_some_and(|l| l != parsed) {
-                    return Err(UpstreamError::Malformed(
-                        "conflicting Content-Length values",
-                    ));
+                    return Err(refuse("conflicting Content-Length values"));
                 }
                 length = Some(parsed);
             }
@@ -890,16 +904,16 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         } else {
             raw
         };
-        let value = HeaderValue::from_maybe_shared(raw)
-            .map_err(|_| UpstreamError::Malformed("invalid header value"))?;
+        let value =
+            HeaderValue::from_maybe_shared(raw).map_err(|_| refuse("invalid header value"))?;
         header
             .append_header(head.slice(n..n + nl), value)
-            .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
+            .map_err(|_| refuse("invalid header name"))?;
     }
     if let Some(len) = length.filter(|_| relength) {
         header
             .append_header(http::header::CONTENT_LENGTH, HeaderValue::from(len))
-            .map_err(|_| UpstreamError::Malformed("invalid header name"))?;
+            .map_err(|_| refuse("invalid header name"))?;
     }
     let framing = if transfer_encoding {
         if chunked {
@@ -1266,15 +1280,15 @@ mod tests {
     fn conflicting_lengths_are_refused_and_repeated_equal_ones_accepted() {
         assert!(matches!(
             parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n"),
-            Err(UpstreamError::Malformed(_))
+            Err(UpstreamError::Invalid { status: 200, .. })
         ));
         assert!(matches!(
             parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\n"),
-            Err(UpstreamError::Malformed(_))
+            Err(UpstreamError::Invalid { status: 200, .. })
         ));
         assert!(matches!(
             parse(b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n"),
-            Err(UpstreamError::Malformed(_))
+            Err(UpstreamError::Invalid { status: 200, .. })
         ));
         let p = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\n")
             .unwrap()
@@ -1385,7 +1399,17 @@ mod tests {
             many.extend_from_slice(format!("X-{i}: v\r\n").as_bytes());
         }
         many.extend_from_slice(b"\r\n");
+        // Past a final status line, a fault leaves the status known.
+        assert!(matches!(
+            parse(&many),
+            Err(UpstreamError::Invalid { status: 200, .. })
+        ));
+        many.splice(9..12, *b"102");
         assert!(matches!(parse(&many), Err(UpstreamError::Malformed(_))));
+        assert!(matches!(
+            parse(b"HTTP/1.1 201 Created\r\nX-Bad\x01: v\r\n\r\n"),
+            Err(UpstreamError::Invalid { status: 201, .. })
+        ));
         let mut fine = b"HTTP/1.1 200 OK\r\n".to_vec();
         for i in 0..100 {
             fine.extend_from_slice(format!("X-{i}: v\r\n").as_bytes());

@@ -600,6 +600,25 @@ async fn a_backend_s_idempotent_replayed_header_does_not_reach_a_fresh_execution
         again.headers_named("idempotent-replayed"),
         vec![&b"true"[..]]
     );
+    // Nor a request forwarded without a key on such a route (`BYPASS`), over idemgate's own
+    // client or, for a chunked body, pingora's proxy path.
+    for req in [
+        Request::post("/optional").json("{}"),
+        Request::post("/optional").json("{}").chunked(1),
+    ] {
+        let bypass = req.send(proxy.addr).await;
+        assert_eq!((bypass.status, bypass.result()), (201, Some("BYPASS")));
+        assert!(
+            bypass.headers_named("idempotent-replayed").is_empty(),
+            "{bypass:?}"
+        );
+    }
+    // A route without idempotency passes the backend's answer on untouched.
+    let plain = Request::post("/plain").json("{}").send(proxy.addr).await;
+    assert_eq!(
+        plain.headers_named("idempotent-replayed"),
+        vec![&b"true"[..]]
+    );
 }
 
 /// A `Content-Length` that agrees with itself but is not one plain number (`2, 2`, two lines,
@@ -682,9 +701,54 @@ async fn a_malformed_answer_to_a_forwarded_request_is_a_502() {
     let r = Request::get("/plain/x").send(proxy.addr).await;
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.problem_type(), "upstream-answer-lost");
-    // On a keyed request the same answer is an unknown outcome: the request was executed.
+    // On a keyed request the answer's status says the request ran: it is recorded as executed,
+    // not replayable, so a retry is refused instead of run again once a lock would have lapsed.
     let keyed = order("conflicting-length").send(proxy.addr).await;
-    assert_eq!(keyed.status, 504, "{}", keyed.text());
+    assert_eq!(
+        (keyed.status, keyed.result()),
+        (502, Some("MISS")),
+        "{}",
+        keyed.text()
+    );
+    assert_eq!(keyed.problem_type(), "upstream-answer-invalid");
+    let executed = backend.count();
+    let retry = order("conflicting-length").send(proxy.addr).await;
+    assert_eq!(
+        (retry.status, retry.result()),
+        (409, Some("CONFLICT")),
+        "{}",
+        retry.text()
+    );
+    assert_eq!(retry.problem_type(), "response-not-replayable");
+    assert_eq!(backend.count(), executed, "never executed twice");
+}
+
+#[tokio::test]
+async fn a_malformed_answer_with_a_status_that_releases_releases_the_key() {
+    let backend = RawBackend::start(vec![
+        send(b"HTTP/1.1 503 Service Unavailable\r\nX-Bad\x01: v\r\nContent-Length: 0\r\n\r\n"),
+        Step::Close,
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    let first = order("bad-503").send(proxy.addr).await;
+    assert_eq!(
+        (first.status, first.result()),
+        (502, Some("MISS")),
+        "{}",
+        first.text()
+    );
+    assert_eq!(first.problem_type(), "upstream-answer-invalid");
+    assert!(first.text().contains("released"), "{}", first.text());
+    // Released by its status, as a well-formed 503 would be: the retry runs at once.
+    let retry = order("bad-503").send(proxy.addr).await;
+    assert_eq!(
+        retry.problem_type(),
+        "upstream-answer-invalid",
+        "{}",
+        retry.text()
+    );
+    assert_eq!(backend.count(), 2, "the retry executed again");
 }
 
 #[tokio::test]
@@ -1204,6 +1268,80 @@ async fn a_keyed_request_goes_on_to_the_next_address_only_within_its_lock() {
     let plain = Request::post("/plain").json("{}").send(proxy.addr).await;
     assert_eq!(plain.status, 201, "{}", plain.text());
     assert_eq!(backend.count(), 2, "the keyed request was never sent");
+}
+
+/// A `write_timeout` past what the kernel's `TCP_USER_TIMEOUT` holds (an `int` of milliseconds,
+/// 24.8 days) is held to its cap: wrapped to a negative value, the kernel refused it and pingora
+/// failed every connection it opened, so streamed requests (here a chunked body) got 502.
+#[tokio::test]
+async fn a_write_timeout_longer_than_the_kernel_holds_does_not_break_streamed_requests() {
+    let backend = common::Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend).start().await;
+    // Both keyed routes' locks must outlast such an upstream's exchange; set live.
+    let locks = "      lock_ttl: 31d\n      ttl: 62d\n";
+    proxy.edit_config(Edit::Rename, |y| {
+        y.replacen("  other:\n", "    write_timeout: 30d\n  other:\n", 1)
+            .replacen(
+                "      key: required\n",
+                &format!("      key: required\n{locks}"),
+                1,
+            )
+            .replacen(
+                "      key: optional\n",
+                &format!("      key: optional\n{locks}"),
+                1,
+            )
+    });
+    proxy
+        .metrics_containing("idemgate_config_reloads_total 1")
+        .await;
+    let streamed = Request::post("/plain")
+        .json("{}")
+        .chunked(1)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(streamed.status, 201, "{}", streamed.text());
+    let keyed = Request::post("/orders")
+        .key("long-write")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(keyed.status, 201, "{}", keyed.text());
+}
+
+/// The next address is tried by the clock of then: after a connect that timed out, a pooled
+/// connection there has been idle for that time too, and one past the idle time its backend
+/// advertised is not reused (it may be closing).
+#[tokio::test]
+async fn the_next_address_judges_its_pooled_connections_by_the_clock_of_then() {
+    let (hangs, _listener, _queued) = address_that_never_connects();
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 201 Created\r\nKeep-Alive: timeout=2\r\nContent-Length: 2\r\n\r\n{}",
+    )])
+    .await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .orders_first(hangs)
+        .threads(1)
+        .upstream("connect_timeout: 1s")
+        .start()
+        .await;
+    // Round robin from the address that hangs: the first request goes on to the backend after
+    // a second, the second starts at the backend and reuses that connection.
+    for _ in 0..2 {
+        let r = Request::post("/plain").json("{}").send(proxy.addr).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    assert_eq!(
+        backend.connections(),
+        1,
+        "pooled when it was used, a second in"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The third starts at the address that hangs: by the time it goes on, the connection has
+    // been idle 1.3 s, past the 1 s the backend's `timeout=2` leaves.
+    let r = Request::post("/plain").json("{}").send(proxy.addr).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(backend.connections(), 2, "not reused past its idle limit");
 }
 
 /// A backend that says how long it keeps an idle connection (`Keep-Alive: timeout=N`, as
