@@ -1116,32 +1116,31 @@ impl Config {
         file.into_config(source_hash, lookup)
     }
 
-    /// What is valid but likely a mistake, one message per finding, naming the fields: an
-    /// idempotent route that stores no status, or whose backend may take longer than
-    /// `shutdown.grace_period` (its upstream's connect + write + read timeouts), so a request in
-    /// flight at `SIGTERM` can be cut off before its outcome is stored.
     /// Checks that every route's largest stored response can wait in the completion retry
-    /// queue: one that could not would be dead-lettered at the first failed write, queue empty
-    /// or not, and its key executed again once its lock lapsed. Run on the file as loaded and
-    /// again on a reload's config once the running `queue_bytes` (read only at start-up) is in
-    /// it.
+    /// queue of a Redis store: one that could not would be dead-lettered at the first failed
+    /// write, queue empty or not, and its key executed again once its lock lapsed. (The
+    /// embedded store's writes do not fail, so nothing waits there.) Run on the file as loaded
+    /// and again on a reload's config once the running `queue_bytes` (read only at start-up)
+    /// is in it.
     pub fn check_retry_queue(&self) -> Result<(), ConfigError> {
+        if self.store.backend != StoreBackend::Redis {
+            return Ok(());
+        }
         let queue_bytes = self.store.completion_retry.queue_bytes;
         for (i, route) in self.routes.iter().enumerate() {
             let Some(idem) = &route.idempotency else {
                 continue;
             };
-            // A stored response is its head (64 KiB at most) and its body.
             let largest = idem
                 .max_response_bytes
-                .saturating_add(crate::upstream::MAX_RESPONSE_HEAD_BYTES);
+                .saturating_add(STORED_HEAD_ALLOWANCE);
             if largest > queue_bytes {
                 return Err(invalid(
                     format!("routes[{i}].idempotency.max_response_bytes"),
                     format!(
-                        "{} bytes and a head of up to 64 KiB is more than \
+                        "{} bytes and room for its head (128 KiB) is more than \
                          store.completion_retry.queue_bytes ({queue_bytes} bytes in force): a \
-                         response the store failed to take could not wait for a retry; raise \
+                         response Redis failed to take could not wait for a retry; raise \
                          queue_bytes (a restart) or lower this",
                         idem.max_response_bytes
                     ),
@@ -1151,19 +1150,10 @@ impl Config {
         Ok(())
     }
 
-    /// Checks that no upstream address is one of the running listeners `ours`, when a reload
-    /// keeps them (they are read only at start-up) while the file names others: the file's
-    /// own check compared the addresses with the listeners it names.
-    pub fn check_upstreams_against(&self, ours: &[(&str, SocketAddr)]) -> Result<(), ConfigError> {
-        for upstream in &self.upstreams {
-            for (j, addr) in upstream.addrs.iter().enumerate() {
-                let field = format!("upstreams.{}.addrs[{j}]", upstream.name);
-                resolves(field, addr, Lookup::System, ours)?;
-            }
-        }
-        Ok(())
-    }
-
+    /// What is valid but likely a mistake, one message per finding, naming the fields: an
+    /// idempotent route that stores no status, or whose backend may take longer than
+    /// `shutdown.grace_period` (its upstream's connect + write + read timeouts), so a request in
+    /// flight at `SIGTERM` can be cut off before its outcome is stored.
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         let keyed = self
@@ -1196,12 +1186,12 @@ impl Config {
             // not replayable: every retry of such a key gets 409 for the record's ttl.
             let largest = idem
                 .max_response_bytes
-                .saturating_add(crate::upstream::MAX_RESPONSE_HEAD_BYTES);
+                .saturating_add(STORED_HEAD_ALLOWANCE);
             let capacity = self.store.memory.capacity_bytes;
             if self.store.backend == StoreBackend::Memory && largest > capacity {
                 warnings.push(format!(
-                    "routes[{}].idempotency.max_response_bytes ({} bytes, with a head of up to \
-                     64 KiB) is more than store.memory.capacity ({capacity} bytes): a response \
+                    "routes[{}].idempotency.max_response_bytes ({} bytes, with room for its head, \
+                     128 KiB) is more than store.memory.capacity ({capacity} bytes): a response \
                      larger than the store is kept as executed but not replayable, so its \
                      retries get 409 instead of the response",
                     route.name, idem.max_response_bytes
@@ -1781,6 +1771,10 @@ fn without_quoted_values(message: &str) -> String {
     redacted.push_str(rest);
     redacted
 }
+
+/// Room a stored response needs besides its body: its head, which the backend client reads up
+/// to 64 KiB (and one read past that, at most another 64 KiB, before it refuses it).
+const STORED_HEAD_ALLOWANCE: usize = 2 * crate::upstream::MAX_RESPONSE_HEAD_BYTES;
 
 /// The shortest `store.completion_retry.base_delay`.
 const MIN_RETRY_DELAY: Duration = Duration::from_millis(10);
@@ -2778,6 +2772,21 @@ fn resolves(
         }
     }
     Ok(())
+}
+
+/// The first of `listeners` (named) that connecting to one of `addrs` would reach, with that
+/// address: for a reload, whose upstreams are resolved already, against the listeners it
+/// keeps running.
+pub fn reaches_any<'a>(
+    addrs: &[SocketAddr],
+    listeners: &[(&'a str, SocketAddr)],
+) -> Option<(SocketAddr, &'a str, SocketAddr)> {
+    addrs.iter().find_map(|&to| {
+        listeners
+            .iter()
+            .find(|(_, l)| reaches_listener(to, *l))
+            .map(|&(name, l)| (to, name, l))
+    })
 }
 
 /// Whether connecting to `to` reaches this host's listener `listener`: the same address, or a
@@ -4868,27 +4877,35 @@ routes:
 
     #[test]
     fn every_stored_response_fits_the_retry_queue() {
-        // A response the queue could never hold would be dead-lettered at its first failed
-        // write, however empty the queue.
+        // On Redis, a response the queue could never hold would be dead-lettered at its first
+        // failed write, however empty the queue.
+        let redis = |store: &str, idem: &str| {
+            format!(
+                "store: {{backend: redis{store}}}\n{}",
+                with_route_idempotency(idem)
+            )
+        };
         let message = assert_field(
-            &with_route_idempotency("max_response_bytes: 256MiB"),
+            &redis("", "max_response_bytes: 256MiB"),
             "routes[0].idempotency.max_response_bytes",
         );
         assert!(message.contains("queue_bytes"), "{message}");
-        let config = load(&format!(
-            "store: {{completion_retry: {{queue_bytes: 512MiB}}}}\n{}",
-            with_route_idempotency("max_response_bytes: 256MiB")
+        let config = load(&redis(
+            ", completion_retry: {queue_bytes: 512MiB}",
+            "max_response_bytes: 256MiB",
         ));
         assert!(config.check_retry_queue().is_ok());
-        // The smallest queue holds a response of up to 960 KiB, not the default 1 MiB.
+        // The smallest queue holds a response of up to 896 KiB, not the default 1 MiB.
         assert_field(
-            &format!("store: {{completion_retry: {{queue_bytes: 1MiB}}}}\n{MINIMAL}"),
+            &redis(", completion_retry: {queue_bytes: 1MiB}", "ttl: 24h"),
             "routes[0].idempotency.max_response_bytes",
         );
-        load(&format!(
-            "store: {{completion_retry: {{queue_bytes: 1MiB}}}}\n{}",
-            with_route_idempotency("max_response_bytes: 960KiB")
+        load(&redis(
+            ", completion_retry: {queue_bytes: 1MiB}",
+            "max_response_bytes: 896KiB",
         ));
+        // The embedded store's writes never wait in the queue.
+        load(&with_route_idempotency("max_response_bytes: 1GiB"));
     }
 
     #[test]

@@ -131,11 +131,14 @@ pub enum Problem {
 pub enum AnswerSettled {
     /// A status the route stores: recorded as executed, not replayable.
     Recorded,
-    /// A status that releases the key (5xx, 408, 429 by default): released.
+    /// A status the route does not store (5xx, 408, 429 by default): released.
     Released,
-    /// A status that releases the key, but the store did not take the release: the key stays
-    /// locked until its lock lapses.
-    Locked,
+    /// A status the route does not store, but the store did not take the release: the key
+    /// stays locked until its lock lapses.
+    Locked {
+        /// When the lock has lapsed at the latest.
+        retry_after: Duration,
+    },
 }
 
 /// Base of every problem `type` URI.
@@ -311,12 +314,13 @@ impl Problem {
                 this key get 409 and are not executed again."
                 .into(),
             Problem::UpstreamAnswerInvalid(AnswerSettled::Released) => "The backend answered \
-                with an error status, but not with HTTP that can be relayed; the key was \
-                released, so the request may be retried with the same key."
+                with a status this route does not store, but not with HTTP that can be relayed; \
+                the key was released, so the request may be retried with the same key."
                 .into(),
-            Problem::UpstreamAnswerInvalid(AnswerSettled::Locked) => "The backend answered \
-                with an error status, but not with HTTP that can be relayed, and the key could \
-                not be released: retries with this key are refused until its lock expires."
+            Problem::UpstreamAnswerInvalid(AnswerSettled::Locked { .. }) => "The backend \
+                answered with a status this route does not store, but not with HTTP that can be \
+                relayed, and the key could not be released: retry with the same key after \
+                Retry-After."
                 .into(),
         }
     }
@@ -355,7 +359,8 @@ impl Problem {
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
             Problem::InFlight { retry_after }
-            | Problem::UpstreamConnectKeyLocked { retry_after } => {
+            | Problem::UpstreamConnectKeyLocked { retry_after }
+            | Problem::UpstreamAnswerInvalid(AnswerSettled::Locked { retry_after }) => {
                 Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
             }
             Problem::StoreUnavailable

@@ -100,11 +100,32 @@ fn result_index(outcome: Option<Outcome>, refused: bool) -> usize {
 impl Generation {
     /// Builds the upstream pools and metric handles for `config`.
     pub fn new(config: Config, metrics: &Metrics) -> std::result::Result<Self, String> {
+        Self::new_within(config, metrics, &[])
+    }
+
+    /// [`Generation::new`], refused when an upstream address, as resolved for it, reaches one
+    /// of `listeners` (named): a reload keeps the running listeners whatever its file says, and
+    /// the file's own check compared its upstreams with the file's.
+    pub fn new_within(
+        config: Config,
+        metrics: &Metrics,
+        listeners: &[(&str, std::net::SocketAddr)],
+    ) -> std::result::Result<Self, String> {
         let pools = config
             .upstreams
             .iter()
             .map(UpstreamPool::new)
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        for (upstream, pool) in config.upstreams.iter().zip(&pools) {
+            let addrs: Vec<_> = pool.backends.iter().map(|b| b.addr).collect();
+            if let Some((to, name, l)) = crate::config::reaches_any(&addrs, listeners) {
+                return Err(format!(
+                    "upstreams.{}.addrs: {to} is idemgate's own {name} ({l}): requests would \
+                     loop back",
+                    upstream.name
+                ));
+            }
+        }
         let route_metrics = config
             .routes
             .iter()
@@ -583,24 +604,37 @@ impl Gate {
                             .refuse(session, Problem::InFlight { retry_after })
                             .await;
                     }
-                    match config.store.on_unavailable {
-                        OnUnavailable::Reject => {
-                            return self.refuse(session, Problem::StoreUnavailable).await
-                        }
-                        OnUnavailable::Pass => {
-                            return self
-                                .execute(session, ctx, route, idem, body, None, Outcome::Degraded)
-                                .await
-                                .map(Some);
-                        }
-                        OnUnavailable::Local => match (&self.fallback, degraded) {
-                            (Some(local), false) => {
-                                store = local.as_ref();
-                                degraded = true;
-                                continue;
+                    // Nor must a retry of one that ended here since the cache was asked.
+                    if let Some(record) = self.store.local_copy(&claim_req.key) {
+                        record
+                    } else {
+                        match config.store.on_unavailable {
+                            OnUnavailable::Reject => {
+                                return self.refuse(session, Problem::StoreUnavailable).await
                             }
-                            _ => return self.refuse(session, Problem::StoreUnavailable).await,
-                        },
+                            OnUnavailable::Pass => {
+                                return self
+                                    .execute(
+                                        session,
+                                        ctx,
+                                        route,
+                                        idem,
+                                        body,
+                                        None,
+                                        Outcome::Degraded,
+                                    )
+                                    .await
+                                    .map(Some);
+                            }
+                            OnUnavailable::Local => match (&self.fallback, degraded) {
+                                (Some(local), false) => {
+                                    store = local.as_ref();
+                                    degraded = true;
+                                    continue;
+                                }
+                                _ => return self.refuse(session, Problem::StoreUnavailable).await,
+                            },
+                        }
                     }
                 }
             };
@@ -863,7 +897,9 @@ impl Gate {
                         } else if self.release(c).await {
                             AnswerSettled::Released
                         } else {
-                            AnswerSettled::Locked
+                            AnswerSettled::Locked {
+                                retry_after: c.lapses_by.saturating_duration_since(Instant::now()),
+                            }
                         };
                         tracing::warn!(error = %e, route = %route.name, ?settled, "backend answer not relayable; the key settled by its status");
                         Problem::UpstreamAnswerInvalid(settled)
@@ -1375,8 +1411,6 @@ fn renewal_pause(lock_deadline: Instant) -> Duration {
     (left / 4).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 
-/// The problem for a request sent whose answer was lost: with a claim the key stays locked;
-/// without one (forwarded unprotected by `on_unavailable: pass`) nothing stops a retry.
 /// Marks a backend's answer on a route with idempotency with its `outcome`. A backend's own
 /// `Idempotent-Replayed` (a framework with idempotency keys of its own, a gateway behind) does
 /// not go with it: on such a route that header is idemgate's to say, on its replays only.
@@ -1386,6 +1420,8 @@ fn mark_outcome(resp: &mut ResponseHeader, outcome: Outcome) -> Result<()> {
     Ok(())
 }
 
+/// The problem for a request sent whose answer was lost: with a claim the key stays locked;
+/// without one (forwarded unprotected by `on_unavailable: pass`) nothing stops a retry.
 fn unknown_outcome(claimed: bool) -> Problem {
     if claimed {
         Problem::UpstreamOutcomeUnknown

@@ -638,7 +638,15 @@ impl Exchange {
                 }
                 scanned = Some(self.buf.len());
                 if self.buf.len() > MAX_RESPONSE_HEAD_BYTES {
-                    return Err(UpstreamError::Malformed("response head too large"));
+                    let what = "response head too large";
+                    // Past a final status line, the request is known to have run.
+                    let mut no_fields = [];
+                    let mut status_line = httparse::Response::new(&mut no_fields);
+                    let _ = status_line.parse(&self.buf);
+                    return Err(match final_status(&status_line) {
+                        Some(status) => UpstreamError::Invalid { status, what },
+                        None => UpstreamError::Malformed(what),
+                    });
                 }
                 if !self.fill().await? {
                     return Err(UpstreamError::Closed(if self.received == 0 {
@@ -768,6 +776,15 @@ struct ParsedHead {
     declares_body: bool,
 }
 
+/// The final status (200 or above) of a response whose status line parsed whole, however its
+/// fields fared. httparse sets the code as soon as it has read three digits, and the reason
+/// only once the line has ended well: `HTTP/1.1 2000` has a code but no status.
+fn final_status(resp: &httparse::Response<'_, '_>) -> Option<u16> {
+    resp.reason
+        .and(resp.code)
+        .filter(|c| (200..=999).contains(c))
+}
+
 /// Parses a response head at the start of `buf` and removes it, or `None` if incomplete.
 fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     let mut slots = [httparse::EMPTY_HEADER; 64];
@@ -781,7 +798,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     }
     // A fault past a final status line is an answer that cannot be relayed, not a lost one:
     // the status says the request ran (see [`UpstreamError::Invalid`]).
-    let final_status = resp.code.filter(|&c| (200..=999).contains(&c));
+    let final_status = final_status(&resp);
     let refuse = |what| match final_status {
         Some(status) => UpstreamError::Invalid { status, what },
         None => UpstreamError::Malformed(what),
@@ -1410,6 +1427,14 @@ mod tests {
             parse(b"HTTP/1.1 201 Created\r\nX-Bad\x01: v\r\n\r\n"),
             Err(UpstreamError::Invalid { status: 201, .. })
         ));
+        // A status line that does not end well has no status, whatever digits it began with.
+        for line in [&b"HTTP/1.1 2000\r\n\r\n"[..], b"HTTP/1.1 200OK\r\n\r\n"] {
+            assert!(
+                matches!(parse(line), Err(UpstreamError::Malformed(_))),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+        }
         let mut fine = b"HTTP/1.1 200 OK\r\n".to_vec();
         for i in 0..100 {
             fine.extend_from_slice(format!("X-{i}: v\r\n").as_bytes());

@@ -1376,6 +1376,53 @@ async fn a_key_run_on_the_local_fallback_is_replayed_not_run_again_once_redis_is
     assert_eq!(fresh.result(), Some("MISS"), "{}", fresh.text());
 }
 
+/// A purge announced by another replica drops this one's copies, and what its fallback settled,
+/// but not a claim its fallback still runs: a retry here would then find the key free in Redis
+/// and run it beside that execution.
+#[tokio::test]
+async fn an_announced_purge_spares_a_key_running_on_this_replica_s_fallback() {
+    let mut redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let running = local_policy_proxy(&backend, redis.port).await;
+    let other = local_policy_proxy(&backend, redis.port).await;
+    redis.kill();
+    let req = Request::post("/orders/slow/4000")
+        .key("running-on-the-fallback")
+        .body("{}");
+    let first = req.spawn_send(running.addr);
+    backend.until_count(1).await;
+    redis.restart();
+    // Both listen for purges again.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let subs: Vec<redis::Value> = redis.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
+        if matches!(subs.get(1), Some(redis::Value::Int(2))) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "purge listeners: {subs:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Nothing of the key in the other replica's stores: its purge deletes nothing, and is
+    // announced.
+    let del = Request::new("DELETE", "/admin/records/default/running-on-the-fallback")
+        .header("Authorization", format!("Bearer {ADMIN_TOKEN}"))
+        .send(other.admin)
+        .await;
+    assert_eq!(del.status, 200, "{}", del.text());
+    assert!(
+        del.text().contains("2 replicas listening"),
+        "{}",
+        del.text()
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let retry = req.send(running.addr).await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert_eq!(retry.problem_type(), "request-in-flight");
+    let first = first.await.expect("original");
+    assert_eq!((first.status, first.result()), (201, Some("DEGRADED")));
+    assert_eq!(backend.count(), 1, "the key ran once");
+}
+
 /// A key released on the fallback during an outage (a 5xx) runs again once Redis is back, as a
 /// released key does: only for the same request (422 otherwise), and under the execution id
 /// the backend already saw.
@@ -1435,6 +1482,48 @@ async fn a_retry_of_a_key_this_replica_is_running_is_not_run_beside_it_when_redi
     assert!(retry.header("retry-after").is_some());
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201);
+    assert_eq!(backend.count(), 1, "the key ran once");
+}
+
+/// A retry that arrives while the original's completion is being written to a Redis that has
+/// stopped answering: its own claim fails after the write did, by when the original's claim is
+/// let go and its answer kept here. It gets that answer (or a 409 while the claim is still
+/// held), never a second run on the fallback.
+#[tokio::test]
+async fn a_retry_while_the_answer_is_being_written_to_a_hung_redis_is_not_run_again() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[format!("redis://127.0.0.1:{}", redis.port)])
+        .store("  response_timeout: 1s")
+        .store("on_unavailable: local")
+        .store("circuit_breaker: {failure_threshold: 5, open_for: 200ms}")
+        .start()
+        .await;
+    let req = Request::post("/orders/slow/300")
+        .key("written-to-a-hung-redis")
+        .body("{}");
+    let original = req.spawn_send(proxy.addr);
+    backend.until_count(1).await;
+    // Redis stops answering before the backend does: the completion's write waits out the
+    // response timeout, and the retry, sent while it is out, waits behind it.
+    let pid = redis.pid().expect("redis pid");
+    signal(pid, "STOP");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let retry = req.send(proxy.addr).await;
+    signal(pid, "CONT");
+    let first = original.await.expect("original");
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert!(
+        matches!(
+            (retry.status, retry.result()),
+            (201, Some("HIT")) | (409, Some("CONFLICT"))
+        ),
+        "{} {:?}: {}",
+        retry.status,
+        retry.result(),
+        retry.text()
+    );
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 

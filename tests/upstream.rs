@@ -723,6 +723,51 @@ async fn a_malformed_answer_to_a_forwarded_request_is_a_502() {
     assert_eq!(backend.count(), executed, "never executed twice");
 }
 
+/// Without a final status line (one that ends badly, whatever digits it began with) the answer
+/// says nothing of what ran: an unknown outcome, the key kept locked. With one, a head too large
+/// to relay is settled by its status like any other fault of the fields.
+#[tokio::test]
+async fn a_malformed_answer_is_settled_only_when_a_final_status_came() {
+    let backend =
+        RawBackend::start(vec![send(b"HTTP/1.1 2000\r\nContent-Length: 2\r\n\r\n{}")]).await;
+    let no_status = proxy(&backend).await;
+    let first = order("no-status").send(no_status.addr).await;
+    assert_eq!(first.status, 504, "{}", first.text());
+    assert_eq!(first.problem_type(), "upstream-outcome-unknown");
+    let retry = order("no-status").send(no_status.addr).await;
+    assert_eq!(
+        retry.problem_type(),
+        "request-in-flight",
+        "{}",
+        retry.text()
+    );
+
+    // 70 KB of head with no end yet, then the rest: past 64 KiB unfinished, it is refused.
+    let mut huge = b"HTTP/1.1 201 Created\r\n".to_vec();
+    for i in 0..70 {
+        huge.extend_from_slice(format!("X-Field-{i}: {}\r\n", "v".repeat(1000)).as_bytes());
+    }
+    let backend = RawBackend::start(vec![
+        Step::Send(huge),
+        Step::Pause(Duration::from_millis(200)),
+        send(b"Content-Length: 2\r\n\r\n{}"),
+        Step::Close,
+    ])
+    .await;
+    let huge_proxy = proxy(&backend).await;
+    let first = order("huge-head").send(huge_proxy.addr).await;
+    assert_eq!(first.status, 502, "{}", first.text());
+    assert_eq!(first.problem_type(), "upstream-answer-invalid");
+    let retry = order("huge-head").send(huge_proxy.addr).await;
+    assert_eq!(
+        retry.problem_type(),
+        "response-not-replayable",
+        "{}",
+        retry.text()
+    );
+    assert_eq!(backend.count(), 1, "never executed twice");
+}
+
 #[tokio::test]
 async fn a_malformed_answer_with_a_status_that_releases_releases_the_key() {
     let backend = RawBackend::start(vec![
@@ -739,7 +784,11 @@ async fn a_malformed_answer_with_a_status_that_releases_releases_the_key() {
         first.text()
     );
     assert_eq!(first.problem_type(), "upstream-answer-invalid");
-    assert!(first.text().contains("released"), "{}", first.text());
+    assert!(
+        first.text().contains("the key was released"),
+        "{}",
+        first.text()
+    );
     // Released by its status, as a well-formed 503 would be: the retry runs at once.
     let retry = order("bad-503").send(proxy.addr).await;
     assert_eq!(
@@ -1322,11 +1371,11 @@ async fn the_next_address_judges_its_pooled_connections_by_the_clock_of_then() {
     let proxy = ProxyBuilder::at(backend.addr)
         .orders_first(hangs)
         .threads(1)
-        .upstream("connect_timeout: 1s")
+        .upstream("connect_timeout: 2s")
         .start()
         .await;
     // Round robin from the address that hangs: the first request goes on to the backend after
-    // a second, the second starts at the backend and reuses that connection.
+    // two seconds, the second starts at the backend and reuses that connection.
     for _ in 0..2 {
         let r = Request::post("/plain").json("{}").send(proxy.addr).await;
         assert_eq!(r.status, 201, "{}", r.text());
@@ -1334,11 +1383,12 @@ async fn the_next_address_judges_its_pooled_connections_by_the_clock_of_then() {
     assert_eq!(
         backend.connections(),
         1,
-        "pooled when it was used, a second in"
+        "pooled when it was used, two seconds in"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The third starts at the address that hangs: by the time it goes on, the connection has
-    // been idle 1.3 s, past the 1 s the backend's `timeout=2` leaves.
+    // been idle 2.3 s, past the 1 s the backend's `timeout=2` leaves (with the request's start
+    // as the clock, 0.3 s).
     let r = Request::post("/plain").json("{}").send(proxy.addr).await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(backend.connections(), 2, "not reused past its idle limit");

@@ -152,9 +152,19 @@ impl<S: RecordStore> Breaker<S> {
                 tracing::info!("record store recovered; circuit closed");
                 Ok(epoch())
             }
-            Err(e) => {
+            Err(e) if is_outage(&e) => {
                 self.open();
                 Err(e)
+            }
+            // The store answered, if not well (a script the probe runs that raises, a reply
+            // this version cannot read): that is no outage, and holding the circuit open on it
+            // would hand every request to the outage policy until the script is mended. The
+            // call goes on, to meet the store on its own terms.
+            Err(e) => {
+                self.view.consecutive_failures.store(0, Ordering::Release);
+                self.set_state(CircuitState::Closed);
+                tracing::warn!(error = %e, "record store answers, if not well; circuit closed");
+                Ok(epoch())
             }
         }
     }
@@ -272,6 +282,10 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
         self.inner.own_claim(key)
     }
+
+    fn local_copy(&self, key: &RecordKey) -> Option<Record> {
+        self.inner.local_copy(key)
+    }
 }
 
 #[cfg(test)]
@@ -340,6 +354,21 @@ mod tests {
         assert!(b.get(&key()).await.is_ok());
         assert_eq!(b.view().state(), CircuitState::Closed);
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_probe_the_store_answers_badly_closes_the_circuit() {
+        let b = breaker();
+        b.inner().set(Fault::Down);
+        for _ in 0..3 {
+            let _ = b.get(&key()).await;
+        }
+        assert_eq!(b.view().state(), CircuitState::Open);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        // Back, but the probe's script raises: the store is there, so the call goes through.
+        b.inner().set(Fault::PingCorrupt);
+        assert!(b.get(&key()).await.is_ok());
+        assert_eq!(b.view().state(), CircuitState::Closed);
     }
 
     #[tokio::test]

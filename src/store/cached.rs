@@ -208,7 +208,7 @@ const CACHE_SHARD_BYTES: usize = 1 << 20;
 const MAX_CACHE_SHARDS: usize = 64;
 
 /// What a claim this replica acquired will need at completion to build the cached record.
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct Pending {
     fingerprint: Digest,
     execution_id: u64,
@@ -919,7 +919,10 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        let pending = self.pending.lock().remove(&key.hash, owner.0);
+        // The claim stays pending while the write is out and until its answer is remembered:
+        // a retry here meanwhile, its claim refused by a store that fails, finds one of the two
+        // (`own_claim`, then `local_copy`) and is not run beside this execution.
+        let pending = self.pending.lock().get_mut(&key.hash, owner.0).copied();
         let mark = self.mark(&key.hash);
         // The store's record lives `ttl` from when it takes the write, no earlier than now: the
         // local copy, counted from before the write, never outlives it.
@@ -958,6 +961,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             };
             self.remember(key, record, expires_at, origin);
         }
+        self.pending.lock().remove(&key.hash, owner.0);
         written
     }
 
@@ -1025,6 +1029,10 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
 
     /// From the claims this replica made and has not completed or released yet (a full
     /// pending map, [`MAX_PENDING`] live claims, may miss one).
+    fn local_copy(&self, key: &RecordKey) -> Option<Record> {
+        self.cached(key)
+    }
+
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
         let pending = self.pending.lock();
         // Read under the lock: a claim recorded meanwhile read the clock before it, so what is
@@ -1492,6 +1500,30 @@ mod tests {
         writing
     }
 
+    /// A retry on this replica while the completion's write is out, its own claim refused by a
+    /// store that fails, must find the key held here (never run beside the execution that just
+    /// answered), and once the write has failed, the answer.
+    #[tokio::test]
+    async fn a_completion_being_written_is_this_replica_s_until_its_answer_is_kept() {
+        let store = cached();
+        let req = claim("t", 11);
+        let writing = completing_while_stalled(&store, &req).await;
+        assert!(
+            store.own_claim(&req.key).is_some(),
+            "held here while its write is out"
+        );
+        assert!(store.local_copy(&req.key).is_none());
+        store.inner().set(Fault::Down);
+        assert!(writing.await.unwrap().is_err());
+        assert!(
+            store.own_claim(&req.key).is_none(),
+            "let go once its answer is kept"
+        );
+        let copy = store.local_copy(&req.key).expect("the answer is kept");
+        assert_eq!(copy.execution_id, req.execution_id);
+        assert!(matches!(copy.state, RecordState::Completed(_)));
+    }
+
     #[tokio::test]
     async fn a_purge_of_another_record_keeps_the_trace_of_a_write_that_failed() {
         let store = cached();
@@ -1837,11 +1869,11 @@ mod tests {
         for n in 0..MAX_PENDING as u32 {
             let mut h = [0u8; 32];
             h[..4].copy_from_slice(&n.to_be_bytes());
-            claims.insert(h, 1, live.clone(), now);
+            claims.insert(h, 1, live, now);
         }
         assert_eq!(claims.len, MAX_PENDING);
         // Full of live claims: the next is not kept, and the prune it ran holds off the next.
-        claims.insert([0xff; 32], 1, live.clone(), now);
+        claims.insert([0xff; 32], 1, live, now);
         assert_eq!(claims.len, MAX_PENDING);
         assert_eq!(claims.longest_left(&[0xff; 32], now), None);
         assert_eq!(claims.pause_until, Some(now + FULL_PRUNE_PAUSE));

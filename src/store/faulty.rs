@@ -32,6 +32,8 @@ pub enum Fault {
     CompletePanics = 7,
     /// Only `complete` fails with `Corrupt` (a reply this version cannot read).
     CompleteCorrupt = 8,
+    /// Only `ping` fails with `Corrupt` (the script it runs raises).
+    PingCorrupt = 9,
 }
 
 /// A [`RecordStore`] that injects faults into an inner store.
@@ -73,6 +75,7 @@ impl<S: RecordStore> FaultyStore<S> {
                 8 if op == "complete" => {
                     return Err(StoreError::Corrupt("injected: complete".into()))
                 }
+                9 if op == "ping" => return Err(StoreError::Corrupt("injected: ping".into())),
                 _ => return Ok(()),
             }
         }

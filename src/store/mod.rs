@@ -282,6 +282,15 @@ pub trait RecordStore: Send + Sync + 'static {
     fn own_claim(&self, _key: &RecordKey) -> Option<Duration> {
         None
     }
+
+    /// A completed record of `key` this process keeps a copy of, where the store keeps one
+    /// without asking anyone (the local cache does). Asked when the store fails, after
+    /// [`RecordStore::own_claim`]: a completion here keeps its answer before it lets go of its
+    /// claim, so a retry asked in that order sees one of the two, and is not run again beside
+    /// an execution that just ended.
+    fn local_copy(&self, _key: &RecordKey) -> Option<Record> {
+        None
+    }
 }
 
 /// The record `fallback` (the in-process store `on_unavailable: local` falls back to) holds
@@ -349,6 +358,9 @@ impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     }
     fn usage(&self) -> Option<StoreUsage> {
         (**self).usage()
+    }
+    fn local_copy(&self, key: &RecordKey) -> Option<Record> {
+        (**self).local_copy(key)
     }
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
         (**self).own_claim(key)

@@ -30,11 +30,12 @@ use crate::config::{RedisConfig, RedisTopology};
 /// a listener's subscription, and each of its heartbeats, may take.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How often a listener PINGs its subscribed connection. A subscription only ever reads, so a
+/// How often a listener sends a heartbeat on its subscribed connection (a `SUBSCRIBE` to its
+/// channel again, which Redis confirms). A subscription only ever reads, so a
 /// connection that died without a FIN or RST (a NAT or load balancer that dropped the idle
 /// flow, a host gone from the network) would otherwise go unnoticed for as long as the kernel's
 /// keepalive takes (two hours by default), every purge meanwhile missed and its copies still
-/// replayed. A PING unanswered within [`PUBLISH_TIMEOUT`] ends the session: the listener
+/// replayed. A heartbeat unanswered within [`PUBLISH_TIMEOUT`] ends the session: the listener
 /// subscribes again, and drops its copies as after any loss. The traffic also keeps an idle
 /// flow from being dropped in the first place (load balancers drop idle flows after minutes).
 const HEARTBEAT: Duration = Duration::from_secs(5);
@@ -235,8 +236,11 @@ impl PurgeBus {
                     }
                 }
                 _ = heartbeat.tick() => {
-                    // Messages arriving meanwhile wait in the connection's queue.
-                    tokio::time::timeout(PUBLISH_TIMEOUT, sink.ping::<redis::Value>())
+                    // Messages arriving meanwhile wait in the connection's queue. The heartbeat
+                    // subscribes again to the channel it listens on, which Redis confirms: a
+                    // least-privilege ACL user that may SUBSCRIBE to it may do that, while a
+                    // PING would need a right of its own (refused, it ended the session).
+                    tokio::time::timeout(PUBLISH_TIMEOUT, sink.subscribe(&self.channel))
                         .await
                         .map_err(|_| "a heartbeat went unanswered".to_string())?
                         .map_err(|e| format!("heartbeat: {e}"))?;
