@@ -133,6 +133,32 @@ fn unstored_entry<'a>(
 const RECENT_PURGES: usize = 64;
 
 impl Cache {
+    /// Evicts entries, oldest first, until the shard holds `budget` bytes at most, but for
+    /// completions the store may not hold that still live (see [`CachedStore::remember`]).
+    fn evict_to(&mut self, budget: usize, now: Instant) {
+        let mut kept = Vec::new();
+        while self.bytes > budget {
+            let Some((oldest, seq)) = self.order.pop_front() else {
+                break;
+            };
+            // A stale place (the entry was dropped, or cached again later) evicts nothing.
+            if let Entry::Occupied(entry) = self.map.entry(oldest) {
+                if entry.get().seq == seq {
+                    let e = entry.get();
+                    if e.held != Held::Copy && e.expires_at > now {
+                        kept.push((oldest, seq));
+                        continue;
+                    }
+                    self.bytes -= entry.remove().size;
+                }
+            }
+        }
+        // Still the oldest, in their order.
+        for place in kept.into_iter().rev() {
+            self.order.push_front(place);
+        }
+    }
+
     /// Whether `hash` may have been purged since the shard's count was `since`: yes if one of
     /// the purges since was of it, or if more purges came than the shard remembers.
     fn purged_since(&self, hash: &Digest, since: u64) -> bool {
@@ -240,7 +266,19 @@ pub struct CachedStore<S> {
     checking_given_up: AtomicBool,
     /// Asked for while a check ran: the running one goes round once more.
     recheck_given_up: AtomicBool,
+    /// Whether the cache held over [`OVERFULL_FACTOR`] times its capacity when last counted,
+    /// and when that was (milliseconds since `born`); see [`CachedStore::overfull`].
+    overfull: AtomicBool,
+    overfull_counted_ms: AtomicU64,
+    born: Instant,
 }
+
+/// A cache holding this many times its capacity refuses new claims (see
+/// [`CachedStore::overfull`]).
+const OVERFULL_FACTOR: usize = 2;
+
+/// How often the bytes held are counted again for [`CachedStore::overfull`].
+const OVERFULL_RECOUNT_MS: u64 = 100;
 
 /// How long a counted Bloom fill ratio is reported before the filter is counted again.
 const FILL_RECOUNT_EVERY: Duration = Duration::from_secs(1);
@@ -376,7 +414,57 @@ impl<S: RecordStore> CachedStore<S> {
             stats: Arc::default(),
             checking_given_up: AtomicBool::new(false),
             recheck_given_up: AtomicBool::new(false),
+            overfull: AtomicBool::new(false),
+            overfull_counted_ms: AtomicU64::new(0),
+            born: Instant::now(),
         })
+    }
+
+    /// Whether the cache holds over [`OVERFULL_FACTOR`] times its capacity: only completions
+    /// the store never confirmed stay past a shard's budget (every other entry is evicted as
+    /// the next one comes in, or by the count), so that is at least the capacity in such answers, each kept
+    /// whatever the budget as the only trace of its answer. A store that takes claims but
+    /// keeps failing their completions (a script of the active version that raises on
+    /// complete, a Redis at `maxmemory` that still fits the small claims) would otherwise pin
+    /// one response per execution here for its whole `ttl`, past any bound. New claims are
+    /// refused instead, as a full store (never forwarded, whatever the outage policy): nothing
+    /// more runs whose answer could not be kept. Counted again at most every
+    /// [`OVERFULL_RECOUNT_MS`], so a claim pays an atomic read and, now and then, a walk of the
+    /// shard totals.
+    fn overfull(&self, now: Instant) -> bool {
+        let ms =
+            u64::try_from(now.saturating_duration_since(self.born).as_millis()).unwrap_or(u64::MAX);
+        let counted = self.overfull_counted_ms.load(Ordering::Relaxed);
+        if ms.saturating_sub(counted) >= OVERFULL_RECOUNT_MS
+            && self
+                .overfull_counted_ms
+                .compare_exchange(counted, ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            // A shard over its budget holds such answers, or copies they were until the retrier
+            // stored them: those go now, so the count is of what is pinned.
+            let budget = self.shard_budget();
+            let held: usize = self
+                .cache
+                .iter()
+                .map(|shard| {
+                    let mut cache = shard.lock();
+                    if cache.bytes > budget {
+                        cache.evict_to(budget, now);
+                    }
+                    cache.bytes
+                })
+                .sum();
+            let full = held > self.options.capacity_bytes.saturating_mul(OVERFULL_FACTOR);
+            if self.overfull.swap(full, Ordering::Relaxed) != full {
+                if full {
+                    tracing::error!(held, capacity = self.options.capacity_bytes, "the local cache holds twice its capacity in answers the store never confirmed; new claims are refused as a full store until they are stored or expire");
+                } else {
+                    tracing::info!(held, "the local cache has room again; claims are taken");
+                }
+            }
+        }
+        self.overfull.load(Ordering::Relaxed)
     }
 
     /// The cache shard holding `hash` (see [`super::keyed_shard_word`]): a client grinding
@@ -616,27 +704,7 @@ impl<S: RecordStore> CachedStore<S> {
         // the second). It counts against the budget, so copies make room for it. Once its ttl
         // has passed it goes like any other entry: a retry then executes again anyway, and
         // clients rarely retry a key they were answered for, so no lookup would remove it.
-        let mut kept = Vec::new();
-        while cache.bytes > budget {
-            let Some((oldest, seq)) = cache.order.pop_front() else {
-                break;
-            };
-            // A stale place (the entry was dropped, or cached again later) evicts nothing.
-            if let Entry::Occupied(entry) = cache.map.entry(oldest) {
-                if entry.get().seq == seq {
-                    let e = entry.get();
-                    if e.held != Held::Copy && e.expires_at > now {
-                        kept.push((oldest, seq));
-                        continue;
-                    }
-                    cache.bytes -= entry.remove().size;
-                }
-            }
-        }
-        // Still the oldest, in their order.
-        for place in kept.into_iter().rev() {
-            cache.order.push_front(place);
-        }
+        cache.evict_to(budget, now);
         // Keep the order queue from growing without bound after removals.
         if cache.order.len() > cache.map.len() * 2 + 1024 {
             let Cache { map, order, .. } = &mut *cache;
@@ -887,6 +955,17 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         }
         let mark = self.mark(&req.key.hash);
         let sent = Instant::now();
+        // A renewal (the owner claiming again) goes through: its execution is already running.
+        let renewal = || {
+            let mut pending = self.pending.lock();
+            pending.get_mut(&req.key.hash, req.owner.0).is_some()
+        };
+        if self.overfull(sent) && !renewal() {
+            return Err(StoreError::Full {
+                used: self.cache_usage().1,
+                capacity: self.options.capacity_bytes,
+            });
+        }
         let outcome = match self.inner.claim(req).await {
             Ok(outcome) => outcome,
             Err(e) => {
@@ -1107,6 +1186,50 @@ mod tests {
             vec![("content-type", Bytes::from_static(b"application/json"))],
             Bytes::from_static(body),
         )))
+    }
+
+    /// Answers the store never confirmed are kept past the budget, but not past any bound: at
+    /// twice the capacity new claims are refused as a full store (renewals of running ones
+    /// still go through), and taken again once the answers are stored.
+    #[tokio::test]
+    async fn answers_the_store_never_took_fill_the_cache_to_a_bound_then_claims_are_refused() {
+        let store = cached();
+        store.inner().set(Fault::CompleteFails);
+        let big: &'static [u8] = Box::leak(vec![b'x'; 100 << 10].into_boxed_slice());
+        let running = claim("t", 200);
+        store.claim(&running).await.unwrap();
+        let mut unstored = Vec::new();
+        // 25 answers of 100 KiB: 2.5 MiB against a 1 MiB cache.
+        for n in 0..25u8 {
+            let req = claim("t", n);
+            store.claim(&req).await.unwrap();
+            let written = store
+                .complete(&req.key, req.owner, response(big), req.ttl)
+                .await;
+            assert!(written.is_err());
+            unstored.push(req);
+        }
+        tokio::time::sleep(Duration::from_millis(OVERFULL_RECOUNT_MS + 20)).await;
+        let refused = store.claim(&claim("t", 100)).await;
+        assert!(
+            matches!(refused, Err(StoreError::Full { .. })),
+            "{refused:?}"
+        );
+        assert!(
+            store.claim(&running).await.is_ok(),
+            "a renewal goes through"
+        );
+        // Each is still answered here.
+        let retry = store.claim(&retry_of(&unstored[0])).await.unwrap();
+        assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
+        // The retrier lands them: copies, which the next count evicts.
+        for req in &unstored {
+            store.completion_stored(&req.key, req.execution_id);
+        }
+        store.inner().set(Fault::None);
+        tokio::time::sleep(Duration::from_millis(OVERFULL_RECOUNT_MS + 20)).await;
+        assert!(store.claim(&claim("t", 102)).await.is_ok(), "taken again");
+        assert!(store.cache_usage().1 <= 1 << 20, "{:?}", store.cache_usage());
     }
 
     #[tokio::test]
