@@ -133,6 +133,31 @@ fn unstored_entry<'a>(
 const RECENT_PURGES: usize = 64;
 
 impl Cache {
+    /// Evicts completions whose write was given up (`Held::GivenUp`: dead-lettered, so their
+    /// answers are on disk for `--reconcile`), oldest first, until the shard holds `limit`
+    /// bytes at most. Returns how many went.
+    fn evict_given_up_to(&mut self, limit: usize) -> usize {
+        let mut gone = 0;
+        let mut places = std::mem::take(&mut self.order);
+        places.retain(|&(hash, seq)| {
+            if self.bytes <= limit {
+                return true;
+            }
+            match self.map.entry(hash) {
+                Entry::Occupied(e) if e.get().seq == seq && e.get().held == Held::GivenUp => {
+                    self.bytes -= e.remove().size;
+                    gone += 1;
+                    false
+                }
+                Entry::Occupied(e) if e.get().seq == seq => true,
+                // A stale place: dropped with the rest.
+                _ => false,
+            }
+        });
+        self.order = places;
+        gone
+    }
+
     /// Evicts entries, oldest first, until the shard holds `budget` bytes at most, but for
     /// completions the store may not hold that still live (see [`CachedStore::remember`]).
     fn evict_to(&mut self, budget: usize, now: Instant) {
@@ -451,6 +476,13 @@ impl<S: RecordStore> CachedStore<S> {
                     let mut cache = shard.lock();
                     if cache.bytes > budget {
                         cache.evict_to(budget, now);
+                    }
+                    let limit = budget.saturating_mul(OVERFULL_FACTOR);
+                    if cache.bytes > limit {
+                        let gone = cache.evict_given_up_to(limit);
+                        if gone > 0 {
+                            tracing::warn!(gone, "answers whose store write was given up (they are in the dead-letter file) evicted from the local cache past twice its budget");
+                        }
                     }
                     cache.bytes
                 })
@@ -961,10 +993,18 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             pending.get_mut(&req.key.hash, req.owner.0).is_some()
         };
         if self.overfull(sent) && !renewal() {
-            return Err(StoreError::Full {
-                used: self.cache_usage().1,
-                capacity: self.options.capacity_bytes,
-            });
+            // Nothing new runs; a retry of a key the store holds is still answered (a replay,
+            // or a 409 while it runs elsewhere).
+            return match self.inner.get(&req.key).await? {
+                Some(record) => {
+                    self.keep_copy(&req.key, &record, sent, mark);
+                    Ok(ClaimOutcome::Existing(record))
+                }
+                None => Err(StoreError::Full {
+                    used: self.cache_usage().1,
+                    capacity: self.options.capacity_bytes,
+                }),
+            };
         }
         let outcome = match self.inner.claim(req).await {
             Ok(outcome) => outcome,
@@ -1106,12 +1146,12 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         self.inner.usage()
     }
 
-    /// From the claims this replica made and has not completed or released yet (a full
-    /// pending map, [`MAX_PENDING`] live claims, may miss one).
     fn local_copy(&self, key: &RecordKey) -> Option<Record> {
         self.cached(key)
     }
 
+    /// From the claims this replica made and has not completed or released yet (a full
+    /// pending map, [`MAX_PENDING`] live claims, may miss one).
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
         let pending = self.pending.lock();
         // Read under the lock: a claim recorded meanwhile read the clock before it, so what is
@@ -1189,11 +1229,16 @@ mod tests {
     }
 
     /// Answers the store never confirmed are kept past the budget, but not past any bound: at
-    /// twice the capacity new claims are refused as a full store (renewals of running ones
-    /// still go through), and taken again once the answers are stored.
+    /// twice the capacity new claims are refused as a full store (renewals of running ones, and
+    /// retries of what the store holds, still go through), and taken again once the answers
+    /// are stored, or given up on (dead-lettered: those are evicted past the bound).
     #[tokio::test]
     async fn answers_the_store_never_took_fill_the_cache_to_a_bound_then_claims_are_refused() {
         let store = cached();
+        // A record the store holds, and this cache does not.
+        let held = claim("t", 150);
+        executed(&store, &held, b"held").await;
+        store.forget(&held.key);
         store.inner().set(Fault::CompleteFails);
         let big: &'static [u8] = Box::leak(vec![b'x'; 100 << 10].into_boxed_slice());
         let running = claim("t", 200);
@@ -1219,17 +1264,41 @@ mod tests {
             store.claim(&running).await.is_ok(),
             "a renewal goes through"
         );
+        let replayed = store.claim(&retry_of(&held)).await.unwrap();
+        assert!(
+            matches!(&replayed, ClaimOutcome::Existing(r) if matches!(r.state, RecordState::Completed(_))),
+            "{replayed:?}"
+        );
         // Each is still answered here.
         let retry = store.claim(&retry_of(&unstored[0])).await.unwrap();
         assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
-        // The retrier lands them: copies, which the next count evicts.
+        // The retrier gives the first ones up (dead-lettered): the next count evicts them,
+        // oldest first, down to the bound.
+        for req in &unstored[..10] {
+            store.completion_given_up(&req.key, req.execution_id);
+        }
+        tokio::time::sleep(Duration::from_millis(OVERFULL_RECOUNT_MS + 20)).await;
+        assert!(store.claim(&claim("t", 102)).await.is_ok(), "taken again");
+        assert!(
+            store.cache_usage().1 <= 2 << 20,
+            "{:?}",
+            store.cache_usage()
+        );
+        // The newest were kept.
+        let retry = store.claim(&retry_of(&unstored[24])).await.unwrap();
+        assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
+        // Stored at last: copies, which the next count evicts to the budget.
+        store.inner().set(Fault::None);
         for req in &unstored {
             store.completion_stored(&req.key, req.execution_id);
         }
-        store.inner().set(Fault::None);
         tokio::time::sleep(Duration::from_millis(OVERFULL_RECOUNT_MS + 20)).await;
-        assert!(store.claim(&claim("t", 102)).await.is_ok(), "taken again");
-        assert!(store.cache_usage().1 <= 1 << 20, "{:?}", store.cache_usage());
+        assert!(store.claim(&claim("t", 103)).await.is_ok());
+        assert!(
+            store.cache_usage().1 <= 1 << 20,
+            "{:?}",
+            store.cache_usage()
+        );
     }
 
     #[tokio::test]
