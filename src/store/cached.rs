@@ -1059,7 +1059,13 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         // keeps it here only when nobody else holds the key (`CachedStore::keep_lost`).
         let origin = match written {
             Ok(WriteOutcome::Applied) => Some(Origin::Stored(mark)),
-            Err(_) => Some(Origin::Unstored(mark)),
+            // Counted from the claim: a purge of the record while it ran (forced, or of a
+            // lock that lapsed) made the key claimable afresh, and a trace kept here would
+            // replay this answer for its ttl instead.
+            Err(_) => Some(Origin::Unstored(Mark {
+                purges: pending.map_or(mark.purges, |p| p.purges),
+                ..mark
+            })),
             Ok(WriteOutcome::NotOwner) => None,
         };
         if !matches!(written, Ok(WriteOutcome::Applied)) {
@@ -1714,6 +1720,36 @@ mod tests {
         let copy = store.local_copy(&req.key).expect("the answer is kept");
         assert_eq!(copy.execution_id, req.execution_id);
         assert!(matches!(copy.state, RecordState::Completed(_)));
+    }
+
+    /// A purge of a record while its execution ran makes the key claimable afresh: the answer
+    /// of that execution, its write failed, is not kept here to be replayed for its ttl.
+    #[tokio::test]
+    async fn a_purge_while_the_key_ran_keeps_no_trace_of_its_failed_write() {
+        let store = cached();
+        let req = claim("t", 12);
+        store.claim(&req).await.unwrap();
+        store.forget(&req.key);
+        store.inner().set(Fault::CompleteFails);
+        let written = store
+            .complete(&req.key, req.owner, response(b"x"), req.ttl)
+            .await;
+        assert!(written.is_err());
+        assert!(store.cached(&req.key).is_none(), "kept after the purge");
+        // Another record's purge while its key ran leaves the trace, as before.
+        let kept = claim("t", 13);
+        store.inner().set(Fault::None);
+        store.claim(&kept).await.unwrap();
+        store.forget(&claim("t", 14).key);
+        store.inner().set(Fault::CompleteFails);
+        assert!(store
+            .complete(&kept.key, kept.owner, response(b"x"), kept.ttl)
+            .await
+            .is_err());
+        assert!(
+            store.cached(&kept.key).is_some(),
+            "the only trace of its answer"
+        );
     }
 
     #[tokio::test]
