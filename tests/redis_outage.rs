@@ -1386,14 +1386,14 @@ async fn an_announced_purge_spares_a_key_running_on_this_replica_s_fallback() {
     let running = local_policy_proxy(&backend, redis.port).await;
     let other = local_policy_proxy(&backend, redis.port).await;
     redis.kill();
-    let req = Request::post("/orders/slow/4000")
+    let req = Request::post("/orders/slow/10000")
         .key("running-on-the-fallback")
         .body("{}");
     let first = req.spawn_send(running.addr);
     backend.until_count(1).await;
     redis.restart();
     // Both listen for purges again.
-    let deadline = Instant::now() + Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(8);
     loop {
         let subs: Vec<redis::Value> = redis.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
         if matches!(subs.get(1), Some(redis::Value::Int(2))) {
@@ -1402,25 +1402,42 @@ async fn an_announced_purge_spares_a_key_running_on_this_replica_s_fallback() {
         assert!(Instant::now() < deadline, "purge listeners: {subs:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Nothing of the key in the other replica's stores: its purge deletes nothing, and is
-    // announced.
-    let del = Request::new("DELETE", "/admin/records/default/running-on-the-fallback")
-        .header("Authorization", format!("Bearer {ADMIN_TOKEN}"))
-        .send(other.admin)
-        .await;
-    assert_eq!(del.status, 200, "{}", del.text());
-    assert!(
-        del.text().contains("2 replicas listening"),
-        "{}",
-        del.text()
-    );
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    until_redis_answers(&running).await;
+    // A key completed on this replica, in Redis and in its local cache: its purge, announced
+    // after the other, shows when the announcements have arrived (they come in order).
+    let witness = Request::post("/orders").key("witness").body("{}");
+    assert_eq!(witness.send(running.addr).await.result(), Some("MISS"));
+    assert_eq!(witness.send(running.addr).await.result(), Some("HIT"));
+    // Nothing of the running key in the other replica's stores: its purge deletes nothing, and
+    // is announced.
+    for key in ["running-on-the-fallback", "witness"] {
+        let del = Request::new("DELETE", &format!("/admin/records/default/{key}"))
+            .header("Authorization", format!("Bearer {ADMIN_TOKEN}"))
+            .send(other.admin)
+            .await;
+        assert_eq!(del.status, 200, "{}", del.text());
+        assert!(
+            del.text().contains("2 replicas listening"),
+            "{}",
+            del.text()
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while witness.send(running.addr).await.result() != Some("MISS") {
+        assert!(Instant::now() < deadline, "the purges never arrived");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let retry = req.send(running.addr).await;
     assert_eq!(retry.status, 409, "{}", retry.text());
     assert_eq!(retry.problem_type(), "request-in-flight");
     let first = first.await.expect("original");
     assert_eq!((first.status, first.result()), (201, Some("DEGRADED")));
-    assert_eq!(backend.count(), 1, "the key ran once");
+    let ran = backend
+        .executions()
+        .iter()
+        .filter(|e| e.path == "/orders/slow/10000")
+        .count();
+    assert_eq!(ran, 1, "the key ran once");
 }
 
 /// A key released on the fallback during an outage (a 5xx) runs again once Redis is back, as a

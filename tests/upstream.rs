@@ -747,14 +747,19 @@ async fn a_malformed_answer_is_settled_only_when_a_final_status_came() {
     for i in 0..70 {
         huge.extend_from_slice(format!("X-Field-{i}: {}\r\n", "v".repeat(1000)).as_bytes());
     }
+    // The rest comes 1.5 s later (within a 3 s read timeout): a loaded machine has read the
+    // first part by then.
     let backend = RawBackend::start(vec![
         Step::Send(huge),
-        Step::Pause(Duration::from_millis(200)),
+        Step::Pause(Duration::from_millis(1500)),
         send(b"Content-Length: 2\r\n\r\n{}"),
         Step::Close,
     ])
     .await;
-    let huge_proxy = proxy(&backend).await;
+    let huge_proxy = ProxyBuilder::at(backend.addr)
+        .upstream("read_timeout: 3s")
+        .start()
+        .await;
     let first = order("huge-head").send(huge_proxy.addr).await;
     assert_eq!(first.status, 502, "{}", first.text());
     assert_eq!(first.problem_type(), "upstream-answer-invalid");
