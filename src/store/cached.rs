@@ -298,6 +298,16 @@ pub struct CachedStore<S> {
     born: Instant,
 }
 
+/// A record a retry is answered from without a claim: completed, or in flight under a lock
+/// with time left.
+fn settled_or_held(record: &Record) -> bool {
+    match record.state {
+        RecordState::Completed(_) => true,
+        RecordState::InFlight { lock_remaining } => !lock_remaining.is_zero(),
+        RecordState::Released => false,
+    }
+}
+
 /// A cache holding this many times its capacity refuses new claims (see
 /// [`CachedStore::overfull`]).
 const OVERFULL_FACTOR: usize = 2;
@@ -995,15 +1005,20 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         if self.overfull(sent) && !renewal() {
             // Nothing new runs; a retry of a key the store holds is still answered (a replay,
             // or a 409 while it runs elsewhere).
-            return match self.inner.get(&req.key).await? {
-                Some(record) => {
+            // Anything else (nothing, a released record, a lapsed lock, a store that fails)
+            // is a claim to make, and none is made: a full store, which no outage policy
+            // forwards.
+            let full = || StoreError::Full {
+                used: self.cache_usage().1,
+                capacity: self.options.capacity_bytes,
+            };
+            return match self.inner.get(&req.key).await {
+                Ok(Some(record)) if settled_or_held(&record) => {
                     self.keep_copy(&req.key, &record, sent, mark);
                     Ok(ClaimOutcome::Existing(record))
                 }
-                None => Err(StoreError::Full {
-                    used: self.cache_usage().1,
-                    capacity: self.options.capacity_bytes,
-                }),
+                Ok(_) | Err(StoreError::Unavailable(_)) => Err(full()),
+                Err(e) => Err(e),
             };
         }
         let outcome = match self.inner.claim(req).await {
@@ -1250,15 +1265,18 @@ mod tests {
         let running = claim("t", 200);
         store.claim(&running).await.unwrap();
         let mut unstored = Vec::new();
-        // 25 answers of 100 KiB: 2.5 MiB against a 1 MiB cache.
+        // 25 answers of 100 KiB: 2.5 MiB against a 1 MiB cache. Claimed first: a count
+        // between two of them could otherwise refuse the later claims.
         for n in 0..25u8 {
             let req = claim("t", n);
             store.claim(&req).await.unwrap();
+            unstored.push(req);
+        }
+        for req in &unstored {
             let written = store
                 .complete(&req.key, req.owner, response(big), req.ttl)
                 .await;
             assert!(written.is_err());
-            unstored.push(req);
         }
         tokio::time::sleep(Duration::from_millis(OVERFULL_RECOUNT_MS + 20)).await;
         let refused = store.claim(&claim("t", 100)).await;
@@ -1275,6 +1293,14 @@ mod tests {
             matches!(&replayed, ClaimOutcome::Existing(r) if matches!(r.state, RecordState::Completed(_))),
             "{replayed:?}"
         );
+        // A store that fails then is still a full store, never an outage to forward through.
+        store.inner().set(Fault::Down);
+        let refused = store.claim(&claim("t", 101)).await;
+        assert!(
+            matches!(refused, Err(StoreError::Full { .. })),
+            "{refused:?}"
+        );
+        store.inner().set(Fault::CompleteFails);
         // Each is still answered here.
         let retry = store.claim(&retry_of(&unstored[0])).await.unwrap();
         assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
