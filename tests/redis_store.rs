@@ -547,6 +547,37 @@ async fn ping_fails_on_a_server_that_takes_no_writes() {
     let err = store.ping().await.expect_err("a replica takes no writes");
     assert!(err.to_string().to_lowercase().contains("readonly"), "{err}");
     single(&primary).ping().await.expect("the primary does");
+
+    // Nor when the active version's `get` raises: that alone is no outage (the breaker closes
+    // on it), but a server that takes no writes is, and says so first.
+    let dir = tempfile::tempdir().expect("scripts dir");
+    let version = dir.path().join("raising");
+    std::fs::create_dir(&version).expect("version dir");
+    for name in ["claim", "complete", "release"] {
+        let text = std::fs::read_to_string(format!("lua/v1/{name}.lua")).expect("v1 script");
+        std::fs::write(version.join(format!("{name}.lua")), text).expect("script");
+    }
+    std::fs::write(version.join("get.lua"), "error('get fails')\n").expect("get.lua");
+    let raising = |server: &RedisServer| {
+        let mut config = settings(vec![server.url()], RedisTopology::Single);
+        config.scripts = ScriptsConfig {
+            dir: Some(dir.path().to_path_buf()),
+            version: "raising".into(),
+            canary: None,
+        };
+        RedisStore::new(&config).expect("store")
+    };
+    let err = raising(&replica)
+        .ping()
+        .await
+        .expect_err("a replica takes no writes");
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    assert!(err.to_string().to_lowercase().contains("readonly"), "{err}");
+    let err = raising(&primary)
+        .ping()
+        .await
+        .expect_err("the script raises");
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
 }
 
 /// A hash under a record's name that holds no fingerprint is no record: a claim starts it

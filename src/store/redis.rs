@@ -1403,19 +1403,24 @@ impl RecordStore for RedisStore {
         // The active version, uncounted: probes are no record traffic.
         let set = self.scripts.load_full();
         let call = Call::script(&set.active, ScriptOp::Get, &self.ping_key, &[]);
-        let reply = self.send("ping", call).await.map_err(|f| f.error)?;
-        if !matches!(reply, Value::Nil | Value::Boolean(false)) {
-            return Err(unexpected("ping", &reply));
-        }
+        let read = match self.send("ping", call).await {
+            Ok(Value::Nil | Value::Boolean(false)) => Ok(()),
+            Ok(reply) => Err(unexpected("ping", &reply)),
+            // A store that did not answer needs no second call to say so.
+            Err(f) if !f.script_fault => return Err(f.error),
+            Err(f) => Err(f.error),
+        };
         // And a write, which a replica refuses (READONLY) where it runs a read-only script: a
         // server that takes no writes (an address still aimed at a demoted primary) must not
-        // close the circuit or answer ready. The key does not exist: nothing changes.
+        // close the circuit or answer ready. The key does not exist: nothing changes. Sent
+        // even when the script failed, and its refusal comes first: a failing script is no
+        // outage (the breaker closes on it), a server that takes no writes is.
         let mut write = redis::cmd("PEXPIRE");
         write.arg(&self.ping_key).arg(1);
         self.send("ping", Call::Command(&write))
             .await
-            .map(drop)
-            .map_err(|f| f.error)
+            .map_err(|f| f.error)?;
+        read
     }
 }
 
