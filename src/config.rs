@@ -1131,9 +1131,7 @@ impl Config {
             let Some(idem) = &route.idempotency else {
                 continue;
             };
-            let largest = idem
-                .max_response_bytes
-                .saturating_add(STORED_HEAD_ALLOWANCE);
+            let largest = largest_stored(idem);
             if largest > queue_bytes {
                 return Err(invalid(
                     format!("routes[{i}].idempotency.max_response_bytes"),
@@ -1184,9 +1182,7 @@ impl Config {
             }
             // The embedded store keeps a response larger than its whole capacity as executed,
             // not replayable: every retry of such a key gets 409 for the record's ttl.
-            let largest = idem
-                .max_response_bytes
-                .saturating_add(STORED_HEAD_ALLOWANCE);
+            let largest = largest_stored(idem);
             let capacity = self.store.memory.capacity_bytes;
             if self.store.backend == StoreBackend::Memory && largest > capacity {
                 warnings.push(format!(
@@ -1775,6 +1771,12 @@ fn without_quoted_values(message: &str) -> String {
 /// Room a stored response needs besides its body: its head, which the backend client reads up
 /// to 64 KiB (and one read past that, at most another 64 KiB, before it refuses it).
 const STORED_HEAD_ALLOWANCE: usize = 2 * crate::upstream::MAX_RESPONSE_HEAD_BYTES;
+
+/// The most bytes a stored response of `idem`'s route may take: its body and room for its head.
+fn largest_stored(idem: &RouteIdempotency) -> usize {
+    idem.max_response_bytes
+        .saturating_add(STORED_HEAD_ALLOWANCE)
+}
 
 /// The shortest `store.completion_retry.base_delay`.
 const MIN_RETRY_DELAY: Duration = Duration::from_millis(10);

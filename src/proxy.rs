@@ -605,9 +605,7 @@ impl Gate {
                             .await;
                     }
                     // Nor must a retry of one that ended here since the cache was asked.
-                    if let Some(record) = self.store.local_copy(&claim_req.key) {
-                        record
-                    } else {
+                    let Some(record) = self.store.local_copy(&claim_req.key) else {
                         match config.store.on_unavailable {
                             OnUnavailable::Reject => {
                                 return self.refuse(session, Problem::StoreUnavailable).await
@@ -635,7 +633,8 @@ impl Gate {
                                 _ => return self.refuse(session, Problem::StoreUnavailable).await,
                             },
                         }
-                    }
+                    };
+                    record
                 }
             };
             if existing.fingerprint != fingerprint {
@@ -841,11 +840,13 @@ impl Gate {
                 tracing::warn!(error = %e, route = %route.name, "backend unreachable; releasing the claim");
                 // Nothing was sent, so a retry may run the key: at once once it is released,
                 // or once the lock lapses when the store did not take the release.
-                let problem = match &claim {
-                    Some(c) if !self.release(c).await => Problem::UpstreamConnectKeyLocked {
-                        retry_after: c.lapses_by.saturating_duration_since(Instant::now()),
-                    },
-                    _ => Problem::UpstreamConnect,
+                let locked = match &claim {
+                    Some(c) => self.release(c).await,
+                    None => None,
+                };
+                let problem = match locked {
+                    Some(retry_after) => Problem::UpstreamConnectKeyLocked { retry_after },
+                    None => Problem::UpstreamConnect,
                 };
                 return self.refuse_executed(session, problem, outcome).await;
             }
@@ -894,11 +895,10 @@ impl Gate {
                         let settled = if idem.cache_statuses.contains(status) {
                             self.complete(c, Completion::Unreplayable { status }).await;
                             AnswerSettled::Recorded
-                        } else if self.release(c).await {
-                            AnswerSettled::Released
                         } else {
-                            AnswerSettled::Locked {
-                                retry_after: c.lapses_by.saturating_duration_since(Instant::now()),
+                            match self.release(c).await {
+                                None => AnswerSettled::Released,
+                                Some(retry_after) => AnswerSettled::Locked { retry_after },
                             }
                         };
                         tracing::warn!(error = %e, route = %route.name, ?settled, "backend answer not relayable; the key settled by its status");
@@ -1300,22 +1300,22 @@ impl Gate {
             .await;
     }
 
-    /// Releases `claim`. Returns false when the store did not take the release: the key
-    /// stays locked until the lock lapses. (A claim another request took over is no longer
-    /// this one's to release: true.)
-    async fn release(&self, claim: &Claim<'_>) -> bool {
+    /// Releases `claim`. Returns how long the key stays locked when the store did not take the
+    /// release (until the lock lapses), `None` once it is released. (A claim another request
+    /// took over is no longer this one's to release: `None`.)
+    async fn release(&self, claim: &Claim<'_>) -> Option<Duration> {
         let started = Instant::now();
         let written = claim.store.release(&claim.req.key, claim.req.owner).await;
         self.observe_store(StoreOp::Release, started, written.is_err());
         match written {
-            Ok(WriteOutcome::Applied) => true,
+            Ok(WriteOutcome::Applied) => None,
             Ok(WriteOutcome::NotOwner) => {
                 self.metrics.fenced_writes.inc();
-                true
+                None
             }
             Err(e) => {
                 tracing::warn!(record = %key::hash_label(&claim.req.key.hash), error = %e, "releasing the claim failed; it lapses at lock_ttl");
-                false
+                Some(claim.lapses_by.saturating_duration_since(Instant::now()))
             }
         }
     }

@@ -638,15 +638,14 @@ impl Exchange {
                 }
                 scanned = Some(self.buf.len());
                 if self.buf.len() > MAX_RESPONSE_HEAD_BYTES {
-                    let what = "response head too large";
                     // Past a final status line, the request is known to have run.
                     let mut no_fields = [];
                     let mut status_line = httparse::Response::new(&mut no_fields);
                     let _ = status_line.parse(&self.buf);
-                    return Err(match final_status(&status_line) {
-                        Some(status) => UpstreamError::Invalid { status, what },
-                        None => UpstreamError::Malformed(what),
-                    });
+                    return Err(refusal(
+                        final_status(&status_line),
+                        "response head too large",
+                    ));
                 }
                 if !self.fill().await? {
                     return Err(UpstreamError::Closed(if self.received == 0 {
@@ -785,6 +784,15 @@ fn final_status(resp: &httparse::Response<'_, '_>) -> Option<u16> {
         .filter(|c| (200..=999).contains(c))
 }
 
+/// A head refused for `what`: [`UpstreamError::Invalid`] once a final status came (the request
+/// ran), [`UpstreamError::Malformed`] before.
+fn refusal(final_status: Option<u16>, what: &'static str) -> UpstreamError {
+    match final_status {
+        Some(status) => UpstreamError::Invalid { status, what },
+        None => UpstreamError::Malformed(what),
+    }
+}
+
 /// Parses a response head at the start of `buf` and removes it, or `None` if incomplete.
 fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     let mut slots = [httparse::EMPTY_HEADER; 64];
@@ -799,10 +807,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     // A fault past a final status line is an answer that cannot be relayed, not a lost one:
     // the status says the request ran (see [`UpstreamError::Invalid`]).
     let final_status = final_status(&resp);
-    let refuse = |what| match final_status {
-        Some(status) => UpstreamError::Invalid { status, what },
-        None => UpstreamError::Malformed(what),
-    };
+    let refuse = |what| refusal(final_status, what);
     let head_len = match status {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),

@@ -121,7 +121,7 @@ async fn a_purge_drops_the_local_copy_on_every_replica() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let (a, b) = two_replicas(&backend, &redis.url()).await;
-    wait_for_listeners(&redis, 2).await;
+    redis.until_purge_listeners(2).await;
     purge_reaches_the_other_replica(&a, &b, "purge-me").await;
     assert_eq!(backend.count(), 2);
 }
@@ -135,7 +135,7 @@ async fn a_purge_whose_answer_was_lost_still_drops_the_copies() {
     // B, which purges, reaches Redis through a link that can be slowed.
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let (a, b) = two_replicas_at(&backend, &redis.url(), &link.redis_url()).await;
-    wait_for_listeners(&redis, 2).await;
+    redis.until_purge_listeners(2).await;
     let req = Request::post("/orders").key("lost-answer").body("{}");
     let first = req.send(a.addr).await;
     assert_eq!(first.result(), Some("MISS"));
@@ -199,7 +199,7 @@ async fn a_purge_reaches_every_replica_behind_sentinel_across_a_failover() {
     let backend = Backend::start().await;
     let (a, b) = two_replicas(&backend, &setup.url()).await;
     // Both listeners subscribe on the primary the Sentinel names.
-    wait_for_listeners(&setup.primary, 2).await;
+    setup.primary.until_purge_listeners(2).await;
     purge_reaches_the_other_replica(&a, &b, "sentinel-purge-1").await;
 
     setup.fail_over();
@@ -228,7 +228,7 @@ async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let (a, b) = two_replicas(&backend, &redis.url()).await;
-    wait_for_listeners(&redis, 2).await;
+    redis.until_purge_listeners(2).await;
     let req = Request::post("/orders").key("missed-purge").body("{}");
     let first = req.send(a.addr).await;
     assert_eq!(first.result(), Some("MISS"));
@@ -242,7 +242,7 @@ async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
     let keys = redis.keys();
     assert_eq!(keys.len(), 1, "{keys:?}");
     let _: i64 = redis.cmd(&["DEL", &keys[0]]);
-    wait_for_listeners(&redis, 2).await;
+    redis.until_purge_listeners(2).await;
     // Listening again, B no longer trusts the copy it read before: it asks Redis, finds
     // nothing, and executes.
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -296,24 +296,6 @@ async fn two_replicas_at(backend: &Backend, a_url: &str, b_url: &str) -> (Proxy,
     (a, b)
 }
 
-/// Waits until `listeners` purge listeners are subscribed on `server`.
-async fn wait_for_listeners(server: &RedisServer, listeners: i64) {
-    // A listener notices a dead connection at its next heartbeat (5 s) once a PING goes
-    // unanswered (2 s), then subscribes again: room for that on a loaded machine.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let subs: Vec<redis::Value> = server.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
-        if matches!(subs.get(1), Some(redis::Value::Int(n)) if *n == listeners) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "listeners never subscribed: {subs:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// A purge listener whose connection died silently (a load balancer dropped the idle flow: no
 /// FIN, no RST, nothing delivered) notices at its next heartbeat, subscribes again, and hears
 /// the purges that follow.
@@ -323,11 +305,11 @@ async fn a_purge_listener_whose_connection_died_silently_subscribes_again() {
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
     let (a, b) = two_replicas_at(&backend, &link.redis_url(), &redis.url()).await;
-    wait_for_listeners(&redis, 2).await;
+    redis.until_purge_listeners(2).await;
     link.strand();
     // Redis still counts A's first subscription (its end of that flow is open): a third
     // listener is A on a new connection.
-    wait_for_listeners(&redis, 3).await;
+    redis.until_purge_listeners(3).await;
     purge_reaches_the_other_replica(&a, &b, "after-the-drop").await;
 }
 

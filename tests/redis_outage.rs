@@ -1393,15 +1393,7 @@ async fn an_announced_purge_spares_a_key_running_on_this_replica_s_fallback() {
     backend.until_count(1).await;
     redis.restart();
     // Both listen for purges again.
-    let deadline = Instant::now() + Duration::from_secs(8);
-    loop {
-        let subs: Vec<redis::Value> = redis.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
-        if matches!(subs.get(1), Some(redis::Value::Int(2))) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "purge listeners: {subs:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    redis.until_purge_listeners(2).await;
     until_redis_answers(&running).await;
     // A key completed on this replica, in Redis and in its local cache: its purge, announced
     // after the other, shows when the announcements have arrived (they come in order).

@@ -146,12 +146,6 @@ impl<S: RecordStore> Breaker<S> {
         }
         self.set_state(CircuitState::HalfOpen);
         match self.inner.ping().await {
-            Ok(()) => {
-                self.view.consecutive_failures.store(0, Ordering::Release);
-                self.set_state(CircuitState::Closed);
-                tracing::info!("record store recovered; circuit closed");
-                Ok(epoch())
-            }
             Err(e) if is_outage(&e) => {
                 self.open();
                 Err(e)
@@ -160,10 +154,15 @@ impl<S: RecordStore> Breaker<S> {
             // this version cannot read): that is no outage, and holding the circuit open on it
             // would hand every request to the outage policy until the script is mended. The
             // call goes on, to meet the store on its own terms.
-            Err(e) => {
+            answered => {
                 self.view.consecutive_failures.store(0, Ordering::Release);
                 self.set_state(CircuitState::Closed);
-                tracing::warn!(error = %e, "record store answers, if not well; circuit closed");
+                match answered {
+                    Ok(()) => tracing::info!("record store recovered; circuit closed"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "record store answers, if not well; circuit closed")
+                    }
+                }
                 Ok(epoch())
             }
         }

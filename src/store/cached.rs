@@ -136,6 +136,23 @@ impl Cache {
     /// Evicts completions whose write was given up (`Held::GivenUp`: dead-lettered, so their
     /// answers are on disk for `--reconcile`), oldest first, until the shard holds `limit`
     /// bytes at most. Returns how many went.
+    /// The bytes the shard holds once what may go has gone: copies over `budget`, then
+    /// completions given up on past [`OVERFULL_FACTOR`] times it. What is left is what the
+    /// store never confirmed (see [`CachedStore::overfull`]).
+    fn pinned_bytes(&mut self, budget: usize, now: Instant) -> usize {
+        if self.bytes > budget {
+            self.evict_to(budget, now);
+        }
+        let limit = budget.saturating_mul(OVERFULL_FACTOR);
+        if self.bytes > limit {
+            let gone = self.evict_given_up_to(limit);
+            if gone > 0 {
+                tracing::warn!(gone, "answers whose store write was given up (they are in the dead-letter file) evicted from the local cache past twice its budget");
+            }
+        }
+        self.bytes
+    }
+
     fn evict_given_up_to(&mut self, limit: usize) -> usize {
         let mut gone = 0;
         let mut places = std::mem::take(&mut self.order);
@@ -386,6 +403,14 @@ impl PendingClaims {
         self.pause_until = (len >= MAX_PENDING * 3 / 4).then(|| now + FULL_PRUNE_PAUSE);
     }
 
+    fn get(&self, hash: &Digest, owner: u128) -> Option<Pending> {
+        self.by_hash
+            .get(hash)?
+            .iter()
+            .find(|(o, _)| *o == owner)
+            .map(|&(_, p)| p)
+    }
+
     fn get_mut(&mut self, hash: &Digest, owner: u128) -> Option<&mut Pending> {
         self.by_hash
             .get_mut(hash)?
@@ -482,20 +507,7 @@ impl<S: RecordStore> CachedStore<S> {
             let held: usize = self
                 .cache
                 .iter()
-                .map(|shard| {
-                    let mut cache = shard.lock();
-                    if cache.bytes > budget {
-                        cache.evict_to(budget, now);
-                    }
-                    let limit = budget.saturating_mul(OVERFULL_FACTOR);
-                    if cache.bytes > limit {
-                        let gone = cache.evict_given_up_to(limit);
-                        if gone > 0 {
-                            tracing::warn!(gone, "answers whose store write was given up (they are in the dead-letter file) evicted from the local cache past twice its budget");
-                        }
-                    }
-                    cache.bytes
-                })
+                .map(|shard| shard.lock().pinned_bytes(budget, now))
                 .sum();
             let full = held > self.options.capacity_bytes.saturating_mul(OVERFULL_FACTOR);
             if self.overfull.swap(full, Ordering::Relaxed) != full {
@@ -999,8 +1011,10 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         let sent = Instant::now();
         // A renewal (the owner claiming again) goes through: its execution is already running.
         let renewal = || {
-            let mut pending = self.pending.lock();
-            pending.get_mut(&req.key.hash, req.owner.0).is_some()
+            self.pending
+                .lock()
+                .get(&req.key.hash, req.owner.0)
+                .is_some()
         };
         if self.overfull(sent) && !renewal() {
             // Nothing new runs; a retry of a key the store holds is still answered (a replay,
@@ -1056,7 +1070,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         // The claim stays pending while the write is out and until its answer is remembered:
         // a retry here meanwhile, its claim refused by a store that fails, finds one of the two
         // (`own_claim`, then `local_copy`) and is not run beside this execution.
-        let pending = self.pending.lock().get_mut(&key.hash, owner.0).copied();
+        let pending = self.pending.lock().get(&key.hash, owner.0);
         let mark = self.mark(&key.hash);
         // The store's record lives `ttl` from when it takes the write, no earlier than now: the
         // local copy, counted from before the write, never outlives it.

@@ -142,6 +142,24 @@ impl RedisServer {
         self.launch();
     }
 
+    /// Waits until `listeners` purge listeners are subscribed on this server.
+    pub async fn until_purge_listeners(&self, listeners: i64) {
+        // A listener notices a dead connection at its next heartbeat (5 s) once one goes
+        // unanswered (2 s), then subscribes again: room for that on a loaded machine.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let subs: Vec<Value> = self.cmd(&["PUBSUB", "NUMSUB", "idemgate:purge"]);
+            if matches!(subs.get(1), Some(Value::Int(n)) if *n == listeners) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "listeners never subscribed: {subs:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Runs one command on this server and converts the reply.
     pub fn cmd<T: FromRedisValue>(&self, args: &[&str]) -> T {
         let reply = self
