@@ -1622,3 +1622,55 @@ async fn readiness_probes_share_their_store_pings() {
     let commands = redis.calls() - before;
     assert!(commands <= 16, "{commands} Redis commands for 60 probes");
 }
+
+/// A Redis at its `maxclients` answers a new connection `ERR max number of clients reached`
+/// and closes it. That is the server's state, not a fault of the script the call ran: the
+/// request gets the outage policy (503 `store-unavailable` under `reject`), the circuit may
+/// open, and service comes back once the server takes clients again.
+#[tokio::test]
+async fn a_redis_at_its_client_limit_is_an_outage_not_a_script_fault() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = builder(&backend, &redis).threads(1).start().await;
+    let warm = order(&proxy, "before").await;
+    assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
+    // One connection holds the server's only slot, once every other is gone.
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut holder = client.get_connection().unwrap();
+    let query = |holder: &mut redis::Connection, args: &[&str]| {
+        let mut cmd = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            cmd.arg(*arg);
+        }
+        cmd.query::<redis::Value>(holder).unwrap()
+    };
+    query(&mut holder, &["CONFIG", "SET", "maxclients", "1"]);
+    query(
+        &mut holder,
+        &["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"],
+    );
+    query(&mut holder, &["CLIENT", "KILL", "TYPE", "pubsub"]);
+    let mut seen = Vec::new();
+    for n in 0..5 {
+        let r = order(&proxy, &format!("full-{n}")).await;
+        seen.push((r.status, r.result().map(str::to_owned), r.problem_type()));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (status, result, problem) in &seen {
+        assert_eq!(*status, 503, "{seen:?}\n{}", proxy.log());
+        assert_eq!(
+            result.as_deref(),
+            Some("UNAVAILABLE"),
+            "{seen:?}\n{}",
+            proxy.log()
+        );
+        assert!(problem.ends_with("store-unavailable"), "{seen:?}");
+    }
+    assert_eq!(
+        backend.count(),
+        1,
+        "nothing ran while Redis took no clients"
+    );
+    query(&mut holder, &["CONFIG", "SET", "maxclients", "10000"]);
+    until_redis_answers_within(&proxy, Duration::from_secs(5)).await;
+}
