@@ -1244,10 +1244,27 @@ impl Config {
     /// prefix matches under any method forwards untouched; then `default_upstream`; then
     /// [`RouteMatch::NoRoute`]. On the hot path (a path already in normal form) no allocation.
     pub fn match_route(&self, method: &Method, path: &str) -> RouteMatch {
-        let path = route_path(path);
+        let found = self.match_path(method, &route_path(path));
+        if matches!(found, RouteMatch::Idempotent(_)) {
+            return found;
+        }
+        // Fail closed: a backend that decodes `%2F` (or `%5C`) into a separator before it
+        // routes (WSGI servers, nginx's `$uri`) runs `/orders%2F1` as `/orders/1`. Under that
+        // reading too, a path an idempotent route covers needs its key.
+        if let Some(decoded) = separators_decoded(path) {
+            let keyed = self.match_path(method, &route_path(&decoded));
+            if matches!(keyed, RouteMatch::Idempotent(_)) {
+                return keyed;
+            }
+        }
+        found
+    }
+
+    /// [`Config::match_route`] for one reading of the path, in [`route_path`] form.
+    fn match_path(&self, method: &Method, path: &str) -> RouteMatch {
         let mut prefix_only = None;
         for (i, route) in self.routes.iter().enumerate() {
-            if !prefix_matches(&route.path_prefix, &path) {
+            if !prefix_matches(&route.path_prefix, path) {
                 continue;
             }
             if route.methods.is_empty() || route.methods.contains(method) {
@@ -1300,11 +1317,45 @@ fn names<'a>(methods: impl Iterator<Item = &'a Method>) -> String {
 }
 
 /// `/orders` matches `/orders` and `/orders/1` but not `/ordersx`; `/orders/` matches only below.
+/// A format suffix on the last segment is the same resource (`/orders.json`, `/orders.`): web
+/// frameworks route it to the handler of `/orders` (Rails, Django REST framework's format
+/// suffixes), so an idempotent `/orders` must not let it past without a key.
 fn prefix_matches(prefix: &str, path: &str) -> bool {
-    path.starts_with(prefix)
-        && (prefix.ends_with('/')
-            || path.len() == prefix.len()
-            || path.as_bytes().get(prefix.len()) == Some(&b'/'))
+    let Some(rest) = path.strip_prefix(prefix) else {
+        return false;
+    };
+    prefix.ends_with('/')
+        || rest.is_empty()
+        || rest.starts_with('/')
+        || rest
+            .strip_prefix('.')
+            .is_some_and(|ext| ext.bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
+/// `path` with every `%2F` and `%5C` (either case) decoded into `/`, when it has any.
+fn separators_decoded(path: &str) -> Option<String> {
+    let escaped = |at: usize| {
+        let hex = path.get(at + 1..at + 3)?;
+        (hex.eq_ignore_ascii_case("2f") || hex.eq_ignore_ascii_case("5c")).then_some(())
+    };
+    let first = path
+        .match_indices('%')
+        .find(|(i, _)| escaped(*i).is_some())?
+        .0;
+    let mut out = String::with_capacity(path.len());
+    out.push_str(&path[..first]);
+    let mut i = first;
+    while i < path.len() {
+        if path.as_bytes()[i] == b'%' && escaped(i).is_some() {
+            out.push('/');
+            i += 3;
+        } else {
+            let c = path[i..].chars().next()?;
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    Some(out)
 }
 
 // === Route paths ===
@@ -5318,8 +5369,41 @@ routes:
         // Case is not folded: distinct routes must not collide.
         assert_eq!(config.match_route(&Method::POST, "/Orders"), elsewhere);
         assert_eq!(config.match_route(&Method::POST, "/%4Frders"), elsewhere);
-        // An escaped slash is not a segment boundary.
-        assert_eq!(config.match_route(&Method::POST, "/orders%2F1"), elsewhere);
+        // Fail closed: a backend may decode an escaped slash (or backslash) into a separator,
+        // and route a format suffix to the resource it suffixes.
+        for path in [
+            "/orders%2F1",
+            "/orders%2f",
+            "/%2Forders",
+            "/x%2F..%2Forders",
+            "/orders%5C1",
+            "/orders.json",
+            "/orders.",
+            "/%6Frders.xml",
+            "/orders%2F1.json",
+        ] {
+            assert_eq!(
+                config.match_route(&Method::POST, path),
+                RouteMatch::Idempotent(0),
+                "{path}"
+            );
+        }
+        // Neither reading reaches it: a suffix is the last segment's, and an escaped slash
+        // that would climb out stays out.
+        for path in [
+            "/orders.json/x",
+            "/orders.v2-x",
+            "/ordersx%2F",
+            "/orders%2F..%2Fx",
+            "/%2Fpay",
+        ] {
+            assert_eq!(config.match_route(&Method::POST, path), elsewhere, "{path}");
+        }
+        // An idempotent route matched as written wins over the decoded reading.
+        assert_eq!(
+            config.match_route(&Method::PUT, "/pay/%2Forders"),
+            RouteMatch::Idempotent(2)
+        );
     }
 
     #[test]

@@ -36,7 +36,6 @@ use crate::store::{
 };
 use crate::upstream::{self, Backend, UpstreamError};
 use crate::worker_lease::WorkerIds;
-use pingora::protocols::http::date::get_cached_date;
 
 /// Header carrying the result of the idempotency check to the client.
 pub const RESULT_HEADER: &str = "x-idempotent-result";
@@ -705,7 +704,7 @@ impl Gate {
         // byte inside every pause is cut off. A body that came with its header reads no clock.
         let mut deadline = None;
         let req = session.req_header();
-        let declared = req.headers.get(header::CONTENT_LENGTH).and_then(length);
+        let declared = declared_length(&req.headers);
         if declared.is_some_and(|n| n > limit) {
             return Err(Problem::RequestTooLarge { limit });
         }
@@ -882,7 +881,8 @@ impl Gate {
                 }
             }
         };
-        let response = match head {
+        let old_client = session.req_header().version == http::Version::HTTP_10;
+        let response = match head.and_then(|r| relayable(r, old_client)) {
             Ok(r) => r,
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
@@ -1066,7 +1066,7 @@ impl Gate {
         let tunnel = req.method == http::Method::CONNECT || headers.contains_key(header::UPGRADE);
         // A large or odd length is left to pingora to stream (or refuse).
         let raw_length = headers.get(header::CONTENT_LENGTH);
-        let declared = raw_length.and_then(length);
+        let declared = declared_length(headers);
         let streamed = tunnel
             || headers.contains_key(header::EXPECT)
             || headers.contains_key(header::TRANSFER_ENCODING)
@@ -1133,7 +1133,12 @@ impl Gate {
                     return Ok(true);
                 }
             };
-            match exchange.read_head(head_request).await {
+            let old_client = session.req_header().version == http::Version::HTTP_10;
+            match exchange
+                .read_head(head_request)
+                .await
+                .and_then(|r| relayable(r, old_client))
+            {
                 Ok(r) => break (exchange, r),
                 Err(UpstreamError::Closed(_))
                     if safe && attempt == 1 && exchange.reused() && exchange.nothing_received() =>
@@ -1348,7 +1353,8 @@ impl Gate {
             resp.insert_header(header::CONTENT_LENGTH, stored.body().len())?;
         }
         frame_for_client(session, &mut resp);
-        resp.insert_header(header::DATE, get_cached_date())?;
+        // `Date` (a replay is a new message) is pingora's: it sets its cached one on every
+        // final response head it writes.
         resp.insert_header(RESULT_HEADER, Outcome::Hit.as_str())?;
         resp.insert_header(REPLAYED_HEADER, "true")?;
         session.write_response_header(Box::new(resp), false).await?;
@@ -1472,21 +1478,60 @@ impl Downstream {
 /// HTTP/1.0 client knows no transfer codings (RFC 9112 §6.1): pingora would chunk the body
 /// for it all the same, and the client would take the chunk sizes for body bytes. Without
 /// `Transfer-Encoding` (a `Content-Length` never stands beside it) the body goes as it is,
-/// ended by closing the connection. Every answer written to the client comes through here:
-/// idemgate's own client's, pingora's streaming path's and replays.
+/// ended by closing the connection. A body the backend ended by closing (no length, no
+/// coding) goes chunked to an HTTP/1.1 client, which keeps its connection, as on pingora's
+/// path; an HTTP/1.0 client is told the connection closes after it. Every answer written to
+/// the client comes through here: idemgate's own client's, pingora's streaming path's and
+/// replays.
 fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
     without_no_content_framing(header);
-    if session.req_header().version == http::Version::HTTP_10
-        && header.headers.contains_key(header::TRANSFER_ENCODING)
-    {
+    // An answer with no body by definition needs no framing, nor a close to end it.
+    let bodiless = session.req_header().method == http::Method::HEAD
+        || has_no_body(header.status.as_u16())
+        || header.status.is_informational();
+    let old_client = session.req_header().version == http::Version::HTTP_10;
+    let coded = header.headers.contains_key(header::TRANSFER_ENCODING);
+    if old_client && coded {
         header.remove_header(&header::TRANSFER_ENCODING);
-        // An answer with no body by definition needs no close to end it.
-        let bodiless = session.req_header().method == http::Method::HEAD
-            || has_no_body(header.status.as_u16());
         if !bodiless {
             session.set_keepalive(None);
         }
+    } else if !(bodiless || coded || header.headers.contains_key(header::CONTENT_LENGTH)) {
+        if old_client {
+            session.set_keepalive(None);
+        } else {
+            // A fixed header name and value: cannot fail.
+            let _ = header.insert_header(header::TRANSFER_ENCODING, "chunked");
+        }
     }
+}
+
+/// `head`, unless it is for an HTTP/1.0 client (`old_client`) and its body stays under a
+/// transfer coding once its chunks are read (`Transfer-Encoding: gzip, chunked`): such a client
+/// knows no transfer codings (RFC 9112 §6.1), and would take the coded bytes, sent bare, for
+/// the answer. Refused with its status, as any answer that cannot be relayed: on a route that
+/// stores the status the key is recorded as executed, not replayable.
+fn relayable(head: ResponseHeader, old_client: bool) -> Result<ResponseHeader, UpstreamError> {
+    match coding_beyond_chunked(&head, old_client) {
+        None => Ok(head),
+        Some(_) => Err(UpstreamError::Invalid {
+            status: head.status.as_u16(),
+            what: "a transfer coding an HTTP/1.0 client cannot take",
+        }),
+    }
+}
+
+/// For an HTTP/1.0 client, the first transfer coding of `head` other than `chunked`.
+fn coding_beyond_chunked(head: &ResponseHeader, old_client: bool) -> Option<String> {
+    if !old_client {
+        return None;
+    }
+    head.headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| upstream::codings(v.as_bytes()))
+        .find(|c| !c.eq_ignore_ascii_case(b"chunked"))
+        .map(|c| String::from_utf8_lossy(c).into_owned())
 }
 
 /// A 204 without the framing it may not carry (RFC 9110 §8.6, RFC 9112 §6.1): one that
@@ -1500,12 +1545,25 @@ fn without_no_content_framing(header: &mut ResponseHeader) {
 }
 
 /// A request's `Content-Length` value, if it is one number.
-fn length(value: &HeaderValue) -> Option<usize> {
-    std::str::from_utf8(value.as_bytes())
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+/// A request's declared body length, read as pingora frames the body by it: every
+/// `Content-Length` line, each a comma-separated list of digits, all agreeing (`5, 5` is 5).
+/// `None` when there is none, or none that pingora would have let through.
+fn declared_length(headers: &http::HeaderMap) -> Option<usize> {
+    let mut declared = None;
+    for line in headers.get_all(header::CONTENT_LENGTH) {
+        for part in line.as_bytes().split(|&b| b == b',') {
+            let digits = part.trim_ascii();
+            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            let n: usize = std::str::from_utf8(digits).ok()?.parse().ok()?;
+            if declared.is_some_and(|d| d != n) {
+                return None;
+            }
+            declared = Some(n);
+        }
+    }
+    declared
 }
 
 /// Writes `problem` as problem+json, with `X-Idempotent-Result` when on an idempotent route.
@@ -1840,6 +1898,15 @@ impl ProxyHttp for Gate {
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        let old_client = session.req_header().version == http::Version::HTTP_10;
+        if let Some(coding) = coding_beyond_chunked(upstream_response, old_client) {
+            let mut e = Error::explain(
+                pingora::ErrorType::InvalidHTTPHeader,
+                format!("an answer under the transfer coding {coding} for an HTTP/1.0 client"),
+            );
+            e.esource = pingora::ErrorSource::Upstream;
+            return Err(e);
+        }
         frame_for_client(session, upstream_response);
         if let Some(outcome) = ctx.outcome {
             mark_outcome(upstream_response, outcome)?;
@@ -1990,6 +2057,34 @@ mod tests {
         // A 304's length is the representation's: kept.
         let head = replayed(304);
         assert_eq!(head.headers["content-length"], "5");
+    }
+
+    #[test]
+    fn a_declared_length_is_read_as_pingora_frames_the_body() {
+        let declared = |lines: &[&str]| {
+            let mut headers = http::HeaderMap::new();
+            for line in lines {
+                headers.append(header::CONTENT_LENGTH, HeaderValue::from_str(line).unwrap());
+            }
+            declared_length(&headers)
+        };
+        assert_eq!(declared(&[]), None);
+        assert_eq!(declared(&["5"]), Some(5));
+        assert_eq!(declared(&[" 5 "]), Some(5));
+        assert_eq!(declared(&["5, 5"]), Some(5));
+        assert_eq!(declared(&["5", "5,5"]), Some(5));
+        for odd in [
+            &["5, 6"][..],
+            &["5", "6"],
+            &["+5"],
+            &["5,"],
+            &[""],
+            &["0x5"],
+            &["5 5"],
+        ] {
+            assert_eq!(declared(odd), None, "{odd:?}");
+        }
+        assert_eq!(declared(&["99999999999999999999999"]), None);
     }
 
     #[test]

@@ -1373,3 +1373,30 @@ async fn expect_continue_with_a_bad_key_is_refused_without_inviting_the_body() {
     assert!(text.contains("/problems/idempotency-key-invalid"), "{text}");
     assert_eq!(backend.count(), 0);
 }
+
+/// A length declared as agreeing copies (`2000000, 2000000`, or the same value on two lines:
+/// pingora frames the body by it) is read as the one length it is: over the route's
+/// `max_request_bytes` it is refused (413) before the body is invited, not once
+/// `max_request_bytes` of it have been uploaded.
+#[tokio::test]
+async fn a_length_declared_twice_over_the_limit_is_refused_without_inviting_the_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (backend, proxy) = setup().await;
+    for lengths in [
+        "Content-Length: 2000000, 2000000",
+        "Content-Length: 2000000\r\nContent-Length: 2000000",
+    ] {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let head = format!(
+            "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: twice\r\n{lengths}\r\n\
+             Expect: 100-continue\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 413 "), "{lengths}: {text}");
+        assert!(!text.contains("100 Continue"), "{lengths}: {text}");
+    }
+    assert_eq!(backend.count(), 0);
+}

@@ -1,7 +1,8 @@
 //! Routes see a request path the way backends resolve it: another spelling of an idempotent
-//! route's path (`//orders`, `/x/../orders`, `/%6Frders`, `/orders;v=1`, in origin-form or
-//! absolute-form) cannot skip the key check and run the handler unprotected, and the request
-//! still reaches the backend exactly as the client sent it.
+//! route's path (`//orders`, `/x/../orders`, `/%6Frders`, `/orders;v=1`, `/orders%2F1`,
+//! `/orders.json`, in origin-form or absolute-form) cannot skip the key check and run the
+//! handler unprotected, and the request still reaches the backend exactly as the client sent
+//! it.
 
 mod common;
 
@@ -9,8 +10,15 @@ use common::proxy::Edit;
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
 /// Spellings of `/orders` that backends resolve to it: dot-segments (Kestrel, Tomcat), merged
-/// slashes and escaped unreserved characters (nginx, Go), path parameters (Tomcat, Jetty).
-const BYPASSES: [&str; 13] = [
+/// slashes and escaped unreserved characters (nginx, Go), path parameters (Tomcat, Jetty),
+/// escaped slashes decoded into separators (WSGI servers, nginx's `$uri`), format suffixes
+/// (Rails, Django REST framework).
+const BYPASSES: [&str; 18] = [
+    "/orders%2F1",
+    "/%2Forders",
+    "/orders%5c1",
+    "/orders.json",
+    "/orders.",
     "/x/../orders",
     "/x\\..\\orders",
     "//orders",
@@ -96,14 +104,14 @@ async fn ordinary_paths_route_as_before() {
         .await;
     assert_eq!(keyed.result(), Some("MISS"));
     // Paths outside /orders, in any spelling, go to the `/` route untouched: no key needed, no
-    // idempotency header. Case is not folded, and an escaped slash is not a segment boundary.
+    // idempotency header. Case is not folded; a suffix is only a format on the last segment.
     for path in [
         "/elsewhere",
         "/ordersx",
         "/orders/../elsewhere",
         "/%6Frdersx",
         "/Orders",
-        "/orders%2F1",
+        "/orders.json/x",
     ] {
         let response = Request::post(path).json("{}").send(proxy.addr).await;
         assert_eq!(response.status, 201, "{path}: {}", response.text());

@@ -201,32 +201,45 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     // Version vx: v1, with a claim that fails from its third call on a key: the original's
-    // claim, the waiter's (which finds it in flight), then the waiter's after its wait.
+    // claim, the waiter's (which finds it in flight), then the waiter's after its wait. It
+    // fails as a server that cannot serve does (`LOADING`: an outage, for which `pass` would
+    // forward), not with a script error (refused whatever the policy).
     let scripts = tempfile::tempdir().expect("scripts dir");
     script_dir(scripts.path(), "vx", "v1", |name, text| match name {
         "claim" => format!(
             "if redis.call('INCR', KEYS[1] .. ':calls') >= 3 then \
-             return redis.error_reply('ERR store trouble') end\n{text}"
+             return redis.error_reply('LOADING Redis is loading the dataset in memory') end\n{text}"
         ),
         _ => text,
     });
-    let proxy = ProxyBuilder::new(&backend)
-        .redis(&[redis.url()])
-        .store(&format!(
-            "  scripts: {{dir: \"{}\", version: vx}}",
-            scripts.path().display()
-        ))
-        .store("on_unavailable: pass")
-        .idem("on_in_flight: wait")
-        .idem("wait_timeout: 300ms")
-        .start()
-        .await;
+    let replica = |worker: u16| {
+        ProxyBuilder::new(&backend)
+            .worker_id(worker)
+            .redis(&[redis.url()])
+            .store(&format!(
+                "  scripts: {{dir: \"{}\", version: vx}}",
+                scripts.path().display()
+            ))
+            .store("on_unavailable: pass")
+            .idem("on_in_flight: wait")
+            .idem("wait_timeout: 300ms")
+            .start()
+    };
+    // The original runs on one replica, the retry comes to another: the retry's replica is
+    // not running the key itself, so only what its store said of the key stops it.
+    let (one, other) = (replica(1).await, replica(2).await);
     let order = || Request::post("/orders/slow/1500").key("held").body("{}");
-    let original = order().spawn_send(proxy.addr);
+    let original = order().spawn_send(one.addr);
     backend.until_count(1).await;
-    let retry = order().send(proxy.addr).await;
+    let retry = order().send(other.addr).await;
     assert_eq!(retry.status, 503, "{}", retry.text());
     assert_eq!(retry.result(), Some("UNAVAILABLE"));
+    assert_eq!(
+        retry.problem_type(),
+        "store-unavailable",
+        "{}",
+        retry.text()
+    );
     let first = original.await.expect("original");
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     assert_eq!(backend.count(), 1, "the key ran once");

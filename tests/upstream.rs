@@ -67,6 +67,100 @@ async fn an_answer_without_length_ends_at_close_and_is_replayed() {
     assert_eq!(backend.count(), 1);
 }
 
+/// A body the backend ends by closing reaches an HTTP/1.1 client chunked, on a connection that
+/// stays open (the retry and a forwarded request come on it), whether it was executed under a
+/// key or forwarded by idemgate's own client; an HTTP/1.0 client is told the connection closes
+/// after it (`Connection: close`), not `keep-alive`.
+#[tokio::test]
+async fn an_answer_the_backend_ends_by_closing_keeps_the_client_s_connection() {
+    let backend = RawBackend::start(vec![
+        send(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n\r\n{\"id\":7}"),
+        Step::Close,
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    let keyed = |version: &str, key: &str| {
+        format!(
+            "POST /orders HTTP/{version}\r\nHost: t\r\nIdempotency-Key: {key}\r\n\
+             Connection: keep-alive\r\nContent-Length: 2\r\n\r\n{{}}"
+        )
+    };
+    let requests = [
+        (keyed("1.1", "closing"), "MISS", true),
+        (keyed("1.1", "closing"), "HIT", false),
+        (
+            "GET /plain/a HTTP/1.1\r\nHost: t\r\n\r\n".to_owned(),
+            "",
+            true,
+        ),
+    ];
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    for (i, (request, result, chunked)) in requests.iter().enumerate() {
+        s.write_all(request.as_bytes()).await.unwrap();
+        let r = common::client::read_response(&mut s, false)
+            .await
+            .unwrap_or_else(|e| panic!("request {i} on the same connection: {e}"));
+        assert_eq!(r.status, 201, "request {i}: {}", r.text());
+        assert_eq!(r.result().unwrap_or_default(), *result, "request {i}");
+        assert_eq!(r.body, b"{\"id\":7}", "request {i}");
+        assert_eq!(r.chunked, *chunked, "request {i}: {:?}", r.headers);
+        assert_ne!(r.header("connection"), Some("close"), "request {i}");
+    }
+    for request in [
+        keyed("1.0", "closing-old"),
+        "GET /plain/b HTTP/1.0\r\nConnection: keep-alive\r\n\r\n".to_owned(),
+    ] {
+        let r = raw_exchange(&proxy, request.as_bytes()).await;
+        assert_eq!(r.status, 201, "{request}: {}", r.text());
+        assert_eq!(r.header("connection"), Some("close"), "{request}");
+        assert!(!r.chunked, "{request}");
+        assert_eq!(r.body, b"{\"id\":7}", "{request}");
+    }
+    assert_eq!(backend.count(), 4, "two keys and two forwarded requests");
+}
+
+/// A forwarded answer (no key) cut off mid-body: while nothing of it has reached the client
+/// (idemgate holds one piece back), the client gets 502 `upstream-answer-lost`; once some has,
+/// its connection is closed short of the declared length, never left waiting or reused.
+#[tokio::test]
+async fn a_forwarded_answer_cut_off_mid_body_is_a_502_or_a_closed_connection() {
+    use tokio::io::AsyncReadExt;
+    let head = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n";
+    let early = RawBackend::start(vec![send(head), send(b"abc"), Step::Close]).await;
+    let proxy = proxy(&early).await;
+    let r = Request::get("/plain/a").send(proxy.addr).await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.problem_type(), "upstream-answer-lost");
+
+    let late = RawBackend::start(vec![
+        send(head),
+        send(b"abc"),
+        Step::Pause(Duration::from_millis(50)),
+        send(b"def"),
+        Step::Pause(Duration::from_millis(50)),
+        Step::Close,
+    ])
+    .await;
+    let proxy = self::proxy(&late).await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"GET /plain/b HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut raw))
+        .await
+        .expect("the connection is closed, not left waiting")
+        .ok();
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    assert!(head.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(
+        head.to_ascii_lowercase().contains("content-length: 10"),
+        "{text}"
+    );
+    assert!(body.len() < 10 && "abcdef".starts_with(body), "{text}");
+}
+
 #[tokio::test]
 async fn a_head_sent_a_byte_at_a_time_is_read_and_replayed() {
     let head =
@@ -349,6 +443,49 @@ async fn an_answer_under_another_transfer_coding_is_executed_once_and_not_replay
     assert_eq!(again.status, 409, "{}", again.text());
     assert_eq!(again.problem_type(), "response-not-replayable");
     assert_eq!(backend.count(), 1);
+}
+
+/// An HTTP/1.0 client knows no transfer codings: an answer whose body stays coded once its
+/// chunks are read (`gzip, chunked`), or is not chunked last at all (`chunked, gzip`), cannot
+/// reach it as the bytes it means. It gets 502 `upstream-answer-invalid` on every path; under
+/// a key the request is recorded as executed, not replayable.
+#[tokio::test]
+async fn an_answer_under_another_transfer_coding_is_refused_to_an_http_1_0_client() {
+    for coding in ["gzip, chunked", "chunked, gzip"] {
+        let answer = format!(
+            "HTTP/1.1 201 Created\r\nTransfer-Encoding: {coding}\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+        );
+        let backend = RawBackend::start(vec![send(answer.as_bytes()), Step::Close]).await;
+        let proxy = proxy(&backend).await;
+        let large = format!(
+            "POST /plain/b HTTP/1.0\r\nHost: t\r\nContent-Length: 70000\r\n\r\n{}",
+            "x".repeat(70_000)
+        );
+        let requests: [&[u8]; 3] = [
+            b"POST /orders HTTP/1.0\r\nHost: t\r\nIdempotency-Key: coded\r\nContent-Length: 2\r\n\r\n{}",
+            b"GET /plain/a HTTP/1.0\r\nHost: t\r\n\r\n",
+            large.as_bytes(),
+        ];
+        for request in requests {
+            let r = raw_exchange(&proxy, request).await;
+            let line = String::from_utf8_lossy(&request[..20]);
+            assert_eq!(r.status, 502, "{coding}, {line}: {}", r.text());
+            assert!(
+                r.problem_type().starts_with("upstream-answer"),
+                "{coding}, {line}: {}",
+                r.text()
+            );
+        }
+        assert_eq!(backend.count(), 3, "{coding}");
+        let again = Request::post("/orders")
+            .key("coded")
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        assert_eq!(again.status, 409, "{coding}: {}", again.text());
+        assert_eq!(again.problem_type(), "response-not-replayable", "{coding}");
+        assert_eq!(backend.count(), 3, "{coding}: the key ran once");
+    }
 }
 
 #[tokio::test]
