@@ -360,6 +360,13 @@ pub struct Route {
     pub idempotency: Option<RouteIdempotency>,
 }
 
+impl Route {
+    /// Whether the route applies to `method` (an empty list takes every method).
+    fn methods_take(&self, method: &Method) -> bool {
+        self.methods.is_empty() || self.methods.contains(method)
+    }
+}
+
 /// Idempotency settings of one route.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteIdempotency {
@@ -1264,10 +1271,16 @@ impl Config {
     fn match_path(&self, method: &Method, path: &str) -> RouteMatch {
         let mut prefix_only = None;
         for (i, route) in self.routes.iter().enumerate() {
-            if !prefix_matches(&route.path_prefix, path) {
+            let exact = prefix_matches(&route.path_prefix, path);
+            // Failing closed, an idempotent route also takes its format suffixes; nothing
+            // else moves (a forwarding route's traffic keeps its upstream).
+            let keyed = route.idempotency.is_some()
+                && route.methods_take(method)
+                && format_suffix_of(&route.path_prefix, path);
+            if !(exact || keyed) {
                 continue;
             }
-            if route.methods.is_empty() || route.methods.contains(method) {
+            if route.methods_take(method) {
                 return match route.idempotency {
                     Some(_) => RouteMatch::Idempotent(i),
                     None => RouteMatch::Forward {
@@ -1317,18 +1330,22 @@ fn names<'a>(methods: impl Iterator<Item = &'a Method>) -> String {
 }
 
 /// `/orders` matches `/orders` and `/orders/1` but not `/ordersx`; `/orders/` matches only below.
-/// A format suffix on the last segment is the same resource (`/orders.json`, `/orders.`): web
-/// frameworks route it to the handler of `/orders` (Rails, Django REST framework's format
-/// suffixes), so an idempotent `/orders` must not let it past without a key.
 fn prefix_matches(prefix: &str, path: &str) -> bool {
-    let Some(rest) = path.strip_prefix(prefix) else {
-        return false;
-    };
-    prefix.ends_with('/')
-        || rest.is_empty()
-        || rest.starts_with('/')
-        || rest
-            .strip_prefix('.')
+    path.starts_with(prefix)
+        && (prefix.ends_with('/')
+            || path.len() == prefix.len()
+            || path.as_bytes().get(prefix.len()) == Some(&b'/'))
+}
+
+/// Whether `path` is `prefix` with a format suffix on its last segment (`/orders.json`,
+/// `/orders.`: a dot, then ASCII letters and digits only). Web frameworks route it to the
+/// handler of `/orders` (Rails, Django REST framework's format suffixes), so an idempotent
+/// `/orders` must not let it past without a key.
+fn format_suffix_of(prefix: &str, path: &str) -> bool {
+    !prefix.ends_with('/')
+        && path
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_prefix('.'))
             .is_some_and(|ext| ext.bytes().all(|b| b.is_ascii_alphanumeric()))
 }
 
@@ -5399,6 +5416,16 @@ routes:
         ] {
             assert_eq!(config.match_route(&Method::POST, path), elsewhere, "{path}");
         }
+        // Only an idempotent route takes a format suffix, and only for a method it lists:
+        // other traffic keeps its route and upstream.
+        assert_eq!(config.match_route(&Method::GET, "/orders.csv"), elsewhere);
+        assert_eq!(
+            config.match_route(&Method::GET, "/orders/1.csv"),
+            RouteMatch::Forward {
+                route: Some(1),
+                upstream: 1
+            }
+        );
         // An idempotent route matched as written wins over the decoded reading.
         assert_eq!(
             config.match_route(&Method::PUT, "/pay/%2Forders"),

@@ -881,7 +881,7 @@ impl Gate {
                 }
             }
         };
-        let old_client = session.req_header().version == http::Version::HTTP_10;
+        let old_client = session.req_header().version == http::Version::HTTP_10 && !head_request;
         let response = match head.and_then(|r| relayable(r, old_client)) {
             Ok(r) => r,
             Err(e) => {
@@ -1133,7 +1133,8 @@ impl Gate {
                     return Ok(true);
                 }
             };
-            let old_client = session.req_header().version == http::Version::HTTP_10;
+            let old_client =
+                session.req_header().version == http::Version::HTTP_10 && !head_request;
             match exchange
                 .read_head(head_request)
                 .await
@@ -1506,7 +1507,8 @@ fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
     }
 }
 
-/// `head`, unless it is for an HTTP/1.0 client (`old_client`) and its body stays under a
+/// `head`, unless it is for an HTTP/1.0 client (`old_client`: not for a HEAD request, whose
+/// answer has no body) and its body stays under a
 /// transfer coding once its chunks are read (`Transfer-Encoding: gzip, chunked`): such a client
 /// knows no transfer codings (RFC 9112 §6.1), and would take the coded bytes, sent bare, for
 /// the answer. Refused with its status, as any answer that cannot be relayed: on a route that
@@ -1521,9 +1523,10 @@ fn relayable(head: ResponseHeader, old_client: bool) -> Result<ResponseHeader, U
     }
 }
 
-/// For an HTTP/1.0 client, the first transfer coding of `head` other than `chunked`.
+/// For an HTTP/1.0 client, the first transfer coding of `head` other than `chunked`, when the
+/// answer can have a body.
 fn coding_beyond_chunked(head: &ResponseHeader, old_client: bool) -> Option<String> {
-    if !old_client {
+    if !old_client || has_no_body(head.status.as_u16()) || head.status.is_informational() {
         return None;
     }
     head.headers
@@ -1898,7 +1901,8 @@ impl ProxyHttp for Gate {
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        let old_client = session.req_header().version == http::Version::HTTP_10;
+        let req = session.req_header();
+        let old_client = req.version == http::Version::HTTP_10 && req.method != http::Method::HEAD;
         if let Some(coding) = coding_beyond_chunked(upstream_response, old_client) {
             let mut e = Error::explain(
                 pingora::ErrorType::InvalidHTTPHeader,

@@ -678,6 +678,11 @@ async fn a_response_cut_off_mid_body_keeps_the_claim() {
     assert_eq!(first.problem_type(), "upstream-outcome-unknown");
     let retry = req.send(proxy.addr).await;
     assert_eq!((retry.status, retry.result()), (409, Some("CONFLICT")));
+    assert_eq!(
+        retry.problem_type(),
+        "request-in-flight",
+        "kept, not settled"
+    );
     assert_eq!(count.load(Ordering::SeqCst), 1, "never executed twice");
     proxy.log_containing("backend answer cut off").await;
 
@@ -704,6 +709,11 @@ async fn a_response_cut_off_mid_body_keeps_the_claim() {
     );
     let retry = req.send(proxy.addr).await;
     assert_eq!((retry.status, retry.result()), (409, Some("CONFLICT")));
+    assert_eq!(
+        retry.problem_type(),
+        "request-in-flight",
+        "kept, not settled"
+    );
     assert_eq!(count.load(Ordering::SeqCst), 1, "never executed twice");
     proxy.log_containing("backend answer cut off").await;
     // The request that ended in an error was still an execution: counted as a MISS.

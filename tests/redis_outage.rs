@@ -695,29 +695,40 @@ async fn an_unprotected_execution_that_fails_is_marked_degraded() {
 /// A backend still sending `102 Processing` when an outage outlasts the lock: renewals go on
 /// past the lock's deadline, and the first that reaches Redis again takes the lapsed lock back
 /// before a retry can claim it, so the retry is told to wait instead of running the key beside
-/// the first execution.
+/// the first execution. The retry goes to another replica, which Redis alone can tell that the
+/// key is held (the replica running it would say so itself).
 #[tokio::test]
 async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_the_key_again() {
     let redis = RedisServer::start();
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = still_processing_for(10).await;
-    // The lock (4 s) is renewed from 3 s on; Redis is cut off from 2.5 s to 6 s.
-    let proxy = ProxyBuilder::at(backend.addr)
-        .redis(&[link.redis_url()])
-        .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 200ms")
-        .upstream("connect_timeout: 200ms")
-        .upstream("write_timeout: 300ms")
-        .upstream("read_timeout: 2s")
-        .idem("lock_ttl: 4s")
-        .start()
-        .await;
+    // The lock (4 s) is renewed from 3 s on; this replica is cut off from Redis from 1.5 s to
+    // 6 s, so every renewal before the lock's deadline fails.
+    let replica = |worker: u16, url: String| {
+        ProxyBuilder::at(backend.addr)
+            .worker_id(worker)
+            .redis(&[url])
+            .store("  connect_timeout: 200ms")
+            .store("  response_timeout: 200ms")
+            .upstream("connect_timeout: 200ms")
+            .upstream("write_timeout: 300ms")
+            .upstream("read_timeout: 2s")
+            .idem("lock_ttl: 4s")
+            .start()
+    };
+    let proxy = replica(1, link.redis_url()).await;
+    let other = replica(2, redis.url()).await;
     let req = Request::post("/orders").key("past-the-lock").body("{}");
     let first = req.spawn_send(proxy.addr);
     until_forwarded(&backend).await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     link.set(Fault::Reset);
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    assert_eq!(
+        metric(&proxy.metrics().await, "idemgate_lock_renewals_total"),
+        0.0,
+        "no renewal landed before the lock's deadline"
+    );
     link.set(Fault::Pass);
     // The renewal that gets through first takes the lapsed lock back. (A retry that reached
     // Redis before it would claim the lapsed key: renewing past the deadline narrows that
@@ -725,7 +736,7 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     proxy
         .metrics_containing("idemgate_lock_renewals_total 1")
         .await;
-    let retry = req.send(proxy.addr).await;
+    let retry = req.send(other.addr).await;
     assert_eq!(
         (retry.status, retry.result()),
         (409, Some("CONFLICT")),
@@ -733,6 +744,7 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
         retry.text(),
         proxy.log()
     );
+    assert_eq!(retry.problem_type(), "request-in-flight");
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     assert_eq!(backend.count(), 1, "the key ran once");
@@ -1657,6 +1669,11 @@ async fn a_redis_at_its_client_limit_is_an_outage_not_a_script_fault() {
         }
         cmd.query::<redis::Value>(holder).unwrap()
     };
+    let limit: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxclients")
+        .query(&mut holder)
+        .unwrap();
     query(&mut holder, &["CONFIG", "SET", "maxclients", "1"]);
     query(
         &mut holder,
@@ -1684,6 +1701,6 @@ async fn a_redis_at_its_client_limit_is_an_outage_not_a_script_fault() {
         1,
         "nothing ran while Redis took no clients"
     );
-    query(&mut holder, &["CONFIG", "SET", "maxclients", "10000"]);
+    query(&mut holder, &["CONFIG", "SET", "maxclients", &limit[1]]);
     until_redis_answers_within(&proxy, Duration::from_secs(5)).await;
 }

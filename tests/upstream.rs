@@ -121,7 +121,8 @@ async fn an_answer_the_backend_ends_by_closing_keeps_the_client_s_connection() {
 
 /// A forwarded answer (no key) cut off mid-body: while nothing of it has reached the client
 /// (idemgate holds one piece back), the client gets 502 `upstream-answer-lost`; once some has,
-/// its connection is closed short of the declared length, never left waiting or reused.
+/// its connection is closed short of the declared length, never left waiting or reused. (Two
+/// pieces a loaded machine reads as one are the first case: either answer is right then.)
 #[tokio::test]
 async fn a_forwarded_answer_cut_off_mid_body_is_a_502_or_a_closed_connection() {
     use tokio::io::AsyncReadExt;
@@ -153,12 +154,14 @@ async fn a_forwarded_answer_cut_off_mid_body_is_a_502_or_a_closed_connection() {
         .ok();
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    assert!(head.starts_with("HTTP/1.1 200"), "{text}");
-    assert!(
-        head.to_ascii_lowercase().contains("content-length: 10"),
-        "{text}"
-    );
-    assert!(body.len() < 10 && "abcdef".starts_with(body), "{text}");
+    if head.starts_with("HTTP/1.1 502") {
+        assert!(body.contains("/problems/upstream-answer-lost"), "{text}");
+    } else {
+        assert!(head.starts_with("HTTP/1.1 200"), "{text}");
+        let head = head.to_ascii_lowercase();
+        assert!(head.contains("content-length: 10"), "{text}");
+        assert!(body.len() < 10 && "abcdef".starts_with(body), "{text}");
+    }
 }
 
 #[tokio::test]
@@ -477,6 +480,10 @@ async fn an_answer_under_another_transfer_coding_is_refused_to_an_http_1_0_clien
             );
         }
         assert_eq!(backend.count(), 3, "{coding}");
+        // A HEAD's answer has no body to misread: relayed.
+        let head = raw_exchange(&proxy, b"HEAD /plain/c HTTP/1.0\r\nHost: t\r\n\r\n").await;
+        assert_eq!(head.status, 201, "{coding}, HEAD: {}", head.text());
+        assert_eq!(backend.count(), 4, "{coding}");
         let again = Request::post("/orders")
             .key("coded")
             .body("{}")
@@ -484,7 +491,7 @@ async fn an_answer_under_another_transfer_coding_is_refused_to_an_http_1_0_clien
             .await;
         assert_eq!(again.status, 409, "{coding}: {}", again.text());
         assert_eq!(again.problem_type(), "response-not-replayable", "{coding}");
-        assert_eq!(backend.count(), 3, "{coding}: the key ran once");
+        assert_eq!(backend.count(), 4, "{coding}: the key ran once");
     }
 }
 

@@ -1315,9 +1315,12 @@ mod tests {
             "{refused:?}"
         );
         store.inner().set(Fault::CompleteFails);
-        // Each is still answered here.
+        // Each is still answered here, with its answer (the store holds only its claim).
         let retry = store.claim(&retry_of(&unstored[0])).await.unwrap();
-        assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
+        assert!(
+            matches!(&retry, ClaimOutcome::Existing(r) if matches!(r.state, RecordState::Completed(_))),
+            "{retry:?}"
+        );
         // The retrier gives the first ones up (dead-lettered): the next count evicts them,
         // oldest first, down to the bound.
         for req in &unstored[..10] {
@@ -1330,9 +1333,16 @@ mod tests {
             "{:?}",
             store.cache_usage()
         );
-        // The newest were kept.
+        // The newest were kept, the oldest given up on evicted.
         let retry = store.claim(&retry_of(&unstored[24])).await.unwrap();
-        assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
+        assert!(
+            matches!(&retry, ClaimOutcome::Existing(r) if matches!(r.state, RecordState::Completed(_))),
+            "{retry:?}"
+        );
+        assert!(
+            store.cached(&unstored[0].key).is_none(),
+            "the oldest given up on went"
+        );
         // Stored at last: copies, which the next count evicts to the budget.
         store.inner().set(Fault::None);
         for req in &unstored {
@@ -1563,11 +1573,14 @@ mod tests {
             .complete(&req.key, req.owner, response(b"x"), req.ttl)
             .await;
         assert!(written.is_err());
-        let again = retry_of(&req);
-        assert!(matches!(
-            store.claim(&again).await.unwrap(),
-            ClaimOutcome::Existing(_)
-        ));
+        // The answer, not the store's record of the claim (still in flight there): a store
+        // that fails too now leaves this replica's copy the only answer.
+        store.inner().set(Fault::Down);
+        let again = store.claim(&retry_of(&req)).await.unwrap();
+        assert!(
+            matches!(&again, ClaimOutcome::Existing(r) if matches!(r.state, RecordState::Completed(_))),
+            "{again:?}"
+        );
     }
 
     #[tokio::test]
