@@ -245,25 +245,34 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 
+/// The first write of a completion never reaches Redis (the connection is reset under it, and
+/// new ones too, until after the answer went out): only the retry queue can store it.
 #[tokio::test]
 async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
     let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
-    let a = builder(&backend, &redis).start().await;
+    let a = builder_to(&backend, link.redis_url()).start().await;
     let b = builder(&backend, &redis).start().await;
     let req = Request::post("/orders/slow/700")
         .key("late")
         .body("{\"n\":1}");
     let addr = a.addr;
     let first = req.spawn_send(addr);
-    // Redis stalls after the claim, before the backend answers: the completion write fails.
+    // Redis is cut off after the claim, before the backend answers: the completion write fails.
     backend.until_count(1).await;
-    let pid = redis.pid().unwrap();
-    signal(pid, "STOP");
+    link.set(Fault::Reset);
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     tokio::time::sleep(Duration::from_millis(800)).await;
-    signal(pid, "CONT");
+    let records = redis.keys().into_iter().filter(|k| k.contains('{'));
+    let states: Vec<Option<String>> = records.map(|k| redis.cmd(&["HGET", &k, "s"])).collect();
+    assert_eq!(
+        states,
+        [Some("i".to_owned())],
+        "claimed, nothing stored before the link is back"
+    );
+    link.set(Fault::Pass);
     // Another instance (no local copy) sees the record once a retry has stored it.
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -282,8 +291,7 @@ async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(backend.count(), 1);
-    // The stalled write may itself land when Redis resumes; the retry then finds it applied
-    // (complete is idempotent per write). Either way the queue drains without a dead letter.
+    // The queue drains without a dead letter.
     a.metrics_containing("idemgate_completion_retry_recovered_total 1")
         .await;
     // Recovered and pending are two atomics read separately: a scrape may fall between the

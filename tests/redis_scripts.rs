@@ -1216,3 +1216,77 @@ async fn an_unreachable_backend_says_whether_the_key_was_released() {
     assert_eq!(retry.status, 409, "{}", retry.text());
     assert_eq!(retry.problem_type(), "request-in-flight");
 }
+
+/// A write id proves a write only beside the state it was written with. A record still in
+/// flight under the caller that carries the caller's write id (a version that wrote the id
+/// alone and then failed) is completed or released now, not answered "applied" and left in
+/// flight with no owner for the next claim to run again; under another owner it is refused.
+#[tokio::test]
+async fn a_write_id_proves_a_write_only_beside_its_state() {
+    let server = RedisServer::start();
+    let far: String = (server_now_ms(&server) + 60_000).to_string();
+    for version in ["v1", "v2"] {
+        let complete = repo_lua(version, "complete");
+        let release = repo_lua(version, "release");
+        let key = format!("idemgate:{{t:{version}}}");
+        let seed = |state: &str, owner: &str| {
+            let _: i64 = server.cmd(&["DEL", &key]);
+            let _: i64 = server.cmd(&[
+                "HSET", &key, "f", "fp", "x", "7", "s", state, "o", owner, "l", &far, "w", "W1",
+            ]);
+            let _: i64 = server.cmd(&["PEXPIRE", &key, "60000"]);
+        };
+        let run = |script: &str, args: &[&str]| -> i64 {
+            let mut cmd = vec!["EVAL", script, "1", &key];
+            cmd.extend_from_slice(args);
+            server.cmd(&cmd)
+        };
+        let field = |name: &str| hget(&server, &key, name);
+
+        // Complete: in flight under the caller, its id already there: completed now.
+        seed("i", "A");
+        assert_eq!(
+            run(&complete, &["A", "payload", "86400000", "W1"]),
+            1,
+            "{version}"
+        );
+        assert_eq!(field("s").as_deref(), Some("c"), "{version}");
+        assert_eq!(field("p").as_deref(), Some("payload"), "{version}");
+        assert_eq!(field("o"), None, "{version}");
+        // Under another owner: refused, nothing changed.
+        seed("i", "B");
+        assert_eq!(
+            run(&complete, &["A", "payload", "86400000", "W1"]),
+            0,
+            "{version}"
+        );
+        assert_eq!(
+            (field("s").as_deref(), field("o").as_deref(), field("p")),
+            (Some("i"), Some("B"), None),
+            "{version}"
+        );
+        // Completed under this id, the owner's fields still there (a send that failed after
+        // its HSET): applied, and finished.
+        seed("c", "A");
+        assert_eq!(
+            run(&complete, &["A", "payload", "86400000", "W1"]),
+            1,
+            "{version}"
+        );
+        assert_eq!(field("o"), None, "{version}");
+        assert!(
+            pttl(&server, &key) > 60_000,
+            "{version}: the completion's life"
+        );
+
+        // Release: in flight under the caller with its id: released now.
+        seed("i", "A");
+        assert_eq!(run(&release, &["A", "W1"]), 1, "{version}");
+        assert_eq!(field("s").as_deref(), Some("r"), "{version}");
+        assert_eq!(field("o"), None, "{version}");
+        // Released before under this id, claimed since by another: applied, unchanged.
+        seed("i", "B");
+        assert_eq!(run(&release, &["A", "W1"]), 1, "{version}");
+        assert_eq!(field("o").as_deref(), Some("B"), "{version}");
+    }
+}

@@ -18,9 +18,13 @@
 --   A lapsed owner may still complete until someone re-claims; after that the owner token no
 --   longer matches (fencing). Completed records are immutable.
 
+-- The write id is written in the same HSET as the state it proves: a record that carries it
+-- but is not completed was never completed by this call (a version that wrote the id alone and
+-- then failed), and is judged by its owner like any other.
+
 local key = KEYS[1]
 local rec = redis.call('HMGET', key, 's', 'o', 'w')
-if rec[3] == ARGV[4] then
+if rec[3] == ARGV[4] and rec[1] == 'c' then
   -- Applied before. A send that failed half-way (a canary's script error after its HSET)
   -- left the claim's fields and expiry: finish what it began.
   if rec[2] then

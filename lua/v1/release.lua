@@ -13,9 +13,13 @@
 --   in flight, owned by ARGV[1] -> released (fingerprint, execution id and expiry kept)
 --   anything else               -> unchanged
 
+-- The write id is written in the same HSET as the state it proves: a record still in flight
+-- under this caller carries it only if a version wrote the id alone and then failed, and is
+-- released now.
+
 local key = KEYS[1]
 local rec = redis.call('HMGET', key, 's', 'o', 'w')
-if rec[3] == ARGV[2] then
+if rec[3] == ARGV[2] and not (rec[1] == 'i' and rec[2] == ARGV[1]) then
   return 1
 end
 if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then

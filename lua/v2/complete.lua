@@ -25,8 +25,11 @@ local VERSION = 'v2'
 
 local key = KEYS[1]
 local owner, payload, ttl_ms, write_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+-- The write id is written in the same HSET as the state it proves: a record that carries it
+-- but is not completed was never completed by this call (a version that wrote the id alone and
+-- then failed), and is judged by its owner like any other.
 local s, o, w = unpack(redis.call('HMGET', key, 's', 'o', 'w'))
-if w == write_id then
+if w == write_id and s == 'c' then
   -- Applied before. A send that failed half-way (a canary's script error after its HSET)
   -- left the claim's fields and expiry: finish what it began.
   if o then

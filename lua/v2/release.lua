@@ -20,8 +20,11 @@ local VERSION = 'v2'
 
 local key = KEYS[1]
 local owner, write_id = ARGV[1], ARGV[2]
+-- The write id is written in the same HSET as the state it proves: a record still in flight
+-- under this caller carries it only if a version wrote the id alone and then failed, and is
+-- released now.
 local s, o, w = unpack(redis.call('HMGET', key, 's', 'o', 'w'))
-if w == write_id then
+if w == write_id and not (s == 'i' and o == owner) then
   return 1
 end
 if s ~= 'i' or o ~= owner then

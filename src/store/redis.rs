@@ -27,16 +27,17 @@
 //! "applied" instead of "not owner".
 //!
 //! Script versions and the canary ([`script_set`](super::script_set)): each record runs the
-//! active version or, chosen by its hash, the canary. A canary call that fails by the script's
-//! own fault (see [`is_script_fault`]: a Lua error, an unknown command, a compile error, an
-//! unexpected reply) is counted against the canary and sent once more, with the same
-//! arguments, on the active version, so no client sees a broken canary. That is safe for the
+//! active version or, chosen by its hash, the canary. A canary call that Redis answers with an
+//! error, or with a reply its caller cannot read, is sent once more, with the same arguments, on
+//! the active version, so no client sees a broken canary; it is counted against the canary only
+//! if that second send succeeds (a canary's bug may surface as any error reply, `WRONGTYPE`
+//! from a command it misuses as well as a Lua error). That is safe for the
 //! same reason as the re-send above, and more: Redis does not undo what a script wrote before
 //! it failed, but both versions read and write one record layout, a claim repeated by the same
 //! owner re-acquires with the record's execution id, and a complete/release repeated with the
-//! same write id answers "applied". Failures that are not the script's (connection, timeout,
-//! READONLY, OOM, ...) hit every version alike: they are neither retried on the active version
-//! nor counted against the canary. When the canary's error rate over its window passes
+//! same write id answers "applied" (once the state it was written with is there). A record or a
+//! server state that fails both versions is not counted; failures with no answer (connection,
+//! timeout) are neither sent again nor counted. When the canary's error rate over its window passes
 //! `max_error_rate` (with at least `min_calls` calls), it is rolled back: every record uses the
 //! active version until the canary's settings or text change.
 //!
