@@ -1918,6 +1918,19 @@ impl ProxyHttp for Gate {
         Ok(())
     }
 
+    /// How pingora's own error lines name the request: method, path and route, as the access
+    /// line does. pingora's default adds the query and `Host`, which may carry what a client
+    /// means to keep out of logs (a token in a query parameter).
+    fn request_summary(&self, session: &Session, ctx: &Self::CTX) -> String {
+        let req = session.req_header();
+        format!(
+            "{} {:?}, route {}",
+            req.method.as_str(),
+            req.uri.path(),
+            label(ctx)
+        )
+    }
+
     /// Answers proxy failures on the forwarding path as problem+json.
     async fn fail_to_proxy(
         &self,
@@ -1925,37 +1938,49 @@ impl ProxyHttp for Gate {
         e: &Error,
         ctx: &mut Self::CTX,
     ) -> FailToProxy {
+        // An interim answer relayed from the backend (`100 Continue`) is no answer: the final
+        // one may still follow it.
+        let written = session
+            .response_written()
+            .filter(|r| !r.status.is_informational())
+            .map(|r| r.status.as_u16());
+        let body_done = session.is_body_done();
         let problem = match e.esource() {
             // Only a failure to connect proves that nothing was sent.
             pingora::ErrorSource::Upstream if is_connect_failure(&e.etype) => {
                 Some(Problem::UpstreamConnect)
             }
             pingora::ErrorSource::Upstream => Some(Problem::UpstreamAnswerLost),
+            // The client left while the answer was on its way: nothing to say, and the
+            // request keeps its outcome (it was forwarded).
+            pingora::ErrorSource::Downstream if written.is_some() => None,
             // The client's body, streamed by pingora, stalled or broke: say so while no answer
-            // has started (a client that is gone never reads it, which costs nothing).
+            // has started (a client that is gone never reads it, which costs nothing). A client
+            // that closed after its whole body went on left before the answer: its request was
+            // not at fault.
             pingora::ErrorSource::Downstream => match e.etype {
                 pingora::ErrorType::ReadTimedout => Some(Problem::RequestTimeout),
+                pingora::ErrorType::ConnectionClosed if body_done => None,
                 pingora::ErrorType::ReadError
                 | pingora::ErrorType::InvalidHTTPHeader
                 | pingora::ErrorType::ConnectionClosed => Some(Problem::RequestBodyUnreadable),
+                // A body that breaks its own chunked framing (pingora's body reader names these).
+                pingora::ErrorType::Custom(
+                    "InvalidChunk" | "InvalidTrailerEnd" | "PrematureBodyEnd",
+                ) => Some(Problem::RequestBodyUnreadable),
                 _ => None,
             },
             _ => Some(Problem::UpstreamConnect),
         };
-        // An interim answer relayed from the backend (`100 Continue`) is no answer: the final
-        // one may still follow it.
-        let written = session
-            .response_written()
-            .filter(|r| !r.status.is_informational());
-        if let Some(p) = &problem {
-            ctx.refused_for_its_request(p);
-        }
         let code = match (&problem, written) {
-            (Some(p), None) => match write_problem(session, p, ctx.outcome).await {
-                Ok(()) => p.status(),
-                Err(_) => 0,
-            },
-            (_, Some(written)) => written.status.as_u16(),
+            (Some(p), None) => {
+                ctx.refused_for_its_request(p);
+                match write_problem(session, p, ctx.outcome).await {
+                    Ok(()) => p.status(),
+                    Err(_) => 0,
+                }
+            }
+            (_, Some(status)) => status,
             (None, None) => 0,
         };
         FailToProxy {

@@ -1032,3 +1032,31 @@ async fn bodies_forwarded_without_a_key_are_streamed_when_the_budget_is_full() {
     );
     drop(slow);
 }
+
+/// A client that closes its side once its whole body went (pingora's streaming path: a chunked
+/// body, no key on a route where the key is optional) left before the answer. Its request was
+/// forwarded whole, so it keeps its outcome (`BYPASS`), and is neither answered nor counted as
+/// a request whose body could not be read.
+#[tokio::test]
+async fn a_client_that_closes_after_its_streamed_body_keeps_its_outcome() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /optional/slow/300 HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n\
+          2\r\n{}\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    backend.until_count(1).await;
+    s.shutdown().await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(!answer.contains("request-body-unreadable"), "{answer}");
+    let log = proxy.log_containing("result=\"BYPASS\"").await;
+    assert!(!log.contains("result=\"INVALID\""), "{log}");
+    let metrics = proxy.metrics().await;
+    assert!(!metrics.contains("result=\"INVALID\""), "{metrics}");
+}

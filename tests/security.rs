@@ -1398,3 +1398,27 @@ async fn an_admin_request_that_cannot_be_parsed_or_answered_leaves_no_secret_in_
         assert!(!log.contains(secret), "{secret} in the log:\n{log}");
     }
 }
+
+/// pingora's own error lines (a request whose streamed body breaks, say) name the request by
+/// method, path and route, as the access line does: not by its query string or `Host`, which
+/// may carry a token.
+#[tokio::test]
+async fn pingora_s_error_lines_leave_the_query_and_host_out() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /plain/x?token=QRY-s3cr3tQ HTTP/1.1\r\nHost: HST-h0stH\r\n\
+          Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+    )
+    .await
+    .unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let line = proxy.log_containing("Fail to").await;
+    assert!(line.contains("\"/plain/x\""), "{line}");
+    assert_absent(&proxy.log(), &["QRY-s3cr3tQ", "HST-h0stH"], "the log");
+}
