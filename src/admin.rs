@@ -241,15 +241,22 @@ impl Admin {
             // would be removed from under its execution.
             let force = query.get("force").as_deref() == Some("true");
             let running = |lock_remaining: std::time::Duration| {
-                error(
-                    StatusCode::CONFLICT,
-                    &format!(
+                let message = if lock_remaining.is_zero() {
+                    "the record is in flight and its lock lapsed: its execution may still be \
+                     running (on a replica cut off from the store), and a retry already takes \
+                     the key over under the same X-Idempotency-Id, which a purge would lose (a \
+                     retry after it runs the key under a new one); purge with ?force=true to \
+                     drop it all the same"
+                        .to_owned()
+                } else {
+                    format!(
                         "the record is in flight ({} ms of its lock left): its execution may \
                          still be running, and a retry after a purge runs the key again under a \
                          new X-Idempotency-Id; wait for it to end, or purge with ?force=true",
                         lock_remaining.as_millis()
-                    ),
-                )
+                    )
+                };
+                error(StatusCode::CONFLICT, &message)
             };
             // What this replica ran on its fallback during an outage goes too: a purged key
             // is never replayed from there (nor, by the announcement, from another replica's).
@@ -261,9 +268,7 @@ impl Admin {
                     ..
                 })) = fallback.get(&record_key).await
                 {
-                    if !lock_remaining.is_zero() {
-                        return running(lock_remaining);
-                    }
+                    return running(lock_remaining);
                 }
             }
             let deleted = match purge_from(self.store.as_ref(), &record_key, force).await {

@@ -155,7 +155,7 @@ impl StoreStack {
             if let Some(cache) = &cache {
                 cache.forget(key);
             }
-            // A claim the fallback still runs under a live lock stays: a retry here would
+            // A claim the fallback holds stays (its lock running or lapsed): a retry here would
             // otherwise find the key free in Redis and run it beside that execution. (The
             // replica a forced purge was asked of removes its own; the announcement says
             // nothing of force, and another replica's running execution is no stuck record.)

@@ -1712,3 +1712,45 @@ async fn a_redis_at_its_client_limit_is_an_outage_not_a_script_fault() {
     query(&mut holder, &["CONFIG", "SET", "maxclients", &limit[1]]);
     until_redis_answers_within(&proxy, Duration::from_secs(5)).await;
 }
+
+/// A purge without `force` spares a record in flight whose lock lapsed, as one whose lock runs:
+/// its execution may still be running (its replica cut off from Redis renews it when it can),
+/// and a retry takes the key over under the same `X-Idempotency-Id`, which the purge would lose.
+#[tokio::test]
+async fn a_purge_spares_a_claim_whose_lock_lapsed_unless_forced() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = builder(&backend, &redis)
+        .env("IDEMGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+        .start()
+        .await;
+    let running = Request::post("/orders/slow/1500")
+        .key("lapsed-purge")
+        .body("{}")
+        .spawn_send(proxy.addr);
+    backend.until_count(1).await;
+    let records: Vec<String> = redis
+        .keys()
+        .into_iter()
+        .filter(|k| k.contains('{'))
+        .collect();
+    assert_eq!(records.len(), 1, "{records:?}");
+    // The lock lapses (as when its replica was cut off from Redis past it).
+    let _: i64 = redis.cmd(&["HSET", &records[0], "l", "0"]);
+    let purge = |query: &str| {
+        Request::new(
+            "DELETE",
+            &format!("/admin/records/default/lapsed-purge{query}"),
+        )
+        .header("Authorization", format!("Bearer {ADMIN_TOKEN}"))
+    };
+    let refused = purge("").send(proxy.admin).await;
+    assert_eq!(refused.status, 409, "{}", refused.text());
+    assert_eq!(refused.problem_type(), "admin-record-in-flight");
+    assert!(refused.text().contains("lock lapsed"), "{}", refused.text());
+    assert_eq!(redis.cmd::<i64>(&["EXISTS", &records[0]]), 1, "spared");
+    let forced = purge("?force=true").send(proxy.admin).await;
+    assert_eq!(forced.status, 200, "{}", forced.text());
+    assert_eq!(redis.cmd::<i64>(&["EXISTS", &records[0]]), 0, "removed");
+    let _ = running.await;
+}

@@ -912,8 +912,8 @@ pub async fn case_delete_removes<S: RecordStore>(store: &Arc<S>) {
     assert_eq!(ok(store.get(&key).await), None);
 }
 
-/// A settled delete (an admin purge without force) leaves a record in flight under a live lock
-/// as it is, and removes it in every other state.
+/// A settled delete (an admin purge without force) leaves a record in flight as it is, its lock
+/// running or lapsed, and removes it in every other state.
 pub async fn case_settled_delete_spares_a_running_claim<S: RecordStore>(store: &Arc<S>) {
     let key = fresh_key();
     let held = ClaimRequest {
@@ -942,8 +942,15 @@ pub async fn case_settled_delete_spares_a_running_claim<S: RecordStore>(store: &
     let lapsed = request(&key, fingerprint(3));
     ok(store.claim(&lapsed).await);
     tokio::time::sleep(LOCK_TTL + Duration::from_millis(200)).await;
-    assert_eq!(ok(store.delete_settled(&key).await), Deletion::Deleted);
-    assert_eq!(ok(store.get(&key).await), None);
+    assert_eq!(
+        ok(store.delete_settled(&key).await),
+        Deletion::Running {
+            lock_remaining: Duration::ZERO
+        },
+        "a lapsed claim's execution may still run, and a takeover keeps its id"
+    );
+    assert!(ok(store.get(&key).await).is_some(), "spared");
+    assert!(ok(store.delete(&key).await), "a forced delete removes it");
 }
 
 /// Settled deletes racing claims of one key never remove a claim from under its holder: the

@@ -165,8 +165,8 @@ impl MemoryStore {
         }
     }
 
-    /// Removes the record under `key` unless it is in flight under a live lock, in one step
-    /// under its shard's lock (see [`RecordStore::delete_settled`]).
+    /// Removes the record under `key` unless it is in flight (its lock running or lapsed), in
+    /// one step under its shard's lock (see [`RecordStore::delete_settled`]).
     pub fn remove_settled(&self, key: &RecordKey) -> Deletion {
         let mut map = self.shard(key).lock();
         let now = self.now();
@@ -176,10 +176,9 @@ impl MemoryStore {
             return Deletion::Absent;
         };
         if let EntryState::InFlight { lock_until, .. } = entry.state {
-            let lock_remaining = now.until(lock_until);
-            if !lock_remaining.is_zero() {
-                return Deletion::Running { lock_remaining };
-            }
+            return Deletion::Running {
+                lock_remaining: now.until(lock_until),
+            };
         }
         if let Some(mut entry) = map.remove(view) {
             self.forget(&mut entry);

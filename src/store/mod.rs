@@ -186,10 +186,9 @@ pub enum Deletion {
     Deleted,
     /// There was no record (or only an expired one).
     Absent,
-    /// The record is in flight and its lock has not lapsed: its execution may still be
-    /// running, so it was left as it is.
+    /// The record is in flight: its execution may still be running, so it was left as it is.
     Running {
-        /// Time left on the holder's lock.
+        /// Time left on the holder's lock (zero once it lapsed).
         lock_remaining: Duration,
     },
 }
@@ -258,7 +257,9 @@ pub trait RecordStore: Send + Sync + 'static {
     /// one existed.
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError>;
 
-    /// Removes a record unless it is in flight under a lock that has not lapsed (admin purge).
+    /// Removes a record unless it is in flight, its lock running or lapsed (admin purge): a
+    /// lapsed lock's execution may still be running on a replica cut off from the store, and
+    /// a retry takes the key over under the same execution id, which a purge would lose.
     /// One atomic step: a claim landing at the same moment is either removed before it was
     /// made (and then runs on an absent record) or seen and spared, never taken from the
     /// execution that holds it, as a read followed by a delete could.

@@ -1821,7 +1821,7 @@ fn parse_deletion(reply: Value) -> Result<Deletion, StoreError> {
         Value::Int(1) => Ok(Deletion::Deleted),
         Value::Int(0) => Ok(Deletion::Absent),
         Value::Array(ref items) => match items.as_slice() {
-            [Value::Int(ms)] if *ms > 0 => Ok(Deletion::Running {
+            [Value::Int(ms)] if *ms >= 0 => Ok(Deletion::Running {
                 lock_remaining: Duration::from_millis(ms.unsigned_abs()),
             }),
             _ => Err(unexpected("delete", &reply)),
@@ -2086,11 +2086,17 @@ mod tests {
                 lock_remaining: Duration::from_millis(1500)
             }
         );
+        // In flight with its lock lapsed: still spared.
+        assert_eq!(
+            parse_deletion(Value::Array(vec![Value::Int(0)])).unwrap(),
+            Deletion::Running {
+                lock_remaining: Duration::ZERO
+            }
+        );
         for odd in [
             Value::Int(2),
             Value::Nil,
             Value::Array(vec![]),
-            Value::Array(vec![Value::Int(0)]),
             Value::Array(vec![Value::Int(-5)]),
             Value::Array(vec![Value::Int(5), Value::Int(5)]),
             Value::Array(vec![bulk(b"5")]),
