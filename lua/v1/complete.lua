@@ -5,8 +5,9 @@
 -- ARGV[2]  the encoded completion (see src/store/codec.rs)
 -- ARGV[3]  record ttl from now, milliseconds (decimal integer >= 1, no sign or leading zeros;
 --          it goes to PEXPIRE as this text, never as a Lua number: see claim.lua on numbers)
--- ARGV[4]  write id: random per call, the same when the proxy re-sends this very call after a
---          dropped connection
+-- ARGV[4]  write id: one per owner and payload (a hash of the two), the same on
+--          every send of this write: a re-send after a dropped connection, the active
+--          version's after a canary failed, the completion retrier's attempts
 --
 -- Reply:
 --   1  applied (now, or by an earlier send of the same write id)

@@ -2,8 +2,8 @@
 --
 -- KEYS[1]  the record hash: <prefix>:{<tenant>:<hex hash>}
 -- ARGV[1]  owner token of the caller (32 hex digits)
--- ARGV[2]  write id: random per call, the same when the proxy re-sends this very call after a
---          dropped connection
+-- ARGV[2]  write id: random per call, the same on every send of it (a re-send after a
+--          dropped connection, the active version's after a canary failed)
 --
 -- Reply:
 --   1  applied (now, or by an earlier send of the same write id)

@@ -278,6 +278,10 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         self.inner.usage()
     }
 
+    fn remembers_writes(&self) -> bool {
+        self.inner.remembers_writes()
+    }
+
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {
         self.inner.own_claim(key)
     }

@@ -1181,6 +1181,10 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         self.inner.usage()
     }
 
+    fn remembers_writes(&self) -> bool {
+        self.inner.remembers_writes()
+    }
+
     fn local_copy(&self, key: &RecordKey) -> Option<Record> {
         self.cached(key)
     }

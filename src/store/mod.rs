@@ -275,6 +275,16 @@ pub trait RecordStore: Send + Sync + 'static {
         None
     }
 
+    /// Whether the store knows a write it already took when the same write comes again: it
+    /// remembers each complete/release by an id that every send of that write carries (Redis:
+    /// one derived from the owner token), and answers the repeat "applied" itself. Then a
+    /// "not the owner" is never an earlier send that landed, and a record holding the same
+    /// answer under the same execution id is another execution's (a takeover after the lock
+    /// lapsed, answering alike), which the completion retrier must not count as its own.
+    fn remembers_writes(&self) -> bool {
+        false
+    }
+
     /// What is left of the lock of a claim on `key` that this process holds (claimed here and
     /// neither completed nor released yet), where the store keeps track without asking anyone
     /// (the local cache does); `None` when it holds none or cannot tell. Asked when the store
@@ -359,6 +369,9 @@ impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     }
     fn usage(&self) -> Option<StoreUsage> {
         (**self).usage()
+    }
+    fn remembers_writes(&self) -> bool {
+        (**self).remembers_writes()
     }
     fn local_copy(&self, key: &RecordKey) -> Option<Record> {
         (**self).local_copy(key)

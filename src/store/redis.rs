@@ -23,8 +23,9 @@
 //! silent (no answer to anything since a call that timed out went out) is dropped, so the next
 //! call makes another (see [`Held`]). That re-send is
 //! safe even when the first send did reach Redis: a claim by the same owner re-acquires, and
-//! complete/release carry a random write id the scripts remember, so a repeated write answers
-//! "applied" instead of "not owner".
+//! complete/release carry a write id the scripts remember (one per owner, operation and
+//! answer, the same for every send: see [`completion_id`]), so a repeated write answers "applied"
+//! instead of "not owner".
 //!
 //! Script versions and the canary ([`script_set`](super::script_set)): each record runs the
 //! active version or, chosen by its hash, the canary. A canary call that Redis answers with an
@@ -1295,11 +1296,10 @@ impl RecordStore for RedisStore {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        let owner = owner_arg(owner);
         let payload = codec::encode(&completion);
+        let write_id = completion_id(owner, &payload);
+        let owner = owner_arg(owner);
         let mut digits = [0u8; 20];
-        // One write id for every send of this call: re-sends and the active-version retry.
-        let write_id = write_id();
         let args: [&[u8]; 4] = [
             owner.as_bytes(),
             &payload,
@@ -1317,8 +1317,10 @@ impl RecordStore for RedisStore {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
+        // A release goes once (never through the retry queue): an id of its own, the same
+        // for the re-sends of this call.
+        let write_id = release_id();
         let owner = owner_arg(owner);
-        let write_id = write_id();
         let args: [&[u8]; 2] = [owner.as_bytes(), write_id.as_bytes()];
         self.run(ScriptOp::Release, key, &args, |reply| {
             parse_write("release", reply)
@@ -1396,6 +1398,11 @@ impl RecordStore for RedisStore {
         };
         let reply = self.send("delete", call).await.map_err(|f| f.error)?;
         parse_deletion(reply)
+    }
+
+    /// Every complete carries its [`completion_id`], which the scripts keep.
+    fn remembers_writes(&self) -> bool {
+        true
     }
 
     /// Runs the get script (EVALSHA) on a key no record uses: a server that answers PING but
@@ -1709,8 +1716,26 @@ fn owner_arg(owner: OwnerToken) -> String {
     out
 }
 
-/// A fresh id for one complete/release call (the same for its re-send): 16 hex digits.
-fn write_id() -> String {
+/// The write id of `owner`'s completion of `payload` (its encoded answer), 16 hex digits: the
+/// same for every send of it (a re-send on a fresh connection, the active version's after a
+/// canary failed, the completion retrier's attempts), so a send that landed before is answered
+/// "applied" whichever send asks, while another answer from the same owner is not. Hashed, so
+/// a completed record, which keeps it, does not keep the owner token.
+fn completion_id(owner: OwnerToken, payload: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"complete")
+        .chain_update(owner.0.to_be_bytes())
+        .chain_update(payload)
+        .finalize();
+    let mut out = String::with_capacity(16);
+    push_hex(&mut out, &digest[..8]);
+    out
+}
+
+/// A fresh id for one release call (the same for its re-sends): 16 hex digits. A release is
+/// sent once, never through the retry queue, and only once by an owner.
+fn release_id() -> String {
     let mut out = String::with_capacity(16);
     push_hex(&mut out, &rand::random::<u64>().to_be_bytes());
     out
@@ -1985,12 +2010,17 @@ mod tests {
         ] {
             assert_eq!(owner_arg(OwnerToken(v)), format!("{v:032x}"));
         }
-        let id = write_id();
+        let id = completion_id(OwnerToken(7), b"answer");
         assert_eq!(id.len(), 16);
         assert!(
             id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')),
             "{id}"
         );
+        // One per owner and answer, the same every time it is asked.
+        assert_eq!(id, completion_id(OwnerToken(7), b"answer"));
+        assert_ne!(id, completion_id(OwnerToken(8), b"answer"));
+        assert_ne!(id, completion_id(OwnerToken(7), b"another"));
+        assert_ne!(release_id(), release_id());
     }
 
     #[test]
@@ -1999,7 +2029,7 @@ mod tests {
         assert_eq!(millis(Duration::from_millis(1500)), 1500);
         assert_eq!(millis(Duration::MAX), MAX_TTL_MS as u64);
         assert_eq!(owner_arg(OwnerToken(1)).len(), 32);
-        assert_eq!(write_id().len(), 16);
+        assert_eq!(release_id().len(), 16);
     }
 
     #[test]

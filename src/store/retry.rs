@@ -420,7 +420,8 @@ impl CompletionRetrier {
             // Dead-lettered meanwhile: the process is stopping.
             return Refusal::Unread;
         };
-        let refusal = settle_refused(read, job, 1, &self.dead, &self.local);
+        let remembers = self.store.remembers_writes();
+        let refusal = settle_refused(read, job, 1, &self.dead, &self.local, remembers);
         if refusal == Refusal::Landed {
             self.stats.pending.fetch_sub(1, Ordering::AcqRel);
         }
@@ -501,23 +502,27 @@ pub enum Refusal {
 
 /// Settles `job`, counted as pending, whose write the store refused, by `read`, the record as
 /// read after the refusal: dead-lettered unless it landed (the local entry is then told so,
-/// and the caller takes it off the pending count).
+/// and the caller takes it off the pending count). `remembers`: the store answers a write it
+/// took before "applied" ([`RecordStore::remembers_writes`]), so a refused one never landed.
 fn settle_refused(
     read: Result<Option<Record>, StoreError>,
     job: PendingCompletion,
     attempts: u32,
     dead: &DeadLetters,
     local: &LocalHooks,
+    remembers: bool,
 ) -> Refusal {
     match read {
-        // Landed: the record holds exactly this completion, of this execution. The same
-        // bytes under another execution id are another execution's (a 204, a cached 4xx): the
-        // key ran twice, which is for the dead-letter file to say.
+        // Landed: the record holds exactly this completion, of this execution, and the store
+        // would not have said so of a write it took. The same bytes under another execution
+        // id are another execution's (a 204, a cached 4xx), and so are they under this id on
+        // a store that remembers its writes (a takeover after the lock lapsed keeps the id):
+        // the key ran twice, which is for the dead-letter file to say.
         Ok(Some(Record {
             state: RecordState::Completed(ref c),
             execution_id,
             ..
-        })) if *c == job.completion && execution_id == job.execution_id => {
+        })) if !remembers && *c == job.completion && execution_id == job.execution_id => {
             (local.stored)(&job.key, job.execution_id);
             Refusal::Landed
         }
@@ -624,7 +629,8 @@ async fn run(
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
                 }
                 Written::Refused(read) => {
-                    match settle_refused(read, job, attempt + 1, &dead, &local) {
+                    let remembers = store.remembers_writes();
+                    match settle_refused(read, job, attempt + 1, &dead, &local, remembers) {
                         Refusal::Landed => {
                             stats.recovered.fetch_add(1, Ordering::Relaxed);
                             stats.pending.fetch_sub(1, Ordering::AcqRel);
@@ -1579,6 +1585,51 @@ mod tests {
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("lock taken over"), "{text}");
         assert_eq!(retrier.stats().fenced.load(Ordering::Relaxed), 1);
+    }
+
+    /// On a store that remembers its writes (Redis), a refused write never landed: the same
+    /// answer under the same execution id is another execution's, a takeover after the lock
+    /// lapsed (which keeps the id) that answered alike. The key ran twice: dead-lettered as a
+    /// lock taken over, not counted as this completion stored.
+    #[tokio::test]
+    async fn the_same_answer_under_the_same_id_is_a_takeover_where_the_store_remembers_writes() {
+        for remembers in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
+            store.remembers_writes = Some(remembers);
+            let shared = Arc::new(store);
+            let job = claimed(shared.as_ref(), 18).await;
+            // Taken over under the same id (as a lapsed lock is), and answered alike.
+            assert!(shared.delete(&job.key).await.unwrap());
+            let other = ClaimRequest {
+                key: job.key.clone(),
+                fingerprint: job.fingerprint,
+                owner: OwnerToken::random(),
+                execution_id: job.execution_id,
+                lock_ttl: Duration::from_secs(30),
+                ttl: job.ttl,
+            };
+            shared.claim(&other).await.unwrap();
+            let stored = shared.complete(&job.key, other.owner, job.completion.clone(), job.ttl);
+            assert_eq!(stored.await.unwrap(), WriteOutcome::Applied);
+            let (retrier, worker) =
+                CompletionRetrier::new(shared.clone(), LocalHooks::none(), options(dir.path()));
+            tokio::spawn(worker);
+            retrier.submit(job.clone());
+            settle(&retrier).await;
+            let (recovered, fenced) = (
+                retrier.stats().recovered.load(Ordering::Relaxed),
+                retrier.stats().fenced.load(Ordering::Relaxed),
+            );
+            if remembers {
+                assert_eq!((recovered, fenced), (0, 1));
+                let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+                assert!(text.contains("lock taken over"), "{text}");
+            } else {
+                // A store that does not remember its writes cannot tell: taken as landed.
+                assert_eq!((recovered, fenced), (1, 0));
+            }
+        }
     }
 
     /// A refused first write whose record read is still out when its task is dropped (the end
