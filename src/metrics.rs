@@ -113,13 +113,15 @@ impl Metrics {
                 "idemgate_request_headers_refused_total",
                 "Connections closed because a request header took longer than \
                  request_header_timeout (timeout), exceeded max_request_header_bytes (too_large) \
-                 or could not be parsed (malformed)",
+                 or could not be parsed (malformed), by listener (proxy or admin)",
             ),
-            &["reason"],
+            &["listener", "reason"],
         )
         .expect("static metric definition");
-        for reason in ["timeout", "too_large", "malformed"] {
-            headers_refused.with_label_values(&[reason]);
+        for listener in ["proxy", "admin"] {
+            for reason in ["timeout", "too_large", "malformed"] {
+                headers_refused.with_label_values(&[listener, reason]);
+            }
         }
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")

@@ -523,15 +523,22 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     );
     // Every accepted connection is wrapped so its request headers must arrive within
     // request_header_timeout (pingora alone times only each read of a header).
-    let refusals = HeaderRefusals {
-        timeout: metrics.headers_refused.with_label_values(&["timeout"]),
-        too_large: metrics.headers_refused.with_label_values(&["too_large"]),
-        malformed: metrics.headers_refused.with_label_values(&["malformed"]),
+    let refusals = |listener: &str| HeaderRefusals {
+        timeout: metrics
+            .headers_refused
+            .with_label_values(&[listener, "timeout"]),
+        too_large: metrics
+            .headers_refused
+            .with_label_values(&[listener, "too_large"]),
+        malformed: metrics
+            .headers_refused
+            .with_label_values(&[listener, "malformed"]),
     };
+    let (proxy_refusals, admin_refusals) = (refusals("proxy"), refusals("admin"));
     let guarded = Guarded::new(
         pingora::proxy::http_proxy(&server.configuration, gate),
         current.clone(),
-        refusals.clone(),
+        proxy_refusals,
     );
     let mut proxy = Service::new("idemgate".to_string(), guarded);
     proxy.add_tcp(&listen);
@@ -555,7 +562,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     // IP for probes and scrapes, it is as open to a slow client as the proxy's.
     let mut admin = Service::new(
         "idemgate admin".to_string(),
-        Guarded::new(admin_app, current.clone(), refusals),
+        Guarded::new(admin_app, current.clone(), admin_refusals),
     );
     admin.add_tcp(&admin_listen);
     admin.threads = Some(1);

@@ -526,6 +526,18 @@ async fn the_admin_listener_holds_request_headers_to_request_header_timeout() {
         "{text}"
     );
     assert!(elapsed >= Duration::from_millis(500));
+    // Counted as the admin listener's, not the proxy's.
+    let metrics = proxy
+        .metrics_containing(
+            r#"idemgate_request_headers_refused_total{listener="admin",reason="timeout"} 1"#,
+        )
+        .await;
+    assert!(
+        metrics.contains(
+            r#"idemgate_request_headers_refused_total{listener="proxy",reason="timeout"} 0"#
+        ),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

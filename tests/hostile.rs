@@ -462,9 +462,9 @@ fn assert_raw_problem(raw: &[u8], status: u16, slug: &str) {
     assert_eq!(text.matches("HTTP/1.1 4").count(), 1, "{text}");
 }
 
-/// The refusal counter line for `reason` at `n`.
+/// The proxy listener's refusal counter line for `reason` at `n`.
 fn refused(reason: &str, n: u32) -> String {
-    format!(r#"idemgate_request_headers_refused_total{{reason="{reason}"}} {n}"#)
+    format!(r#"idemgate_request_headers_refused_total{{listener="proxy",reason="{reason}"}} {n}"#)
 }
 
 #[tokio::test]
