@@ -21,8 +21,8 @@
 --   the execution holding it would lose its record (a retry would run the key beside it).
 
 local key = KEYS[1]
-local s, l = unpack(redis.call('HMGET', key, 's', 'l'))
-if s == 'i' then
+local s, l, f = unpack(redis.call('HMGET', key, 's', 'l', 'f'))
+if s == 'i' and f then
   local time = redis.call('TIME')
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   local left = (tonumber(l) or 0) - now

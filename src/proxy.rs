@@ -297,6 +297,9 @@ pub struct RequestCtx {
     /// Answered by idemgate itself with no idempotency result: counted as `REFUSED`.
     refused: bool,
     record_label: Option<key::HashLabel>,
+    /// Set once pingora's streaming path read the request body to its end (a body cut off is
+    /// never marked so, though pingora counts it as done).
+    body_ended: bool,
     _guard: InFlightGuard,
 }
 
@@ -1792,6 +1795,7 @@ impl ProxyHttp for Gate {
             outcome: None,
             refused: false,
             record_label: None,
+            body_ended: false,
             _guard: InFlightGuard::new(self.in_flight.clone()),
         }
     }
@@ -1918,6 +1922,18 @@ impl ProxyHttp for Gate {
         Ok(())
     }
 
+    /// Notes a request body pingora's streaming path read to its end.
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        _body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Self::CTX,
+    ) -> Result<()> {
+        ctx.body_ended |= end_of_stream;
+        Ok(())
+    }
+
     /// How pingora's own error lines name the request: method, path and route, as the access
     /// line does. pingora's default adds the query and `Host`, which may carry what a client
     /// means to keep out of logs (a token in a query parameter).
@@ -1944,7 +1960,9 @@ impl ProxyHttp for Gate {
             .response_written()
             .filter(|r| !r.status.is_informational())
             .map(|r| r.status.as_u16());
-        let body_done = session.is_body_done();
+        // pingora's `is_body_done` is true for a body cut off too: only a body read to its end,
+        // or none at all, is whole.
+        let body_done = ctx.body_ended || session.is_body_empty();
         let problem = match e.esource() {
             // Only a failure to connect proves that nothing was sent.
             pingora::ErrorSource::Upstream if is_connect_failure(&e.etype) => {

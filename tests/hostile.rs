@@ -1060,3 +1060,26 @@ async fn a_client_that_closes_after_its_streamed_body_keeps_its_outcome() {
     let metrics = proxy.metrics().await;
     assert!(!metrics.contains("result=\"INVALID\""), "{metrics}");
 }
+
+/// A streamed body the client cuts off (a chunked body without its last chunk, then a close)
+/// is still a 400 `request-body-unreadable`, counted `INVALID`: pingora counts a body that
+/// ended early as done, but only one read to its end is whole.
+#[tokio::test]
+async fn a_streamed_body_cut_off_by_the_client_is_a_400() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /optional/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n",
+    )
+    .await
+    .unwrap();
+    s.shutdown().await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("request-body-unreadable"), "{answer}");
+    proxy.log_containing("result=\"INVALID\"").await;
+}

@@ -254,7 +254,7 @@ async fn a_completion_redis_refused_arrives_through_the_retry_queue() {
     let backend = Backend::start().await;
     let a = builder_to(&backend, link.redis_url()).start().await;
     let b = builder(&backend, &redis).start().await;
-    let req = Request::post("/orders/slow/700")
+    let req = Request::post("/orders/slow/1500")
         .key("late")
         .body("{\"n\":1}");
     let addr = a.addr;
@@ -1724,7 +1724,8 @@ async fn a_purge_spares_a_claim_whose_lock_lapsed_unless_forced() {
         .env("IDEMGATE_ADMIN_TOKEN", ADMIN_TOKEN)
         .start()
         .await;
-    let running = Request::post("/orders/slow/1500")
+    // Slow enough that the purges below come while it runs, however loaded the machine.
+    let running = Request::post("/orders/slow/5000")
         .key("lapsed-purge")
         .body("{}")
         .spawn_send(proxy.addr);
@@ -1752,5 +1753,5 @@ async fn a_purge_spares_a_claim_whose_lock_lapsed_unless_forced() {
     let forced = purge("?force=true").send(proxy.admin).await;
     assert_eq!(forced.status, 200, "{}", forced.text());
     assert_eq!(redis.cmd::<i64>(&["EXISTS", &records[0]]), 0, "removed");
-    let _ = running.await;
+    running.abort();
 }

@@ -1290,3 +1290,29 @@ async fn a_write_id_proves_a_write_only_beside_its_state() {
         assert_eq!(field("o").as_deref(), Some("B"), "{version}");
     }
 }
+
+/// The purge spares a record in flight, its lock running or lapsed, and removes a hash under a
+/// record's name that is no record (no fingerprint), as a claim would take it for absent.
+#[tokio::test]
+async fn a_purge_spares_claims_lapsed_or_not_and_removes_what_is_no_record() {
+    let server = RedisServer::start();
+    let purge =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("lua/purge.lua"))
+            .unwrap();
+    let key = "idemgate:{t:purge}";
+    let now = server_now_ms(&server);
+    for (lock, spared) in [(now + 60_000, 59_000), (now - 1_000, 0)] {
+        let _: i64 = server.cmd(&["DEL", key]);
+        let lock = lock.to_string();
+        let _: i64 = server.cmd(&[
+            "HSET", key, "f", "fp", "x", "7", "s", "i", "o", "A", "l", &lock,
+        ]);
+        let reply: Vec<i64> = server.cmd(&["EVAL", &purge, "1", key]);
+        assert!(reply.len() == 1 && reply[0] >= spared, "{reply:?}");
+        assert_eq!(server.cmd::<i64>(&["EXISTS", key]), 1, "spared");
+    }
+    let _: i64 = server.cmd(&["DEL", key]);
+    let _: i64 = server.cmd(&["HSET", key, "x", "7", "s", "i"]);
+    assert_eq!(server.cmd::<i64>(&["EVAL", &purge, "1", key]), 1);
+    assert_eq!(server.cmd::<i64>(&["EXISTS", key]), 0, "no record: removed");
+}

@@ -278,8 +278,8 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         self.inner.usage()
     }
 
-    fn remembers_writes(&self) -> bool {
-        self.inner.remembers_writes()
+    fn refusals_are_final(&self) -> bool {
+        self.inner.refusals_are_final()
     }
 
     fn own_claim(&self, key: &RecordKey) -> Option<Duration> {

@@ -1181,8 +1181,8 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         self.inner.usage()
     }
 
-    fn remembers_writes(&self) -> bool {
-        self.inner.remembers_writes()
+    fn refusals_are_final(&self) -> bool {
+        self.inner.refusals_are_final()
     }
 
     fn local_copy(&self, key: &RecordKey) -> Option<Record> {

@@ -42,8 +42,8 @@ pub struct FaultyStore<S> {
     fault: AtomicU8,
     /// Calls that reached this store (failed or not).
     pub calls: AtomicU64,
-    /// What [`RecordStore::remembers_writes`] answers (the inner store's unless set).
-    pub remembers_writes: Option<bool>,
+    /// What [`RecordStore::refusals_are_final`] answers (the inner store's unless set).
+    pub refusals_are_final: Option<bool>,
 }
 
 impl<S: RecordStore> FaultyStore<S> {
@@ -53,7 +53,7 @@ impl<S: RecordStore> FaultyStore<S> {
             inner,
             fault: AtomicU8::new(0),
             calls: AtomicU64::new(0),
-            remembers_writes: None,
+            refusals_are_final: None,
         }
     }
 
@@ -136,8 +136,8 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
     fn usage(&self) -> Option<StoreUsage> {
         self.inner.usage()
     }
-    fn remembers_writes(&self) -> bool {
-        self.remembers_writes
-            .unwrap_or_else(|| self.inner.remembers_writes())
+    fn refusals_are_final(&self) -> bool {
+        self.refusals_are_final
+            .unwrap_or_else(|| self.inner.refusals_are_final())
     }
 }

@@ -620,6 +620,11 @@ impl RecordStore for MemoryStore {
         Ok(self.remove_settled(key))
     }
 
+    /// Every write is answered at once, in this process: none lands later.
+    fn refusals_are_final(&self) -> bool {
+        true
+    }
+
     fn usage(&self) -> Option<StoreUsage> {
         Some(StoreUsage {
             records: self.records.load(Ordering::Relaxed),

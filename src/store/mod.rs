@@ -275,13 +275,14 @@ pub trait RecordStore: Send + Sync + 'static {
         None
     }
 
-    /// Whether the store knows a write it already took when the same write comes again: it
-    /// remembers each complete/release by an id that every send of that write carries (Redis:
-    /// one derived from the owner token), and answers the repeat "applied" itself. Then a
-    /// "not the owner" is never an earlier send that landed, and a record holding the same
-    /// answer under the same execution id is another execution's (a takeover after the lock
-    /// lapsed, answering alike), which the completion retrier must not count as its own.
-    fn remembers_writes(&self) -> bool {
+    /// Whether a completion this store refused ("not the owner") can never be an earlier send
+    /// of the same completion that landed: the embedded store answers every write at once, and
+    /// Redis remembers a completion by an id every send of it carries (one per owner and
+    /// answer) and answers the repeat "applied" itself. Then a record holding the same answer
+    /// under the same execution id is another execution's (a takeover after the lock lapsed,
+    /// answering alike), which the completion retrier must not count as its own. False for a
+    /// store that cannot say.
+    fn refusals_are_final(&self) -> bool {
         false
     }
 
@@ -370,8 +371,8 @@ impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     fn usage(&self) -> Option<StoreUsage> {
         (**self).usage()
     }
-    fn remembers_writes(&self) -> bool {
-        (**self).remembers_writes()
+    fn refusals_are_final(&self) -> bool {
+        (**self).refusals_are_final()
     }
     fn local_copy(&self, key: &RecordKey) -> Option<Record> {
         (**self).local_copy(key)

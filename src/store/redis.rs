@@ -23,9 +23,9 @@
 //! silent (no answer to anything since a call that timed out went out) is dropped, so the next
 //! call makes another (see [`Held`]). That re-send is
 //! safe even when the first send did reach Redis: a claim by the same owner re-acquires, and
-//! complete/release carry a write id the scripts remember (one per owner, operation and
-//! answer, the same for every send: see [`completion_id`]), so a repeated write answers "applied"
-//! instead of "not owner".
+//! complete/release carry a write id the scripts remember (a complete's one per owner and
+//! answer, the same for every send of it, the retry queue's too: see [`completion_id`]; a
+//! release's random per call), so a repeated write answers "applied" instead of "not owner".
 //!
 //! Script versions and the canary ([`script_set`](super::script_set)): each record runs the
 //! active version or, chosen by its hash, the canary. A canary call that Redis answers with an
@@ -1400,8 +1400,8 @@ impl RecordStore for RedisStore {
         parse_deletion(reply)
     }
 
-    /// Every complete carries its [`completion_id`], which the scripts keep.
-    fn remembers_writes(&self) -> bool {
+    /// Every send of a completion carries its [`completion_id`], which the scripts keep.
+    fn refusals_are_final(&self) -> bool {
         true
     }
 

@@ -420,8 +420,8 @@ impl CompletionRetrier {
             // Dead-lettered meanwhile: the process is stopping.
             return Refusal::Unread;
         };
-        let remembers = self.store.remembers_writes();
-        let refusal = settle_refused(read, job, 1, &self.dead, &self.local, remembers);
+        let final_refusal = self.store.refusals_are_final();
+        let refusal = settle_refused(read, job, 1, &self.dead, &self.local, final_refusal);
         if refusal == Refusal::Landed {
             self.stats.pending.fetch_sub(1, Ordering::AcqRel);
         }
@@ -502,27 +502,28 @@ pub enum Refusal {
 
 /// Settles `job`, counted as pending, whose write the store refused, by `read`, the record as
 /// read after the refusal: dead-lettered unless it landed (the local entry is then told so,
-/// and the caller takes it off the pending count). `remembers`: the store answers a write it
-/// took before "applied" ([`RecordStore::remembers_writes`]), so a refused one never landed.
+/// and the caller takes it off the pending count). `final_refusal`: the store answers a write it
+/// took before "applied", or answers every write at once ([`RecordStore::refusals_are_final`]),
+/// so a refused one never landed.
 fn settle_refused(
     read: Result<Option<Record>, StoreError>,
     job: PendingCompletion,
     attempts: u32,
     dead: &DeadLetters,
     local: &LocalHooks,
-    remembers: bool,
+    final_refusal: bool,
 ) -> Refusal {
     match read {
         // Landed: the record holds exactly this completion, of this execution, and the store
         // would not have said so of a write it took. The same bytes under another execution
         // id are another execution's (a 204, a cached 4xx), and so are they under this id on
-        // a store that remembers its writes (a takeover after the lock lapsed keeps the id):
+        // a store whose refusals are final (a takeover after the lock lapsed keeps the id):
         // the key ran twice, which is for the dead-letter file to say.
         Ok(Some(Record {
             state: RecordState::Completed(ref c),
             execution_id,
             ..
-        })) if !remembers && *c == job.completion && execution_id == job.execution_id => {
+        })) if !final_refusal && *c == job.completion && execution_id == job.execution_id => {
             (local.stored)(&job.key, job.execution_id);
             Refusal::Landed
         }
@@ -629,8 +630,8 @@ async fn run(
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
                 }
                 Written::Refused(read) => {
-                    let remembers = store.remembers_writes();
-                    match settle_refused(read, job, attempt + 1, &dead, &local, remembers) {
+                    let final_refusal = store.refusals_are_final();
+                    match settle_refused(read, job, attempt + 1, &dead, &local, final_refusal) {
                         Refusal::Landed => {
                             stats.recovered.fetch_add(1, Ordering::Relaxed);
                             stats.pending.fetch_sub(1, Ordering::AcqRel);
@@ -1272,7 +1273,11 @@ mod tests {
     #[tokio::test]
     async fn a_write_that_landed_late_counts_as_recovered() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(MemoryStore::new(1 << 20, 1));
+        // A store that cannot say whether a refused write landed before (a timed-out write
+        // there may land later).
+        let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
+        store.refusals_are_final = Some(false);
+        let store = Arc::new(store);
         let job = claimed(store.as_ref(), 6).await;
         // The "timed out" write did reach the store.
         let first = store.complete(&job.key, job.owner, job.completion.clone(), job.ttl);
@@ -1587,16 +1592,16 @@ mod tests {
         assert_eq!(retrier.stats().fenced.load(Ordering::Relaxed), 1);
     }
 
-    /// On a store that remembers its writes (Redis), a refused write never landed: the same
-    /// answer under the same execution id is another execution's, a takeover after the lock
-    /// lapsed (which keeps the id) that answered alike. The key ran twice: dead-lettered as a
-    /// lock taken over, not counted as this completion stored.
+    /// On a store whose refusals are final (Redis, the embedded store), a refused write never
+    /// landed: the same answer under the same execution id is another execution's, a takeover
+    /// after the lock lapsed (which keeps the id) that answered alike. The key ran twice:
+    /// dead-lettered as a lock taken over, not counted as this completion stored.
     #[tokio::test]
-    async fn the_same_answer_under_the_same_id_is_a_takeover_where_the_store_remembers_writes() {
-        for remembers in [true, false] {
+    async fn the_same_answer_under_the_same_id_is_a_takeover_where_a_refusal_is_final() {
+        for final_refusal in [true, false] {
             let dir = tempfile::tempdir().unwrap();
             let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
-            store.remembers_writes = Some(remembers);
+            store.refusals_are_final = Some(final_refusal);
             let shared = Arc::new(store);
             let job = claimed(shared.as_ref(), 18).await;
             // Taken over under the same id (as a lapsed lock is), and answered alike.
@@ -1621,12 +1626,12 @@ mod tests {
                 retrier.stats().recovered.load(Ordering::Relaxed),
                 retrier.stats().fenced.load(Ordering::Relaxed),
             );
-            if remembers {
+            if final_refusal {
                 assert_eq!((recovered, fenced), (0, 1));
                 let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
                 assert!(text.contains("lock taken over"), "{text}");
             } else {
-                // A store that does not remember its writes cannot tell: taken as landed.
+                // A store that cannot say whether a refused write landed: taken as landed.
                 assert_eq!((recovered, fenced), (1, 0));
             }
         }
