@@ -760,7 +760,13 @@ impl Gate {
             .await;
             match chunk {
                 Err(_) => return Err(Problem::RequestTimeout),
-                Ok(Err(_)) => return Err(Problem::RequestBodyUnreadable),
+                Ok(Err(_)) => {
+                    // pingora counts a body that failed to parse as done: whatever follows on
+                    // the connection is no request of the client's to read next (a front
+                    // proxy that framed the body otherwise would have it smuggled in).
+                    session.set_keepalive(None);
+                    return Err(Problem::RequestBodyUnreadable);
+                }
                 Ok(Ok(None)) => break,
                 Ok(Ok(Some(data))) => {
                     let need = buf.len() + data.len();
@@ -1955,10 +1961,13 @@ impl ProxyHttp for Gate {
         ctx: &mut Self::CTX,
     ) -> FailToProxy {
         // An interim answer relayed from the backend (`100 Continue`) is no answer: the final
-        // one may still follow it.
+        // one may still follow it. A `101` is final: the connection is a tunnel from then on,
+        // and a problem written into it would reach the client as tunnel bytes.
         let written = session
             .response_written()
-            .filter(|r| !r.status.is_informational())
+            .filter(|r| {
+                !r.status.is_informational() || r.status == http::StatusCode::SWITCHING_PROTOCOLS
+            })
             .map(|r| r.status.as_u16());
         // pingora's `is_body_done` is true for a body cut off too: only a body read to its end,
         // or none at all, is whole.

@@ -1044,7 +1044,7 @@ async fn a_client_that_closes_after_its_streamed_body_keeps_its_outcome() {
     let proxy = ProxyBuilder::new(&backend).start().await;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     s.write_all(
-        b"POST /optional/slow/300 HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n\
+        b"POST /optional/slow/2000 HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n\
           2\r\n{}\r\n0\r\n\r\n",
     )
     .await
@@ -1082,4 +1082,33 @@ async fn a_streamed_body_cut_off_by_the_client_is_a_400() {
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains("request-body-unreadable"), "{answer}");
     proxy.log_containing("result=\"INVALID\"").await;
+}
+
+/// A keyed request whose chunked body breaks its framing gets its 400 and the connection
+/// closes: pingora counts such a body as read, but what follows it on the connection is no
+/// request of the client's (a front proxy that framed the body otherwise would have it
+/// smuggled in as one).
+#[tokio::test]
+async fn what_follows_a_body_that_breaks_its_framing_is_not_read_as_a_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: framed\r\n\
+          Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+    )
+    .await
+    .unwrap();
+    let first = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(first.status, 400, "{}", first.text());
+    assert_eq!(first.problem_type(), "request-body-unreadable");
+    let _ = s
+        .write_all(b"GET /plain/smuggled HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await;
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(!rest.contains("HTTP/1.1"), "{rest}");
+    assert_eq!(backend.count(), 0, "nothing forwarded");
 }

@@ -1301,7 +1301,7 @@ async fn a_purge_spares_claims_lapsed_or_not_and_removes_what_is_no_record() {
             .unwrap();
     let key = "idemgate:{t:purge}";
     let now = server_now_ms(&server);
-    for (lock, spared) in [(now + 60_000, 59_000), (now - 1_000, 0)] {
+    for (lock, spared) in [(now + 60_000, 30_000), (now - 1_000, 0)] {
         let _: i64 = server.cmd(&["DEL", key]);
         let lock = lock.to_string();
         let _: i64 = server.cmd(&[

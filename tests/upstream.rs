@@ -552,6 +552,44 @@ async fn an_upgraded_connection_may_stay_quiet_longer_than_request_body_timeout(
     assert!(text.ends_with("hello"), "the tunnel was cut: {text}");
 }
 
+/// A client that breaks off an upgraded connection (a reset) ends a tunnel, not a request with
+/// an unreadable body: its answer was the `101`, and no problem is written into the tunnel or
+/// logged in its place.
+#[tokio::test]
+async fn a_client_that_breaks_off_a_tunnel_leaves_its_101() {
+    use tokio::io::AsyncReadExt;
+    let backend = RawBackend::start(vec![
+        send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+        Step::Pause(Duration::from_secs(5)),
+    ])
+    .await;
+    let proxy = ProxyBuilder::at(backend.addr).start().await;
+    let s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let mut s = s;
+    s.write_all(
+        b"GET /plain/ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("the 101 comes")
+        .unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 101"));
+    s.set_linger(Some(Duration::ZERO)).unwrap();
+    drop(s);
+    let log = proxy.log_containing("path=\"/plain/ws\"").await;
+    let line = log
+        .lines()
+        .find(|l| l.contains("path=\"/plain/ws\""))
+        .unwrap_or_default();
+    assert!(line.contains("status=101"), "{line}");
+    assert!(!line.contains("INVALID"), "{line}");
+    // No problem was written into the tunnel (pingora refuses its head, not its body).
+    assert!(!log.contains("cannot send again"), "{log}");
+}
+
 #[tokio::test]
 async fn forwarded_requests_keep_header_spelling_and_drop_hop_by_hop_headers() {
     let backend = RawBackend::start(vec![send(

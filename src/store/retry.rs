@@ -1598,10 +1598,13 @@ mod tests {
     /// dead-lettered as a lock taken over, not counted as this completion stored.
     #[tokio::test]
     async fn the_same_answer_under_the_same_id_is_a_takeover_where_a_refusal_is_final() {
-        for final_refusal in [true, false] {
+        // Said so, said otherwise, and the embedded store's own answer (its writes are
+        // answered at once: final).
+        for said in [Some(true), Some(false), None] {
+            let final_refusal = said.unwrap_or(true);
             let dir = tempfile::tempdir().unwrap();
             let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
-            store.refusals_are_final = Some(final_refusal);
+            store.refusals_are_final = said;
             let shared = Arc::new(store);
             let job = claimed(shared.as_ref(), 18).await;
             // Taken over under the same id (as a lapsed lock is), and answered alike.
