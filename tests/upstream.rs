@@ -577,7 +577,7 @@ async fn a_client_that_breaks_off_a_tunnel_leaves_its_101() {
         .expect("the 101 comes")
         .unwrap();
     assert!(buf[..n].starts_with(b"HTTP/1.1 101"));
-    s.set_linger(Some(Duration::ZERO)).unwrap();
+    s.set_zero_linger().unwrap();
     drop(s);
     let log = proxy.log_containing("path=\"/plain/ws\"").await;
     let line = log
