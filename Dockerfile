@@ -81,7 +81,7 @@ EXPOSE 6180 6181
 
 # SIGTERM is idemgate's graceful drain: listeners close, in-flight requests finish and their
 # records are stored, then it exits 0 (within shutdown.grace_period + graceful_shutdown_timeout,
-# + up to 6 s writing the last dead letters at exit).
+# + up to 5 s writing the last dead letters at exit).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/idemgate"]
 CMD ["--config", "/etc/idemgate/idemgate.yaml"]

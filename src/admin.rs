@@ -240,8 +240,14 @@ impl Admin {
             // delete are one step in the store: a claim landing between a read and a delete
             // would be removed from under its execution.
             let force = query.get("force").as_deref() == Some("true");
-            let running = |lock_remaining: std::time::Duration| {
-                let message = if lock_remaining.is_zero() {
+            let running = |lock_remaining: std::time::Duration, on_fallback: bool| {
+                let message = if lock_remaining.is_zero() && on_fallback {
+                    "the record is in flight on this replica's fallback and its lock lapsed: its \
+                     execution may still be running here, and a retry takes the key over under \
+                     the same X-Idempotency-Id, which a purge would lose; purge with \
+                     ?force=true to drop it all the same"
+                        .to_owned()
+                } else if lock_remaining.is_zero() {
                     "the record is in flight and its lock lapsed: its execution may still be \
                      running (on a replica cut off from the store), and a retry already takes \
                      the key over under the same X-Idempotency-Id, which a purge would lose (a \
@@ -268,11 +274,11 @@ impl Admin {
                     ..
                 })) = fallback.get(&record_key).await
                 {
-                    return running(lock_remaining);
+                    return running(lock_remaining, true);
                 }
             }
             let deleted = match purge_from(self.store.as_ref(), &record_key, force).await {
-                Ok(Deletion::Running { lock_remaining }) => return running(lock_remaining),
+                Ok(Deletion::Running { lock_remaining }) => return running(lock_remaining, false),
                 Ok(deletion) => Ok(deletion == Deletion::Deleted),
                 Err(e) => Err(e),
             };

@@ -1247,13 +1247,23 @@ impl Config {
     /// route, while the request itself is forwarded untouched.
     ///
     /// The first route whose prefix and methods match wins: [`RouteMatch::Idempotent`] if it has
-    /// an idempotency block, else [`RouteMatch::Forward`]. Failing that, the first route whose
-    /// prefix matches under any method forwards untouched; then `default_upstream`; then
-    /// [`RouteMatch::NoRoute`]. On the hot path (a path already in normal form) no allocation.
+    /// an idempotency block, else [`RouteMatch::Forward`]. An idempotent route also takes its
+    /// format suffixes (`/orders.json`) for the methods it lists. Failing that, the first route
+    /// whose prefix matches under any method forwards untouched; then `default_upstream`; then
+    /// [`RouteMatch::NoRoute`]. Routing fails closed: when that finds no idempotent route, the
+    /// path read with `%2F`/`%5C` decoded into separators is matched too, and an idempotent
+    /// route found so wins, unless the route found first names an escaped separator in its own
+    /// prefix (a carve-out the operator wrote for that very spelling). On the hot path (a path
+    /// already in normal form) no allocation.
     pub fn match_route(&self, method: &Method, path: &str) -> RouteMatch {
         let found = self.match_path(method, &route_path(path));
         if matches!(found, RouteMatch::Idempotent(_)) {
             return found;
+        }
+        if let RouteMatch::Forward { route: Some(i), .. } = found {
+            if separators_decoded(&self.routes[i].path_prefix).is_some() {
+                return found;
+            }
         }
         // Fail closed: a backend that decodes `%2F` (or `%5C`) into a separator before it
         // routes (WSGI servers, nginx's `$uri`) runs `/orders%2F1` as `/orders/1`. Under that
@@ -5343,6 +5353,32 @@ routes:
         }
         // Only a path that might change is copied.
         assert!(matches!(route_path("/.well-known/x"), Cow::Owned(p) if p == "/.well-known/x"));
+    }
+
+    #[test]
+    fn a_carve_out_for_an_escaped_separator_keeps_its_spelling() {
+        let config = load(
+            r#"
+upstreams:
+  a: {addrs: ["127.0.0.1:1"]}
+routes:
+  - {name: literal, path_prefix: "/a%2Fb", upstream: a}
+  - {name: keyed, methods: [POST], path_prefix: /a, upstream: a, idempotency: {}}
+"#,
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/a%2Fb"),
+            RouteMatch::Forward {
+                route: Some(0),
+                upstream: 0
+            },
+            "the operator's route for that spelling"
+        );
+        assert_eq!(
+            config.match_route(&Method::POST, "/a%2Fc"),
+            RouteMatch::Idempotent(1),
+            "any other escaped separator still fails closed"
+        );
     }
 
     #[test]

@@ -1517,10 +1517,9 @@ fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
 }
 
 /// `head`, unless it is for an HTTP/1.0 client (`old_client`: not for a HEAD request, whose
-/// answer has no body) and its body stays under a
-/// transfer coding once its chunks are read (`Transfer-Encoding: gzip, chunked`): such a client
-/// knows no transfer codings (RFC 9112 §6.1), and would take the coded bytes, sent bare, for
-/// the answer. Refused with its status, as any answer that cannot be relayed: on a route that
+/// answer has no body) and its body stays under a transfer coding once its chunks are read
+/// (`Transfer-Encoding: gzip, chunked`): such a client knows no transfer codings (RFC 9112
+/// §6.1), and would take the coded bytes, sent bare, for the answer. Refused with its status, as any answer that cannot be relayed: on a route that
 /// stores the status the key is recorded as executed, not replayable.
 fn relayable(head: ResponseHeader, old_client: bool) -> Result<ResponseHeader, UpstreamError> {
     match coding_beyond_chunked(&head, old_client) {
@@ -1556,7 +1555,6 @@ fn without_no_content_framing(header: &mut ResponseHeader) {
     }
 }
 
-/// A request's `Content-Length` value, if it is one number.
 /// A request's declared body length, read as pingora frames the body by it: every
 /// `Content-Length` line, each a comma-separated list of digits, all agreeing (`5, 5` is 5).
 /// `None` when there is none, or none that pingora would have let through.

@@ -2639,7 +2639,7 @@ mod tests {
         assert!(a.cached(&req.key).is_some(), "the trace is kept");
         let retry = a.claim(&retry_of(&req)).await.unwrap();
         assert!(matches!(retry, ClaimOutcome::Existing(_)), "{retry:?}");
-        // Once it no longer runs (lapsed, released), the delete goes through, the trace too.
+        // Once it no longer runs (released), the delete goes through, the trace too.
         shared.release(&req.key, req.owner).await.unwrap();
         assert_eq!(a.delete_settled(&req.key).await.unwrap(), Deletion::Deleted);
         assert!(a.cached(&req.key).is_none());

@@ -406,7 +406,9 @@ impl CompletionRetrier {
     /// goes, and this replica replays the store's), or the record is gone (`record gone`: a
     /// failover lost the claim while the backend ran; nobody else executed the key, and the
     /// local entry stays as the only trace of the answer), or it cannot be read (the entry
-    /// stays). A record that holds this very completion took it after all.
+    /// stays). On a store that cannot say whether a refused write landed before
+    /// ([`RecordStore::refusals_are_final`] false), a record that holds this very completion,
+    /// under this execution id, is taken for it having landed after all.
     ///
     /// While the record is read the completion waits among the others, so a process that stops
     /// meanwhile (pingora drops the request's task at the end of the grace period) dead-letters
