@@ -1252,7 +1252,7 @@ impl Gate {
                 // lost the claim while the backend ran). This one's answer, which its client
                 // already has, goes where an operator can reconcile it; the record read says
                 // which, and whether the local entry stays as the answer's only trace.
-                match self.retrier.refused(pending()).await {
+                match self.retrier.refused(pending(), claim.store).await {
                     Refusal::Landed => {}
                     Refusal::TakenOver => {
                         self.metrics.fenced_writes.inc();

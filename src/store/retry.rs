@@ -195,8 +195,6 @@ impl LocalHooks {
 /// Handle to the background retrier.
 #[derive(Clone)]
 pub struct CompletionRetrier {
-    /// The shared store, beneath any local cache.
-    store: Arc<dyn RecordStore>,
     tx: mpsc::Sender<(Job, u32)>,
     dead: Arc<DeadLetters>,
     local: LocalHooks,
@@ -349,7 +347,6 @@ impl CompletionRetrier {
         let dead = Arc::new(DeadLetters::start(file));
         let jobs = Arc::new(Jobs::default());
         let handle = CompletionRetrier {
-            store: shared.clone(),
             tx: tx.clone(),
             dead: dead.clone(),
             local: local.clone(),
@@ -413,16 +410,19 @@ impl CompletionRetrier {
     /// While the record is read the completion waits among the others, so a process that stops
     /// meanwhile (pingora drops the request's task at the end of the grace period) dead-letters
     /// it with them rather than losing it with this future.
-    pub async fn refused(&self, job: PendingCompletion) -> Refusal {
+    ///
+    /// `store` is the one that refused: the shared store, or the fallback a claim made during
+    /// an outage was written to (`on_unavailable: local`), whose record says why.
+    pub async fn refused(&self, job: PendingCompletion, store: &dyn RecordStore) -> Refusal {
         self.stats.pending.fetch_add(1, Ordering::AcqRel);
         let key = job.key.clone();
         let id = self.jobs.add(job);
-        let read = self.store.get(&key).await;
+        let read = store.get(&key).await;
         let Some(job) = self.jobs.take(id) else {
             // Dead-lettered meanwhile: the process is stopping.
             return Refusal::Unread;
         };
-        let final_refusal = self.store.refusals_are_final();
+        let final_refusal = store.refusals_are_final();
         let refusal = settle_refused(read, job, 1, &self.dead, &self.local, final_refusal);
         if refusal == Refusal::Landed {
             self.stats.pending.fetch_sub(1, Ordering::AcqRel);
@@ -1642,6 +1642,28 @@ mod tests {
         }
     }
 
+    /// A write the fallback refused (a claim made there during an outage, `on_unavailable:
+    /// local`) is judged by the fallback's record, not by the shared store's, which is down.
+    #[tokio::test]
+    async fn a_refusal_is_judged_by_the_store_that_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 20, 1)));
+        shared.set(Fault::Down);
+        let fallback = MemoryStore::new(1 << 20, 1);
+        let (retrier, worker) =
+            CompletionRetrier::new(shared.clone(), LocalHooks::none(), options(dir.path()));
+        tokio::spawn(worker);
+        let job = claimed(&fallback, 34).await;
+        assert!(
+            fallback.delete(&job.key).await.unwrap(),
+            "purged there, say"
+        );
+        assert_eq!(retrier.refused(job, &fallback).await, Refusal::Gone);
+        settle(&retrier).await;
+        let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
+        assert!(text.contains("record gone"), "{text}");
+    }
+
     /// A refused first write whose record read is still out when its task is dropped (the end
     /// of a shutdown's grace period) is dead-lettered with the waiting completions, not lost
     /// with the task.
@@ -1654,7 +1676,11 @@ mod tests {
         tokio::spawn(worker);
         let job = claimed(shared.as_ref(), 33).await;
         shared.set(Fault::GetStalls);
-        let read = tokio::time::timeout(Duration::from_millis(50), retrier.refused(job)).await;
+        let read = tokio::time::timeout(
+            Duration::from_millis(50),
+            retrier.refused(job, shared.as_ref()),
+        )
+        .await;
         assert!(read.is_err(), "the read stalls; the task is dropped");
         assert_eq!(retrier.pending(), 1, "still waiting to be settled");
         assert_eq!(
@@ -1697,7 +1723,10 @@ mod tests {
         assert!(shared.delete(&gone.key).await.unwrap());
         let written = cached.complete(&gone.key, gone.owner, gone.completion.clone(), gone.ttl);
         assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
-        assert_eq!(retrier.refused(gone.clone()).await, Refusal::Gone);
+        assert_eq!(
+            retrier.refused(gone.clone(), shared.as_ref()).await,
+            Refusal::Gone
+        );
         let calls = shared.calls.load(Ordering::Relaxed);
         let again = cached.claim(&retry_of(&gone)).await.unwrap();
         assert!(matches!(again, ClaimOutcome::Existing(_)), "{again:?}");
@@ -1712,7 +1741,10 @@ mod tests {
         ));
         let written = cached.complete(&taken.key, taken.owner, taken.completion.clone(), taken.ttl);
         assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
-        assert_eq!(retrier.refused(taken.clone()).await, Refusal::TakenOver);
+        assert_eq!(
+            retrier.refused(taken.clone(), shared.as_ref()).await,
+            Refusal::TakenOver
+        );
         let again = cached.claim(&retry_of(&taken)).await.unwrap();
         assert!(
             matches!(
@@ -1735,7 +1767,10 @@ mod tests {
             purged.ttl,
         );
         assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
-        assert_eq!(retrier.refused(purged.clone()).await, Refusal::Gone);
+        assert_eq!(
+            retrier.refused(purged.clone(), shared.as_ref()).await,
+            Refusal::Gone
+        );
         let again = cached.claim(&retry_of(&purged)).await.unwrap();
         assert!(matches!(again, ClaimOutcome::Acquired { .. }), "{again:?}");
 
