@@ -1089,6 +1089,10 @@ async fn a_drain_that_runs_out_says_which_requests_it_cuts_off() {
     let _ = inflight.await;
     let (status, _proxy) = exit_of(proxy).await;
     assert!(status.is_some(), "exited once the grace period ran out");
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "a SIGTERM stop exits 0 even when the drain ran out: {status:?}"
+    );
 }
 
 #[tokio::test]
@@ -1409,4 +1413,43 @@ async fn a_length_declared_twice_over_the_limit_is_refused_without_inviting_the_
         assert!(!text.contains("100 Continue"), "{lengths}: {text}");
     }
     assert_eq!(backend.count(), 0);
+}
+
+/// `on_in_flight: wait` replays only an answer it can replay: a waiter whose original ended
+/// with its outcome unknown (the backend's answer lost: the claim stays until `lock_ttl`) or
+/// with an answer too large to keep gets 409, and never runs the key itself.
+#[tokio::test]
+async fn a_waiter_never_runs_a_key_whose_original_ended_unknown_or_unreplayable() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 300ms")
+        .upstream("read_timeout: 400ms")
+        .idem("lock_ttl: 5s")
+        .idem("on_in_flight: wait")
+        .idem("wait_timeout: 2s")
+        .idem("max_response_bytes: 1KiB")
+        .start()
+        .await;
+    let cases = [
+        // The backend answers after read_timeout: 504, outcome unknown.
+        ("/orders/slow/1500", "lost", 504, "request-in-flight"),
+        // 5000 bytes against a 1 KiB limit: relayed, recorded as not replayable.
+        (
+            "/orders/slow/250/large/5000",
+            "large",
+            200,
+            "response-not-replayable",
+        ),
+    ];
+    for (n, (path, key, first_status, waiter_problem)) in cases.into_iter().enumerate() {
+        let req = Request::post(path).key(key).body("{}");
+        let first = req.spawn_send(proxy.addr);
+        backend.until_count(n + 1).await;
+        let waiter = req.send(proxy.addr).await;
+        assert_eq!(first.await.unwrap().status, first_status, "{path}");
+        assert_eq!(waiter.status, 409, "{path}: {}", waiter.text());
+        assert_eq!(waiter.problem_type(), waiter_problem, "{path}");
+        assert_eq!(backend.count(), n + 1, "{path}: the waiter ran nothing");
+    }
 }

@@ -176,6 +176,11 @@ async fn pass_and_local_policies_forward_marked_degraded() {
         "no claim, no execution id: the backend's unique index must not see a made-up one"
     );
     assert_eq!(Request::get("/readyz").send(pass.admin).await.status, 200);
+    // A third failure opens the circuit (three in a row, by default), and the gauge says so.
+    req.send(pass.addr).await;
+    let m = pass.metrics().await;
+    let state = metric(&m, "idemgate_store_circuit_state");
+    assert!(state == 1.0 || state == 2.0, "open (or probing): {state}");
 
     let local = ProxyBuilder::new(&backend)
         .redis(&[url])
@@ -190,7 +195,9 @@ async fn pass_and_local_policies_forward_marked_degraded() {
     let again = req.send(local.addr).await;
     assert_eq!(again.result(), Some("HIT"));
     assert_eq!(again.body, r.body);
-    assert_eq!(backend.count(), 3);
+    assert_eq!(backend.count(), 4, "pass ran three, the fallback one");
+    // The policy lets it serve: ready, so the pod stays in the Service through the outage.
+    assert_eq!(Request::get("/readyz").send(local.admin).await.status, 200);
 }
 
 /// `on_unavailable: pass` forwards unprotected when the store cannot say whether a key is free,

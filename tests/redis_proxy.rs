@@ -671,3 +671,35 @@ async fn a_request_drained_at_sigterm_is_stored_for_the_other_replicas() {
     assert_eq!(replay.body, answered.body);
     assert_eq!(backend.count(), 1);
 }
+
+/// An answer too large to keep is recorded on Redis as executed, not replayable: a retry on
+/// another replica, and one on the replica that ran it, gets 409 `response-not-replayable`; a
+/// changed body under the key gets 422; the key never runs twice.
+#[tokio::test]
+async fn a_response_too_large_to_keep_is_never_run_again_on_any_replica() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let instances = proxies(&backend, &[redis.url()], 2, &["max_response_bytes: 1KiB"]).await;
+    let req = Request::post("/orders/large/5000")
+        .key("too-large")
+        .body("{}");
+    let first = req.send(instances[0].addr).await;
+    assert_eq!((first.status, first.result()), (200, Some("MISS")));
+    assert_eq!(
+        first.body.len(),
+        5000,
+        "streamed whole to the client that ran it"
+    );
+    for (i, instance) in [&instances[1], &instances[0]].into_iter().enumerate() {
+        let again = req.send(instance.addr).await;
+        assert_eq!(again.status, 409, "retry {i}: {}", again.text());
+        assert_eq!(again.problem_type(), "response-not-replayable", "retry {i}");
+    }
+    let changed = Request::post("/orders/large/5000")
+        .key("too-large")
+        .body("{\"other\":1}")
+        .send(instances[1].addr)
+        .await;
+    assert_eq!(changed.status, 422, "{}", changed.text());
+    assert_eq!(backend.count(), 1);
+}

@@ -913,3 +913,52 @@ async fn purges_are_heard_past_a_first_seed(first: String) {
     stop.send(true).unwrap();
     listener.await.unwrap();
 }
+
+/// One round trip per phase: a claim, a completion and a release are one `EVALSHA` each, with
+/// no read of its own before it and no transaction around it.
+#[tokio::test]
+async fn each_phase_is_one_script_call() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    // Scripts load on their first use (NOSCRIPT, SCRIPT LOAD, again): one round first.
+    for _ in 0..2 {
+        let key = fresh_key();
+        let req = claim_request(&key);
+        store.claim(&req).await.expect("claim");
+        store.release(&key, req.owner).await.expect("release");
+        store.claim(&claim_request(&key)).await.expect("claim");
+    }
+    let warm = fresh_key();
+    let req = claim_request(&warm);
+    store.claim(&req).await.expect("claim");
+    let done = store.complete(&warm, req.owner, response(b"{}"), 60 * SECOND);
+    done.await.expect("complete");
+    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+    let completed = fresh_key();
+    let req = claim_request(&completed);
+    store.claim(&req).await.expect("claim");
+    let done = store.complete(&completed, req.owner, response(b"{}"), 60 * SECOND);
+    assert_eq!(done.await.expect("complete"), WriteOutcome::Applied);
+    let released = fresh_key();
+    let req = claim_request(&released);
+    store.claim(&req).await.expect("claim");
+    let done = store.release(&released, req.owner);
+    assert_eq!(done.await.expect("release"), WriteOutcome::Applied);
+
+    let stats: String = server.cmd(&["INFO", "commandstats"]);
+    let calls = |name: &str| -> u64 {
+        stats
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("cmdstat_{name}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(calls("evalsha"), 4, "{stats}");
+    // Commands the scripts run count too (HMGET, HSET, ...); none of these is one of them.
+    for other in [
+        "eval", "get", "set", "hget", "hgetall", "exists", "multi", "exec", "watch",
+    ] {
+        assert_eq!(calls(other), 0, "{other}: {stats}");
+    }
+}

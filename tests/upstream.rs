@@ -284,7 +284,16 @@ async fn assert_locked_then_lapses(proxy: &Proxy, backend: &RawBackend, key: &st
     assert_eq!(retry.status, 409, "{}", retry.text());
     assert_eq!(retry.problem_type(), "request-in-flight");
     assert_eq!(backend.count(), 1);
-    tokio::time::sleep(Duration::from_millis(1300)).await;
+    // Most of the way through the lock (1 s from the claim, made before the first retry),
+    // still held: the claim is kept until lock_ttl, not some part of it.
+    let sent = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let later = order(key).send(proxy.addr).await;
+    if sent.elapsed() < Duration::from_millis(900) {
+        assert_eq!(later.status, 409, "{}", later.text());
+        assert_eq!(backend.count(), 1, "still locked most of the way through");
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
     // The backend breaks this answer again; only the execution matters here.
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     s.write_all(&order(key).to_bytes()).await.unwrap();

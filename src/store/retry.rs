@@ -1091,6 +1091,9 @@ mod tests {
             let near = Instant::now() + Duration::from_millis(200);
             assert!(ms(10, near) <= 100, "{}", ms(10, near));
         }
+        // Jittered: retries of many completions after one outage do not all land at once.
+        let pauses: std::collections::HashSet<_> = (0..50).map(|_| ms(10, far)).collect();
+        assert!(pauses.len() >= 10, "{pauses:?}");
     }
 
     async fn claimed(store: &dyn RecordStore, n: u8) -> PendingCompletion {
