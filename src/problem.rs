@@ -393,6 +393,34 @@ pub fn document(slug: &str, title: &str, status: u16, detail: &str) -> serde_jso
 mod tests {
     use super::*;
 
+    /// Every problem type `slug` names is in the README's table of problem types, where
+    /// clients and operators look it up (SPEC: "a stable `type` URI per error kind, documented
+    /// in the README"). Read from this file's `slug`, so a new kind cannot be left out.
+    #[test]
+    fn every_problem_type_is_documented_in_the_readme() {
+        let source = include_str!("problem.rs");
+        let readme = include_str!("../README.md");
+        let table_start = readme.find("### Problem types").expect("README section");
+        let table = &readme[table_start..];
+        let table = &table[..table.find("\n## ").unwrap_or(table.len())];
+        let body_start = source.find("pub fn slug(&self)").expect("slug()");
+        let body = &source[body_start..];
+        let body = &body[..body.find("\n    }\n").expect("end of slug()")];
+        let slugs: Vec<&str> = body
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .filter(|s| !s.is_empty())
+            .collect();
+        assert!(slugs.len() >= 25, "{slugs:?}");
+        for slug in slugs {
+            assert!(
+                table.contains(&format!("`{slug}`")),
+                "{slug} is not in the README's table"
+            );
+        }
+    }
+
     #[test]
     fn body_is_problem_json_with_stable_type() {
         let p = Problem::FingerprintMismatch;
