@@ -1319,3 +1319,53 @@ async fn a_purge_spares_claims_lapsed_or_not_and_removes_what_is_no_record() {
     assert_eq!(server.cmd::<i64>(&["EVAL", &purge, "1", key]), 1);
     assert_eq!(server.cmd::<i64>(&["EXISTS", key]), 0, "no record: removed");
 }
+
+/// A script directory mounted from a ConfigMap (each version a `..data/<version>/` directory
+/// behind symlinks, updated by swapping `..data` in one rename) is reloaded like the config
+/// file: the new text is in force within seconds, and it is what runs.
+#[tokio::test]
+async fn a_script_directory_updated_as_a_configmap_is_reloaded() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let root = tempfile::tempdir().unwrap();
+    let publish = |stamp: &str, generation: &str| {
+        let stamp = format!("local VERSION = '{stamp}'");
+        let data = root.path().join(generation);
+        script_dir(&data, "v2", "v2", |_, text| text.replace(V2_STAMP, &stamp));
+        let tmp = root.path().join("..data_tmp");
+        std::os::unix::fs::symlink(generation, &tmp).unwrap();
+        std::fs::rename(&tmp, root.path().join("..data")).unwrap();
+    };
+    publish("v2", "..2026_12_01_a");
+    std::os::unix::fs::symlink("..data/v2", root.path().join("v2")).unwrap();
+    let block = format!("{{dir: \"{}\", version: v2}}", root.path().display());
+    let proxy = proxy(&backend, &redis, &block).await;
+    let stamp_of = |key: &str| {
+        let key = key.to_owned();
+        let (proxy, redis) = (&proxy, &redis);
+        async move {
+            let before = redis.keys();
+            let response = Request::post("/orders").key(&key).send(proxy.addr).await;
+            assert_eq!(response.status, 201, "{}", response.text());
+            let new: Vec<String> = redis
+                .keys()
+                .into_iter()
+                .filter(|k| !before.contains(k))
+                .collect();
+            assert_eq!(new.len(), 1);
+            hget(redis, &new[0], "v")
+        }
+    };
+    assert_eq!(stamp_of("cm-1").await.as_deref(), Some("v2"));
+
+    publish("v2-cm", "..2026_12_01_b");
+    // The kubelet then removes the old generation.
+    std::fs::remove_dir_all(root.path().join("..2026_12_01_a")).unwrap();
+    let claim = repo_lua("v2", "claim").replace(V2_STAMP, "local VERSION = 'v2-cm'");
+    let sha: String = redis.cmd(&["SCRIPT", "LOAD", &claim]);
+    admin_scripts_until(&proxy, "the swapped-in SHA", |s| {
+        s["active"]["scripts"]["claim"] == sha.as_str()
+    })
+    .await;
+    assert_eq!(stamp_of("cm-2").await.as_deref(), Some("v2-cm"));
+}
