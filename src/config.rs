@@ -1261,7 +1261,7 @@ impl Config {
             return found;
         }
         if let RouteMatch::Forward { route: Some(i), .. } = found {
-            if separators_decoded(&self.routes[i].path_prefix).is_some() {
+            if escaped_separator(&self.routes[i].path_prefix).is_some() {
                 return found;
             }
         }
@@ -1281,13 +1281,13 @@ impl Config {
     fn match_path(&self, method: &Method, path: &str) -> RouteMatch {
         let mut prefix_only = None;
         for (i, route) in self.routes.iter().enumerate() {
-            let exact = prefix_matches(&route.path_prefix, path);
             // Failing closed, an idempotent route also takes its format suffixes; nothing
             // else moves (a forwarding route's traffic keeps its upstream).
-            let keyed = route.idempotency.is_some()
-                && route.methods_take(method)
-                && format_suffix_of(&route.path_prefix, path);
-            if !(exact || keyed) {
+            let taken = prefix_matches(&route.path_prefix, path)
+                || (route.idempotency.is_some()
+                    && route.methods_take(method)
+                    && format_suffix_of(&route.path_prefix, path));
+            if !taken {
                 continue;
             }
             if route.methods_take(method) {
@@ -1361,28 +1361,25 @@ fn format_suffix_of(prefix: &str, path: &str) -> bool {
 
 /// `path` with every `%2F` and `%5C` (either case) decoded into `/`, when it has any.
 fn separators_decoded(path: &str) -> Option<String> {
-    let escaped = |at: usize| {
-        let hex = path.get(at + 1..at + 3)?;
-        (hex.eq_ignore_ascii_case("2f") || hex.eq_ignore_ascii_case("5c")).then_some(())
-    };
-    let first = path
-        .match_indices('%')
-        .find(|(i, _)| escaped(*i).is_some())?
-        .0;
+    escaped_separator(path)?;
     let mut out = String::with_capacity(path.len());
-    out.push_str(&path[..first]);
-    let mut i = first;
-    while i < path.len() {
-        if path.as_bytes()[i] == b'%' && escaped(i).is_some() {
-            out.push('/');
-            i += 3;
-        } else {
-            let c = path[i..].chars().next()?;
-            out.push(c);
-            i += c.len_utf8();
-        }
+    let mut rest = path;
+    // Each escape is three ASCII bytes: the slices stay on character boundaries.
+    while let Some(at) = escaped_separator(rest) {
+        out.push_str(&rest[..at]);
+        out.push('/');
+        rest = &rest[at + 3..];
     }
+    out.push_str(rest);
     Some(out)
+}
+
+/// Where the first `%2F` or `%5C` (either case) in `s` starts.
+fn escaped_separator(s: &str) -> Option<usize> {
+    s.match_indices('%').map(|(at, _)| at).find(|&at| {
+        s.get(at + 1..at + 3)
+            .is_some_and(|hex| hex.eq_ignore_ascii_case("2f") || hex.eq_ignore_ascii_case("5c"))
+    })
 }
 
 // === Route paths ===
