@@ -890,8 +890,7 @@ impl Gate {
                 }
             }
         };
-        let old_client = session.req_header().version == http::Version::HTTP_10 && !head_request;
-        let response = match head.and_then(|r| relayable(r, old_client)) {
+        let response = match head.and_then(|r| relayable(r, session.req_header())) {
             Ok(r) => r,
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
@@ -1142,12 +1141,10 @@ impl Gate {
                     return Ok(true);
                 }
             };
-            let old_client =
-                session.req_header().version == http::Version::HTTP_10 && !head_request;
             match exchange
                 .read_head(head_request)
                 .await
-                .and_then(|r| relayable(r, old_client))
+                .and_then(|r| relayable(r, session.req_header()))
             {
                 Ok(r) => break (exchange, r),
                 Err(UpstreamError::Closed(_))
@@ -1496,9 +1493,7 @@ impl Downstream {
 fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
     without_no_content_framing(header);
     // An answer with no body by definition needs no framing, nor a close to end it.
-    let bodiless = session.req_header().method == http::Method::HEAD
-        || has_no_body(header.status.as_u16())
-        || header.status.is_informational();
+    let bodiless = bodiless(session.req_header(), header);
     let old_client = session.req_header().version == http::Version::HTTP_10;
     let coded = header.headers.contains_key(header::TRANSFER_ENCODING);
     if old_client && coded {
@@ -1516,13 +1511,13 @@ fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
     }
 }
 
-/// `head`, unless it is for an HTTP/1.0 client (`old_client`: not for a HEAD request, whose
-/// answer has no body) and its body stays under a transfer coding once its chunks are read
-/// (`Transfer-Encoding: gzip, chunked`): such a client knows no transfer codings (RFC 9112
-/// §6.1), and would take the coded bytes, sent bare, for the answer. Refused with its status, as any answer that cannot be relayed: on a route that
+/// `head`, unless it answers an HTTP/1.0 request (`req`) with a body that stays under a
+/// transfer coding once its chunks are read (`Transfer-Encoding: gzip, chunked`): such a client
+/// knows no transfer codings (RFC 9112 §6.1), and would take the coded bytes, sent bare, for
+/// the answer. Refused with its status, as any answer that cannot be relayed: on a route that
 /// stores the status the key is recorded as executed, not replayable.
-fn relayable(head: ResponseHeader, old_client: bool) -> Result<ResponseHeader, UpstreamError> {
-    match coding_beyond_chunked(&head, old_client) {
+fn relayable(head: ResponseHeader, req: &RequestHeader) -> Result<ResponseHeader, UpstreamError> {
+    match coding_beyond_chunked(&head, req) {
         None => Ok(head),
         Some(_) => Err(UpstreamError::Invalid {
             status: head.status.as_u16(),
@@ -1531,10 +1526,10 @@ fn relayable(head: ResponseHeader, old_client: bool) -> Result<ResponseHeader, U
     }
 }
 
-/// For an HTTP/1.0 client, the first transfer coding of `head` other than `chunked`, when the
-/// answer can have a body.
-fn coding_beyond_chunked(head: &ResponseHeader, old_client: bool) -> Option<String> {
-    if !old_client || has_no_body(head.status.as_u16()) || head.status.is_informational() {
+/// For an HTTP/1.0 request, the first transfer coding of `head` other than `chunked`, when the
+/// answer has a body (not a HEAD's, a 1xx, a 204 or a 304).
+fn coding_beyond_chunked(head: &ResponseHeader, req: &RequestHeader) -> Option<String> {
+    if req.version != http::Version::HTTP_10 || bodiless(req, head) {
         return None;
     }
     head.headers
@@ -1734,6 +1729,14 @@ fn replay_head(stored: &StoredResponse, exclude: &[HeaderName]) -> Option<Respon
     Some(resp)
 }
 
+/// Whether `head`, answering `req`, has no body whatever its headers say: the answer to a HEAD,
+/// a 1xx, a 204 or a 304.
+fn bodiless(req: &RequestHeader, head: &ResponseHeader) -> bool {
+    req.method == http::Method::HEAD
+        || has_no_body(head.status.as_u16())
+        || head.status.is_informational()
+}
+
 /// Whether a response with this status has no body whatever its headers say (RFC 9110 §6.4.1;
 /// 1xx answers are never stored).
 fn has_no_body(status: u16) -> bool {
@@ -1909,9 +1912,7 @@ impl ProxyHttp for Gate {
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        let req = session.req_header();
-        let old_client = req.version == http::Version::HTTP_10 && req.method != http::Method::HEAD;
-        if let Some(coding) = coding_beyond_chunked(upstream_response, old_client) {
+        if let Some(coding) = coding_beyond_chunked(upstream_response, session.req_header()) {
             let mut e = Error::explain(
                 pingora::ErrorType::InvalidHTTPHeader,
                 format!("an answer under the transfer coding {coding} for an HTTP/1.0 client"),
