@@ -5,6 +5,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::client::until_closed;
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
 /// What a case expects: the status, and whether the backend may see it.
@@ -436,16 +437,6 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_outcome_is_still_stored(
     assert_eq!((retry.status, retry.result()), (200, Some("HIT")));
     assert_eq!(retry.body.len(), LEN);
     assert_eq!(backend.count(), 1);
-}
-
-/// Everything the proxy sends on `s` until it closes the connection, which it must within 5 s.
-async fn until_closed(s: &mut tokio::net::TcpStream) -> Vec<u8> {
-    use tokio::io::AsyncReadExt;
-    let mut got = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
-        .await
-        .expect("the proxy closed the connection");
-    got
 }
 
 /// `raw` is one whole problem+json answer with `status` and problem type `slug`: the answers to
@@ -1039,7 +1030,7 @@ async fn bodies_forwarded_without_a_key_are_streamed_when_the_budget_is_full() {
 /// a request whose body could not be read.
 #[tokio::test]
 async fn a_client_that_closes_after_its_streamed_body_keeps_its_outcome() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend).start().await;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
@@ -1051,8 +1042,7 @@ async fn a_client_that_closes_after_its_streamed_body_keeps_its_outcome() {
     .unwrap();
     backend.until_count(1).await;
     s.shutdown().await.unwrap();
-    let mut answer = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer)).await;
+    let answer = until_closed(&mut s).await;
     let answer = String::from_utf8_lossy(&answer);
     assert!(!answer.contains("request-body-unreadable"), "{answer}");
     let log = proxy.log_containing("result=\"BYPASS\"").await;
@@ -1066,7 +1056,7 @@ async fn a_client_that_closes_after_its_streamed_body_keeps_its_outcome() {
 /// ended early as done, but only one read to its end is whole.
 #[tokio::test]
 async fn a_streamed_body_cut_off_by_the_client_is_a_400() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend).start().await;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
@@ -1076,8 +1066,7 @@ async fn a_streamed_body_cut_off_by_the_client_is_a_400() {
     .await
     .unwrap();
     s.shutdown().await.unwrap();
-    let mut answer = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer)).await;
+    let answer = until_closed(&mut s).await;
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains("request-body-unreadable"), "{answer}");
@@ -1090,7 +1079,7 @@ async fn a_streamed_body_cut_off_by_the_client_is_a_400() {
 /// smuggled in as one).
 #[tokio::test]
 async fn what_follows_a_body_that_breaks_its_framing_is_not_read_as_a_request() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend).start().await;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
@@ -1106,8 +1095,7 @@ async fn what_follows_a_body_that_breaks_its_framing_is_not_read_as_a_request() 
     let _ = s
         .write_all(b"GET /plain/smuggled HTTP/1.1\r\nHost: t\r\n\r\n")
         .await;
-    let mut rest = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    let rest = until_closed(&mut s).await;
     let rest = String::from_utf8_lossy(&rest);
     assert!(!rest.contains("HTTP/1.1"), "{rest}");
     assert_eq!(backend.count(), 0, "nothing forwarded");

@@ -765,6 +765,21 @@ async fn proxy(backend: &Backend, redis: &RedisServer, scripts_block: &str) -> P
         .await
 }
 
+/// Runs a keyed request on a fresh `key` and returns the version stamp (`v`) of the one record
+/// it created: which script version wrote it.
+async fn stamp_of(proxy: &Proxy, redis: &RedisServer, key: &str) -> Option<String> {
+    let before = redis.keys();
+    let response = Request::post("/orders").key(key).send(proxy.addr).await;
+    assert_eq!(response.status, 201, "{}", response.text());
+    let new: Vec<String> = redis
+        .keys()
+        .into_iter()
+        .filter(|k| !before.contains(k))
+        .collect();
+    assert_eq!(new.len(), 1);
+    hget(redis, &new[0], "v")
+}
+
 async fn admin_scripts(proxy: &Proxy) -> serde_json::Value {
     let response = Request::get("/admin/scripts").send(proxy.admin).await;
     assert_eq!(response.status, 200, "{}", response.text());
@@ -954,23 +969,10 @@ async fn script_file_edits_apply_without_restart_and_a_syntax_error_keeps_the_ol
     let status = admin_scripts(&proxy).await;
     assert_eq!(status["active"]["scripts"]["claim"], original.as_str());
 
-    let stamp_of = |key: &str| {
-        let key = key.to_owned();
-        let (proxy, redis) = (&proxy, &redis);
-        async move {
-            let before = redis.keys();
-            let response = Request::post("/orders").key(&key).send(proxy.addr).await;
-            assert_eq!(response.status, 201, "{}", response.text());
-            let new: Vec<String> = redis
-                .keys()
-                .into_iter()
-                .filter(|k| !before.contains(k))
-                .collect();
-            assert_eq!(new.len(), 1);
-            hget(redis, &new[0], "v")
-        }
-    };
-    assert_eq!(stamp_of("edit-1").await.as_deref(), Some("v2"));
+    assert_eq!(
+        stamp_of(&proxy, &redis, "edit-1").await.as_deref(),
+        Some("v2")
+    );
 
     // Edit in place (complete.lua too, as it stamps the record last): the new SHA is in
     // force within seconds, and it is what runs.
@@ -983,7 +985,10 @@ async fn script_file_edits_apply_without_restart_and_a_syntax_error_keeps_the_ol
         s["active"]["scripts"]["claim"] == sha.as_str()
     })
     .await;
-    assert_eq!(stamp_of("edit-2").await.as_deref(), Some("v2-live"));
+    assert_eq!(
+        stamp_of(&proxy, &redis, "edit-2").await.as_deref(),
+        Some("v2-live")
+    );
 
     // A syntax error: refused and counted; the edited SHA stays in force and keeps serving.
     std::fs::write(dir.join("claim.lua"), "return {").unwrap();
@@ -999,7 +1004,10 @@ async fn script_file_edits_apply_without_restart_and_a_syntax_error_keeps_the_ol
             .contains("Error compiling script"),
         "{status:#}"
     );
-    assert_eq!(stamp_of("edit-3").await.as_deref(), Some("v2-live"));
+    assert_eq!(
+        stamp_of(&proxy, &redis, "edit-3").await.as_deref(),
+        Some("v2-live")
+    );
     proxy.log_containing("redis scripts refused").await;
     // Polls do not repeat the refusal.
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -1340,23 +1348,10 @@ async fn a_script_directory_updated_as_a_configmap_is_reloaded() {
     std::os::unix::fs::symlink("..data/v2", root.path().join("v2")).unwrap();
     let block = format!("{{dir: \"{}\", version: v2}}", root.path().display());
     let proxy = proxy(&backend, &redis, &block).await;
-    let stamp_of = |key: &str| {
-        let key = key.to_owned();
-        let (proxy, redis) = (&proxy, &redis);
-        async move {
-            let before = redis.keys();
-            let response = Request::post("/orders").key(&key).send(proxy.addr).await;
-            assert_eq!(response.status, 201, "{}", response.text());
-            let new: Vec<String> = redis
-                .keys()
-                .into_iter()
-                .filter(|k| !before.contains(k))
-                .collect();
-            assert_eq!(new.len(), 1);
-            hget(redis, &new[0], "v")
-        }
-    };
-    assert_eq!(stamp_of("cm-1").await.as_deref(), Some("v2"));
+    assert_eq!(
+        stamp_of(&proxy, &redis, "cm-1").await.as_deref(),
+        Some("v2")
+    );
 
     publish("v2-cm", "..2026_12_01_b");
     // The kubelet then removes the old generation.
@@ -1367,5 +1362,8 @@ async fn a_script_directory_updated_as_a_configmap_is_reloaded() {
         s["active"]["scripts"]["claim"] == sha.as_str()
     })
     .await;
-    assert_eq!(stamp_of("cm-2").await.as_deref(), Some("v2-cm"));
+    assert_eq!(
+        stamp_of(&proxy, &redis, "cm-2").await.as_deref(),
+        Some("v2-cm")
+    );
 }

@@ -211,6 +211,15 @@ async fn fill(stream: &mut TcpStream, buf: &mut Vec<u8>, want: usize) -> std::io
     Ok(())
 }
 
+/// Everything the proxy sends on `s` until it closes the connection, which it must within 5 s.
+pub async fn until_closed(s: &mut TcpStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
+        .await
+        .expect("the proxy closed the connection");
+    got
+}
+
 /// Reads one response (skipping 1xx) from `stream`.
 pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Result<Response> {
     let fut = async {
