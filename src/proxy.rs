@@ -1968,9 +1968,6 @@ impl ProxyHttp for Gate {
                 !r.status.is_informational() || r.status == http::StatusCode::SWITCHING_PROTOCOLS
             })
             .map(|r| r.status.as_u16());
-        // pingora's `is_body_done` is true for a body cut off too: only a body read to its end,
-        // or none at all, is whole.
-        let body_done = ctx.body_ended || session.is_body_empty();
         let problem = match e.esource() {
             // Only a failure to connect proves that nothing was sent.
             pingora::ErrorSource::Upstream if is_connect_failure(&e.etype) => {
@@ -1986,7 +1983,13 @@ impl ProxyHttp for Gate {
             // not at fault.
             pingora::ErrorSource::Downstream => match e.etype {
                 pingora::ErrorType::ReadTimedout => Some(Problem::RequestTimeout),
-                pingora::ErrorType::ConnectionClosed if body_done => None,
+                // pingora's `is_body_done` is true for a body cut off too: only one read to its
+                // end, or none at all, is whole.
+                pingora::ErrorType::ConnectionClosed
+                    if ctx.body_ended || session.is_body_empty() =>
+                {
+                    None
+                }
                 pingora::ErrorType::ReadError
                 | pingora::ErrorType::InvalidHTTPHeader
                 | pingora::ErrorType::ConnectionClosed => Some(Problem::RequestBodyUnreadable),
