@@ -1559,6 +1559,26 @@ mod tests {
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls);
     }
 
+    /// `job`'s record lost, and the key run anew under `execution_id` by another request,
+    /// which answered what `job` holds.
+    async fn answered_again(store: &dyn RecordStore, job: &PendingCompletion, execution_id: u64) {
+        assert!(store.delete(&job.key).await.unwrap());
+        let other = ClaimRequest {
+            key: job.key.clone(),
+            fingerprint: job.fingerprint,
+            owner: OwnerToken::random(),
+            execution_id,
+            lock_ttl: Duration::from_secs(30),
+            ttl: job.ttl,
+        };
+        assert!(matches!(
+            store.claim(&other).await.unwrap(),
+            ClaimOutcome::Acquired { execution_id: id } if id == execution_id
+        ));
+        let stored = store.complete(&job.key, other.owner, job.completion.clone(), job.ttl);
+        assert_eq!(stored.await.unwrap(), WriteOutcome::Applied);
+    }
+
     /// A refused write whose record holds the same bytes under another execution id did not
     /// land: another execution answered the same (a 204, say) after the record was lost, and
     /// the key ran twice. It is dead-lettered, not counted as recovered.
@@ -1568,24 +1588,7 @@ mod tests {
         let shared = Arc::new(MemoryStore::new(1 << 20, 1));
         let job = claimed(shared.as_ref(), 17).await;
         // The record is lost, and another request executes the key anew, answering the same.
-        assert!(shared.delete(&job.key).await.unwrap());
-        let other = ClaimRequest {
-            key: job.key.clone(),
-            fingerprint: job.fingerprint,
-            owner: OwnerToken::random(),
-            execution_id: 43,
-            lock_ttl: Duration::from_secs(30),
-            ttl: job.ttl,
-        };
-        assert!(matches!(
-            shared.claim(&other).await.unwrap(),
-            ClaimOutcome::Acquired { execution_id: 43 }
-        ));
-        let stored = shared
-            .complete(&job.key, other.owner, job.completion.clone(), job.ttl)
-            .await
-            .unwrap();
-        assert_eq!(stored, WriteOutcome::Applied);
+        answered_again(shared.as_ref(), &job, 43).await;
         let (retrier, worker) =
             CompletionRetrier::new(shared.clone(), LocalHooks::none(), options(dir.path()));
         tokio::spawn(worker);
@@ -1613,18 +1616,7 @@ mod tests {
             let shared = Arc::new(store);
             let job = claimed(shared.as_ref(), 18).await;
             // Taken over under the same id (as a lapsed lock is), and answered alike.
-            assert!(shared.delete(&job.key).await.unwrap());
-            let other = ClaimRequest {
-                key: job.key.clone(),
-                fingerprint: job.fingerprint,
-                owner: OwnerToken::random(),
-                execution_id: job.execution_id,
-                lock_ttl: Duration::from_secs(30),
-                ttl: job.ttl,
-            };
-            shared.claim(&other).await.unwrap();
-            let stored = shared.complete(&job.key, other.owner, job.completion.clone(), job.ttl);
-            assert_eq!(stored.await.unwrap(), WriteOutcome::Applied);
+            answered_again(shared.as_ref(), &job, job.execution_id).await;
             let (retrier, worker) =
                 CompletionRetrier::new(shared.clone(), LocalHooks::none(), options(dir.path()));
             tokio::spawn(worker);
