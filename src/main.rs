@@ -181,7 +181,11 @@ fn reconcile(config: &Config, dead_letters: &std::path::Path, apply: bool) -> Ex
     };
     let mut out = std::io::stdout().lock();
     match runtime.block_on(idemgate::reconcile::reconcile(
-        &store, &mut lines, apply, &mut out,
+        &store,
+        &settings.key_prefix,
+        &mut lines,
+        apply,
+        &mut out,
     )) {
         Ok(tally) if tally.needs_action() => ExitCode::FAILURE,
         Ok(_) => ExitCode::SUCCESS,

@@ -37,6 +37,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 
+use crate::store::retry::LetterStore;
 use crate::store::{
     parse_digest, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
     RecordState, RecordStore, StoredResponse, WriteOutcome,
@@ -58,6 +59,9 @@ struct Letter {
     /// The store refused the line's write (`"in_store": "no"`): whatever the record holds, this
     /// execution did not write it.
     refused: bool,
+    /// Where its record lives; absent in lines written before dead letters carried it, which
+    /// are judged against the config's store as they always were.
+    store: Option<LetterStore>,
 }
 
 /// What became of one line.
@@ -236,6 +240,7 @@ impl io::Read for Exactly {
 /// of the file that fails ends the run there, counted as a failed line.
 pub async fn reconcile(
     store: &Arc<dyn RecordStore>,
+    key_prefix: &str,
     dead_letters: &mut dyn io::BufRead,
     apply: bool,
     out: &mut dyn Write,
@@ -273,7 +278,10 @@ pub async fn reconcile(
                     hex::encode(letter.key.hash),
                     letter.execution_id
                 ),
-                judge(store.as_ref(), &letter, apply, now_unix_ms()).await,
+                match elsewhere(&letter, key_prefix) {
+                    Some(verdict) => verdict,
+                    None => judge(store.as_ref(), &letter, apply, now_unix_ms()).await,
+                },
             ),
             Err(why) => (
                 "?".to_string(),
@@ -285,6 +293,25 @@ pub async fn reconcile(
     }
     say(format_args!("{tally}"));
     report.map(|()| tally)
+}
+
+/// Why `letter` cannot be judged against this config's store (Redis under `key_prefix`): it
+/// names a record elsewhere. Read as if it were this store's, its record would look missing
+/// (and `--apply` would write it under keys no retry reads), or would be another's.
+fn elsewhere(letter: &Letter, key_prefix: &str) -> Option<Verdict> {
+    match &letter.store {
+        None => None,
+        Some(LetterStore::Redis { key_prefix: theirs }) if theirs == key_prefix => None,
+        Some(LetterStore::Redis { key_prefix: theirs }) => Some(Verdict::Failed(format!(
+            "written under store.redis.key_prefix {theirs:?}, and this config's is \
+             {key_prefix:?}: run --reconcile with the config of the proxy that wrote it"
+        ))),
+        Some(LetterStore::Memory) => Some(Verdict::Failed(
+            "written by a proxy on the embedded store: its record ended with that process, so \
+             a retry now executes the key again; the line is the only copy of the response"
+                .into(),
+        )),
+    }
 }
 
 /// What became of `letter`, restoring it when `apply` and the store lacks it.
@@ -496,6 +523,20 @@ fn parse(text: &str) -> Result<Letter, String> {
             }
         },
     };
+    let store = match v.get("store") {
+        None => None,
+        Some(_) => match string("store")? {
+            "memory" => Some(LetterStore::Memory),
+            "redis" => Some(LetterStore::Redis {
+                key_prefix: string("key_prefix")?.to_owned(),
+            }),
+            other => {
+                return Err(format!(
+                    "\"store\" is {other:?}, not \"redis\" or \"memory\""
+                ))
+            }
+        },
+    };
     Ok(Letter {
         key,
         execution_id,
@@ -503,6 +544,7 @@ fn parse(text: &str) -> Result<Letter, String> {
         completion,
         expires_at_unix_ms,
         refused,
+        store,
     })
 }
 
@@ -558,6 +600,17 @@ mod tests {
     use crate::store::retry::{dead_letter_line, InStore, PendingCompletion};
     use crate::store::MemoryStore;
 
+    /// The key prefix the tests' lines are written under and judged against.
+    const PREFIX: &str = "idemgate";
+
+    /// Where the tests' lines say their records are: Redis under [`PREFIX`] (the store behind
+    /// them is an embedded one, which reads the same).
+    fn here() -> LetterStore {
+        LetterStore::Redis {
+            key_prefix: PREFIX.into(),
+        }
+    }
+
     fn response(body: &'static [u8]) -> Completion {
         Completion::Response(Arc::new(StoredResponse::new(
             201,
@@ -591,7 +644,7 @@ mod tests {
 
     async fn run(store: &Arc<dyn RecordStore>, text: &str, apply: bool) -> (Tally, String) {
         let mut out = Vec::new();
-        let tally = reconcile(store, &mut text.as_bytes(), apply, &mut out)
+        let tally = reconcile(store, PREFIX, &mut text.as_bytes(), apply, &mut out)
             .await
             .unwrap();
         (tally, String::from_utf8(out).unwrap())
@@ -620,7 +673,7 @@ mod tests {
             Completion::Unreplayable { status: 200 },
         ] {
             let job = letter(1, completion.clone());
-            let line = dead_letter_line(&job, 3, "store failed", InStore::Unknown);
+            let line = dead_letter_line(&here(), &job, 3, "store failed", InStore::Unknown);
             let read = parse(line.trim()).unwrap();
             assert_eq!(read.key, job.key);
             assert_eq!(read.execution_id, job.execution_id);
@@ -634,7 +687,14 @@ mod tests {
     #[test]
     fn bad_lines_say_what_is_wrong() {
         let good: serde_json::Value = serde_json::from_str(
-            dead_letter_line(&letter(2, response(b"x")), 1, "r", InStore::Unknown).trim(),
+            dead_letter_line(
+                &here(),
+                &letter(2, response(b"x")),
+                1,
+                "r",
+                InStore::Unknown,
+            )
+            .trim(),
         )
         .unwrap();
         let with = |edit: &dyn Fn(&mut serde_json::Value)| {
@@ -684,6 +744,16 @@ mod tests {
             (
                 with(&|v| v["in_store"] = "maybe".into()),
                 "\"in_store\" is \"maybe\"",
+            ),
+            (
+                with(&|v| v["store"] = "disk".into()),
+                "\"store\" is \"disk\"",
+            ),
+            (
+                with(&|v| {
+                    v.as_object_mut().unwrap().remove("key_prefix");
+                }),
+                "no \"key_prefix\"",
             ),
             (
                 with(&|v| {
@@ -771,7 +841,7 @@ mod tests {
             } else {
                 InStore::Unknown
             };
-            dead_letter_line(job, 1, "store failed", in_store)
+            dead_letter_line(&here(), job, 1, "store failed", in_store)
         };
         let jobs = [
             &stored,
@@ -875,6 +945,56 @@ mod tests {
         );
     }
 
+    /// A line names the store its record lives in. One written under another key prefix, or
+    /// by a proxy on the embedded store, is not this config's record: read here it would look
+    /// missing, and `--apply` would write it where no retry reads. Such lines fail, saying why,
+    /// and nothing is written; a line from before lines named their store is judged as always.
+    #[tokio::test]
+    async fn a_line_written_for_another_store_is_not_judged_against_this_one() {
+        let store = store();
+        let job = letter(30, response(b"elsewhere"));
+        let other_prefix = LetterStore::Redis {
+            key_prefix: "payments".into(),
+        };
+        for (written_for, why) in [
+            (
+                &other_prefix,
+                "key_prefix \"payments\", and this config's is \"idemgate\"",
+            ),
+            (&LetterStore::Memory, "embedded store"),
+        ] {
+            let text = dead_letter_line(written_for, &job, 1, "store failed", InStore::Unknown);
+            let (tally, out) = run(&store, &text, true).await;
+            assert_eq!(
+                tally,
+                Tally {
+                    failed: 1,
+                    ..Tally::default()
+                },
+                "{out}"
+            );
+            assert!(out.contains(why), "{out}");
+            assert_eq!(store.get(&job.key).await.unwrap(), None, "{out}");
+        }
+
+        // A line with neither field (written before lines named their store).
+        let mut old: serde_json::Value = serde_json::from_str(
+            dead_letter_line(&other_prefix, &job, 1, "store failed", InStore::Unknown).trim(),
+        )
+        .unwrap();
+        old.as_object_mut().unwrap().remove("store");
+        old.as_object_mut().unwrap().remove("key_prefix");
+        let (tally, out) = run(&store, &old.to_string(), true).await;
+        assert_eq!(
+            tally,
+            Tally {
+                restored: 1,
+                ..Tally::default()
+            },
+            "{out}"
+        );
+    }
+
     /// A key used again once the line's ttl had passed, as a client may, holds a new
     /// execution's record: the line expired, and there is no double execution to report.
     #[tokio::test]
@@ -882,7 +1002,7 @@ mod tests {
         let store = store();
         let mut old = letter(20, response(b"old"));
         old.ttl = Duration::from_millis(1);
-        let text = dead_letter_line(&old, 1, "store failed", InStore::Unknown);
+        let text = dead_letter_line(&here(), &old, 1, "store failed", InStore::Unknown);
         tokio::time::sleep(Duration::from_millis(20)).await;
         let again = PendingCompletion {
             execution_id: crate::snowflake::Snowflake::new(1).next_id(),
@@ -919,10 +1039,10 @@ mod tests {
         let (a, b) = (letter(40, response(b"a")), letter(41, response(b"b")));
         let text: String = [&a, &b]
             .iter()
-            .map(|job| dead_letter_line(job, 1, "store failed", InStore::Unknown))
+            .map(|job| dead_letter_line(&here(), job, 1, "store failed", InStore::Unknown))
             .collect();
         let mut out = Closed(1);
-        let result = reconcile(&store, &mut text.as_bytes(), true, &mut out).await;
+        let result = reconcile(&store, PREFIX, &mut text.as_bytes(), true, &mut out).await;
         assert_eq!(
             result.map(|_| ()).unwrap_err().kind(),
             io::ErrorKind::BrokenPipe
@@ -950,8 +1070,8 @@ mod tests {
         let (a, b) = (letter(60, response(b"a")), letter(61, response(b"b")));
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dead.jsonl");
-        let first = dead_letter_line(&a, 1, "store failed", InStore::Unknown);
-        let second = dead_letter_line(&b, 1, "store failed", InStore::Unknown);
+        let first = dead_letter_line(&here(), &a, 1, "store failed", InStore::Unknown);
+        let second = dead_letter_line(&here(), &b, 1, "store failed", InStore::Unknown);
         std::fs::write(&path, format!("{first}{second}")).unwrap();
         let mut lines = open_dead_letters(&path).unwrap();
         std::fs::OpenOptions::new()
@@ -961,7 +1081,7 @@ mod tests {
             .set_len(first.len() as u64)
             .unwrap();
         let mut out = Vec::new();
-        let tally = reconcile(&store, &mut lines, false, &mut out)
+        let tally = reconcile(&store, PREFIX, &mut lines, false, &mut out)
             .await
             .unwrap();
         let out = String::from_utf8(out).unwrap();
@@ -997,13 +1117,14 @@ mod tests {
     async fn a_line_of_damaged_bytes_fails_alone() {
         let store = store();
         let (a, b) = (letter(50, response(b"a")), letter(51, response(b"b")));
-        let mut file = dead_letter_line(&a, 1, "store failed", InStore::Unknown).into_bytes();
+        let mut file =
+            dead_letter_line(&here(), &a, 1, "store failed", InStore::Unknown).into_bytes();
         file.extend_from_slice(b"\xff\xfe{\"key\":\x00\n");
         file.extend_from_slice(
-            dead_letter_line(&b, 1, "store failed", InStore::Unknown).as_bytes(),
+            dead_letter_line(&here(), &b, 1, "store failed", InStore::Unknown).as_bytes(),
         );
         let mut out = Vec::new();
-        let tally = reconcile(&store, &mut &file[..], true, &mut out)
+        let tally = reconcile(&store, PREFIX, &mut &file[..], true, &mut out)
             .await
             .unwrap();
         let out = String::from_utf8(out).unwrap();
@@ -1057,7 +1178,8 @@ mod tests {
     async fn a_record_created_again_between_the_read_and_the_claim_is_given_back() {
         let store = store();
         let job = letter(11, response(b"x"));
-        let letter_read = parse(dead_letter_line(&job, 1, "r", InStore::Unknown).trim()).unwrap();
+        let letter_read =
+            parse(dead_letter_line(&here(), &job, 1, "r", InStore::Unknown).trim()).unwrap();
         // Read as absent; by the time of the claim another execution re-created and abandoned it.
         claim_as(
             &store,
@@ -1087,7 +1209,8 @@ mod tests {
         let store = store();
         let job = letter(7, response(b"x"));
         let mut v: serde_json::Value =
-            serde_json::from_str(dead_letter_line(&job, 1, "r", InStore::Unknown).trim()).unwrap();
+            serde_json::from_str(dead_letter_line(&here(), &job, 1, "r", InStore::Unknown).trim())
+                .unwrap();
         v.as_object_mut().unwrap().remove("fingerprint");
         let (tally, out) = run(&store, &v.to_string(), true).await;
         assert_eq!(tally.failed, 1, "{out}");

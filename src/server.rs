@@ -27,7 +27,7 @@ use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::purge::PurgeBus;
-use crate::store::retry::{CompletionRetrier, LocalHooks, RetryOptions};
+use crate::store::retry::{CompletionRetrier, LetterStore, LocalHooks, RetryOptions};
 use crate::store::{ForgetLocal, MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 use crate::worker_lease::{Lease, WorkerIdSource, WorkerIds};
 
@@ -430,6 +430,12 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         queue_capacity: r.queue_capacity,
         queue_bytes: r.queue_bytes,
         dead_letter_path: r.dead_letter_path.clone(),
+        store: match &config.store.redis {
+            Some(redis) if config.store.backend == StoreBackend::Redis => LetterStore::Redis {
+                key_prefix: redis.key_prefix.clone(),
+            },
+            _ => LetterStore::Memory,
+        },
     };
     // Found out now, not when a completion the store never took has nowhere else to go.
     if let Err(e) = std::fs::OpenOptions::new()

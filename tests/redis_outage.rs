@@ -427,6 +427,8 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     let text = std::fs::read_to_string(&dead).unwrap();
     let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
     assert_eq!(line["reason"], "lock taken over");
+    assert_eq!(line["store"], "redis");
+    assert_eq!(line["key_prefix"], "idemgate");
     assert_eq!(
         line["in_store"], "no",
         "the store refused the write: the newer execution holds the key"

@@ -79,6 +79,23 @@ pub struct RetryOptions {
     pub queue_bytes: usize,
     /// Where dead letters are appended.
     pub dead_letter_path: PathBuf,
+    /// Where the records live, written on every dead-letter line.
+    pub store: LetterStore,
+}
+
+/// Where the records a dead letter names live, written on its line (`"store"`, and
+/// `"key_prefix"` for Redis), so `idemgate --reconcile` judges each line against the keys it was
+/// written for: a file shared by proxies with different prefixes, or a config whose prefix
+/// changed since, would otherwise have its lines judged against records they never named.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LetterStore {
+    /// The embedded store: its records ended with the process that wrote the line.
+    Memory,
+    /// Redis, under `store.redis.key_prefix`.
+    Redis {
+        /// The key prefix.
+        key_prefix: String,
+    },
 }
 
 impl Default for RetryOptions {
@@ -90,6 +107,7 @@ impl Default for RetryOptions {
             queue_capacity: 10_000,
             queue_bytes: 256 << 20,
             dead_letter_path: PathBuf::from("idemgate-dead-letter.jsonl"),
+            store: LetterStore::Memory,
         }
     }
 }
@@ -290,9 +308,10 @@ struct LetterLine {
 }
 
 impl LetterLine {
-    /// The JSON line written for it.
-    fn text(&self) -> String {
+    /// The JSON line written for it, naming `store`.
+    fn text(&self, store: &LetterStore) -> String {
         dead_letter_line_at(
+            store,
             &self.job,
             self.attempts,
             &self.reason,
@@ -305,6 +324,7 @@ impl LetterLine {
 /// The dead-letter file, and where a line goes when the file cannot take it.
 struct DeadLetterFile {
     path: PathBuf,
+    store: LetterStore,
     stats: Arc<RetryStats>,
     /// Takes a line the file could not (the whole text, newline included): stderr, written at
     /// once. A seam for the tests.
@@ -341,6 +361,7 @@ impl CompletionRetrier {
         let stats = Arc::new(RetryStats::default());
         let file = DeadLetterFile {
             path: options.dead_letter_path.clone(),
+            store: options.store.clone(),
             stats: stats.clone(),
             last_resort: Box::new(to_stderr),
         };
@@ -760,8 +781,8 @@ impl DeadLetters {
                     None => Err(Letter::Line(line)),
                 };
                 if let Err(Letter::Line(line)) = spilled {
-                    self.file
-                        .settle_on_stderr(&line, &line.text(), OVERFLOW_WHY);
+                    let text = line.text(&self.file.store);
+                    self.file.settle_on_stderr(&line, &text, OVERFLOW_WHY);
                 }
             }
             // The writer is gone: written here rather than lost.
@@ -875,7 +896,7 @@ impl DeadLetterFile {
     /// Appends `letters` in one write (one lock, one fsync) and takes them off the pending
     /// count. What the file cannot take goes to [`DeadLetterFile::last_resort`], whole.
     fn write(&self, letters: Vec<LetterLine>) {
-        let lines: Vec<String> = letters.iter().map(LetterLine::text).collect();
+        let lines: Vec<String> = letters.iter().map(|l| l.text(&self.store)).collect();
         let text = lines.concat();
         let written = std::fs::OpenOptions::new()
             .create(true)
@@ -906,7 +927,9 @@ impl DeadLetterFile {
     fn run_overflow(&self, queue: std::sync::mpsc::Receiver<Letter>) {
         while let Ok(letter) = queue.recv() {
             match letter {
-                Letter::Line(line) => self.settle_on_stderr(&line, &line.text(), OVERFLOW_WHY),
+                Letter::Line(line) => {
+                    self.settle_on_stderr(&line, &line.text(&self.store), OVERFLOW_WHY)
+                }
                 Letter::Flush(done) => {
                     let _ = done.send(());
                 }
@@ -1009,18 +1032,20 @@ impl InStore {
     }
 }
 
-/// One dead-letter JSON line (with trailing newline).
+/// One dead-letter JSON line (with trailing newline) for a record in `store`.
 pub fn dead_letter_line(
+    store: &LetterStore,
     job: &PendingCompletion,
     attempts: u32,
     reason: &str,
     in_store: InStore,
 ) -> String {
-    dead_letter_line_at(job, attempts, reason, in_store, SystemTime::now())
+    dead_letter_line_at(store, job, attempts, reason, in_store, SystemTime::now())
 }
 
 /// One dead-letter JSON line for a completion dead-lettered `at`.
 fn dead_letter_line_at(
+    store: &LetterStore,
     job: &PendingCompletion,
     attempts: u32,
     reason: &str,
@@ -1039,7 +1064,7 @@ fn dead_letter_line_at(
             serde_json::json!({ "status": status, "unreplayable": true })
         }
     };
-    let v = serde_json::json!({
+    let mut v = serde_json::json!({
         "at_unix_ms": at_ms as u64,
         "tenant": job.key.tenant,
         "record": hex::encode(job.key.hash),
@@ -1051,6 +1076,13 @@ fn dead_letter_line_at(
         "in_store": in_store.as_str(),
         "response": response,
     });
+    match store {
+        LetterStore::Memory => v["store"] = "memory".into(),
+        LetterStore::Redis { key_prefix } => {
+            v["store"] = "redis".into();
+            v["key_prefix"] = key_prefix.as_str().into();
+        }
+    }
     format!("{v}\n")
 }
 
@@ -1069,6 +1101,9 @@ mod tests {
             queue_capacity: 8,
             queue_bytes: 1 << 20,
             dead_letter_path: dir.join("dead.jsonl"),
+            store: LetterStore::Redis {
+                key_prefix: "orders".into(),
+            },
         }
     }
 
@@ -1202,6 +1237,9 @@ mod tests {
         assert_eq!(line["attempts"], 3);
         assert_eq!(line["tenant"], "acme");
         assert_eq!(line["execution_id"], "42");
+        // Where the record lives, so --reconcile judges the line against the same keys.
+        assert_eq!(line["store"], "redis");
+        assert_eq!(line["key_prefix"], "orders");
         assert_eq!(line["response"]["status"], 201);
         let body = base64::engine::general_purpose::STANDARD
             .decode(line["response"]["body_base64"].as_str().unwrap())
@@ -1431,10 +1469,17 @@ mod tests {
         );
         assert!(!dir.path().join("missing-dir").exists());
 
-        let line: serde_json::Value =
-            serde_json::from_str(&dead_letter_line(&job, 1, "store failed", InStore::Unknown))
-                .unwrap();
+        let line: serde_json::Value = serde_json::from_str(&dead_letter_line(
+            &LetterStore::Memory,
+            &job,
+            1,
+            "store failed",
+            InStore::Unknown,
+        ))
+        .unwrap();
         assert_eq!(line["in_store"], "unknown");
+        assert_eq!(line["store"], "memory");
+        assert_eq!(line.get("key_prefix"), None);
         assert_eq!(
             line["response"],
             serde_json::json!({ "status": 201, "unreplayable": true })
@@ -1916,6 +1961,7 @@ mod tests {
         let seen = Arc::new(Mutex::new(String::new()));
         let dead = DeadLetters::start(DeadLetterFile {
             path: dir.path().join("missing-dir").join("dead.jsonl"),
+            store: LetterStore::Memory,
             stats: stats.clone(),
             last_resort: Box::new({
                 let seen = seen.clone();
@@ -1953,6 +1999,7 @@ mod tests {
         let seen = Arc::new(Mutex::new(0usize));
         let dead = Arc::new(DeadLetters::start(DeadLetterFile {
             path: path.clone(),
+            store: LetterStore::Memory,
             stats: stats.clone(),
             last_resort: Box::new({
                 let seen = seen.clone();
@@ -2032,6 +2079,7 @@ mod tests {
         let seen = Arc::new(Mutex::new(0usize));
         let dead = Arc::new(DeadLetters::start(DeadLetterFile {
             path: path.clone(),
+            store: LetterStore::Memory,
             stats: stats.clone(),
             last_resort: Box::new({
                 let (gate, seen) = (gate.clone(), seen.clone());
@@ -2072,6 +2120,7 @@ mod tests {
         let stats = Arc::new(RetryStats::default());
         let dead = DeadLetters::start(DeadLetterFile {
             path: path.clone(),
+            store: LetterStore::Memory,
             stats: stats.clone(),
             last_resort: Box::new(|_: &str| {}),
         });
