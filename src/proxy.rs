@@ -1274,7 +1274,7 @@ impl Gate {
     /// treat as a renewal.
     async fn renew(&self, claim: &mut Claim<'_>) -> Renewal {
         let started = Instant::now();
-        let answer = claim.store.claim(claim.req).await;
+        let answer = claim.store.renew(claim.req).await;
         let answered = self.observe_store(StoreOp::Claim, started, answer.is_err());
         let record = key::hash_label(&claim.req.key.hash);
         if !matches!(answer, Ok(ClaimOutcome::Existing(_))) {

@@ -713,7 +713,9 @@ async fn an_unprotected_execution_that_fails_is_marked_degraded() {
 /// past the lock's deadline, and the first that reaches Redis again takes the lapsed lock back
 /// before a retry can claim it, so the retry is told to wait instead of running the key beside
 /// the first execution. The retry goes to another replica, which Redis alone can tell that the
-/// key is held (the replica running it would say so itself).
+/// key is held (the replica running it would say so itself). The failed renewals open the
+/// running replica's circuit, for far longer than the test: renewals are sent all the same
+/// (held back until a probe, they left a retry elsewhere `open_for` to take the key over).
 #[tokio::test]
 async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_the_key_again() {
     let redis = RedisServer::start();
@@ -731,6 +733,7 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
             .upstream("write_timeout: 300ms")
             .upstream("read_timeout: 2s")
             .idem("lock_ttl: 4s")
+            .store("circuit_breaker: {failure_threshold: 3, open_for: 60s}")
             .start()
     };
     let proxy = replica(1, link.redis_url()).await;
@@ -746,13 +749,22 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
         0.0,
         "no renewal landed before the lock's deadline"
     );
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "idemgate_store_circuit_opened_total"),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "idemgate_store_circuit_state"), 1.0, "{m}");
     link.set(Fault::Pass);
     // The renewal that gets through first takes the lapsed lock back. (A retry that reached
     // Redis before it would claim the lapsed key: renewing past the deadline narrows that
     // race to the renewal pause, it does not close it.)
-    proxy
+    let m = proxy
         .metrics_containing("idemgate_lock_renewals_total 1")
         .await;
+    // The store answered the renewal: the circuit closed without waiting for its probe.
+    assert_eq!(metric(&m, "idemgate_store_circuit_state"), 0.0, "{m}");
     let retry = req.send(other.addr).await;
     assert_eq!(
         (retry.status, retry.result()),

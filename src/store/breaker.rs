@@ -168,6 +168,19 @@ impl<S: RecordStore> Breaker<S> {
         }
     }
 
+    /// Closes the circuit from outside a probe: the store answered a call sent while it was
+    /// open (`why`).
+    fn close(&self, why: &str) {
+        self.view.consecutive_failures.store(0, Ordering::Release);
+        let was = self
+            .view
+            .state
+            .swap(CircuitState::Closed as u8, Ordering::AcqRel);
+        if was != CircuitState::Closed as u8 {
+            tracing::info!("record store recovered ({why}); circuit closed");
+        }
+    }
+
     fn open(&self) {
         {
             // The clock read under the lock (an assignment reads its value before its place):
@@ -220,6 +233,26 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let epoch = self.admit().await?;
         self.record(epoch, self.inner.claim(req).await)
+    }
+
+    /// Sent whatever the circuit's state (see [`RecordStore::renew`]): a running execution
+    /// renews its lock once the store answers again, not once a probe has closed the circuit.
+    /// One renewal per running execution every 250 ms at most while the store is down: the
+    /// executions that were running when it went, since no new ones start. A renewal the store
+    /// answers closes the circuit, as a probe would have.
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if self.view.state() == CircuitState::Closed {
+            let epoch = self.view.opened.load(Ordering::Acquire);
+            return self.record(epoch, self.inner.renew(req).await);
+        }
+        let answer = self.inner.renew(req).await;
+        match &answer {
+            // Part of the outage the circuit already stands for: it neither stretches the open
+            // period nor counts toward opening it again.
+            Err(e) if is_outage(e) => {}
+            _ => self.close("a lock renewal reached it"),
+        }
+        answer
     }
 
     async fn complete(
@@ -338,6 +371,60 @@ mod tests {
             calls,
             "open circuit never calls"
         );
+    }
+
+    /// A running execution's renewal is sent while the circuit is open: it takes its lapsed
+    /// lock back as soon as the store answers, not after the next probe. One that fails is part
+    /// of the outage (the circuit stays open, its period not stretched); one the store answers
+    /// closes the circuit.
+    #[tokio::test]
+    async fn renewals_are_sent_while_the_circuit_is_open() {
+        let b = Breaker::new(
+            FaultyStore::new(MemoryStore::new(1 << 20, 1)),
+            BreakerOptions {
+                failure_threshold: 3,
+                open_for: Duration::from_secs(60),
+            },
+        );
+        let req = ClaimRequest {
+            key: key(),
+            fingerprint: [2; 32],
+            owner: OwnerToken::random(),
+            execution_id: 7,
+            lock_ttl: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        };
+        assert!(matches!(
+            b.claim(&req).await,
+            Ok(ClaimOutcome::Acquired { execution_id: 7 })
+        ));
+        b.inner().set(Fault::Down);
+        for _ in 0..3 {
+            assert!(b.get(&key()).await.is_err());
+        }
+        assert_eq!(b.view().state(), CircuitState::Open);
+        let opened_at = *b.opened_at.lock();
+
+        let calls = b.inner().calls.load(Ordering::Relaxed);
+        assert!(b.renew(&req).await.is_err());
+        assert_eq!(b.inner().calls.load(Ordering::Relaxed), calls + 1, "sent");
+        assert_eq!(b.view().state(), CircuitState::Open);
+        assert_eq!(
+            *b.opened_at.lock(),
+            opened_at,
+            "the open period is not stretched"
+        );
+        assert!(b.claim(&req).await.is_err(), "a claim still fails fast");
+        assert_eq!(b.inner().calls.load(Ordering::Relaxed), calls + 1);
+
+        b.inner().set(Fault::None);
+        assert!(matches!(
+            b.renew(&req).await,
+            Ok(ClaimOutcome::Acquired { execution_id: 7 })
+        ));
+        assert_eq!(b.view().state(), CircuitState::Closed);
+        assert!(b.get(&key()).await.is_ok(), "closed: calls go through");
+        assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
     }
 
     #[tokio::test]

@@ -993,9 +993,14 @@ impl<S: RecordStore> CachedStore<S> {
     }
 }
 
-#[async_trait]
-impl<S: RecordStore> RecordStore for CachedStore<S> {
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+impl<S: RecordStore> CachedStore<S> {
+    /// [`RecordStore::claim`], or with `renewal` [`RecordStore::renew`], which goes to the
+    /// store beneath as a renewal too.
+    async fn claim_or_renew(
+        &self,
+        req: &ClaimRequest,
+        renewal: bool,
+    ) -> Result<ClaimOutcome, StoreError> {
         if self.bloom_says_maybe(&req.key.hash) {
             if let Some(record) = self.cached(&req.key) {
                 self.stats.hits.fetch_add(1, Ordering::Relaxed);
@@ -1010,13 +1015,13 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         let mark = self.mark(&req.key.hash);
         let sent = Instant::now();
         // A renewal (the owner claiming again) goes through: its execution is already running.
-        let renewal = || {
+        let owner_claims_again = || {
             self.pending
                 .lock()
                 .get(&req.key.hash, req.owner.0)
                 .is_some()
         };
-        if self.overfull(sent) && !renewal() {
+        if self.overfull(sent) && !owner_claims_again() {
             // Nothing new runs; a retry of a key the store holds is still answered (a replay,
             // or a 409 while it runs elsewhere).
             // Anything else (nothing, a released record, a lapsed lock, a store that fails)
@@ -1035,7 +1040,12 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 Err(e) => Err(e),
             };
         }
-        let outcome = match self.inner.claim(req).await {
+        let sent_on = if renewal {
+            self.inner.renew(req).await
+        } else {
+            self.inner.claim(req).await
+        };
+        let outcome = match sent_on {
             Ok(outcome) => outcome,
             Err(e) => {
                 self.still_running(req);
@@ -1058,6 +1068,17 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 .insert(req.key.hash, req.owner.0, entry, now);
         }
         Ok(outcome)
+    }
+}
+
+#[async_trait]
+impl<S: RecordStore> RecordStore for CachedStore<S> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_or_renew(req, false).await
+    }
+
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_or_renew(req, true).await
     }
 
     async fn complete(

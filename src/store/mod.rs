@@ -228,6 +228,16 @@ pub trait RecordStore: Send + Sync + 'static {
     /// One atomic step: two concurrent claims never both acquire.
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError>;
 
+    /// Claims the record again as its owner, to keep the lock of an execution that is still
+    /// running: the same call as [`RecordStore::claim`]. A layer that stops calling a failing
+    /// store (the circuit breaker) still sends renewals: past the lock's deadline, the first
+    /// renewal to reach the store again takes the lapsed lock back, and held back by an open
+    /// circuit it would leave a retry elsewhere up to `open_for` to take the key over beside
+    /// the running execution.
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim(req).await
+    }
+
     /// Stores the outcome if `owner` still holds the claim; the record then lives for `ttl`.
     async fn complete(
         &self,
@@ -332,6 +342,9 @@ pub struct StoreUsage {
 impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         (**self).claim(req).await
+    }
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        (**self).renew(req).await
     }
     async fn complete(
         &self,
