@@ -498,6 +498,13 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
                     Pull::Gauge,
                     |s| usage(s).capacity as f64,
                 ),
+                (
+                    "idemgate_store_answers_kept_as_status_total",
+                    "Answers the full store had no room for, kept as their status alone \
+                     (retries get 409 not-replayable)",
+                    Pull::Counter,
+                    |s| usage(s).answers_kept_as_status as f64,
+                ),
             ],
         );
     }

@@ -1123,6 +1123,10 @@ async fn admin_endpoints_and_metrics() {
     assert!(m.contains(r#"idemgate_requests_total{result="INVALID",route="orders"} 1"#));
     assert!(m.contains("idemgate_request_duration_seconds_bucket"));
     assert!(m.contains("idemgate_store_records 1"));
+    assert!(
+        m.contains("idemgate_store_answers_kept_as_status_total 0"),
+        "{m}"
+    );
     assert!(!m.contains("secret-key-value"));
     assert!(
         !proxy.log().contains("secret-key-value"),

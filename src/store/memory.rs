@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::pin::pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -65,6 +65,15 @@ const MAX_SHARDS: usize = 1 << 16;
 /// [`MemoryStore::sweep_for_completion`]).
 const ROOM_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
 
+/// New claims take at most all but this fraction of the capacity (1/16): the rest is for the
+/// answers of claims already running. A full store refuses a new key with a 503, which the
+/// client retries; an answer it has no room for is kept as its status alone, and every retry of
+/// it gets 409 `not-replayable` for the record's whole `ttl`. Without the headroom, a store
+/// kept full (a flood of new keys, or a `ttl` that holds more than the capacity) gave the room
+/// each expiry freed to new claims first (a claim charges a few hundred bytes, an answer its
+/// whole size), and running executions lost their answers.
+const CLAIM_HEADROOM_DIVISOR: usize = 16;
+
 /// A background round sweeps `1 / SWEEP_ROUNDS` of the shards, so each second's sweep costs an
 /// eighth of the store's size rather than all of it (a full walk of ten million records is
 /// ~10% of a core every second); every shard is still visited once every `SWEEP_ROUNDS` rounds.
@@ -92,6 +101,8 @@ pub struct MemoryStore {
     used: AtomicUsize,
     /// Records held, including expired ones not yet collected.
     records: AtomicUsize,
+    /// Answers there was no room for even in the headroom, kept as their status alone.
+    answers_kept_as_status: AtomicU64,
     /// The last make-room sweep; see [`ROOM_SWEEP_INTERVAL`]. Locked for the whole of a sweep
     /// (and by a completion waiting out the interval before its own), so a claim that finds it
     /// locked knows one is running or about to. An async lock: a completion waits for it
@@ -202,6 +213,7 @@ impl MemoryStore {
             capacity: capacity_bytes,
             used: AtomicUsize::new(0),
             records: AtomicUsize::new(0),
+            answers_kept_as_status: AtomicU64::new(0),
             last_room_sweep: tokio::sync::Mutex::default(),
             sweep_cursor: AtomicUsize::new(0),
             base: Instant::now(),
@@ -378,14 +390,20 @@ impl MemoryStore {
         mixed as usize & self.shard_mask
     }
 
-    /// Charges `bytes` against the capacity if they fit; never lets `used` exceed `capacity`.
-    fn try_charge(&self, bytes: usize) -> bool {
+    /// Charges `bytes` if `used` stays within `limit` (at most `capacity`); never lets `used`
+    /// exceed `capacity`.
+    fn try_charge(&self, bytes: usize, limit: usize) -> bool {
         self.used
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
-                used.checked_add(bytes)
-                    .filter(|&total| total <= self.capacity)
+                used.checked_add(bytes).filter(|&total| total <= limit)
             })
             .is_ok()
+    }
+
+    /// What new claims may fill the store to: all but its headroom (see
+    /// [`CLAIM_HEADROOM_DIVISOR`]).
+    fn claim_limit(&self) -> usize {
+        self.capacity - self.capacity / CLAIM_HEADROOM_DIVISOR
     }
 
     /// Books out an entry that has just been removed from its map, and wakes its waiters so they
@@ -435,7 +453,7 @@ impl MemoryStore {
             None => {}
         }
         let charge = record_overhead(req.key.tenant.len());
-        if !self.try_charge(charge) {
+        if !self.try_charge(charge, self.claim_limit()) {
             return Attempt::NeedRoom;
         }
         map.insert(
@@ -472,7 +490,7 @@ impl MemoryStore {
         if !entry.owned_by(owner) {
             return Attempt::Done(WriteOutcome::NotOwner);
         }
-        if !self.try_charge(extra) {
+        if !self.try_charge(extra, self.capacity) {
             return Attempt::NeedRoom;
         }
         entry.charged += extra;
@@ -529,7 +547,19 @@ impl RecordStore for MemoryStore {
             Completion::Unreplayable { status } => *status,
         };
         match self.try_complete(key, owner, &Completion::Unreplayable { status }, 0, ttl) {
-            Attempt::Done(outcome) => Ok(outcome),
+            Attempt::Done(outcome) => {
+                if outcome == WriteOutcome::Applied && extra > 0 {
+                    self.answers_kept_as_status.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        record = %crate::key::hash_label(&key.hash),
+                        status,
+                        bytes = extra,
+                        "the embedded store is full: the answer is kept as its status alone, and \
+                         retries get 409 not-replayable (store.memory.capacity)"
+                    );
+                }
+                Ok(outcome)
+            }
             // Unreachable: charging zero bytes always fits. Answer as a full store all the same.
             Attempt::NeedRoom => Err(StoreError::Full {
                 used: self.used.load(Ordering::Relaxed),
@@ -630,6 +660,7 @@ impl RecordStore for MemoryStore {
             records: self.records.load(Ordering::Relaxed),
             bytes: self.used.load(Ordering::Relaxed),
             capacity: self.capacity,
+            answers_kept_as_status: self.answers_kept_as_status.load(Ordering::Relaxed),
         })
     }
 }
@@ -942,6 +973,14 @@ mod tests {
     /// What a record of [`key`] is charged before any response.
     const CHARGE: usize = record_overhead(1);
 
+    /// The least capacity whose claims may fill `claims` records of [`key`], its headroom left.
+    fn room_for(claims: usize) -> usize {
+        let capacity = claims * CHARGE * CLAIM_HEADROOM_DIVISOR / (CLAIM_HEADROOM_DIVISOR - 1);
+        (capacity..)
+            .find(|c| c - c / CLAIM_HEADROOM_DIVISOR >= claims * CHARGE)
+            .unwrap()
+    }
+
     fn key(n: u8) -> RecordKey {
         let mut hash = [0u8; 32];
         // Vary the first word so keys spread over shards, and the last so they differ anyway.
@@ -1038,7 +1077,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn full_store_refuses_and_keeps_live_records() {
-        let store = MemoryStore::new(3 * CHARGE, 4);
+        let store = MemoryStore::new(room_for(3), 4);
         let keys: Vec<_> = (1..=3).map(key).collect();
         for k in &keys {
             let outcome = store.claim(&claim_req(k, 60 * SECOND)).await.unwrap();
@@ -1048,7 +1087,7 @@ mod tests {
         match err {
             Err(StoreError::Full { used, capacity }) => {
                 assert_eq!(used, 3 * CHARGE);
-                assert_eq!(capacity, 3 * CHARGE);
+                assert_eq!(capacity, room_for(3));
             }
             other => panic!("expected Full, got {other:?}"),
         }
@@ -1068,7 +1107,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn full_store_sweeps_expired_records_to_make_room() {
-        let store = MemoryStore::new(3 * CHARGE, 4);
+        let store = MemoryStore::new(room_for(3), 4);
         store.claim(&claim_req(&key(1), 5 * SECOND)).await.unwrap();
         store.claim(&claim_req(&key(2), 60 * SECOND)).await.unwrap();
         store.claim(&claim_req(&key(3), 60 * SECOND)).await.unwrap();
@@ -1143,7 +1182,8 @@ mod tests {
             StoreUsage {
                 records: 0,
                 bytes: 0,
-                capacity: 1 << 20
+                capacity: 1 << 20,
+                answers_kept_as_status: 0,
             }
         );
     }
@@ -1197,7 +1237,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn response_larger_than_capacity_is_kept_unreplayable() {
-        let store = MemoryStore::new(4 * CHARGE, 1);
+        let store = MemoryStore::new(room_for(4), 1);
         let k = key(1);
         let req = claim_req(&k, 60 * SECOND);
         store.claim(&req).await.unwrap();
@@ -1212,11 +1252,54 @@ mod tests {
             RecordState::Completed(Completion::Unreplayable { status: 201 })
         );
         assert_eq!(store.usage().unwrap().bytes, CHARGE);
+        assert_eq!(store.usage().unwrap().answers_kept_as_status, 1);
+    }
+
+    /// New claims stop short of the capacity: the rest is for the answers of the claims already
+    /// running. Filled by claims alone (a flood of new keys), the store still keeps a running
+    /// claim's answer whole, rather than as its status (which every retry would get as a 409
+    /// for the record's whole ttl), and goes on refusing new keys (a 503 the client retries).
+    #[tokio::test(start_paused = true)]
+    async fn claims_leave_room_for_the_answers_of_running_claims() {
+        let store = MemoryStore::new(64 << 10, 4);
+        let first = claim_req(&key(0), 60 * SECOND);
+        store.claim(&first).await.unwrap();
+        let mut claimed = 1;
+        for n in 1..=u16::MAX {
+            let mut k = key(0);
+            k.hash[..2].copy_from_slice(&n.to_be_bytes());
+            match store.claim(&claim_req(&k, 60 * SECOND)).await {
+                Ok(ClaimOutcome::Acquired { .. }) => claimed += 1,
+                Err(StoreError::Full { .. }) => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        let used = store.usage().unwrap().bytes;
+        assert_eq!(used, claimed * CHARGE);
+        assert!(
+            used <= store.claim_limit() && used + CHARGE > store.claim_limit(),
+            "claims filled {used} of {} bytes",
+            64 << 10
+        );
+
+        let answer = response(2000);
+        let done = store
+            .complete(&first.key, first.owner, answer.clone(), 60 * SECOND)
+            .await
+            .unwrap();
+        assert_eq!(done, WriteOutcome::Applied);
+        let record = store.get(&first.key).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed(answer));
+        assert_eq!(store.usage().unwrap().answers_kept_as_status, 0);
+        assert!(matches!(
+            store.claim(&claim_req(&key(200), 60 * SECOND)).await,
+            Err(StoreError::Full { .. })
+        ));
     }
 
     #[tokio::test(start_paused = true)]
     async fn response_that_fits_after_a_sweep_is_stored() {
-        let store = MemoryStore::new(4 * CHARGE, 2);
+        let store = MemoryStore::new(room_for(4), 2);
         // Fill the store with short-lived records, then complete one long-lived record.
         for n in 2..=4 {
             store.claim(&claim_req(&key(n), 5 * SECOND)).await.unwrap();
@@ -1237,7 +1320,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_completion_waits_out_the_room_sweep_interval_rather_than_lose_its_response() {
-        let store = MemoryStore::new(4 * CHARGE, 2);
+        let store = MemoryStore::new(room_for(4), 2);
         let k = key(1);
         let req = claim_req(&k, 60 * SECOND);
         store.claim(&req).await.unwrap();
@@ -1269,7 +1352,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_completion_waits_for_a_running_room_sweep_rather_than_lose_its_response() {
-        let store = Arc::new(MemoryStore::new(4 * CHARGE, 2));
+        let store = Arc::new(MemoryStore::new(room_for(4), 2));
         let k = key(1);
         let req = claim_req(&k, 60 * SECOND);
         store.claim(&req).await.unwrap();

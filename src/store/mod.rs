@@ -334,6 +334,8 @@ pub struct StoreUsage {
     pub bytes: usize,
     /// Configured capacity in bytes.
     pub capacity: usize,
+    /// Answers there was no room for, kept as their status alone (not replayable).
+    pub answers_kept_as_status: u64,
 }
 
 /// A shared handle is a store too, so layers can wrap a store that is also used elsewhere (e.g.
