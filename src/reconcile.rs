@@ -13,8 +13,9 @@
 //!   alone. Another execution that answered the same cannot be ruled out (unless an earlier
 //!   `--apply` restored it).
 //! - `another outcome`: the record holds another response, or belongs to another execution id
-//!   (re-created after it was lost). Both executions may have happened; that needs a person
-//!   (refund, cancel).
+//!   (re-created after it was lost), or, for a line whose write was refused, is the claim of the
+//!   request that took the key over under the same id, lapsed with its outcome unknown. Both
+//!   executions may have happened; that needs a person (refund, cancel).
 //! - `executing`: a request holds the record's lock right now. Run again once it is done.
 //! - `missing`: the record is absent, or released or in flight with its lock lapsed under this
 //!   execution and fingerprint, so a retry would execute the key again. With `--apply` the
@@ -369,6 +370,15 @@ fn held(record: Option<&Record>, letter: &Letter) -> Option<Verdict> {
         RecordState::InFlight { lock_remaining } if !lock_remaining.is_zero() => {
             Some(Verdict::Executing)
         }
+        // The store refused the line's write, so this execution no longer held the claim: a
+        // claim under its execution id now is another request's that took the key over after
+        // the lock lapsed (a takeover keeps the id), and ran it again with its outcome unknown.
+        // Written back, its execution would be hidden behind this one's answer.
+        RecordState::InFlight { .. } if letter.refused => Some(Verdict::AnotherOutcome {
+            what: "another request took the key over under this execution id after its lock \
+                   lapsed, and its outcome is unknown (its lock lapsed too)"
+                .into(),
+        }),
         _ if letter
             .fingerprint
             .is_some_and(|fingerprint| fingerprint != record.fingerprint) =>
@@ -985,6 +995,52 @@ mod tests {
         old.as_object_mut().unwrap().remove("store");
         old.as_object_mut().unwrap().remove("key_prefix");
         let (tally, out) = run(&store, &old.to_string(), true).await;
+        assert_eq!(
+            tally,
+            Tally {
+                restored: 1,
+                ..Tally::default()
+            },
+            "{out}"
+        );
+    }
+
+    /// A line whose write was refused (the key was taken over) meets the takeover's claim under
+    /// the same execution id, lapsed with its outcome unknown: both executions may have run,
+    /// and writing this one's answer back would hide the other. A line whose write may have
+    /// landed (`in_store: unknown`) meets what may be its own lapsed claim: restored.
+    #[tokio::test]
+    async fn a_refused_line_meeting_the_takeover_s_claim_is_another_outcome() {
+        let store = store();
+        let job = letter(40, response(b"first"));
+        claim_as(&store, &job, Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let takeover = PendingCompletion {
+            owner: OwnerToken::random(),
+            ..job.clone()
+        };
+        claim_as(&store, &takeover, Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+
+        let refused = dead_letter_line(&here(), &job, 1, "lock taken over", InStore::No);
+        let (tally, out) = run(&store, &refused, true).await;
+        assert_eq!(
+            tally,
+            Tally {
+                another_outcome: 1,
+                ..Tally::default()
+            },
+            "{out}"
+        );
+        assert!(out.contains("took the key over"), "{out}");
+        let record = store.get(&job.key).await.unwrap().unwrap();
+        assert!(
+            matches!(record.state, RecordState::InFlight { .. }),
+            "left alone: {record:?}"
+        );
+
+        let unknown = dead_letter_line(&here(), &job, 1, "store failed", InStore::Unknown);
+        let (tally, out) = run(&store, &unknown, true).await;
         assert_eq!(
             tally,
             Tally {
