@@ -1340,7 +1340,7 @@ fn names<'a>(methods: impl Iterator<Item = &'a Method>) -> String {
 }
 
 /// `/orders` matches `/orders` and `/orders/1` but not `/ordersx`; `/orders/` matches only below.
-fn prefix_matches(prefix: &str, path: &str) -> bool {
+pub(crate) fn prefix_matches(prefix: &str, path: &str) -> bool {
     path.starts_with(prefix)
         && (prefix.ends_with('/')
             || path.len() == prefix.len()

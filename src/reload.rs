@@ -22,7 +22,7 @@ use notify::{EventKind, RecursiveMode, Watcher};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
-use crate::config::{read_bounded, Config, ScriptsConfig};
+use crate::config::{read_bounded, Config, Route, ScriptsConfig};
 use crate::metrics::{Metrics, Pull};
 use crate::proxy::Generation;
 
@@ -618,8 +618,57 @@ fn record_identity_changes(old: &Config, new: &Config) -> Vec<String> {
         if before.path_prefix != now.path_prefix {
             changed.push(format!("routes[{}].path_prefix", before.name));
         }
+        // Routes ahead of it take the requests they match first: one added or moved ahead of
+        // it (a plain carve-out such as `/orders/bulk`), or one ahead of it that changed what
+        // it matches, takes some of its keyed requests, whose retries then run unprotected
+        // or under other settings.
+        let carved_before = carve_outs(old, before);
+        let carved_now = carve_outs(new, now);
+        if carved_before != carved_now {
+            let names = |routes: &[(&str, &str, &[http::Method], bool)]| {
+                routes.iter().map(|r| r.0).collect::<Vec<_>>().join(", ")
+            };
+            changed.push(format!(
+                "routes[{}] (routes ahead of it that take some of its requests changed: [{}], \
+                 before [{}])",
+                before.name,
+                names(&carved_now),
+                names(&carved_before)
+            ));
+        }
     }
     changed
+}
+
+/// The routes of `config` ahead of `route` that may take some of its requests (their prefixes
+/// overlap, one under the other, and they share a method), in order, by name, prefix, methods
+/// and whether they are idempotent.
+fn carve_outs<'a>(
+    config: &'a Config,
+    route: &Route,
+) -> Vec<(&'a str, &'a str, &'a [http::Method], bool)> {
+    let overlaps = |r: &Route| {
+        let paths = crate::config::prefix_matches(&r.path_prefix, &route.path_prefix)
+            || crate::config::prefix_matches(&route.path_prefix, &r.path_prefix);
+        let methods = r.methods.is_empty()
+            || route.methods.is_empty()
+            || r.methods.iter().any(|m| route.methods.contains(m));
+        paths && methods
+    };
+    config
+        .routes
+        .iter()
+        .take_while(|r| r.name != route.name)
+        .filter(|r| overlaps(r))
+        .map(|r| {
+            (
+                r.name.as_str(),
+                r.path_prefix.as_str(),
+                r.methods.as_slice(),
+                r.idempotency.is_some(),
+            )
+        })
+        .collect()
 }
 
 /// The settings that differ between `old` and `new` and are read only at start-up.
@@ -758,6 +807,41 @@ routes:
             identity(&BASE.replace("{name: orders,", "{name: orders, methods: [PUT],")),
             ["routes[orders].methods"]
         );
+        // A route added ahead of it that takes some of its requests: a plain carve-out, or
+        // moved there.
+        let bulk = "  - {name: bulk, methods: [POST], path_prefix: /orders/bulk, upstream: app}\n";
+        let carve_out = BASE.replace("routes:\n", &format!("routes:\n{bulk}"));
+        assert_eq!(
+            identity(&carve_out),
+            ["routes[orders] (routes ahead of it that take some of its requests changed: [bulk], \
+              before [])"]
+        );
+        let after = Config::from_yaml_str(&carve_out).expect("carve-out");
+        let moved = Config::from_yaml_str(&format!("{BASE}{bulk}")).expect("bulk after orders");
+        assert_eq!(
+            record_identity_changes(&moved, &after),
+            ["routes[orders] (routes ahead of it that take some of its requests changed: [bulk], \
+              before [])"]
+        );
+        // One ahead of it that takes none of them (another prefix, or only GET of a POST
+        // route), or one behind it, changes nothing.
+        for elsewhere in [
+            "  - {name: users, path_prefix: /users, upstream: app}\n",
+            "  - {name: ordersx, path_prefix: /ordersx, upstream: app}\n",
+        ] {
+            assert!(
+                identity(&BASE.replace("routes:\n", &format!("routes:\n{elsewhere}"))).is_empty()
+            );
+        }
+        assert!(identity(&format!("{BASE}{bulk}")).is_empty());
+        let post_only = BASE.replace("{name: orders,", "{name: orders, methods: [POST],");
+        let reads = "  - {name: reads, methods: [GET], path_prefix: /orders, upstream: app}\n";
+        let old_post = Config::from_yaml_str(&post_only).expect("POST only");
+        let new_post =
+            Config::from_yaml_str(&post_only.replace("routes:\n", &format!("routes:\n{reads}")))
+                .expect("reads ahead");
+        assert!(record_identity_changes(&old_post, &new_post).is_empty());
+
         let narrow = BASE.replace("{name: orders,", "{name: orders, methods: [POST],");
         let old = Config::from_yaml_str(&narrow).expect("POST only");
         let wider = Config::from_yaml_str(BASE).expect("every method");
