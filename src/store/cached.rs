@@ -201,6 +201,20 @@ impl Cache {
         }
     }
 
+    /// Gives back the room of a table that emptied (a hash table never shrinks as entries go):
+    /// a shard that held many small answers and now holds a few large ones kept the slots of
+    /// all the small ones, which no budget charges, and the heap outgrew `capacity` by up to
+    /// about 80%. Once under a quarter full, as the embedded store does (see its
+    /// `shrink_if_sparse`); the order queue likewise.
+    fn shrink_if_sparse(&mut self) {
+        if self.map.len() < self.map.capacity() / 4 {
+            self.map.shrink_to(self.map.len());
+        }
+        if self.order.len() < self.order.capacity() / 4 {
+            self.order.shrink_to(self.order.len());
+        }
+    }
+
     /// Whether `hash` may have been purged since the shard's count was `since`: yes if one of
     /// the purges since was of it, or if more purges came than the shard remembers.
     fn purged_since(&self, hash: &Digest, since: u64) -> bool {
@@ -764,6 +778,7 @@ impl<S: RecordStore> CachedStore<S> {
             let Cache { map, order, .. } = &mut *cache;
             order.retain(|(h, seq)| map.get(h).is_some_and(|e| e.seq == *seq));
         }
+        cache.shrink_if_sparse();
         true
     }
 
@@ -802,6 +817,7 @@ impl<S: RecordStore> CachedStore<S> {
                 }
                 !gone
             });
+            cache.shrink_if_sparse();
         }
         dropped
     }
@@ -1505,6 +1521,65 @@ mod tests {
                 break;
             }
         }
+    }
+
+    /// A shard whose many small entries gave way to a few large ones gives their table back,
+    /// and so does one whose copies were all dropped: the empty slots of a table that never
+    /// shrinks are charged to no budget.
+    #[test]
+    fn a_shard_that_emptied_gives_its_table_back() {
+        let store = CachedStore::new(MemoryStore::new(1 << 20, 1), options()).unwrap();
+        let key = |n: u32| RecordKey {
+            tenant: "t".into(),
+            hash: {
+                let mut h = [0u8; 32];
+                h[..4].copy_from_slice(&n.to_le_bytes());
+                h
+            },
+        };
+        let until = Instant::now() + Duration::from_secs(60);
+        let keep = |n: u32, completion: Completion| {
+            let k = key(n);
+            let record = Record {
+                fingerprint: [7; 32],
+                execution_id: u64::from(n),
+                state: RecordState::Completed(completion),
+                expires_in: None,
+            };
+            store.remember(&k, record, until, Origin::Stored(store.mark(&k.hash)))
+        };
+        let shard = || store.shard(&key(0).hash).lock();
+        assert_eq!(store.cache.len(), 1, "one shard");
+        let mut n = 0;
+        while shard().map.len() < 1000 {
+            assert!(keep(n, response(b"{}")));
+            n += 1;
+        }
+        let (full_slots, full_places) = {
+            let s = shard();
+            (s.map.capacity(), s.order.capacity())
+        };
+        for _ in 0..8 {
+            assert!(keep(n, response(&[1u8; 200_000])));
+            n += 1;
+        }
+        let (live, slots, places) = {
+            let s = shard();
+            (s.map.len(), s.map.capacity(), s.order.capacity())
+        };
+        assert!(live < 10, "{live} entries left");
+        assert!(
+            slots < full_slots / 4 && places < full_places / 4,
+            "{slots} of {full_slots} slots, {places} of {full_places} places kept for {live} entries"
+        );
+
+        while shard().map.len() < 1000 {
+            assert!(keep(n, response(b"{}")));
+            n += 1;
+        }
+        let full_slots = shard().map.capacity();
+        store.forget_copies();
+        assert!(shard().map.capacity() < full_slots / 4);
     }
 
     #[tokio::test]
