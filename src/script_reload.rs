@@ -106,9 +106,13 @@ impl ScriptReloader {
             let settings = self.settings.lock().clone();
             let reading = read_versions(&settings);
             let settled = files.settled(reading.clone(), std::time::Instant::now());
-            // A config that names other versions is applied at once; file edits wait for a
-            // second, identical reading.
-            if trigger != "config reload" && !settled {
+            // A config that names other versions is applied at once when their files are at
+            // rest (built in, or none written for SETTLE_GAP): a version the config named
+            // before its files were there (the config reload retried until they were) may be
+            // caught while they are being copied. Anything else waits for a second, identical
+            // reading, as file edits do.
+            let at_once = trigger == "config reload" && at_rest(&reading, SETTLE_GAP);
+            if !at_once && !settled {
                 continue;
             }
             let found = match &reading[..] {
@@ -145,6 +149,25 @@ type Reading = Vec<Option<Sources>>;
 /// Least time between the two agreeing readings that put an edit of the script files in force:
 /// a copy whose files come less than this apart is never caught halfway.
 pub const SETTLE_GAP: Duration = Duration::from_secs(2);
+
+/// Whether every version of `reading` was read whole and is built in, or its directory's
+/// script files have not been written for `gap` (an unreadable version is not at rest).
+fn at_rest(reading: &Reading, gap: Duration) -> bool {
+    let quiet = |dir: &Path| {
+        crate::scripts::SCRIPT_NAMES.iter().all(|name| {
+            std::fs::metadata(dir.join(format!("{name}.lua")))
+                .and_then(|m| m.modified())
+                .is_ok_and(|at| at.elapsed().is_ok_and(|age| age >= gap))
+        })
+    };
+    reading.iter().all(|sources| match sources {
+        Some(s) => match &s.origin {
+            crate::scripts::Origin::Builtin => true,
+            crate::scripts::Origin::Dir(dir) => quiet(dir),
+        },
+        None => false,
+    })
+}
 
 fn read_versions(settings: &ScriptsConfig) -> Reading {
     let dir = settings.dir.as_deref();
@@ -230,6 +253,42 @@ mod tests {
         );
         assert!(files.settled(new, at(8000)));
         assert!(!files.settled(vec![None], at(8100)), "a file gone");
+    }
+
+    /// A version the config names is applied at once only when its files are at rest: built in,
+    /// or not written for the gap. One being copied (a file written moments ago) waits for two
+    /// agreeing readings, as a file edit does: applied at once, a `complete.lua` caught
+    /// half-copied was loaded and failed every completion until the next readings.
+    #[test]
+    fn a_version_the_config_names_is_applied_at_once_only_at_rest() {
+        assert!(at_rest(&vec![Sources::builtin("v1")], SETTLE_GAP));
+        assert!(!at_rest(&vec![Sources::builtin("v1"), None], SETTLE_GAP));
+        let dir = tempfile::tempdir().unwrap();
+        let version = dir.path().join("v3");
+        std::fs::create_dir(&version).unwrap();
+        for name in SCRIPT_NAMES {
+            std::fs::write(version.join(format!("{name}.lua")), format!("-- {name}")).unwrap();
+        }
+        let settings = ScriptsConfig {
+            dir: Some(dir.path().to_path_buf()),
+            version: "v3".into(),
+            canary: None,
+        };
+        let reading = read_versions(&settings);
+        assert!(reading[0].is_some());
+        assert!(!at_rest(&reading, SETTLE_GAP), "just written");
+        let long_ago = std::time::SystemTime::now() - Duration::from_secs(60);
+        for name in SCRIPT_NAMES {
+            let file = std::fs::File::options()
+                .write(true)
+                .open(version.join(format!("{name}.lua")))
+                .unwrap();
+            file.set_modified(long_ago).unwrap();
+        }
+        assert!(at_rest(&reading, SETTLE_GAP), "written a minute ago");
+        // One file written again now: not at rest.
+        std::fs::write(version.join("complete.lua"), "-- complete, again").unwrap();
+        assert!(!at_rest(&read_versions(&settings), SETTLE_GAP));
     }
 
     #[test]

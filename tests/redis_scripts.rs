@@ -1059,6 +1059,52 @@ async fn config_edits_switch_versions_live_and_an_unknown_version_is_refused() {
     assert_eq!(status["canary"]["percent_in_force"], 100);
 }
 
+/// A version the config names while its files are still being copied (the config's reload was
+/// refused and retried until the directory appeared, as the README suggests for a new version)
+/// is put in force only once they are at rest, as a file edit is: caught half-copied, a
+/// `complete.lua` that loads and answers nothing useful failed every completion until the next
+/// readings.
+#[tokio::test]
+async fn a_version_the_config_names_while_its_files_are_copied_waits_for_them() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let root = tempfile::tempdir().unwrap();
+    let block = format!("{{dir: \"{}\", version: v1}}", root.path().display());
+    let mut proxy = proxy(&backend, &redis, &block).await;
+    // v3 (v2's text) on its way in: complete.lua not there yet, in its place a script Redis
+    // loads that stores nothing.
+    let copying = |n: u32| format!("return 0 -- still copying ({n})");
+    let dir = script_dir(root.path(), "v3", "v2", |name, text| {
+        if name == "complete" {
+            copying(0)
+        } else {
+            text
+        }
+    });
+    proxy.edit_config(Edit::Rename, |yaml| {
+        yaml.replace("version: v1}", "version: v3}")
+    });
+    proxy
+        .metrics_containing("idemgate_config_reloads_total 1")
+        .await;
+    // The copy goes on for 3 s, its file changing all the while: nothing of v3 is in force.
+    for n in 1..=10 {
+        std::fs::write(dir.join("complete.lua"), copying(n)).unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let status = admin_scripts(&proxy).await;
+        assert_eq!(
+            status["active"]["version"], "v1",
+            "put in force while its files were copied ({n}):\n{status:#}"
+        );
+    }
+    std::fs::write(dir.join("complete.lua"), repo_lua("v2", "complete")).unwrap();
+    admin_scripts_until(&proxy, "v3 in force", |s| s["active"]["version"] == "v3").await;
+    assert_eq!(
+        stamp_of(&proxy, &redis, "after-the-copy").await.as_deref(),
+        Some("v2")
+    );
+}
+
 #[tokio::test]
 async fn a_script_that_fails_is_refused_not_taken_for_an_outage_the_policy_forwards_through() {
     let redis = RedisServer::start();
