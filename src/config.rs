@@ -1320,7 +1320,7 @@ impl Config {
 /// The methods other than GET, HEAD, OPTIONS and TRACE that a route listing `later` takes and
 /// an earlier one listing `earlier` takes first (an empty list: every method), for a message:
 /// `POST`, `POST, PUT`, or `every method but GET, HEAD, OPTIONS and TRACE`. Empty when none.
-fn hidden_unsafe_methods(earlier: &[Method], later: &[Method]) -> String {
+pub(crate) fn hidden_unsafe_methods(earlier: &[Method], later: &[Method]) -> String {
     let safe = |m: &Method| {
         matches!(
             *m,
@@ -1351,7 +1351,7 @@ pub(crate) fn prefix_matches(prefix: &str, path: &str) -> bool {
 /// `/orders.`: a dot, then ASCII letters and digits only). Web frameworks route it to the
 /// handler of `/orders` (Rails, Django REST framework's format suffixes), so an idempotent
 /// `/orders` must not let it past without a key.
-fn format_suffix_of(prefix: &str, path: &str) -> bool {
+pub(crate) fn format_suffix_of(prefix: &str, path: &str) -> bool {
     !prefix.ends_with('/')
         && path
             .strip_prefix(prefix)

@@ -8,7 +8,8 @@
 //! when their body is known and small; an `Upgrade`, `Expect: 100-continue`, `CONNECT`, a chunked
 //! or larger body takes pingora's own proxy path, which streams both ways.
 
-use std::pin::pin;
+use std::future::Future;
+use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -873,18 +874,19 @@ impl Gate {
                 loop {
                     match upstream::until(next, head.as_mut()).await {
                         Ok(head) => break head,
-                        Err(_) => match self.renew(c).await {
-                            Renewal::Renewed => next = c.alarm(),
+                        Err(_) => match self.renew_while(c, head.as_mut()).await {
+                            Err(answered) => break answered,
+                            Ok(Renewal::Renewed) => next = c.alarm(),
                             // A store that failed once may answer the next try: keep trying,
                             // past the lock's deadline too. The backend may still be running,
                             // and a renewal that lands before anyone else claims the key takes
                             // the lapsed lock back (the stores treat the owner's claim as one),
                             // so a retry after the outage is told to wait instead of running
                             // the key beside it.
-                            Renewal::Failed => {
+                            Ok(Renewal::Failed) => {
                                 next = Instant::now() + renewal_pause(c.lock_deadline);
                             }
-                            Renewal::TakenOver => break head.await,
+                            Ok(Renewal::TakenOver) => break head.await,
                         },
                     }
                 }
@@ -1217,7 +1219,12 @@ impl Gate {
 
     async fn complete(&self, claim: &Claim<'_>, completion: Completion) {
         let (req, ttl) = (claim.req, claim.req.ttl);
+        let on_fallback = self
+            .fallback
+            .as_deref()
+            .is_some_and(|fallback| std::ptr::addr_eq(fallback, claim.store));
         let pending = || PendingCompletion {
+            on_fallback,
             key: req.key.clone(),
             owner: req.owner,
             completion: completion.clone(),
@@ -1297,6 +1304,28 @@ impl Gate {
                 Renewal::Failed
             }
         }
+    }
+
+    /// Renews `claim`'s lock while the backend's answer (`head`) is still awaited, giving the
+    /// renewal up for the answer if it comes first (`Err(answer)`): a store that is slow to
+    /// answer, or down (renewals are sent through an open circuit), does not hold the answer
+    /// up. A renewal given up on may still land and start a lock then.
+    async fn renew_while<F: Future>(
+        &self,
+        claim: &mut Claim<'_>,
+        head: Pin<&mut F>,
+    ) -> std::result::Result<Renewal, F::Output> {
+        let raced = {
+            let renewal = pin!(self.renew(claim));
+            match futures_util::future::select(head, renewal).await {
+                futures_util::future::Either::Left((answer, _)) => Err(answer),
+                futures_util::future::Either::Right((renewal, _)) => Ok(renewal),
+            }
+        };
+        if raced.is_err() {
+            claim.lapses_by = claim.lapses_by.max(Instant::now() + claim.req.lock_ttl);
+        }
+        raced
     }
 
     /// Stores a response that is still streaming as executed but not replayable, before the

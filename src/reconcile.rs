@@ -60,6 +60,9 @@ struct Letter {
     /// The store refused the line's write (`"in_store": "no"`): whatever the record holds, this
     /// execution did not write it.
     refused: bool,
+    /// The store refused the write because another request had taken the key over
+    /// (`"reason": "lock taken over"`).
+    taken_over: bool,
     /// Where its record lives; absent in lines written before dead letters carried it, which
     /// are judged against the config's store as they always were.
     store: Option<LetterStore>,
@@ -370,11 +373,13 @@ fn held(record: Option<&Record>, letter: &Letter) -> Option<Verdict> {
         RecordState::InFlight { lock_remaining } if !lock_remaining.is_zero() => {
             Some(Verdict::Executing)
         }
-        // The store refused the line's write, so this execution no longer held the claim: a
-        // claim under its execution id now is another request's that took the key over after
-        // the lock lapsed (a takeover keeps the id), and ran it again with its outcome unknown.
-        // Written back, its execution would be hidden behind this one's answer.
-        RecordState::InFlight { .. } if letter.refused => Some(Verdict::AnotherOutcome {
+        // The store refused the line's write because another request held the key: a claim
+        // under its execution id now is that request's, which took the key over after the lock
+        // lapsed (a takeover keeps the id) and ran it again, its outcome unknown. Written back,
+        // its execution would be hidden behind this one's answer. (A line refused because the
+        // record was gone meets, if anything, the claim of an earlier `--apply` that could not
+        // complete.)
+        RecordState::InFlight { .. } if letter.taken_over => Some(Verdict::AnotherOutcome {
             what: "another request took the key over under this execution id after its lock \
                    lapsed, and its outcome is unknown (its lock lapsed too)"
                 .into(),
@@ -547,6 +552,7 @@ fn parse(text: &str) -> Result<Letter, String> {
             }
         },
     };
+    let taken_over = refused && v.get("reason").and_then(|r| r.as_str()) == Some("lock taken over");
     Ok(Letter {
         key,
         execution_id,
@@ -554,6 +560,7 @@ fn parse(text: &str) -> Result<Letter, String> {
         completion,
         expires_at_unix_ms,
         refused,
+        taken_over,
         store,
     })
 }
@@ -634,6 +641,7 @@ mod tests {
 
     fn letter(n: u8, completion: Completion) -> PendingCompletion {
         PendingCompletion {
+            on_fallback: false,
             key: RecordKey {
                 tenant: "acme".into(),
                 hash: [n; 32],
@@ -1005,10 +1013,11 @@ mod tests {
         );
     }
 
-    /// A line whose write was refused (the key was taken over) meets the takeover's claim under
-    /// the same execution id, lapsed with its outcome unknown: both executions may have run,
-    /// and writing this one's answer back would hide the other. A line whose write may have
-    /// landed (`in_store: unknown`) meets what may be its own lapsed claim: restored.
+    /// A line whose write was refused because the key was taken over meets the takeover's
+    /// claim under the same execution id, lapsed with its outcome unknown: both executions may
+    /// have run, and writing this one's answer back would hide the other. A line refused
+    /// because the record was gone, or whose write may have landed (`in_store: unknown`),
+    /// meets no takeover: restored.
     #[tokio::test]
     async fn a_refused_line_meeting_the_takeover_s_claim_is_another_outcome() {
         let store = store();
@@ -1039,16 +1048,26 @@ mod tests {
             "left alone: {record:?}"
         );
 
-        let unknown = dead_letter_line(&here(), &job, 1, "store failed", InStore::Unknown);
-        let (tally, out) = run(&store, &unknown, true).await;
-        assert_eq!(
-            tally,
-            Tally {
-                restored: 1,
-                ..Tally::default()
-            },
-            "{out}"
-        );
+        // Refused because the record was gone, or a write that may have landed: what lapsed
+        // under the id is no takeover (an earlier `--apply`'s claim, or this execution's own).
+        for (reason, in_store) in [
+            ("record gone", InStore::No),
+            ("store failed", InStore::Unknown),
+        ] {
+            let store = self::store();
+            claim_as(&store, &job, Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            let line = dead_letter_line(&here(), &job, 1, reason, in_store);
+            let (tally, out) = run(&store, &line, true).await;
+            assert_eq!(
+                tally,
+                Tally {
+                    restored: 1,
+                    ..Tally::default()
+                },
+                "{reason}: {out}"
+            );
+        }
     }
 
     /// A key used again once the line's ttl had passed, as a client may, holds a new

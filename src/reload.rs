@@ -621,52 +621,60 @@ fn record_identity_changes(old: &Config, new: &Config) -> Vec<String> {
         // Routes ahead of it take the requests they match first: one added or moved ahead of
         // it (a plain carve-out such as `/orders/bulk`), or one ahead of it that changed what
         // it matches, takes some of its keyed requests, whose retries then run unprotected
-        // or under other settings.
-        let carved_before = carve_outs(old, before);
-        let carved_now = carve_outs(new, now);
+        // or under other settings. Both configs are judged against what it caught before.
+        let carved_before = carve_outs(old, before, before);
+        let carved_now = carve_outs(new, now, before);
         if carved_before != carved_now {
-            let names = |routes: &[(&str, &str, &[http::Method], bool)]| {
-                routes.iter().map(|r| r.0).collect::<Vec<_>>().join(", ")
+            let names = |config: &Config, route: &Route| {
+                config
+                    .routes
+                    .iter()
+                    .take_while(|r| r.name != route.name)
+                    .filter(|r| takes_from(r, before))
+                    .map(|r| r.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             };
             changed.push(format!(
                 "routes[{}] (routes ahead of it that take some of its requests changed: [{}], \
                  before [{}])",
                 before.name,
-                names(&carved_now),
-                names(&carved_before)
+                names(new, now),
+                names(old, before)
             ));
         }
     }
     changed
 }
 
-/// The routes of `config` ahead of `route` that may take some of its requests (their prefixes
-/// overlap, one under the other, and they share a method), in order, by name, prefix, methods
-/// and whether they are idempotent.
-fn carve_outs<'a>(
-    config: &'a Config,
-    route: &Route,
-) -> Vec<(&'a str, &'a str, &'a [http::Method], bool)> {
-    let overlaps = |r: &Route| {
-        let paths = crate::config::prefix_matches(&r.path_prefix, &route.path_prefix)
-            || crate::config::prefix_matches(&route.path_prefix, &r.path_prefix);
-        let methods = r.methods.is_empty()
-            || route.methods.is_empty()
-            || r.methods.iter().any(|m| route.methods.contains(m));
-        paths && methods
-    };
+/// Whether route `r`, ahead of `route`, takes some of the keyed requests `route` catches: a
+/// path both match (one prefix under the other, or `r`'s the format-suffix spelling of
+/// `route`'s) for a method both take other than GET, HEAD, OPTIONS and TRACE (which need no
+/// key, as at config load).
+fn takes_from(r: &Route, route: &Route) -> bool {
+    let paths = crate::config::prefix_matches(&r.path_prefix, &route.path_prefix)
+        || crate::config::prefix_matches(&route.path_prefix, &r.path_prefix)
+        || crate::config::format_suffix_of(&route.path_prefix, &r.path_prefix);
+    paths && !crate::config::hidden_unsafe_methods(&r.methods, &route.methods).is_empty()
+}
+
+/// What the routes of `config` ahead of `ahead_of` take of the requests `caught` catches
+/// (see [`takes_from`]), each by prefix, methods and whether it is idempotent: a set,
+/// whatever the routes are named or in which order they come.
+fn carve_outs(
+    config: &Config,
+    ahead_of: &Route,
+    caught: &Route,
+) -> std::collections::BTreeSet<(String, Vec<String>, bool)> {
     config
         .routes
         .iter()
-        .take_while(|r| r.name != route.name)
-        .filter(|r| overlaps(r))
+        .take_while(|r| r.name != ahead_of.name)
+        .filter(|r| takes_from(r, caught))
         .map(|r| {
-            (
-                r.name.as_str(),
-                r.path_prefix.as_str(),
-                r.methods.as_slice(),
-                r.idempotency.is_some(),
-            )
+            let mut methods: Vec<String> = r.methods.iter().map(|m| m.to_string()).collect();
+            methods.sort();
+            (r.path_prefix.clone(), methods, r.idempotency.is_some())
         })
         .collect()
 }
@@ -841,6 +849,28 @@ routes:
             Config::from_yaml_str(&post_only.replace("routes:\n", &format!("routes:\n{reads}")))
                 .expect("reads ahead");
         assert!(record_identity_changes(&old_post, &new_post).is_empty());
+        // Nor one that takes only methods that need no key, of a route that takes them all.
+        assert!(identity(&BASE.replace("routes:\n", &format!("routes:\n{reads}"))).is_empty());
+        // Widening the route's methods under a GET route ahead of it loses nothing.
+        let with_reads = post_only.replace("routes:\n", &format!("routes:\n{reads}"));
+        let widened = with_reads.replace("{name: orders, methods: [POST],", "{name: orders,");
+        assert!(record_identity_changes(
+            &Config::from_yaml_str(&with_reads).unwrap(),
+            &Config::from_yaml_str(&widened).unwrap()
+        )
+        .is_empty());
+        // A carve-out renamed takes the same requests.
+        let renamed = carve_out.replace("name: bulk", "name: bulk-orders");
+        assert!(
+            record_identity_changes(&after, &Config::from_yaml_str(&renamed).unwrap()).is_empty()
+        );
+        // A route ahead that takes the format-suffix spelling (`/orders.json`).
+        let json = "  - {name: json, methods: [POST], path_prefix: /orders.json, upstream: app}\n";
+        assert_eq!(
+            identity(&BASE.replace("routes:\n", &format!("routes:\n{json}"))),
+            ["routes[orders] (routes ahead of it that take some of its requests changed: [json], \
+              before [])"]
+        );
 
         let narrow = BASE.replace("{name: orders,", "{name: orders, methods: [POST],");
         let old = Config::from_yaml_str(&narrow).expect("POST only");

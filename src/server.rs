@@ -240,9 +240,22 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
             ),
             (
                 "idemgate_store_circuit_opened_total",
-                "Times the store circuit opened",
+                "Times the store circuit opened (a circuit of a part of a Cluster counts alone)",
                 Pull::Counter,
                 |v| v.opened.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_store_circuit_open_parts",
+                "Parts of the store whose circuit is open or half-open (a Cluster has 64, one \
+                 per 256 slots; other topologies one)",
+                Pull::Gauge,
+                |v| v.open_parts() as f64,
+            ),
+            (
+                "idemgate_store_circuit_parts",
+                "Parts of the store with a circuit of their own",
+                Pull::Gauge,
+                |v| v.parts() as f64,
             ),
         ],
     );

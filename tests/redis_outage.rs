@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 
 use common::faultproxy::{Fault, FaultProxy};
-use common::redis::{script_dir, RedisServer};
+use common::redis::{script_dir, RedisCluster, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
 /// The admin token of the proxies that need one.
@@ -39,6 +39,65 @@ fn with_a_2s_lock(builder: ProxyBuilder) -> ProxyBuilder {
 
 fn metric(text: &str, name: &str) -> f64 {
     common::metric(text, name).unwrap_or(0.0)
+}
+
+/// A Cluster primary that stops answering opens the circuits of its own slots only: keys on
+/// the other primaries go on being served, and its own are refused at once once their part's
+/// circuit opened. With one circuit for the whole store, the first of its keys to fail (one
+/// failure opens it here) had every key refused for `open_for`. Readiness pings a part that
+/// answers. The Cluster serves the slots it still covers (`cluster-require-full-coverage no`;
+/// with it, Redis itself refuses every key once the node is marked failed).
+#[tokio::test]
+async fn a_cluster_primary_that_stops_answering_opens_the_circuits_of_its_slots_only() {
+    let cluster = RedisCluster::start_with(3, &["--cluster-require-full-coverage", "no"]);
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&cluster.urls())
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 200ms")
+        .store("circuit_breaker: {failure_threshold: 1, open_for: 60s}")
+        .store("local_cache: {enabled: false}")
+        .start()
+        .await;
+    let warm = Request::post("/orders")
+        .key("before")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_store_circuit_parts"), 64.0, "{m}");
+
+    let stopped = cluster.nodes[0].pid().expect("pid");
+    signal(stopped, "STOP");
+    let mut served = 0;
+    let mut refused = 0;
+    for n in 0..30 {
+        let r = Request::post("/orders")
+            .key(&format!("while-one-is-down-{n}"))
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        match r.status {
+            201 => served += 1,
+            503 => refused += 1,
+            other => panic!("{other}: {}", r.text()),
+        }
+    }
+    let m = proxy.metrics().await;
+    let ready = Request::get("/readyz").send(proxy.admin).await;
+    signal(stopped, "CONT");
+    // About a third of the keys are the stopped primary's.
+    assert!(
+        served >= 10 && refused >= 1,
+        "{served} served, {refused} refused\n{m}\n{}",
+        proxy.log()
+    );
+    let open = metric(&m, "idemgate_store_circuit_open_parts");
+    assert!((1.0..=24.0).contains(&open), "{open} parts open\n{m}");
+    assert_eq!(metric(&m, "idemgate_store_circuit_state"), 1.0, "{m}");
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    assert_eq!(backend.count(), 1 + served, "only the served keys ran");
 }
 
 /// Sends SIGSTOP or SIGCONT to a process.
@@ -760,11 +819,9 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     // The renewal that gets through first takes the lapsed lock back. (A retry that reached
     // Redis before it would claim the lapsed key: renewing past the deadline narrows that
     // race to the renewal pause, it does not close it.)
-    let m = proxy
+    proxy
         .metrics_containing("idemgate_lock_renewals_total 1")
         .await;
-    // The store answered the renewal: the circuit closed without waiting for its probe.
-    assert_eq!(metric(&m, "idemgate_store_circuit_state"), 0.0, "{m}");
     let retry = req.send(other.addr).await;
     assert_eq!(
         (retry.status, retry.result()),
@@ -774,6 +831,11 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
         proxy.log()
     );
     assert_eq!(retry.problem_type(), "request-in-flight");
+    // The store answered the renewal: the probe was due at once, not after open_for.
+    let ready = Request::get("/readyz").send(proxy.admin).await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_store_circuit_state"), 0.0, "{m}");
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     assert_eq!(backend.count(), 1, "the key ran once");

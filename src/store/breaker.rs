@@ -7,10 +7,17 @@
 //!     +------------ probe succeeds ------+---- probe fails ----------+
 //! ```
 //!
-//! While half-open, one caller probes with [`RecordStore::ping`] (which runs a script, not a
-//! bare PING, so a flushed script cache is noticed) and everyone else still fails fast.
+//! While half-open, one caller probes with [`RecordStore::ping_part`] (which runs a script, not
+//! a bare PING, so a flushed script cache is noticed) and everyone else still fails fast.
+//!
+//! A store whose keys live on parts that fail apart from each other (a Redis Cluster's slot
+//! ranges: [`RecordStore::parts`]) gets one circuit per part: a primary that is down opens the
+//! circuits of its keys only, and each is probed on its own part. With one circuit for the whole
+//! store, the keys of the healthy primaries were refused (or, under `pass`, forwarded
+//! unprotected) as long as the circuit stayed open, and a probe pinned to a part that was down
+//! kept it open until that part came back.
 
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,19 +60,9 @@ pub enum CircuitState {
     HalfOpen = 2,
 }
 
-/// Shared view of the breaker for metrics and readiness.
-#[derive(Debug, Default)]
-pub struct CircuitView {
-    state: AtomicU8,
-    consecutive_failures: AtomicU32,
-    /// How many times the circuit opened.
-    pub opened: std::sync::atomic::AtomicU64,
-}
-
-impl CircuitView {
-    /// Current state.
-    pub fn state(&self) -> CircuitState {
-        match self.state.load(Ordering::Acquire) {
+impl CircuitState {
+    fn from_u8(state: u8) -> CircuitState {
+        match state {
             1 => CircuitState::Open,
             2 => CircuitState::HalfOpen,
             _ => CircuitState::Closed,
@@ -73,14 +70,92 @@ impl CircuitView {
     }
 }
 
-/// A [`RecordStore`] that stops calling a failing store for a while.
+/// The circuit of one part of the store.
+#[derive(Default)]
+struct Circuit {
+    state: AtomicU8,
+    consecutive_failures: AtomicU32,
+    /// How many times this circuit opened: the epoch a call is let through under.
+    opened: AtomicU64,
+    opened_at: Mutex<Option<Instant>>,
+    probing: tokio::sync::Mutex<()>,
+}
+
+impl Circuit {
+    fn state(&self) -> CircuitState {
+        CircuitState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    fn set_state(&self, s: CircuitState) {
+        self.state.store(s as u8, Ordering::Release);
+    }
+}
+
+/// Shared view of the breaker for metrics and readiness.
+pub struct CircuitView {
+    /// One circuit per part of the store.
+    circuits: Box<[Circuit]>,
+    /// How many times a circuit opened, over every part.
+    pub opened: AtomicU64,
+    /// Where the next look for a part to ping begins ([`Breaker::ping`]).
+    next_ping: AtomicUsize,
+}
+
+impl CircuitView {
+    fn new(parts: usize) -> Self {
+        CircuitView {
+            circuits: (0..parts.max(1)).map(|_| Circuit::default()).collect(),
+            opened: AtomicU64::new(0),
+            next_ping: AtomicUsize::new(0),
+        }
+    }
+
+    /// The state of the store's circuits taken together: open when one is (some keys are
+    /// refused at once), else half-open when one is, else closed.
+    pub fn state(&self) -> CircuitState {
+        let states = || self.circuits.iter().map(Circuit::state);
+        if states().any(|s| s == CircuitState::Open) {
+            CircuitState::Open
+        } else if states().any(|s| s == CircuitState::HalfOpen) {
+            CircuitState::HalfOpen
+        } else {
+            CircuitState::Closed
+        }
+    }
+
+    /// How many parts of the store have their circuit open (or half-open).
+    pub fn open_parts(&self) -> usize {
+        self.circuits
+            .iter()
+            .filter(|c| c.state() != CircuitState::Closed)
+            .count()
+    }
+
+    /// How many parts the store has, each with its own circuit.
+    pub fn parts(&self) -> usize {
+        self.circuits.len()
+    }
+}
+
+impl std::fmt::Debug for CircuitView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CircuitView")
+            .field("state", &self.state())
+            .field("open_parts", &self.open_parts())
+            .field("opened", &self.opened.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+/// A [`RecordStore`] that stops calling a failing store (or a failing part of it) for a while.
 pub struct Breaker<S> {
     inner: S,
     options: BreakerOptions,
     view: Arc<CircuitView>,
-    opened_at: Mutex<Option<Instant>>,
-    probing: tokio::sync::Mutex<()>,
 }
+
+/// Parts a ping of a store with several probes at once ([`Breaker::ping`]).
+const PING_SPREAD: usize = 4;
 
 fn is_outage(e: &StoreError) -> bool {
     matches!(e, StoreError::Unavailable(_))
@@ -89,14 +164,13 @@ fn is_outage(e: &StoreError) -> bool {
 // === impl Breaker ===
 
 impl<S: RecordStore> Breaker<S> {
-    /// Wraps `inner`.
+    /// Wraps `inner`, with one circuit per part of it ([`RecordStore::parts`]).
     pub fn new(inner: S, options: BreakerOptions) -> Self {
+        let view = Arc::new(CircuitView::new(inner.parts()));
         Breaker {
             inner,
             options,
-            view: Arc::default(),
-            opened_at: Mutex::new(None),
-            probing: tokio::sync::Mutex::new(()),
+            view,
         }
     }
 
@@ -110,32 +184,41 @@ impl<S: RecordStore> Breaker<S> {
         &self.inner
     }
 
-    fn set_state(&self, s: CircuitState) {
-        self.view.state.store(s as u8, Ordering::Release);
+    /// The part of the store `key` lives on.
+    fn part_of(&self, key: &RecordKey) -> usize {
+        let parts = self.view.circuits.len();
+        if parts == 1 {
+            0
+        } else {
+            self.inner.part_of(key) % parts
+        }
     }
 
-    /// Lets a call through, or fails fast while open. Past `open_for`, one caller probes.
-    /// Returns how many times the circuit had opened when the call was let through: its
-    /// failure counts only if the circuit has not opened since (see [`Breaker::record`]).
-    async fn admit(&self) -> Result<u64, StoreError> {
-        let epoch = || self.view.opened.load(Ordering::Acquire);
-        if self.view.state() == CircuitState::Closed {
+    /// Lets a call to part `part` through, or fails fast while its circuit is open. Past
+    /// `open_for`, one caller probes. Returns how many times the circuit had opened when the
+    /// call was let through: its failure counts only if the circuit has not opened since (see
+    /// [`Breaker::record`]).
+    async fn admit(&self, part: usize) -> Result<u64, StoreError> {
+        let circuit = &self.view.circuits[part];
+        let epoch = || circuit.opened.load(Ordering::Acquire);
+        if circuit.state() == CircuitState::Closed {
             return Ok(epoch());
         }
         let ready_to_probe = || {
-            self.opened_at
+            circuit
+                .opened_at
                 .lock()
                 .is_none_or(|t| t.elapsed() >= self.options.open_for)
         };
         if !ready_to_probe() {
             return Err(StoreError::Unavailable("circuit open".into()));
         }
-        let Ok(_probe) = self.probing.try_lock() else {
+        let Ok(_probe) = circuit.probing.try_lock() else {
             return Err(StoreError::Unavailable(
                 "circuit half-open, probe in progress".into(),
             ));
         };
-        if self.view.state() == CircuitState::Closed {
+        if circuit.state() == CircuitState::Closed {
             return Ok(epoch());
         }
         // Looked at again under the probe's lock: a probe that failed between the look above
@@ -144,10 +227,10 @@ impl<S: RecordStore> Breaker<S> {
         if !ready_to_probe() {
             return Err(StoreError::Unavailable("circuit open".into()));
         }
-        self.set_state(CircuitState::HalfOpen);
-        match self.inner.ping().await {
+        circuit.set_state(CircuitState::HalfOpen);
+        match self.inner.ping_part(part).await {
             Err(e) if is_outage(&e) => {
-                self.open();
+                self.open(part);
                 Err(e)
             }
             // The store answered, if not well (a script the probe runs that raises, a reply
@@ -155,12 +238,12 @@ impl<S: RecordStore> Breaker<S> {
             // would hand every request to the outage policy until the script is mended. The
             // call goes on, to meet the store on its own terms.
             answered => {
-                self.view.consecutive_failures.store(0, Ordering::Release);
-                self.set_state(CircuitState::Closed);
+                circuit.consecutive_failures.store(0, Ordering::Release);
+                circuit.set_state(CircuitState::Closed);
                 match answered {
-                    Ok(()) => tracing::info!("record store recovered; circuit closed"),
+                    Ok(()) => tracing::info!(part, "record store recovered; circuit closed"),
                     Err(e) => {
-                        tracing::warn!(error = %e, "record store answers, if not well; circuit closed")
+                        tracing::warn!(part, error = %e, "record store answers, if not well; circuit closed")
                     }
                 }
                 Ok(epoch())
@@ -168,89 +251,90 @@ impl<S: RecordStore> Breaker<S> {
         }
     }
 
-    /// Closes the circuit from outside a probe: the store answered a call sent while it was
-    /// open (`why`).
-    fn close(&self, why: &str) {
-        self.view.consecutive_failures.store(0, Ordering::Release);
-        let was = self
-            .view
-            .state
-            .swap(CircuitState::Closed as u8, Ordering::AcqRel);
-        if was != CircuitState::Closed as u8 {
-            tracing::info!("record store recovered ({why}); circuit closed");
-        }
-    }
-
-    fn open(&self) {
+    fn open(&self, part: usize) {
+        let circuit = &self.view.circuits[part];
         {
             // The clock read under the lock (an assignment reads its value before its place):
             // the latest of racing failures stands, and the next probe never comes early.
-            let mut opened_at = self.opened_at.lock();
+            let mut opened_at = circuit.opened_at.lock();
             *opened_at = Some(Instant::now());
         }
         // A failed probe re-opens the same outage; only a closed circuit opening counts, once
         // however many failures reach the threshold together.
-        let was = self
-            .view
+        let was = circuit
             .state
             .swap(CircuitState::Open as u8, Ordering::AcqRel);
         if was == CircuitState::Closed as u8 {
+            circuit.opened.fetch_add(1, Ordering::AcqRel);
             self.view.opened.fetch_add(1, Ordering::AcqRel);
-            tracing::warn!(open_for = ?self.options.open_for, "record store failing; circuit open");
+            tracing::warn!(part, parts = self.view.circuits.len(), open_for = ?self.options.open_for, "record store failing; circuit open");
         }
     }
 
-    /// Counts the outcome of a call let through at `epoch` (see [`Breaker::admit`]). A call
-    /// that fails after the circuit opened since it was let through is part of the outage
-    /// already counted: it neither stretches the open period nor, after a probe has closed
-    /// the circuit, counts toward opening it again. (A call's deadline can outlast
-    /// `open_for`.)
-    fn record<T>(&self, epoch: u64, result: Result<T, StoreError>) -> Result<T, StoreError> {
+    /// Counts the outcome of a call to part `part` let through at `epoch` (see
+    /// [`Breaker::admit`]). A call that fails after the circuit opened since it was let
+    /// through is part of the outage already counted: it neither stretches the open period
+    /// nor, after a probe has closed the circuit, counts toward opening it again. (A call's
+    /// deadline can outlast `open_for`.)
+    fn record<T>(
+        &self,
+        part: usize,
+        epoch: u64,
+        result: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let circuit = &self.view.circuits[part];
         match &result {
             Err(e) if is_outage(e) => {
-                if self.view.opened.load(Ordering::Acquire) != epoch {
+                if circuit.opened.load(Ordering::Acquire) != epoch {
                     return result;
                 }
-                let n = self
-                    .view
-                    .consecutive_failures
-                    .fetch_add(1, Ordering::AcqRel)
-                    + 1;
+                let n = circuit.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
                 if n >= self.options.failure_threshold {
-                    self.open();
+                    self.open(part);
                 }
             }
             _ => {
-                self.view.consecutive_failures.store(0, Ordering::Release);
+                circuit.consecutive_failures.store(0, Ordering::Release);
             }
         }
         result
+    }
+
+    /// Runs `call` on the part `key` lives on, through its circuit.
+    async fn through<T, F>(&self, key: &RecordKey, call: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let part = self.part_of(key);
+        let epoch = self.admit(part).await?;
+        self.record(part, epoch, call.await)
     }
 }
 
 #[async_trait]
 impl<S: RecordStore> RecordStore for Breaker<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let epoch = self.admit().await?;
-        self.record(epoch, self.inner.claim(req).await)
+        self.through(&req.key, self.inner.claim(req)).await
     }
 
     /// Sent whatever the circuit's state (see [`RecordStore::renew`]): a running execution
     /// renews its lock once the store answers again, not once a probe has closed the circuit.
-    /// One renewal per running execution every 250 ms at most while the store is down: the
-    /// executions that were running when it went, since no new ones start. A renewal the store
-    /// answers closes the circuit, as a probe would have.
+    /// While the store is down, the executions that were running when it went renew at their
+    /// renewal pause (no new ones start). A renewal that fails is part of the outage the
+    /// circuit stands for: it neither stretches the open period nor counts toward opening it
+    /// again. One the store answers makes the probe due at once; the probe, not the renewal,
+    /// closes the circuit: it checks that the store takes writes (a renewal that found the key
+    /// taken over wrote nothing, and a demoted primary answers it), and goes one at a time.
     async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        if self.view.state() == CircuitState::Closed {
-            let epoch = self.view.opened.load(Ordering::Acquire);
-            return self.record(epoch, self.inner.renew(req).await);
+        let part = self.part_of(&req.key);
+        let circuit = &self.view.circuits[part];
+        if circuit.state() == CircuitState::Closed {
+            let epoch = circuit.opened.load(Ordering::Acquire);
+            return self.record(part, epoch, self.inner.renew(req).await);
         }
         let answer = self.inner.renew(req).await;
-        match &answer {
-            // Part of the outage the circuit already stands for: it neither stretches the open
-            // period nor counts toward opening it again.
-            Err(e) if is_outage(e) => {}
-            _ => self.close("a lock renewal reached it"),
+        if !matches!(&answer, Err(e) if is_outage(e)) {
+            *circuit.opened_at.lock() = None;
         }
         answer
     }
@@ -262,11 +346,8 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         completion: Completion,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        let epoch = self.admit().await?;
-        self.record(
-            epoch,
-            self.inner.complete(key, owner, completion, ttl).await,
-        )
+        self.through(key, self.inner.complete(key, owner, completion, ttl))
+            .await
     }
 
     async fn release(
@@ -274,8 +355,7 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         key: &RecordKey,
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
-        let epoch = self.admit().await?;
-        self.record(epoch, self.inner.release(key, owner).await)
+        self.through(key, self.inner.release(key, owner)).await
     }
 
     async fn wait_for_change(
@@ -283,28 +363,75 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         key: &RecordKey,
         timeout: Duration,
     ) -> Result<Option<Record>, StoreError> {
-        let epoch = self.admit().await?;
-        self.record(epoch, self.inner.wait_for_change(key, timeout).await)
+        self.through(key, self.inner.wait_for_change(key, timeout))
+            .await
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let epoch = self.admit().await?;
-        self.record(epoch, self.inner.get(key).await)
+        self.through(key, self.inner.get(key)).await
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let epoch = self.admit().await?;
-        self.record(epoch, self.inner.delete(key).await)
+        self.through(key, self.inner.delete(key)).await
     }
 
     async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
-        let epoch = self.admit().await?;
-        self.record(epoch, self.inner.delete_settled(key).await)
+        self.through(key, self.inner.delete_settled(key)).await
     }
 
+    /// Answers if the store does: with one part, its ping through its circuit. With several
+    /// (a Cluster), pings of [`PING_SPREAD`] parts spread over the slot space, at once, each
+    /// through its circuit (closed ones first, the next ones each time), answering if any
+    /// does: a Cluster with a primary down still serves the other primaries' keys, so a
+    /// replica is still ready (under `reject`); one ping to the primary that is down would
+    /// have said otherwise. Every part that fails counts toward opening its circuit.
     async fn ping(&self) -> Result<(), StoreError> {
-        let epoch = self.admit().await?;
-        self.record(epoch, self.inner.ping().await)
+        let parts = self.view.circuits.len();
+        let start = self.view.next_ping.fetch_add(1, Ordering::Relaxed);
+        if parts == 1 {
+            let epoch = self.admit(0).await?;
+            return self.record(0, epoch, self.inner.ping_part(0).await);
+        }
+        let spread = PING_SPREAD.min(parts);
+        let closed = |p: &usize| self.view.circuits[*p].state() == CircuitState::Closed;
+        let mut chosen: Vec<usize> = (0..parts)
+            .map(|i| (start + i * parts / spread + i / spread) % parts)
+            .take(parts)
+            .filter(closed)
+            .take(spread)
+            .collect();
+        if chosen.is_empty() {
+            chosen.push(start % parts);
+        }
+        let pings = chosen.into_iter().map(|part| async move {
+            let epoch = self.admit(part).await?;
+            self.record(part, epoch, self.inner.ping_part(part).await)
+        });
+        let answers = futures_util::future::join_all(pings).await;
+        let mut failed = None;
+        for answer in answers {
+            match answer {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        Err(failed.unwrap_or_else(|| StoreError::Unavailable("circuit open".into())))
+    }
+
+    async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
+        let part = part % self.view.circuits.len();
+        let epoch = self.admit(part).await?;
+        self.record(part, epoch, self.inner.ping_part(part).await)
+    }
+
+    fn parts(&self) -> usize {
+        self.view.circuits.len()
+    }
+
+    fn part_of(&self, key: &RecordKey) -> usize {
+        Breaker::part_of(self, key)
     }
 
     fn usage(&self) -> Option<StoreUsage> {
@@ -376,7 +503,7 @@ mod tests {
     /// A running execution's renewal is sent while the circuit is open: it takes its lapsed
     /// lock back as soon as the store answers, not after the next probe. One that fails is part
     /// of the outage (the circuit stays open, its period not stretched); one the store answers
-    /// closes the circuit.
+    /// makes the probe due at once, and the probe closes the circuit.
     #[tokio::test]
     async fn renewals_are_sent_while_the_circuit_is_open() {
         let b = Breaker::new(
@@ -403,14 +530,14 @@ mod tests {
             assert!(b.get(&key()).await.is_err());
         }
         assert_eq!(b.view().state(), CircuitState::Open);
-        let opened_at = *b.opened_at.lock();
+        let opened_at = *b.view.circuits[0].opened_at.lock();
 
         let calls = b.inner().calls.load(Ordering::Relaxed);
         assert!(b.renew(&req).await.is_err());
         assert_eq!(b.inner().calls.load(Ordering::Relaxed), calls + 1, "sent");
         assert_eq!(b.view().state(), CircuitState::Open);
         assert_eq!(
-            *b.opened_at.lock(),
+            *b.view.circuits[0].opened_at.lock(),
             opened_at,
             "the open period is not stretched"
         );
@@ -422,8 +549,78 @@ mod tests {
             b.renew(&req).await,
             Ok(ClaimOutcome::Acquired { execution_id: 7 })
         ));
+        assert_eq!(b.view().state(), CircuitState::Open, "a probe closes it");
+        assert!(b.get(&key()).await.is_ok(), "the probe was due at once");
         assert_eq!(b.view().state(), CircuitState::Closed);
-        assert!(b.get(&key()).await.is_ok(), "closed: calls go through");
+        assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
+    }
+
+    /// A store whose keys live on parts that fail apart (a Redis Cluster's primaries) has a
+    /// circuit per part: a part that is down opens its own, is probed on its own, and the keys
+    /// of the other parts go on being served (with one circuit, they were all refused).
+    /// Readiness pings a part whose circuit is closed.
+    #[tokio::test]
+    async fn each_part_of_the_store_has_its_own_circuit() {
+        let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
+        store.parts = 4;
+        let b = Breaker::new(
+            store,
+            BreakerOptions {
+                failure_threshold: 1,
+                open_for: Duration::from_millis(200),
+            },
+        );
+        assert_eq!(b.view().parts(), 4);
+        let on = |part: u8, n: u8| RecordKey {
+            tenant: "t".into(),
+            hash: {
+                let mut h = [n; 32];
+                h[0] = part;
+                h
+            },
+        };
+        let req = |key: RecordKey| ClaimRequest {
+            key,
+            fingerprint: [2; 32],
+            owner: OwnerToken::random(),
+            execution_id: 7,
+            lock_ttl: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        };
+        b.inner().set_part_down(Some(1));
+        assert!(b.get(&on(1, 1)).await.is_err());
+        assert_eq!(b.view().state(), CircuitState::Open);
+        assert_eq!(b.view().open_parts(), 1);
+        let calls = b.inner().calls.load(Ordering::Relaxed);
+        assert!(b.claim(&req(on(1, 2))).await.is_err());
+        assert_eq!(
+            b.inner().calls.load(Ordering::Relaxed),
+            calls,
+            "the part's circuit fails fast"
+        );
+        for part in [0, 2, 3] {
+            assert!(matches!(
+                b.claim(&req(on(part, 3))).await,
+                Ok(ClaimOutcome::Acquired { .. })
+            ));
+        }
+        assert_eq!(b.view().open_parts(), 1, "the other parts stay closed");
+        for _ in 0..8 {
+            assert!(
+                b.ping().await.is_ok(),
+                "ready: a part whose circuit is closed answers"
+            );
+        }
+        assert!(b.ping_part(1).await.is_err());
+
+        // Its probe, on its own part: still down, then back.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert!(b.get(&on(1, 1)).await.is_err());
+        assert_eq!(b.view().open_parts(), 1);
+        b.inner().set_part_down(None);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert!(b.get(&on(1, 1)).await.is_ok());
+        assert_eq!(b.view().state(), CircuitState::Closed);
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
     }
 
@@ -508,19 +705,19 @@ mod tests {
         let b = breaker();
         // Six calls let through while closed, failing together: one opening, not four, and
         // the open period is not moved by the late ones.
-        let epoch = b.admit().await.expect("closed");
+        let epoch = b.admit(0).await.expect("closed");
         for _ in 0..3 {
-            let _ = b.record(epoch, outage());
+            let _ = b.record(0, epoch, outage());
         }
         assert_eq!(b.view().state(), CircuitState::Open);
-        let opened_at = *b.opened_at.lock();
+        let opened_at = *b.view.circuits[0].opened_at.lock();
         tokio::time::sleep(Duration::from_millis(5)).await;
         for _ in 0..3 {
-            let _ = b.record(epoch, outage());
+            let _ = b.record(0, epoch, outage());
         }
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
         assert_eq!(
-            *b.opened_at.lock(),
+            *b.view.circuits[0].opened_at.lock(),
             opened_at,
             "the open period was stretched"
         );
@@ -528,16 +725,21 @@ mod tests {
         // Recovered: a probe closes the circuit. A failure of a call from before the opening
         // arriving now does not count toward opening it again.
         tokio::time::sleep(Duration::from_millis(250)).await;
-        let after = b.admit().await.expect("the probe closes the circuit");
+        let after = b.admit(0).await.expect("the probe closes the circuit");
         assert_eq!(b.view().state(), CircuitState::Closed);
         for _ in 0..3 {
-            let _ = b.record(epoch, outage());
+            let _ = b.record(0, epoch, outage());
         }
         assert_eq!(b.view().state(), CircuitState::Closed);
-        assert_eq!(b.view().consecutive_failures.load(Ordering::Relaxed), 0);
+        assert_eq!(
+            b.view().circuits[0]
+                .consecutive_failures
+                .load(Ordering::Relaxed),
+            0
+        );
         // Failures of calls let through since do.
         for _ in 0..3 {
-            let _ = b.record(after, outage());
+            let _ = b.record(0, after, outage());
         }
         assert_eq!(b.view().state(), CircuitState::Open);
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 2);

@@ -1037,7 +1037,7 @@ impl<S: RecordStore> CachedStore<S> {
                 .get(&req.key.hash, req.owner.0)
                 .is_some()
         };
-        if self.overfull(sent) && !owner_claims_again() {
+        if !renewal && self.overfull(sent) && !owner_claims_again() {
             // Nothing new runs; a retry of a key the store holds is still answered (a replay,
             // or a 409 while it runs elsewhere).
             // Anything else (nothing, a released record, a lapsed lock, a store that fails)
@@ -2308,6 +2308,7 @@ mod tests {
         lock: Duration,
     ) -> crate::store::retry::PendingCompletion {
         crate::store::retry::PendingCompletion {
+            on_fallback: false,
             key: req.key.clone(),
             owner: req.owner,
             completion: response(body),

@@ -1,6 +1,6 @@
 //! A fault-injecting store for tests: wraps a real store and fails or stalls on command.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -44,6 +44,10 @@ pub struct FaultyStore<S> {
     pub calls: AtomicU64,
     /// What [`RecordStore::refusals_are_final`] answers (the inner store's unless set).
     pub refusals_are_final: Option<bool>,
+    /// Parts the keys are spread over ([`RecordStore::parts`]): a key's first hash byte, modulo.
+    pub parts: usize,
+    /// The part that is down ([`FaultyStore::set_part_down`]); `usize::MAX` for none.
+    down_part: AtomicUsize,
 }
 
 impl<S: RecordStore> FaultyStore<S> {
@@ -54,7 +58,29 @@ impl<S: RecordStore> FaultyStore<S> {
             fault: AtomicU8::new(0),
             calls: AtomicU64::new(0),
             refusals_are_final: None,
+            parts: 1,
+            down_part: AtomicUsize::new(usize::MAX),
         }
+    }
+
+    /// Takes part `part` down (every call on its keys, and its probe, fails with
+    /// `Unavailable`), or none.
+    pub fn set_part_down(&self, part: Option<usize>) {
+        self.down_part
+            .store(part.unwrap_or(usize::MAX), Ordering::Release);
+    }
+
+    fn part_down(&self, part: usize) -> Result<(), StoreError> {
+        if self.down_part.load(Ordering::Acquire) == part {
+            return Err(StoreError::Unavailable(format!(
+                "injected: part {part} down"
+            )));
+        }
+        Ok(())
+    }
+
+    fn key_down(&self, key: &RecordKey) -> Result<(), StoreError> {
+        self.part_down(self.part_of(key))
     }
 
     /// Switches the fault.
@@ -89,6 +115,7 @@ impl<S: RecordStore> FaultyStore<S> {
 impl<S: RecordStore> RecordStore for FaultyStore<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.check("claim").await?;
+        self.key_down(&req.key)?;
         self.inner.claim(req).await
     }
     async fn complete(
@@ -99,6 +126,7 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
         self.check("complete").await?;
+        self.key_down(key)?;
         self.inner.complete(key, owner, completion, ttl).await
     }
     async fn release(
@@ -107,6 +135,7 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
         self.check("release").await?;
+        self.key_down(key)?;
         self.inner.release(key, owner).await
     }
     async fn wait_for_change(
@@ -115,23 +144,43 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
         timeout: Duration,
     ) -> Result<Option<Record>, StoreError> {
         self.check("wait").await?;
+        self.key_down(key)?;
         self.inner.wait_for_change(key, timeout).await
     }
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         self.check("get").await?;
+        self.key_down(key)?;
         self.inner.get(key).await
     }
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.check("delete").await?;
+        self.key_down(key)?;
         self.inner.delete(key).await
     }
     async fn delete_settled(&self, key: &RecordKey) -> Result<Deletion, StoreError> {
         self.check("delete").await?;
+        self.key_down(key)?;
         self.inner.delete_settled(key).await
     }
     async fn ping(&self) -> Result<(), StoreError> {
         self.check("ping").await?;
         self.inner.ping().await
+    }
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.check("claim").await?;
+        self.key_down(&req.key)?;
+        self.inner.renew(req).await
+    }
+    async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
+        self.check("ping").await?;
+        self.part_down(part)?;
+        self.inner.ping().await
+    }
+    fn parts(&self) -> usize {
+        self.parts
+    }
+    fn part_of(&self, key: &RecordKey) -> usize {
+        usize::from(key.hash[0]) % self.parts.max(1)
     }
     fn usage(&self) -> Option<StoreUsage> {
         self.inner.usage()

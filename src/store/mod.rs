@@ -238,6 +238,23 @@ pub trait RecordStore: Send + Sync + 'static {
         self.claim(req).await
     }
 
+    /// How many parts the store's keys are spread over that can fail apart from each other (a
+    /// Redis Cluster's slot ranges), so the circuit breaker keeps one circuit per part: one
+    /// unless the store says otherwise.
+    fn parts(&self) -> usize {
+        1
+    }
+
+    /// The part `key` lives on (below [`RecordStore::parts`]).
+    fn part_of(&self, _key: &RecordKey) -> usize {
+        0
+    }
+
+    /// Probes part `part` as [`RecordStore::ping`] probes the whole store.
+    async fn ping_part(&self, _part: usize) -> Result<(), StoreError> {
+        self.ping().await
+    }
+
     /// Stores the outcome if `owner` still holds the claim; the record then lives for `ttl`.
     async fn complete(
         &self,
@@ -347,6 +364,15 @@ impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     }
     async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         (**self).renew(req).await
+    }
+    fn parts(&self) -> usize {
+        (**self).parts()
+    }
+    fn part_of(&self, key: &RecordKey) -> usize {
+        (**self).part_of(key)
+    }
+    async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
+        (**self).ping_part(part).await
     }
     async fn complete(
         &self,

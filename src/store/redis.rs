@@ -201,6 +201,64 @@ pub struct RedisStore {
     op_timeout: Duration,
     /// Where the readiness probe runs the get script: a key no record can have.
     ping_key: String,
+    /// On a Cluster, a probe key for each part of the slot space ([`CLUSTER_PARTS`]), so the
+    /// circuit breaker probes the part whose circuit is open; empty otherwise.
+    part_ping_keys: Box<[String]>,
+}
+
+/// Parts of a Cluster's slot space the circuit breaker keeps a circuit for: 64 ranges of 256
+/// slots, so a primary that is down (a third of the slots in a three-primary Cluster) opens
+/// the circuits of its own ranges (and of the one or two it shares with a neighbour), not the
+/// whole store's.
+pub const CLUSTER_PARTS: usize = 64;
+
+/// Slots in a Redis Cluster.
+const CLUSTER_SLOTS: u16 = 16384;
+
+/// The Cluster slot of `key`, as Redis computes it: CRC16 (XMODEM) of its hash tag (what the
+/// first `{` and the next `}` enclose, when that is not empty), or of the whole key.
+pub fn cluster_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        let close = rest.iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    let mut crc: u16 = 0;
+    for &byte in tagged.unwrap_or(key) {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % CLUSTER_SLOTS
+}
+
+/// The part of the slot space `slot` falls in.
+fn cluster_part(slot: u16) -> usize {
+    usize::from(slot) / (usize::from(CLUSTER_SLOTS) / CLUSTER_PARTS)
+}
+
+/// A probe key under `prefix` in each part of the slot space, in order: keys no record can
+/// have (a record's tag is `tenant:hash`, with a colon and 64 hex digits).
+fn part_ping_keys(prefix: &str) -> Box<[String]> {
+    let mut keys: Vec<Option<String>> = vec![None; CLUSTER_PARTS];
+    let mut left = CLUSTER_PARTS;
+    for n in 0u32.. {
+        let key = format!("{prefix}:{{__idemgate_ping__{n}}}");
+        let slot = &mut keys[cluster_part(cluster_slot(key.as_bytes()))];
+        if slot.is_none() {
+            *slot = Some(key);
+            left -= 1;
+            if left == 0 {
+                break;
+            }
+        }
+    }
+    keys.into_iter().flatten().collect()
 }
 
 /// How connections are obtained, per topology. Each connects on first use and keeps itself
@@ -610,6 +668,10 @@ impl RedisStore {
             reload_failures: AtomicU64::new(0),
             rollbacks: AtomicU64::new(0),
             ping_key: format!("{}:{{__idemgate_ping__}}", config.key_prefix),
+            part_ping_keys: match config.topology {
+                RedisTopology::Cluster => part_ping_keys(&config.key_prefix),
+                _ => Box::default(),
+            },
             prefix: config.key_prefix.clone(),
             op_timeout,
         })
@@ -1408,9 +1470,36 @@ impl RecordStore for RedisStore {
     /// Runs the get script (EVALSHA) on a key no record uses: a server that answers PING but
     /// cannot run scripts (ACL, broken script cache that cannot be reloaded) is not ready.
     async fn ping(&self) -> Result<(), StoreError> {
+        self.ping_at(&self.ping_key).await
+    }
+
+    /// On a Cluster, the part of the slot space the key's record is in.
+    fn part_of(&self, key: &RecordKey) -> usize {
+        if self.part_ping_keys.is_empty() {
+            return 0;
+        }
+        cluster_part(cluster_slot(self.record_key(key).as_bytes()))
+    }
+
+    fn parts(&self) -> usize {
+        self.part_ping_keys.len().max(1)
+    }
+
+    /// Probes part `part` (a key of its slots, on a Cluster).
+    async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
+        match self.part_ping_keys.get(part) {
+            Some(key) => self.ping_at(key).await,
+            None => self.ping().await,
+        }
+    }
+}
+
+impl RedisStore {
+    /// The readiness probe on `ping_key`: the get script, and a write.
+    async fn ping_at(&self, ping_key: &str) -> Result<(), StoreError> {
         // The active version, uncounted: probes are no record traffic.
         let set = self.scripts.load_full();
-        let call = Call::script(&set.active, ScriptOp::Get, &self.ping_key, &[]);
+        let call = Call::script(&set.active, ScriptOp::Get, ping_key, &[]);
         let read = match self.send("ping", call).await {
             Ok(Value::Nil | Value::Boolean(false)) => Ok(()),
             Ok(reply) => Err(unexpected("ping", &reply)),
@@ -1424,7 +1513,7 @@ impl RecordStore for RedisStore {
         // even when the script failed, and its refusal comes first: a failing script is no
         // outage (the breaker closes on it), a server that takes no writes is.
         let mut write = redis::cmd("PEXPIRE");
-        write.arg(&self.ping_key).arg(1);
+        write.arg(ping_key).arg(1);
         self.send("ping", Call::Command(&write))
             .await
             .map_err(|f| f.error)?;
@@ -1976,6 +2065,35 @@ mod tests {
 
     fn bulk(bytes: &[u8]) -> Value {
         Value::BulkString(bytes.to_vec())
+    }
+
+    /// The slot Redis gives a key: CRC16 (XMODEM) of its hash tag, or of the whole key (the
+    /// check value of the algorithm, and the examples of the Cluster specification).
+    #[test]
+    fn cluster_slots_are_computed_as_redis_computes_them() {
+        assert_eq!(cluster_slot(b"123456789"), 0x31C3);
+        assert_eq!(cluster_slot(b"foo"), 12182);
+        assert_eq!(
+            cluster_slot(b"{user1000}.following"),
+            cluster_slot(b"user1000")
+        );
+        assert_eq!(cluster_slot(b"foo{}{bar}"), cluster_slot(b"foo{}{bar}"));
+        assert_ne!(cluster_slot(b"foo{}{bar}"), cluster_slot(b"bar"));
+        assert_eq!(cluster_slot(b"foo{{bar}}zap"), cluster_slot(b"{bar"));
+        assert_eq!(cluster_slot(b"foo{bar}{zap}"), cluster_slot(b"bar"));
+    }
+
+    /// Every part of the slot space has a probe key in it, and no record key can be one.
+    #[test]
+    fn each_part_of_a_cluster_has_a_probe_key_of_its_own() {
+        let keys = part_ping_keys("idemgate");
+        assert_eq!(keys.len(), CLUSTER_PARTS);
+        for (part, key) in keys.iter().enumerate() {
+            assert_eq!(cluster_part(cluster_slot(key.as_bytes())), part, "{key}");
+            assert!(key.starts_with("idemgate:{__idemgate_ping__"), "{key}");
+        }
+        assert_eq!(cluster_part(0), 0);
+        assert_eq!(cluster_part(16383), CLUSTER_PARTS - 1);
     }
 
     #[test]

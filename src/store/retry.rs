@@ -133,6 +133,9 @@ pub struct PendingCompletion {
     /// plus `lock_ttl` (the store starts the lock when it takes the claim, so its deadline is
     /// no earlier). Retries hurry to land before it, while the completion still surely wins.
     pub lock_deadline: Instant,
+    /// The claim was made on the in-process fallback store (`on_unavailable: local`), not on
+    /// the shared one: its dead-letter line says `"store": "memory"`.
+    pub on_fallback: bool,
     /// When the claim's lock has lapsed for sure: the store's answer to the claim (or to its
     /// last renewal, or a renewal that failed but may have landed) came back, plus `lock_ttl`.
     /// Until then no other request can execute the key, so a store back in time still takes
@@ -1064,6 +1067,11 @@ fn dead_letter_line_at(
             serde_json::json!({ "status": status, "unreplayable": true })
         }
     };
+    let store = if job.on_fallback {
+        &LetterStore::Memory
+    } else {
+        store
+    };
     let mut v = serde_json::json!({
         "at_unix_ms": at_ms as u64,
         "tenant": job.key.tenant,
@@ -1148,6 +1156,7 @@ mod tests {
             ClaimOutcome::Acquired { .. }
         ));
         PendingCompletion {
+            on_fallback: false,
             key: req.key,
             owner: req.owner,
             completion: Completion::Response(Arc::new(StoredResponse::new(
@@ -1480,6 +1489,26 @@ mod tests {
         assert_eq!(line["in_store"], "unknown");
         assert_eq!(line["store"], "memory");
         assert_eq!(line.get("key_prefix"), None);
+        // A claim made on the in-process fallback is the embedded store's, whatever the
+        // retrier's store is.
+        let redis = LetterStore::Redis {
+            key_prefix: "orders".into(),
+        };
+        let fallback = PendingCompletion {
+            on_fallback: true,
+            ..job.clone()
+        };
+        for (job, store) in [(&job, "redis"), (&fallback, "memory")] {
+            let line: serde_json::Value = serde_json::from_str(&dead_letter_line(
+                &redis,
+                job,
+                1,
+                "store failed",
+                InStore::Unknown,
+            ))
+            .unwrap();
+            assert_eq!(line["store"], store);
+        }
         assert_eq!(
             line["response"],
             serde_json::json!({ "status": 201, "unreplayable": true })

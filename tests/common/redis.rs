@@ -218,16 +218,23 @@ impl RedisCluster {
     /// Starts `primaries` cluster-enabled servers and joins them; returns once every node
     /// reports `cluster_state:ok`.
     pub fn start(primaries: usize) -> RedisCluster {
+        RedisCluster::start_with(primaries, &[])
+    }
+
+    /// [`RedisCluster::start`] with `extra` arguments for every node.
+    pub fn start_with(primaries: usize, extra: &[&str]) -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..primaries)
             .map(|_| {
-                RedisServer::start_with(&[
+                let mut args = vec![
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "2000",
-                ])
+                ];
+                args.extend_from_slice(extra);
+                RedisServer::start_with(&args)
             })
             .collect();
         let mut create = Command::new("redis-cli");
