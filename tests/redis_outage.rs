@@ -841,6 +841,65 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 
+/// The backend's answer that comes while a lock renewal is out is relayed at once. Renewals
+/// are sent through an open circuit, so one to a Redis that does not answer waits out its
+/// deadline, and the answer, held back behind it, waited as long. Here Redis holds every
+/// write (`CLIENT PAUSE ... WRITE`): another request's claim times out and opens the circuit,
+/// the renewal goes out at three quarters of the 8 s lock (6 s) and waits, and the answer comes
+/// at 7 s: the client has it then, not when the renewal gives up (8.5 s at the earliest); its
+/// completion, refused by the open circuit, goes to the retry queue.
+#[tokio::test]
+async fn an_answer_that_comes_while_a_renewal_is_out_does_not_wait_for_it() {
+    let redis = RedisServer::start();
+    let backend = still_processing_for(7).await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .redis(&[redis.url()])
+        .store("  connect_timeout: 200ms")
+        .store("  response_timeout: 2500ms")
+        .store("circuit_breaker: {failure_threshold: 1, open_for: 60s}")
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 300ms")
+        .upstream("read_timeout: 2s")
+        .idem("lock_ttl: 8s")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("renewal-out").body("{}");
+    let first = req.spawn_send(proxy.addr);
+    until_forwarded(&backend).await;
+    let sent = Instant::now();
+    let _: String = redis.cmd(&["CLIENT", "PAUSE", "30000", "WRITE"]);
+    let other = Request::post("/orders")
+        .key("opens-the-circuit")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(other.status, 503, "{}", other.text());
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "idemgate_store_circuit_opened_total"),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        sent.elapsed() < Duration::from_secs(6),
+        "the circuit opened late"
+    );
+    let first = first.await.unwrap();
+    let took = sent.elapsed();
+    let _: String = redis.cmd(&["CLIENT", "UNPAUSE"]);
+    assert_eq!(
+        (first.status, first.result()),
+        (201, Some("MISS")),
+        "{}",
+        first.text()
+    );
+    assert!(
+        (Duration::from_millis(6500)..Duration::from_millis(8000)).contains(&took),
+        "answered {took:?} after it was sent; the backend's answer came at 7 s\n{}",
+        proxy.log()
+    );
+}
+
 /// Redis full (`maxmemory` under `noeviction`) answers OOM: the store is full, not down, so the
 /// request is refused 503 `store-full` and never forwarded, whatever the outage policy says
 /// (under `pass` it went to the backend unprotected, and its retry ran again).
