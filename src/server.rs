@@ -234,7 +234,8 @@ fn build_store(config: &Config, metrics: &Metrics) -> Result<StoreStack, StartEr
         &[
             (
                 "idemgate_store_circuit_state",
-                "Store circuit: 0 closed, 1 open, 2 half-open",
+                "Store circuit: 0 closed, 1 open, 2 half-open (on a Cluster, the worst over its \
+                 parts: 1 while any part's circuit is open)",
                 Pull::Gauge,
                 |v| v.state() as u8 as f64,
             ),

@@ -79,6 +79,11 @@ struct Circuit {
     opened: AtomicU64,
     opened_at: Mutex<Option<Instant>>,
     probing: tokio::sync::Mutex<()>,
+    /// The key of the last call that failed on this part: its probe goes to that key's slot
+    /// ([`RecordStore::ping_near`]), where the failure was, rather than to a fixed slot of the
+    /// part (a part whose slots two Cluster primaries share would be probed on the one that
+    /// answers, or kept open by the one that does not).
+    failed_on: Mutex<Option<RecordKey>>,
 }
 
 impl Circuit {
@@ -99,6 +104,9 @@ pub struct CircuitView {
     pub opened: AtomicU64,
     /// Where the next look for a part to ping begins ([`Breaker::ping`]).
     next_ping: AtomicUsize,
+    /// Failures in a row over the whole store, with no success between: past
+    /// [`STORE_WIDE_FACTOR`] times the threshold, the whole store is taken as down.
+    consecutive_failures: AtomicU32,
 }
 
 impl CircuitView {
@@ -107,6 +115,7 @@ impl CircuitView {
             circuits: (0..parts.max(1)).map(|_| Circuit::default()).collect(),
             opened: AtomicU64::new(0),
             next_ping: AtomicUsize::new(0),
+            consecutive_failures: AtomicU32::new(0),
         }
     }
 
@@ -156,6 +165,13 @@ pub struct Breaker<S> {
 
 /// Parts a ping of a store with several probes at once ([`Breaker::ping`]).
 const PING_SPREAD: usize = 4;
+
+/// On a store of several parts, failures in a row over the whole store (no success between)
+/// that take it as down, in multiples of `failure_threshold`: then every part's circuit opens
+/// at once, as the one circuit did, rather than each after its own threshold (64 times as
+/// many calls waiting out their deadline when all of a Cluster is out of reach). A primary
+/// that is down among healthy ones never gets there: their successes come between.
+const STORE_WIDE_FACTOR: u32 = 8;
 
 fn is_outage(e: &StoreError) -> bool {
     matches!(e, StoreError::Unavailable(_))
@@ -228,9 +244,22 @@ impl<S: RecordStore> Breaker<S> {
             return Err(StoreError::Unavailable("circuit open".into()));
         }
         circuit.set_state(CircuitState::HalfOpen);
-        match self.inner.ping_part(part).await {
+        let failed_on = circuit.failed_on.lock().clone();
+        let probe = match &failed_on {
+            Some(key) => self.inner.ping_near(key).await,
+            None => self.inner.ping_part(part).await,
+        };
+        match probe {
             Err(e) if is_outage(&e) => {
                 self.open(part);
+                // Every part open: the store is down as a whole, and a probe of it failed.
+                // The others wait out open_for again rather than each send a probe of its
+                // own to the same dead store.
+                if self.view.open_parts() == self.view.circuits.len() {
+                    for other in 0..self.view.circuits.len() {
+                        self.open(other);
+                    }
+                }
                 Err(e)
             }
             // The store answered, if not well (a script the probe runs that raises, a reply
@@ -280,6 +309,7 @@ impl<S: RecordStore> Breaker<S> {
         &self,
         part: usize,
         epoch: u64,
+        key: Option<&RecordKey>,
         result: Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let circuit = &self.view.circuits[part];
@@ -288,13 +318,35 @@ impl<S: RecordStore> Breaker<S> {
                 if circuit.opened.load(Ordering::Acquire) != epoch {
                     return result;
                 }
+                if let Some(key) = key {
+                    *circuit.failed_on.lock() = Some(key.clone());
+                }
                 let n = circuit.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
                 if n >= self.options.failure_threshold {
                     self.open(part);
                 }
+                let parts = self.view.circuits.len();
+                if parts > 1 {
+                    let all = self
+                        .view
+                        .consecutive_failures
+                        .fetch_add(1, Ordering::AcqRel)
+                        + 1;
+                    if all
+                        >= self
+                            .options
+                            .failure_threshold
+                            .saturating_mul(STORE_WIDE_FACTOR)
+                    {
+                        for other in 0..parts {
+                            self.open(other);
+                        }
+                    }
+                }
             }
             _ => {
                 circuit.consecutive_failures.store(0, Ordering::Release);
+                self.view.consecutive_failures.store(0, Ordering::Release);
             }
         }
         result
@@ -307,7 +359,7 @@ impl<S: RecordStore> Breaker<S> {
     {
         let part = self.part_of(key);
         let epoch = self.admit(part).await?;
-        self.record(part, epoch, call.await)
+        self.record(part, epoch, Some(key), call.await)
     }
 }
 
@@ -330,7 +382,7 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         let circuit = &self.view.circuits[part];
         if circuit.state() == CircuitState::Closed {
             let epoch = circuit.opened.load(Ordering::Acquire);
-            return self.record(part, epoch, self.inner.renew(req).await);
+            return self.record(part, epoch, Some(&req.key), self.inner.renew(req).await);
         }
         let answer = self.inner.renew(req).await;
         if !matches!(&answer, Err(e) if is_outage(e)) {
@@ -390,40 +442,38 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
         let start = self.view.next_ping.fetch_add(1, Ordering::Relaxed);
         if parts == 1 {
             let epoch = self.admit(0).await?;
-            return self.record(0, epoch, self.inner.ping_part(0).await);
+            return self.record(0, epoch, None, self.inner.ping_part(0).await);
         }
         let spread = PING_SPREAD.min(parts);
         let closed = |p: &usize| self.view.circuits[*p].state() == CircuitState::Closed;
+        let mut seen = vec![false; parts];
         let mut chosen: Vec<usize> = (0..parts)
             .map(|i| (start + i * parts / spread + i / spread) % parts)
-            .take(parts)
+            .chain((0..parts).map(|i| (start + i) % parts))
+            .filter(|&p| !std::mem::replace(&mut seen[p], true))
             .filter(closed)
             .take(spread)
             .collect();
         if chosen.is_empty() {
             chosen.push(start % parts);
         }
-        let pings = chosen.into_iter().map(|part| async move {
-            let epoch = self.admit(part).await?;
-            self.record(part, epoch, self.inner.ping_part(part).await)
+        // The first to answer decides; the others are dropped (uncounted), so a ping waits
+        // for no part that is down once another has answered.
+        let pings = chosen.into_iter().map(|part| {
+            Box::pin(async move {
+                let epoch = self.admit(part).await?;
+                self.record(part, epoch, None, self.inner.ping_part(part).await)
+            })
         });
-        let answers = futures_util::future::join_all(pings).await;
-        let mut failed = None;
-        for answer in answers {
-            match answer {
-                Ok(()) => return Ok(()),
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
-            }
-        }
-        Err(failed.unwrap_or_else(|| StoreError::Unavailable("circuit open".into())))
+        futures_util::future::select_ok(pings)
+            .await
+            .map(|((), _)| ())
     }
 
     async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
         let part = part % self.view.circuits.len();
         let epoch = self.admit(part).await?;
-        self.record(part, epoch, self.inner.ping_part(part).await)
+        self.record(part, epoch, None, self.inner.ping_part(part).await)
     }
 
     fn parts(&self) -> usize {
@@ -613,15 +663,63 @@ mod tests {
         }
         assert!(b.ping_part(1).await.is_err());
 
-        // Its probe, on its own part: still down, then back.
+        // Its probe, where its last failure was: still down, then back.
         tokio::time::sleep(Duration::from_millis(250)).await;
         assert!(b.get(&on(1, 1)).await.is_err());
         assert_eq!(b.view().open_parts(), 1);
+        assert_eq!(b.inner().near_pings.load(Ordering::Relaxed), 1);
         b.inner().set_part_down(None);
         tokio::time::sleep(Duration::from_millis(250)).await;
         assert!(b.get(&on(1, 1)).await.is_ok());
         assert_eq!(b.view().state(), CircuitState::Closed);
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
+    }
+
+    /// A store of many parts that fails as a whole opens every circuit after a few times the
+    /// threshold of failures in a row, as the one circuit did, not after the threshold of each
+    /// of its parts (64 times as many calls waiting out their deadline); a probe that fails
+    /// while every part is open puts them all back to wait. A success between failures (a
+    /// healthy part) keeps it from counting.
+    #[tokio::test]
+    async fn a_store_of_many_parts_failing_as_a_whole_opens_every_circuit() {
+        let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
+        store.parts = 64;
+        let b = Breaker::new(
+            store,
+            BreakerOptions {
+                failure_threshold: 3,
+                open_for: Duration::from_secs(60),
+            },
+        );
+        let on = |part: u8| RecordKey {
+            tenant: "t".into(),
+            hash: [part; 32],
+        };
+        b.inner().set_part_down(Some(1));
+        // Part 1 down among healthy parts: its failures alone open only its circuit.
+        for n in 0..(3 * STORE_WIDE_FACTOR as u8) {
+            assert!(b.get(&on(1)).await.is_err());
+            assert!(b.get(&on(2 + n % 8)).await.is_ok());
+        }
+        assert_eq!(b.view().open_parts(), 1);
+
+        b.inner().set_part_down(None);
+        b.inner().set(Fault::Down);
+        for part in 0..(3 * STORE_WIDE_FACTOR as u8 - 1) {
+            assert!(b.get(&on(10 + part)).await.is_err());
+        }
+        assert!(b.view().open_parts() < 64);
+        assert!(b.get(&on(40)).await.is_err());
+        assert_eq!(b.view().open_parts(), 64, "the whole store is down");
+        let calls = b.inner().calls.load(Ordering::Relaxed);
+        for part in 0..64 {
+            assert!(b.get(&on(part)).await.is_err());
+        }
+        assert_eq!(
+            b.inner().calls.load(Ordering::Relaxed),
+            calls,
+            "every part fails fast"
+        );
     }
 
     #[tokio::test]
@@ -707,13 +805,13 @@ mod tests {
         // the open period is not moved by the late ones.
         let epoch = b.admit(0).await.expect("closed");
         for _ in 0..3 {
-            let _ = b.record(0, epoch, outage());
+            let _ = b.record(0, epoch, None, outage());
         }
         assert_eq!(b.view().state(), CircuitState::Open);
         let opened_at = *b.view.circuits[0].opened_at.lock();
         tokio::time::sleep(Duration::from_millis(5)).await;
         for _ in 0..3 {
-            let _ = b.record(0, epoch, outage());
+            let _ = b.record(0, epoch, None, outage());
         }
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
         assert_eq!(
@@ -728,7 +826,7 @@ mod tests {
         let after = b.admit(0).await.expect("the probe closes the circuit");
         assert_eq!(b.view().state(), CircuitState::Closed);
         for _ in 0..3 {
-            let _ = b.record(0, epoch, outage());
+            let _ = b.record(0, epoch, None, outage());
         }
         assert_eq!(b.view().state(), CircuitState::Closed);
         assert_eq!(
@@ -739,7 +837,7 @@ mod tests {
         );
         // Failures of calls let through since do.
         for _ in 0..3 {
-            let _ = b.record(0, after, outage());
+            let _ = b.record(0, after, None, outage());
         }
         assert_eq!(b.view().state(), CircuitState::Open);
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 2);

@@ -48,6 +48,8 @@ pub struct FaultyStore<S> {
     pub parts: usize,
     /// The part that is down ([`FaultyStore::set_part_down`]); `usize::MAX` for none.
     down_part: AtomicUsize,
+    /// Probes sent where a key's record lives ([`RecordStore::ping_near`]).
+    pub near_pings: AtomicU64,
 }
 
 impl<S: RecordStore> FaultyStore<S> {
@@ -60,6 +62,7 @@ impl<S: RecordStore> FaultyStore<S> {
             refusals_are_final: None,
             parts: 1,
             down_part: AtomicUsize::new(usize::MAX),
+            near_pings: AtomicU64::new(0),
         }
     }
 
@@ -170,6 +173,12 @@ impl<S: RecordStore> RecordStore for FaultyStore<S> {
         self.check("claim").await?;
         self.key_down(&req.key)?;
         self.inner.renew(req).await
+    }
+    async fn ping_near(&self, key: &RecordKey) -> Result<(), StoreError> {
+        self.near_pings.fetch_add(1, Ordering::Relaxed);
+        self.check("ping").await?;
+        self.key_down(key)?;
+        self.inner.ping().await
     }
     async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
         self.check("ping").await?;

@@ -255,6 +255,12 @@ pub trait RecordStore: Send + Sync + 'static {
         self.ping().await
     }
 
+    /// Probes where `key`'s record lives (its Cluster slot) as [`RecordStore::ping`] probes the
+    /// whole store.
+    async fn ping_near(&self, _key: &RecordKey) -> Result<(), StoreError> {
+        self.ping().await
+    }
+
     /// Stores the outcome if `owner` still holds the claim; the record then lives for `ttl`.
     async fn complete(
         &self,
@@ -373,6 +379,9 @@ impl<S: RecordStore + ?Sized> RecordStore for Arc<S> {
     }
     async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
         (**self).ping_part(part).await
+    }
+    async fn ping_near(&self, key: &RecordKey) -> Result<(), StoreError> {
+        (**self).ping_near(key).await
     }
     async fn complete(
         &self,

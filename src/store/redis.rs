@@ -1485,6 +1485,16 @@ impl RecordStore for RedisStore {
         self.part_ping_keys.len().max(1)
     }
 
+    /// Probes the slot of `key`'s record, on a Cluster: a key no record has, tagged as the
+    /// record is (`<record key>:__idemgate_ping__`, whose hash tag is the record's).
+    async fn ping_near(&self, key: &RecordKey) -> Result<(), StoreError> {
+        if self.part_ping_keys.is_empty() {
+            return self.ping().await;
+        }
+        let near = format!("{}:__idemgate_ping__", self.record_key(key));
+        self.ping_at(&near).await
+    }
+
     /// Probes part `part` (a key of its slots, on a Cluster).
     async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
         match self.part_ping_keys.get(part) {
@@ -2077,8 +2087,9 @@ mod tests {
             cluster_slot(b"{user1000}.following"),
             cluster_slot(b"user1000")
         );
-        assert_eq!(cluster_slot(b"foo{}{bar}"), cluster_slot(b"foo{}{bar}"));
+        // An empty tag: the whole key is hashed.
         assert_ne!(cluster_slot(b"foo{}{bar}"), cluster_slot(b"bar"));
+        assert_ne!(cluster_slot(b"foo{}{bar}"), cluster_slot(b""));
         assert_eq!(cluster_slot(b"foo{{bar}}zap"), cluster_slot(b"{bar"));
         assert_eq!(cluster_slot(b"foo{bar}{zap}"), cluster_slot(b"bar"));
     }
