@@ -12,7 +12,7 @@
 //!
 //! A store whose keys live on parts that fail apart from each other (a Redis Cluster's slot
 //! ranges: [`RecordStore::parts`]) gets one circuit per part: a primary that is down opens the
-//! circuits of its keys only, and each is probed on its own part. With one circuit for the whole
+//! circuits of its keys only, and each is probed where its last failure was (that key's slot). With one circuit for the whole
 //! store, the keys of the healthy primaries were refused (or, under `pass`, forwarded
 //! unprotected) as long as the circuit stayed open, and a probe pinned to a part that was down
 //! kept it open until that part came back.
@@ -104,9 +104,6 @@ pub struct CircuitView {
     pub opened: AtomicU64,
     /// Where the next look for a part to ping begins ([`Breaker::ping`]).
     next_ping: AtomicUsize,
-    /// Failures in a row over the whole store, with no success between: past
-    /// [`STORE_WIDE_FACTOR`] times the threshold, the whole store is taken as down.
-    consecutive_failures: AtomicU32,
 }
 
 impl CircuitView {
@@ -115,7 +112,6 @@ impl CircuitView {
             circuits: (0..parts.max(1)).map(|_| Circuit::default()).collect(),
             opened: AtomicU64::new(0),
             next_ping: AtomicUsize::new(0),
-            consecutive_failures: AtomicU32::new(0),
         }
     }
 
@@ -165,13 +161,6 @@ pub struct Breaker<S> {
 
 /// Parts a ping of a store with several probes at once ([`Breaker::ping`]).
 const PING_SPREAD: usize = 4;
-
-/// On a store of several parts, failures in a row over the whole store (no success between)
-/// that take it as down, in multiples of `failure_threshold`: then every part's circuit opens
-/// at once, as the one circuit did, rather than each after its own threshold (64 times as
-/// many calls waiting out their deadline when all of a Cluster is out of reach). A primary
-/// that is down among healthy ones never gets there: their successes come between.
-const STORE_WIDE_FACTOR: u32 = 8;
 
 fn is_outage(e: &StoreError) -> bool {
     matches!(e, StoreError::Unavailable(_))
@@ -252,14 +241,6 @@ impl<S: RecordStore> Breaker<S> {
         match probe {
             Err(e) if is_outage(&e) => {
                 self.open(part);
-                // Every part open: the store is down as a whole, and a probe of it failed.
-                // The others wait out open_for again rather than each send a probe of its
-                // own to the same dead store.
-                if self.view.open_parts() == self.view.circuits.len() {
-                    for other in 0..self.view.circuits.len() {
-                        self.open(other);
-                    }
-                }
                 Err(e)
             }
             // The store answered, if not well (a script the probe runs that raises, a reply
@@ -325,28 +306,9 @@ impl<S: RecordStore> Breaker<S> {
                 if n >= self.options.failure_threshold {
                     self.open(part);
                 }
-                let parts = self.view.circuits.len();
-                if parts > 1 {
-                    let all = self
-                        .view
-                        .consecutive_failures
-                        .fetch_add(1, Ordering::AcqRel)
-                        + 1;
-                    if all
-                        >= self
-                            .options
-                            .failure_threshold
-                            .saturating_mul(STORE_WIDE_FACTOR)
-                    {
-                        for other in 0..parts {
-                            self.open(other);
-                        }
-                    }
-                }
             }
             _ => {
                 circuit.consecutive_failures.store(0, Ordering::Release);
-                self.view.consecutive_failures.store(0, Ordering::Release);
             }
         }
         result
@@ -433,10 +395,11 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
 
     /// Answers if the store does: with one part, its ping through its circuit. With several
     /// (a Cluster), pings of [`PING_SPREAD`] parts spread over the slot space, at once, each
-    /// through its circuit (closed ones first, the next ones each time), answering if any
-    /// does: a Cluster with a primary down still serves the other primaries' keys, so a
-    /// replica is still ready (under `reject`); one ping to the primary that is down would
-    /// have said otherwise. Every part that fails counts toward opening its circuit.
+    /// through its circuit (closed ones if any, the next ones each time), answering with the
+    /// first that succeeds: a Cluster with a primary down still serves the other primaries'
+    /// keys, so a replica is still ready (under `reject`); one ping to the primary that is down
+    /// would have said otherwise. A ping that fails before another succeeds counts toward
+    /// opening its part's circuit; those still out then are dropped, uncounted.
     async fn ping(&self) -> Result<(), StoreError> {
         let parts = self.view.circuits.len();
         let start = self.view.next_ping.fetch_add(1, Ordering::Relaxed);
@@ -445,17 +408,18 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
             return self.record(0, epoch, None, self.inner.ping_part(0).await);
         }
         let spread = PING_SPREAD.min(parts);
-        let closed = |p: &usize| self.view.circuits[*p].state() == CircuitState::Closed;
         let mut seen = vec![false; parts];
-        let mut chosen: Vec<usize> = (0..parts)
+        let order: Vec<usize> = (0..parts)
             .map(|i| (start + i * parts / spread + i / spread) % parts)
             .chain((0..parts).map(|i| (start + i) % parts))
             .filter(|&p| !std::mem::replace(&mut seen[p], true))
-            .filter(closed)
-            .take(spread)
             .collect();
+        let closed = |p: &usize| self.view.circuits[*p].state() == CircuitState::Closed;
+        let mut chosen: Vec<usize> = order.iter().copied().filter(closed).take(spread).collect();
         if chosen.is_empty() {
-            chosen.push(start % parts);
+            // Every circuit open: parts spread over the store, each through its circuit (a
+            // probe where one is due, a refusal at once where none is).
+            chosen = order.into_iter().take(spread).collect();
         }
         // The first to answer decides; the others are dropped (uncounted), so a ping waits
         // for no part that is down once another has answered.
@@ -675,13 +639,10 @@ mod tests {
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
     }
 
-    /// A store of many parts that fails as a whole opens every circuit after a few times the
-    /// threshold of failures in a row, as the one circuit did, not after the threshold of each
-    /// of its parts (64 times as many calls waiting out their deadline); a probe that fails
-    /// while every part is open puts them all back to wait. A success between failures (a
-    /// healthy part) keeps it from counting.
+    /// A part whose keys keep failing opens its own circuit only, however many failures its
+    /// keys meet: the others stay closed and keep serving.
     #[tokio::test]
-    async fn a_store_of_many_parts_failing_as_a_whole_opens_every_circuit() {
+    async fn one_part_failing_opens_no_other_part() {
         let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
         store.parts = 64;
         let b = Breaker::new(
@@ -696,29 +657,27 @@ mod tests {
             hash: [part; 32],
         };
         b.inner().set_part_down(Some(1));
-        // Part 1 down among healthy parts: its failures alone open only its circuit.
-        for n in 0..(3 * STORE_WIDE_FACTOR as u8) {
+        // Part 1 down: however many of its calls fail in a row, only its circuit opens.
+        for _ in 0..50 {
             assert!(b.get(&on(1)).await.is_err());
-            assert!(b.get(&on(2 + n % 8)).await.is_ok());
         }
         assert_eq!(b.view().open_parts(), 1);
-
+        for part in 2..64 {
+            assert!(b.get(&on(part)).await.is_ok(), "part {part}");
+        }
+        // The whole store down: each part opens on its own failures.
         b.inner().set_part_down(None);
         b.inner().set(Fault::Down);
-        for part in 0..(3 * STORE_WIDE_FACTOR as u8 - 1) {
-            assert!(b.get(&on(10 + part)).await.is_err());
+        for _ in 0..3 {
+            assert!(b.get(&on(10)).await.is_err());
         }
-        assert!(b.view().open_parts() < 64);
-        assert!(b.get(&on(40)).await.is_err());
-        assert_eq!(b.view().open_parts(), 64, "the whole store is down");
+        assert_eq!(b.view().open_parts(), 2);
         let calls = b.inner().calls.load(Ordering::Relaxed);
-        for part in 0..64 {
-            assert!(b.get(&on(part)).await.is_err());
-        }
+        assert!(b.get(&on(11)).await.is_err());
         assert_eq!(
             b.inner().calls.load(Ordering::Relaxed),
-            calls,
-            "every part fails fast"
+            calls + 1,
+            "a part still closed calls the store"
         );
     }
 
