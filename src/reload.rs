@@ -624,23 +624,17 @@ fn record_identity_changes(old: &Config, new: &Config) -> Vec<String> {
         // or under other settings. Both configs are judged against what it caught before.
         let carved_before = carve_outs(old, before, before);
         let carved_now = carve_outs(new, now, before);
-        if carved_before != carved_now {
-            let names = |config: &Config, route: &Route| {
-                config
-                    .routes
-                    .iter()
-                    .take_while(|r| r.name != route.name)
-                    .filter(|r| takes_from(r, before))
-                    .map(|r| r.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+        if shapes(&carved_before) != shapes(&carved_now) {
+            let names = |routes: &[&Route]| {
+                let names: Vec<&str> = routes.iter().map(|r| r.name.as_str()).collect();
+                names.join(", ")
             };
             changed.push(format!(
                 "routes[{}] (routes ahead of it that take some of its requests changed: [{}], \
                  before [{}])",
                 before.name,
-                names(new, now),
-                names(old, before)
+                names(&carved_now),
+                names(&carved_before)
             ));
         }
     }
@@ -658,23 +652,26 @@ fn takes_from(r: &Route, route: &Route) -> bool {
     paths && !crate::config::hidden_unsafe_methods(&r.methods, &route.methods).is_empty()
 }
 
-/// What the routes of `config` ahead of `ahead_of` take of the requests `caught` catches
-/// (see [`takes_from`]), each by prefix, methods and whether it is idempotent: a set,
-/// whatever the routes are named or in which order they come.
-fn carve_outs(
-    config: &Config,
-    ahead_of: &Route,
-    caught: &Route,
-) -> std::collections::BTreeSet<(String, Vec<String>, bool)> {
+/// The routes of `config` ahead of `ahead_of` that take some of the requests `caught` catches
+/// (see [`takes_from`]).
+fn carve_outs<'a>(config: &'a Config, ahead_of: &Route, caught: &Route) -> Vec<&'a Route> {
     config
         .routes
         .iter()
         .take_while(|r| r.name != ahead_of.name)
         .filter(|r| takes_from(r, caught))
+        .collect()
+}
+
+/// What `routes` take, each by prefix, methods and whether it is idempotent: a set, whatever
+/// the routes are named or in which order they come.
+fn shapes<'a>(routes: &[&'a Route]) -> std::collections::BTreeSet<(&'a str, Vec<&'a str>, bool)> {
+    routes
+        .iter()
         .map(|r| {
-            let mut methods: Vec<String> = r.methods.iter().map(|m| m.to_string()).collect();
-            methods.sort();
-            (r.path_prefix.clone(), methods, r.idempotency.is_some())
+            let mut methods: Vec<&str> = r.methods.iter().map(http::Method::as_str).collect();
+            methods.sort_unstable();
+            (r.path_prefix.as_str(), methods, r.idempotency.is_some())
         })
         .collect()
 }
