@@ -223,8 +223,20 @@ pub fn cluster_slot(key: &[u8]) -> u16 {
         let close = rest.iter().position(|&b| b == b'}')?;
         (close > 0).then(|| &rest[..close])
     });
+    crc16(tagged.unwrap_or(key).iter().copied()) % CLUSTER_SLOTS
+}
+
+/// The Cluster slot of `key`'s record ([`record_key`]), without building the key: its hash tag
+/// is `tenant:hash` in hex, since neither a key prefix nor a tenant may hold a brace.
+fn record_slot(key: &RecordKey) -> u16 {
+    let hex = key.hash.iter().flat_map(|&b| key::hex_pair(b));
+    crc16(key.tenant.bytes().chain([b':']).chain(hex)) % CLUSTER_SLOTS
+}
+
+/// CRC16/XMODEM, the checksum Redis Cluster hashes keys with.
+fn crc16(bytes: impl IntoIterator<Item = u8>) -> u16 {
     let mut crc: u16 = 0;
-    for &byte in tagged.unwrap_or(key) {
+    for byte in bytes {
         crc ^= u16::from(byte) << 8;
         for _ in 0..8 {
             crc = if crc & 0x8000 != 0 {
@@ -234,7 +246,7 @@ pub fn cluster_slot(key: &[u8]) -> u16 {
             };
         }
     }
-    crc % CLUSTER_SLOTS
+    crc
 }
 
 /// The part of the slot space `slot` falls in.
@@ -1478,7 +1490,7 @@ impl RecordStore for RedisStore {
         if self.part_ping_keys.is_empty() {
             return 0;
         }
-        cluster_part(cluster_slot(self.record_key(key).as_bytes()))
+        cluster_part(record_slot(key))
     }
 
     fn parts(&self) -> usize {
@@ -2092,6 +2104,17 @@ mod tests {
         assert_ne!(cluster_slot(b"foo{}{bar}"), cluster_slot(b""));
         assert_eq!(cluster_slot(b"foo{{bar}}zap"), cluster_slot(b"{bar"));
         assert_eq!(cluster_slot(b"foo{bar}{zap}"), cluster_slot(b"bar"));
+        // A record's slot, computed without its key, is its key's.
+        for n in 0..=255u8 {
+            let key = RecordKey {
+                tenant: format!("acme-{n}.eu:blue"),
+                hash: [n.wrapping_mul(37); 32],
+            };
+            assert_eq!(
+                record_slot(&key),
+                cluster_slot(record_key("idemgate", &key).as_bytes())
+            );
+        }
     }
 
     /// Every part of the slot space has a probe key in it, and no record key can be one.
