@@ -22,10 +22,26 @@ fn builder(backend: &Backend, redis: &RedisServer) -> ProxyBuilder {
 
 /// A proxy on the Redis at `url` (a fault proxy's, say), with short Redis timeouts.
 fn builder_to(backend: &Backend, url: String) -> ProxyBuilder {
-    ProxyBuilder::new(backend)
-        .redis(&[url])
+    on_redis(ProxyBuilder::new(backend), &[url], "200ms")
+}
+
+/// `builder` on the Redis at `urls`: connects given up after 200 ms, calls after
+/// `response_timeout`.
+fn on_redis(builder: ProxyBuilder, urls: &[String], response_timeout: &str) -> ProxyBuilder {
+    builder
+        .redis(urls)
         .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 200ms")
+        .store(&format!("  response_timeout: {response_timeout}"))
+}
+
+/// Backend timeouts for the lock renewal tests (a connect or a write given up at once, the
+/// answer awaited `read_timeout`), under a lock of `lock_ttl`.
+fn with_a_lock(builder: ProxyBuilder, read_timeout: &str, lock_ttl: &str) -> ProxyBuilder {
+    builder
+        .upstream("connect_timeout: 200ms")
+        .upstream("write_timeout: 300ms")
+        .upstream(&format!("read_timeout: {read_timeout}"))
+        .idem(&format!("lock_ttl: {lock_ttl}"))
 }
 
 /// Backend timeouts that fit a 2 s lock, and the lock.
@@ -51,10 +67,7 @@ fn metric(text: &str, name: &str) -> f64 {
 async fn a_cluster_primary_that_stops_answering_opens_the_circuits_of_its_slots_only() {
     let cluster = RedisCluster::start_with(3, &["--cluster-require-full-coverage", "no"]);
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .redis(&cluster.urls())
-        .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 200ms")
+    let proxy = on_redis(ProxyBuilder::new(&backend), &cluster.urls(), "200ms")
         .store("circuit_breaker: {failure_threshold: 1, open_for: 60s}")
         .store("local_cache: {enabled: false}")
         .start()
@@ -783,15 +796,12 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
     // The lock (4 s) is renewed from 3 s on; this replica is cut off from Redis from 1.5 s to
     // 6 s, so every renewal before the lock's deadline fails.
     let replica = |worker: u16, url: String| {
-        ProxyBuilder::at(backend.addr)
-            .worker_id(worker)
-            .redis(&[url])
-            .store("  connect_timeout: 200ms")
-            .store("  response_timeout: 200ms")
-            .upstream("connect_timeout: 200ms")
-            .upstream("write_timeout: 300ms")
-            .upstream("read_timeout: 2s")
-            .idem("lock_ttl: 4s")
+        let on = on_redis(
+            ProxyBuilder::at(backend.addr).worker_id(worker),
+            &[url],
+            "200ms",
+        );
+        with_a_lock(on, "2s", "4s")
             .store("circuit_breaker: {failure_threshold: 3, open_for: 60s}")
             .start()
     };
@@ -852,15 +862,9 @@ async fn renewals_go_on_past_the_lock_so_a_retry_after_the_outage_does_not_run_t
 async fn an_answer_that_comes_while_a_renewal_is_out_does_not_wait_for_it() {
     let redis = RedisServer::start();
     let backend = still_processing_for(7).await;
-    let proxy = ProxyBuilder::at(backend.addr)
-        .redis(&[redis.url()])
-        .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 2500ms")
+    let on = on_redis(ProxyBuilder::at(backend.addr), &[redis.url()], "2500ms");
+    let proxy = with_a_lock(on, "2s", "8s")
         .store("circuit_breaker: {failure_threshold: 1, open_for: 60s}")
-        .upstream("connect_timeout: 200ms")
-        .upstream("write_timeout: 300ms")
-        .upstream("read_timeout: 2s")
-        .idem("lock_ttl: 8s")
         .start()
         .await;
     let req = Request::post("/orders").key("renewal-out").body("{}");
@@ -1054,15 +1058,9 @@ async fn a_retry_on_the_replica_running_the_key_is_refused_through_an_outage_lon
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     // A backend still at work after the lock.
     let backend = still_processing_for(6).await;
-    let proxy = ProxyBuilder::at(backend.addr)
-        .redis(&[link.redis_url()])
-        .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 200ms")
+    let on = on_redis(ProxyBuilder::at(backend.addr), &[link.redis_url()], "200ms");
+    let proxy = with_a_lock(on, "1500ms", "2500ms")
         .store("on_unavailable: local")
-        .upstream("connect_timeout: 200ms")
-        .upstream("write_timeout: 300ms")
-        .upstream("read_timeout: 1500ms")
-        .idem("lock_ttl: 2500ms")
         .start()
         .await;
     let req = Request::post("/orders").key("outlasted").body("{}");
@@ -1092,11 +1090,7 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
     // The lock (8 s) is renewed at three quarters of its life (6 s); the backend answers at 7 s.
-    let proxy = builder_to(&backend, link.redis_url())
-        .upstream("connect_timeout: 200ms")
-        .upstream("write_timeout: 300ms")
-        .upstream("read_timeout: 7s")
-        .idem("lock_ttl: 8s")
+    let proxy = with_a_lock(builder_to(&backend, link.redis_url()), "7s", "8s")
         .start()
         .await;
     let req = Request::post("/orders/slow/7000").key("renew").body("{}");
@@ -1249,10 +1243,7 @@ async fn a_completion_whose_first_write_is_out_when_the_process_stops_is_dead_le
     let dir = tempfile::tempdir().unwrap();
     let dead = dir.path().join("dead.jsonl");
     // The write is never answered and never times out within the test.
-    let mut proxy = ProxyBuilder::new(&backend)
-        .redis(&[link.redis_url()])
-        .store("  connect_timeout: 200ms")
-        .store("  response_timeout: 30s")
+    let mut proxy = on_redis(ProxyBuilder::new(&backend), &[link.redis_url()], "30s")
         .store(&format!(
             "completion_retry: {{ dead_letter_path: \"{}\" }}",
             dead.display()
