@@ -1304,6 +1304,33 @@ mod tests {
         )))
     }
 
+    /// Record `n` of tenant `t`: `n` in its hash's first bytes.
+    fn numbered(n: u32) -> RecordKey {
+        let mut hash = [0u8; 32];
+        hash[..4].copy_from_slice(&n.to_le_bytes());
+        RecordKey {
+            tenant: "t".into(),
+            hash,
+        }
+    }
+
+    /// Keeps `completion`, stored, as execution `n`'s of record [`numbered`] `n` until `until`.
+    fn keep_stored<S: RecordStore>(
+        store: &CachedStore<S>,
+        n: u32,
+        completion: Completion,
+        until: Instant,
+    ) -> bool {
+        let key = numbered(n);
+        let record = Record {
+            fingerprint: [7; 32],
+            execution_id: u64::from(n),
+            state: RecordState::Completed(completion),
+            expires_in: None,
+        };
+        store.remember(&key, record, until, Origin::Stored(store.mark(&key.hash)))
+    }
+
     /// Answers the store never confirmed are kept past the budget, but not past any bound: at
     /// twice the capacity new claims are refused as a full store (renewals of running ones, and
     /// retries of what the store holds, still go through), and taken again once the answers
@@ -1485,34 +1512,17 @@ mod tests {
     #[test]
     fn an_entry_cached_again_is_not_evicted_by_the_place_of_its_dropped_predecessor() {
         let store = CachedStore::new(MemoryStore::new(1 << 20, 1), options()).unwrap();
-        let key = |n: u32| RecordKey {
-            tenant: "t".into(),
-            hash: {
-                let mut h = [0u8; 32];
-                h[..4].copy_from_slice(&n.to_le_bytes());
-                h
-            },
-        };
-        let record = |n: u32| Record {
-            fingerprint: [7; 32],
-            execution_id: u64::from(n),
-            state: RecordState::Completed(response(&[1u8; 1000])),
-            expires_in: None,
-        };
         let until = Instant::now() + Duration::from_secs(60);
         // A is cached, dropped (a purge) and cached again after B: A's first place is stale.
-        let keep = |n: u32| {
-            let k = key(n);
-            store.remember(&k, record(n), until, Origin::Stored(store.mark(&k.hash)))
-        };
+        let keep = |n: u32| keep_stored(&store, n, response(&[1u8; 1000]), until);
         keep(0);
-        store.forget(&key(0));
+        store.forget(&numbered(0));
         keep(1);
         keep(0);
         // Fill until the oldest live entry goes: that is B, not the fresh A.
         for n in 2.. {
             keep(n);
-            let (a, b) = (store.cached(&key(0)), store.cached(&key(1)));
+            let (a, b) = (store.cached(&numbered(0)), store.cached(&numbered(1)));
             assert!(
                 a.is_some(),
                 "the fresh A was evicted first (after {n} more)"
@@ -1529,26 +1539,9 @@ mod tests {
     #[test]
     fn a_shard_that_emptied_gives_its_table_back() {
         let store = CachedStore::new(MemoryStore::new(1 << 20, 1), options()).unwrap();
-        let key = |n: u32| RecordKey {
-            tenant: "t".into(),
-            hash: {
-                let mut h = [0u8; 32];
-                h[..4].copy_from_slice(&n.to_le_bytes());
-                h
-            },
-        };
         let until = Instant::now() + Duration::from_secs(60);
-        let keep = |n: u32, completion: Completion| {
-            let k = key(n);
-            let record = Record {
-                fingerprint: [7; 32],
-                execution_id: u64::from(n),
-                state: RecordState::Completed(completion),
-                expires_in: None,
-            };
-            store.remember(&k, record, until, Origin::Stored(store.mark(&k.hash)))
-        };
-        let shard = || store.shard(&key(0).hash).lock();
+        let keep = |n: u32, completion: Completion| keep_stored(&store, n, completion, until);
+        let shard = || store.shard(&numbered(0).hash).lock();
         assert_eq!(store.cache.len(), 1, "one shard");
         let mut n = 0;
         while shard().map.len() < 1000 {
