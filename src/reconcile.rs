@@ -668,6 +668,12 @@ mod tests {
         (tally, String::from_utf8(out).unwrap())
     }
 
+    /// Claims `job`'s record as its request did, and lets the lock lapse.
+    async fn claim_lapsed(store: &Arc<dyn RecordStore>, job: &PendingCompletion) {
+        claim_as(store, job, Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+
     /// Claims `job`'s record as its request did, for `lock`.
     async fn claim_as(store: &Arc<dyn RecordStore>, job: &PendingCompletion, lock: Duration) {
         let req = ClaimRequest {
@@ -1022,14 +1028,12 @@ mod tests {
     async fn a_refused_line_meeting_the_takeover_s_claim_is_another_outcome() {
         let store = store();
         let job = letter(40, response(b"first"));
-        claim_as(&store, &job, Duration::from_millis(20)).await;
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        claim_lapsed(&store, &job).await;
         let takeover = PendingCompletion {
             owner: OwnerToken::random(),
             ..job.clone()
         };
-        claim_as(&store, &takeover, Duration::from_millis(20)).await;
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        claim_lapsed(&store, &takeover).await;
 
         let refused = dead_letter_line(&here(), &job, 1, "lock taken over", InStore::No);
         let (tally, out) = run(&store, &refused, true).await;
@@ -1055,8 +1059,7 @@ mod tests {
             ("store failed", InStore::Unknown),
         ] {
             let store = self::store();
-            claim_as(&store, &job, Duration::from_millis(20)).await;
-            tokio::time::sleep(Duration::from_millis(30)).await;
+            claim_lapsed(&store, &job).await;
             let line = dead_letter_line(&here(), &job, 1, reason, in_store);
             let (tally, out) = run(&store, &line, true).await;
             assert_eq!(

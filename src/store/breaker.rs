@@ -472,11 +472,23 @@ mod tests {
     use crate::store::MemoryStore;
 
     fn breaker() -> Breaker<FaultyStore<MemoryStore>> {
+        breaker_over(1, 3, Duration::from_millis(200))
+    }
+
+    /// A breaker opening after `failure_threshold` failures for `open_for`, over a store of
+    /// `parts` parts.
+    fn breaker_over(
+        parts: usize,
+        failure_threshold: u32,
+        open_for: Duration,
+    ) -> Breaker<FaultyStore<MemoryStore>> {
+        let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
+        store.parts = parts;
         Breaker::new(
-            FaultyStore::new(MemoryStore::new(1 << 20, 1)),
+            store,
             BreakerOptions {
-                failure_threshold: 3,
-                open_for: Duration::from_millis(200),
+                failure_threshold,
+                open_for,
             },
         )
     }
@@ -491,13 +503,7 @@ mod tests {
     #[tokio::test]
     async fn opens_after_consecutive_failures_and_fails_fast() {
         // Open for far longer than the test takes, however slow the machine: no probe.
-        let b = Breaker::new(
-            FaultyStore::new(MemoryStore::new(1 << 20, 1)),
-            BreakerOptions {
-                failure_threshold: 3,
-                open_for: Duration::from_secs(60),
-            },
-        );
+        let b = breaker_over(1, 3, Duration::from_secs(60));
         b.inner().set(Fault::Down);
         for _ in 0..3 {
             assert!(b.get(&key()).await.is_err());
@@ -520,13 +526,7 @@ mod tests {
     /// makes the probe due at once, and the probe closes the circuit.
     #[tokio::test]
     async fn renewals_are_sent_while_the_circuit_is_open() {
-        let b = Breaker::new(
-            FaultyStore::new(MemoryStore::new(1 << 20, 1)),
-            BreakerOptions {
-                failure_threshold: 3,
-                open_for: Duration::from_secs(60),
-            },
-        );
+        let b = breaker_over(1, 3, Duration::from_secs(60));
         let req = ClaimRequest {
             key: key(),
             fingerprint: [2; 32],
@@ -575,15 +575,7 @@ mod tests {
     /// Readiness pings a part whose circuit is closed.
     #[tokio::test]
     async fn each_part_of_the_store_has_its_own_circuit() {
-        let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
-        store.parts = 4;
-        let b = Breaker::new(
-            store,
-            BreakerOptions {
-                failure_threshold: 1,
-                open_for: Duration::from_millis(200),
-            },
-        );
+        let b = breaker_over(4, 1, Duration::from_millis(200));
         assert_eq!(b.view().parts(), 4);
         let on = |part: u8, n: u8| RecordKey {
             tenant: "t".into(),
@@ -643,15 +635,7 @@ mod tests {
     /// keys meet: the others stay closed and keep serving.
     #[tokio::test]
     async fn one_part_failing_opens_no_other_part() {
-        let mut store = FaultyStore::new(MemoryStore::new(1 << 20, 1));
-        store.parts = 64;
-        let b = Breaker::new(
-            store,
-            BreakerOptions {
-                failure_threshold: 3,
-                open_for: Duration::from_secs(60),
-            },
-        );
+        let b = breaker_over(64, 3, Duration::from_secs(60));
         let on = |part: u8| RecordKey {
             tenant: "t".into(),
             hash: [part; 32],
