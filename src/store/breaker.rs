@@ -434,20 +434,6 @@ impl<S: RecordStore> RecordStore for Breaker<S> {
             .map(|((), _)| ())
     }
 
-    async fn ping_part(&self, part: usize) -> Result<(), StoreError> {
-        let part = part % self.view.circuits.len();
-        let epoch = self.admit(part).await?;
-        self.record(part, epoch, None, self.inner.ping_part(part).await)
-    }
-
-    fn parts(&self) -> usize {
-        self.view.circuits.len()
-    }
-
-    fn part_of(&self, key: &RecordKey) -> usize {
-        Breaker::part_of(self, key)
-    }
-
     fn usage(&self) -> Option<StoreUsage> {
         self.inner.usage()
     }
@@ -617,7 +603,7 @@ mod tests {
                 "ready: a part whose circuit is closed answers"
             );
         }
-        assert!(b.ping_part(1).await.is_err());
+        assert!(b.get(&on(1, 9)).await.is_err(), "its part is still refused");
 
         // Its probe, where its last failure was: still down, then back.
         tokio::time::sleep(Duration::from_millis(250)).await;
