@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures_util::future::{select, Either};
 use http::header::{self, HeaderName, HeaderValue};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
@@ -362,6 +363,7 @@ struct Handled {
 }
 
 /// Where the claim was made, so completion goes to the same store.
+#[derive(Clone, Copy)]
 struct Claim<'a> {
     store: &'a dyn RecordStore,
     /// The claim as sent: key, owner, fingerprint and TTLs. Sent again, it renews the lock.
@@ -962,8 +964,13 @@ impl Gate {
         // failed) would otherwise leave a small body no time at all, and a complete answer
         // would be stored as not replayable. One only, so a body dribbling in (or a client
         // taking it slowly) cannot hold the key past a lock and a half.
+        //
+        // The renewal and the settle are store calls, sent beside the body: chunks go on to
+        // the client while a store that is slow (or down: renewals go through an open circuit)
+        // keeps either out, and the last bytes wait for the settle as for any completion.
         let mut settled = false;
         let mut body_renewed = false;
+        let mut store_call: Option<Pin<Box<dyn Future<Output = BodyStoreCall> + Send + '_>>> = None;
         let body_result: std::result::Result<(), UpstreamError> = loop {
             let step = async {
                 let Some(chunk) = exchange.next_chunk().await? else {
@@ -980,34 +987,48 @@ impl Gate {
                 out.push(session, chunk).await;
                 Ok(true)
             };
-            let stepped = match claim.as_mut().filter(|_| storable && !settled) {
+            let watched = storable && (!settled || store_call.is_some());
+            let stepped = match claim.as_mut().filter(|_| watched) {
                 None => step.await,
                 Some(c) => {
                     let mut step = pin!(step);
                     loop {
-                        match upstream::until(c.alarm(), step.as_mut()).await {
-                            Ok(stepped) => break stepped,
-                            Err(_) if !body_renewed && Instant::now() < c.lock_deadline => {
-                                body_renewed = true;
-                                // Half of what is left of the lock at most: a renewal that
-                                // fails slowly must still leave the settle its time.
-                                let now = Instant::now();
-                                let limit =
-                                    now + c.lock_deadline.saturating_duration_since(now) / 2;
-                                let renewal = upstream::until(limit, self.renew(c)).await;
-                                if renewal.is_err() {
-                                    // Given up on, it may still land and start a lock then.
-                                    c.lapses_by = c.lapses_by.max(Instant::now() + c.req.lock_ttl);
+                        let Some(call) = store_call.as_mut() else {
+                            match upstream::until(c.alarm(), step.as_mut()).await {
+                                Ok(stepped) => break stepped,
+                                Err(_) if !body_renewed && Instant::now() < c.lock_deadline => {
+                                    body_renewed = true;
+                                    store_call = Some(Box::pin(body_renewal(c)));
                                 }
-                                if matches!(renewal, Ok(Renewal::Renewed)) {
-                                    continue;
+                                Err(_) => {
+                                    settled = true;
+                                    store_call = Some(Box::pin(self.body_settle(*c, status)));
                                 }
                             }
-                            Err(_) => {}
+                            continue;
+                        };
+                        let answered = match select(step.as_mut(), call.as_mut()).await {
+                            Either::Left((stepped, _)) => break stepped,
+                            Either::Right((answered, _)) => answered,
+                        };
+                        store_call = None;
+                        match answered {
+                            // Stored: the rest of the body needs no more watching.
+                            BodyStoreCall::Settled => break step.await,
+                            BodyStoreCall::Renewal { started, answer } => {
+                                let renewed = match answer {
+                                    Ok(answer) => self.renewed(c, started, answer),
+                                    Err(_) => {
+                                        self.renewal_given_up(c, started);
+                                        Renewal::Failed
+                                    }
+                                };
+                                if !matches!(renewed, Renewal::Renewed) {
+                                    settled = true;
+                                    store_call = Some(Box::pin(self.body_settle(*c, status)));
+                                }
+                            }
                         }
-                        self.settle(c, status).await;
-                        settled = true;
-                        break step.await;
                     }
                 }
             };
@@ -1018,6 +1039,19 @@ impl Gate {
             }
         };
         ctx.gen.upstream_round(ctx.route, started);
+        match store_call.take() {
+            // The outcome is stored before the client has the last bytes.
+            Some(call) if settled => {
+                call.await;
+            }
+            Some(_) => {
+                // A renewal still out, no longer needed: it may still land and start a lock.
+                if let Some(c) = claim.as_mut() {
+                    c.lapses_by = c.lapses_by.max(Instant::now() + c.req.lock_ttl);
+                }
+            }
+            None => {}
+        }
 
         if let Err(e) = body_result {
             let kept = if settled {
@@ -1282,6 +1316,16 @@ impl Gate {
     async fn renew(&self, claim: &mut Claim<'_>) -> Renewal {
         let started = Instant::now();
         let answer = claim.store.renew(claim.req).await;
+        self.renewed(claim, started, answer)
+    }
+
+    /// Takes the store's answer to a renewal sent at `started` into `claim`.
+    fn renewed(
+        &self,
+        claim: &mut Claim<'_>,
+        started: Instant,
+        answer: std::result::Result<ClaimOutcome, StoreError>,
+    ) -> Renewal {
         let answered = self.observe_store(StoreOp::Claim, started, answer.is_err());
         let record = key::hash_label(&claim.req.key.hash);
         if !matches!(answer, Ok(ClaimOutcome::Existing(_))) {
@@ -1326,6 +1370,24 @@ impl Gate {
             claim.lapses_by = claim.lapses_by.max(Instant::now() + claim.req.lock_ttl);
         }
         raced
+    }
+
+    /// Notes a renewal sent at `started` that the store did not answer in its time: a failed
+    /// call (counted, and logged, as a renewal the store failed) that may still land and start
+    /// a lock then.
+    fn renewal_given_up(&self, claim: &mut Claim<'_>, started: Instant) {
+        let answered = self.observe_store(StoreOp::Claim, started, true);
+        claim.lapses_by = claim.lapses_by.max(answered + claim.req.lock_ttl);
+        tracing::warn!(
+            record = %key::hash_label(&claim.req.key.hash),
+            "renewing the lock got no answer in time; storing the response as not replayable"
+        );
+    }
+
+    /// [`Gate::settle`] on a copy of the claim, for a call sent beside the body.
+    async fn body_settle(&self, claim: Claim<'_>, status: u16) -> BodyStoreCall {
+        self.settle(&claim, status).await;
+        BodyStoreCall::Settled
     }
 
     /// Stores a response that is still streaming as executed but not replayable, before the
@@ -1429,6 +1491,34 @@ impl Gate {
             session.set_keepalive(None);
         }
         Ok(Handled { outcome })
+    }
+}
+
+/// A store call sent while a response's body streams (see [`Gate::execute`]).
+enum BodyStoreCall {
+    /// The lock's renewal, sent at `started`; `Err` when given up on (it may still land).
+    Renewal {
+        started: Instant,
+        answer: std::result::Result<
+            std::result::Result<ClaimOutcome, StoreError>,
+            pingora::prelude::Elapsed,
+        >,
+    },
+    /// The response was stored as executed but not replayable.
+    Settled,
+}
+
+/// Renews `claim`'s lock while its body streams, giving up at half of what is left of the
+/// lock: a renewal that fails slowly must still leave the settle its time. Sent from copies
+/// of the claim's references, so the body goes on meanwhile.
+fn body_renewal<'a>(claim: &Claim<'a>) -> impl Future<Output = BodyStoreCall> + Send + 'a {
+    let (store, req) = (claim.store, claim.req);
+    let now = Instant::now();
+    let limit = now + claim.lock_deadline.saturating_duration_since(now) / 2;
+    async move {
+        let started = Instant::now();
+        let answer = upstream::until(limit, store.renew(req)).await;
+        BodyStoreCall::Renewal { started, answer }
     }
 }
 

@@ -904,6 +904,88 @@ async fn an_answer_that_comes_while_a_renewal_is_out_does_not_wait_for_it() {
     );
 }
 
+/// The body's renewal (and the settle after it) go out beside the body: with Redis taking no
+/// write (`CLIENT PAUSE ... WRITE`), the renewal at three quarters of the 8 s lock (6 s) waits
+/// until it is given up (7 s) and the settle until its 2 s call deadline (9 s), while the
+/// backend goes on sending a chunk every 700 ms. Each chunk reaches the client as the next one
+/// comes (the last bytes wait for the settle); with the store calls in the body's way, the
+/// chunks sent from 5.6 s on reached the client only at about 9 s.
+#[tokio::test]
+async fn a_body_streaming_while_its_renewal_is_out_is_not_held_up() {
+    use common::rawbackend::{RawBackend, Step};
+    use tokio::io::AsyncReadExt;
+    let redis = RedisServer::start();
+    let mut script = vec![Step::Send(
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n<c0>\r\n".to_vec(),
+    )];
+    for i in 1..=10 {
+        script.push(Step::Pause(Duration::from_millis(700)));
+        script.push(Step::Send(format!("4\r\n<c{}>\r\n", i % 10).into_bytes()));
+    }
+    script.push(Step::Pause(Duration::from_millis(300)));
+    script.push(Step::Send(b"0\r\n\r\n".to_vec()));
+    let backend = RawBackend::start(script).await;
+    let on = on_redis(ProxyBuilder::at(backend.addr), &[redis.url()], "2s");
+    let proxy = with_a_lock(on, "2s", "8s").start().await;
+
+    let mut client = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let req = Request::post("/orders").key("body-renewal-out").body("{}");
+    client.write_all(&req.to_bytes()).await.unwrap();
+    until_forwarded(&backend).await;
+    let sent = Instant::now();
+    let _: String = redis.cmd(&["CLIENT", "PAUSE", "30000", "WRITE"]);
+    // When each marker reached the client.
+    let mut seen = Vec::new();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.ends_with(b"0\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(20), client.read(&mut buf))
+            .await
+            .expect("the response never ended")
+            .unwrap();
+        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+        while seen.len() < 10
+            && got
+                .windows(4)
+                .any(|w| w == format!("<c{}>", seen.len()).as_bytes())
+        {
+            seen.push(sent.elapsed());
+        }
+    }
+    let _: String = redis.cmd(&["CLIENT", "UNPAUSE"]);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("x-idempotent-result: miss"),
+        "{text}"
+    );
+    assert_eq!(seen.len(), 10, "{text}");
+    // <c8> left the backend at 5.6 s and goes on as <c9> arrives, at 6.3 s.
+    assert!(
+        seen[8] < Duration::from_millis(7500),
+        "the chunk sent at 5.6 s reached the client {:?} after the request was sent: {seen:?}\n{}",
+        seen[8],
+        proxy.log()
+    );
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_settled_streaming_total"), 1.0, "{m}");
+    // The renewal given up on counts as a failed claim call, as one the store refused would.
+    assert_eq!(
+        metric(&m, "idemgate_store_errors_total{op=\"claim\"}"),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        proxy
+            .log()
+            .contains("renewing the lock got no answer in time"),
+        "{}",
+        proxy.log()
+    );
+}
+
 /// Redis full (`maxmemory` under `noeviction`) answers OOM: the store is full, not down, so the
 /// request is refused 503 `store-full` and never forwarded, whatever the outage policy says
 /// (under `pass` it went to the backend unprotected, and its retry ran again).
