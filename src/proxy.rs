@@ -1792,16 +1792,14 @@ fn stored_response(
     body_hint: usize,
     bodiless: bool,
 ) -> ResponseBuilder {
-    let connection_named = upstream::connection_tokens(resp.headers.get_all(header::CONNECTION));
+    let connection_named = upstream::ConnectionNamed::of(resp.headers.get_all(header::CONNECTION));
     let kept = || {
         resp.headers
             .iter()
             .filter(|(name, _)| {
                 (is_replayable(name.as_str(), exclude)
                     || (bodiless && *name == header::CONTENT_LENGTH))
-                    && !connection_named
-                        .iter()
-                        .any(|c| c.eq_ignore_ascii_case(name.as_str().as_bytes()))
+                    && !connection_named.names(name.as_str().as_bytes())
             })
             .map(|(name, value)| (name.as_str(), value.as_bytes()))
     };

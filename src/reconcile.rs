@@ -571,8 +571,8 @@ fn parse_response(v: &serde_json::Value) -> Result<Completion, String> {
         .get("status")
         .and_then(serde_json::Value::as_u64)
         .and_then(|s| u16::try_from(s).ok())
-        .filter(|s| (100..=999).contains(s))
-        .ok_or("\"response.status\" is not an HTTP status")?;
+        .filter(|&s| crate::store::response::is_stored_status(s))
+        .ok_or("\"response.status\" is not a status a record holds (200-599)")?;
     if v.get("unreplayable") == Some(&serde_json::Value::Bool(true)) {
         return Ok(Completion::Unreplayable { status });
     }
@@ -597,6 +597,12 @@ fn parse_response(v: &serde_json::Value) -> Result<Completion, String> {
         http::HeaderValue::from_bytes(&value)
             .map_err(|_| format!("header {name}: its value is not a valid header value"))?;
         headers.push((name.as_str().to_owned(), value));
+        if headers.len() > crate::store::response::MAX_HEADERS {
+            return Err(format!(
+                "more than {} response headers",
+                crate::store::response::MAX_HEADERS
+            ));
+        }
     }
     let body = v
         .get("body_base64")
@@ -742,7 +748,18 @@ mod tests {
             (with(&|v| v["ttl_ms"] = "1".into()), "\"ttl_ms\""),
             (
                 with(&|v| v["response"]["status"] = 70000.into()),
-                "HTTP status",
+                "not a status a record holds (200-599)",
+            ),
+            (
+                with(&|v| v["response"]["status"] = 101.into()),
+                "not a status a record holds (200-599)",
+            ),
+            (
+                with(&|v| {
+                    let many: Vec<_> = (0..257).map(|i| [format!("h{i}"), String::new()]).collect();
+                    v["response"]["headers"] = serde_json::json!(many);
+                }),
+                "more than 256 response headers",
             ),
             (with(&|v| v["response"]["headers"] = 1.into()), "not a list"),
             (

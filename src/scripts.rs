@@ -130,15 +130,34 @@ impl Sources {
                 path: path.clone(),
                 message,
             };
-            let len = std::fs::metadata(&path)
-                .map_err(|e| unreadable(e.to_string()))?
-                .len();
-            if len > MAX_SCRIPT_BYTES {
-                return Err(unreadable(format!(
-                    "{len} bytes is more than a script may have ({MAX_SCRIPT_BYTES})"
-                )));
+            // A regular file only: a FIFO would block its open (and every reload and watcher
+            // tick after it), a device such as /dev/zero would never end. Read through the cap
+            // as well: a file may grow after its size was read.
+            let meta = std::fs::metadata(&path).map_err(|e| unreadable(e.to_string()))?;
+            if !meta.is_file() {
+                return Err(unreadable("not a regular file".into()));
             }
-            std::fs::read_to_string(&path).map_err(|e| unreadable(e.to_string()))
+            let too_large = |len: u64| {
+                unreadable(format!(
+                    "{len} bytes is more than a script may have ({MAX_SCRIPT_BYTES})"
+                ))
+            };
+            if meta.len() > MAX_SCRIPT_BYTES {
+                return Err(too_large(meta.len()));
+            }
+            let mut text = String::new();
+            std::io::Read::read_to_string(
+                &mut std::io::Read::take(
+                    std::fs::File::open(&path).map_err(|e| unreadable(e.to_string()))?,
+                    MAX_SCRIPT_BYTES + 1,
+                ),
+                &mut text,
+            )
+            .map_err(|e| unreadable(e.to_string()))?;
+            if text.len() as u64 > MAX_SCRIPT_BYTES {
+                return Err(too_large(text.len() as u64));
+            }
+            Ok(text)
         };
         Ok(Sources {
             version: version.to_owned(),
@@ -246,6 +265,34 @@ mod tests {
             )
             .unwrap();
         }
+    }
+
+    #[test]
+    fn a_script_that_is_no_regular_file_or_too_large_is_refused_without_reading_it() {
+        let root = tempfile::tempdir().unwrap();
+        write_version(root.path(), "v7", "edited");
+        let claim = root.path().join("v7/claim.lua");
+        let refused = |why: &str| match Sources::find(Some(root.path()), "v7") {
+            Err(SourceError::Unreadable { path, message }) => {
+                assert_eq!(path, claim);
+                assert!(message.contains(why), "{message}");
+            }
+            other => panic!("{why}: {other:?}"),
+        };
+        // A device that never ends, and a FIFO nobody writes to (its open would block).
+        std::fs::remove_file(&claim).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &claim).unwrap();
+        refused("not a regular file");
+        std::fs::remove_file(&claim).unwrap();
+        let path = std::ffi::CString::new(claim.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+        refused("not a regular file");
+        std::fs::remove_file(&claim).unwrap();
+        std::fs::write(&claim, vec![b'-'; MAX_SCRIPT_BYTES as usize + 1]).unwrap();
+        refused("more than a script may have");
+        std::fs::write(&claim, "-- edited claim").unwrap();
+        assert!(Sources::find(Some(root.path()), "v7").is_ok());
     }
 
     #[test]

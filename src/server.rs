@@ -394,6 +394,27 @@ fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<Cached
 /// Runs the proxy until shutdown. Returns once pingora has stopped (SIGINT, SIGQUIT, or a
 /// SIGTERM whose drain ran to the grace period); a SIGTERM drain that finishes early exits the
 /// process with status 0 directly. `config_path` is watched for live edits.
+/// Longest wait that goes on pingora's timer wheel; longer ones go on tokio's. pingora's
+/// timers stay registered until they fire, one per 10 ms with a registration per worker thread,
+/// even when the wait ended at once: a timeout of an hour (`read_timeout`, `lock_ttl`'s
+/// renewal alarm) would keep up to 360,000 of them per thread under steady load. tokio's are
+/// removed when the wait ends. pingora's default is 15 minutes.
+const FAST_TIMER_LIMIT_SECS: u64 = 60;
+
+/// pingora's server settings for `config`.
+fn server_conf(config: &Config) -> ServerConf {
+    ServerConf {
+        threads: config.threads,
+        work_stealing: config.work_stealing,
+        grace_period_seconds: Some(config.shutdown.grace_period.as_secs()),
+        graceful_shutdown_timeout_seconds: Some(
+            config.shutdown.graceful_shutdown_timeout.as_secs(),
+        ),
+        fast_timeout_to_tokio_threshold_seconds: Some(FAST_TIMER_LIMIT_SECS),
+        ..ServerConf::default()
+    }
+}
+
 pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new());
     let stack = build_store(&config, &metrics)?;
@@ -413,15 +434,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     let worker_lease = config.idempotency.worker_lease;
 
     let grace_period = config.shutdown.grace_period;
-    let mut conf = ServerConf {
-        threads: config.threads,
-        work_stealing: config.work_stealing,
-        grace_period_seconds: Some(config.shutdown.grace_period.as_secs()),
-        graceful_shutdown_timeout_seconds: Some(
-            config.shutdown.graceful_shutdown_timeout.as_secs(),
-        ),
-        ..ServerConf::default()
-    };
+    let mut conf = server_conf(&config);
     let pid = std::process::id();
     let tmp = std::env::temp_dir();
     conf.pid_file = tmp
@@ -1143,4 +1156,28 @@ fn exit_when_drained(
 /// Where `--config` points, resolved for messages.
 pub fn describe(path: &std::path::Path) -> PathBuf {
     std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_waits_go_on_timers_that_are_removed_when_the_wait_ends() {
+        let config = Config::from_yaml_str(
+            r#"
+threads: 3
+upstreams: {app: {addrs: ["127.0.0.1:8080"], read_timeout: 1h}}
+shutdown: {grace_period: 25s, graceful_shutdown_timeout: 3s}
+routes:
+  - {name: orders, path_prefix: /orders, upstream: app, idempotency: {lock_ttl: 2h}}
+"#,
+        )
+        .expect("valid config");
+        let conf = server_conf(&config);
+        assert_eq!(conf.fast_timeout_to_tokio_threshold_seconds, Some(60));
+        assert_eq!(conf.threads, 3);
+        assert_eq!(conf.grace_period_seconds, Some(25));
+        assert_eq!(conf.graceful_shutdown_timeout_seconds, Some(3));
+    }
 }

@@ -43,8 +43,8 @@ use tokio::net::TcpStream;
 pub const FORWARD_BODY_BYTES: usize = 64 * 1024;
 /// Largest response head (status line and headers) accepted from a backend.
 pub const MAX_RESPONSE_HEAD_BYTES: usize = 64 * 1024;
-/// Most header fields accepted in one response head.
-const MAX_RESPONSE_HEADERS: usize = 256;
+/// Most header fields accepted in one response head (and so in a stored response).
+const MAX_RESPONSE_HEADERS: usize = crate::store::response::MAX_HEADERS;
 /// Longest chunk-size line, and most trailer bytes, accepted in a chunked body.
 const MAX_CHUNK_LINE_BYTES: usize = 4096;
 const MAX_TRAILER_BYTES: usize = 64 * 1024;
@@ -333,13 +333,13 @@ pub fn request_head(
     buf.push(b' ');
     buf.extend_from_slice(req.raw_path());
     buf.extend_from_slice(b" HTTP/1.1\r\n");
-    let named = connection_tokens(req.headers.get_all(header::CONNECTION));
+    let named = ConnectionNamed::of(req.headers.get_all(header::CONNECTION));
     let _ = req.map(|name, value| {
         let name = match name {
             pingora::http::HeaderNameVariant::Case(n) => n.as_slice(),
             pingora::http::HeaderNameVariant::Titled(n) => n.as_bytes(),
         };
-        let skip = is_reserved(name) || named.iter().any(|h| name.eq_ignore_ascii_case(h));
+        let skip = is_reserved(name) || named.names(name);
         if !skip {
             buf.extend_from_slice(name);
             buf.extend_from_slice(b": ");
@@ -401,6 +401,47 @@ pub fn connection_tokens<'a>(values: http::header::GetAll<'a, HeaderValue>) -> V
                 && !t.eq_ignore_ascii_case(b"keep-alive")
         })
         .collect()
+}
+
+/// Tokens of a `Connection` compared one by one with each header; past this many,
+/// [`ConnectionNamed`] looks names up in a sorted copy.
+const FEW_TOKENS: usize = 8;
+
+/// The header names a message's `Connection` lists ([`connection_tokens`]), for leaving those
+/// headers out. Looked up once per header: one by one while they are few; past [`FEW_TOKENS`]
+/// by binary search in a lower-cased, sorted, deduplicated copy, so a `Connection` of thousands
+/// of tokens beside thousands of headers (both fit a 64 KiB head) costs a search per header
+/// instead of millions of comparisons.
+pub struct ConnectionNamed<'a> {
+    tokens: Vec<&'a [u8]>,
+    sorted: Vec<Vec<u8>>,
+}
+
+impl<'a> ConnectionNamed<'a> {
+    pub fn of(values: http::header::GetAll<'a, HeaderValue>) -> Self {
+        let tokens = connection_tokens(values);
+        let mut sorted = Vec::new();
+        if tokens.len() > FEW_TOKENS {
+            sorted = tokens.iter().map(|t| t.to_ascii_lowercase()).collect();
+            sorted.sort_unstable();
+            sorted.dedup();
+        }
+        ConnectionNamed { tokens, sorted }
+    }
+
+    /// Whether `name` is listed (ASCII case-insensitive).
+    pub fn names(&self, name: &[u8]) -> bool {
+        if self.tokens.len() <= FEW_TOKENS {
+            return self.tokens.iter().any(|t| t.eq_ignore_ascii_case(name));
+        }
+        self.sorted
+            .binary_search_by(|t| {
+                t.iter()
+                    .copied()
+                    .cmp(name.iter().map(u8::to_ascii_lowercase))
+            })
+            .is_ok()
+    }
 }
 
 /// Decimal digits of `n`, written into `out`.
@@ -1502,6 +1543,27 @@ mod tests {
         h.insert("connection", HeaderValue::from_static("x-a, X-B, close"));
         let names = connection_tokens(h.get_all("connection"));
         assert_eq!(names, [&b"x-a"[..], &b"X-B"[..]]);
+        let named = ConnectionNamed::of(h.get_all("connection"));
+        assert!(named.names(b"X-A") && named.names(b"x-b"));
+        assert!(!named.names(b"close") && !named.names(b"x-c"));
+        // Many tokens: looked up in the sorted copy, alike.
+        let many: Vec<String> = (0..40).map(|i| format!("X-Tok-{i}")).collect();
+        h.insert(
+            "connection",
+            HeaderValue::from_str(&many.join(", ")).unwrap(),
+        );
+        h.append("connection", HeaderValue::from_static("x-tok-3, Upgrade"));
+        let named = ConnectionNamed::of(h.get_all("connection"));
+        assert!(named.sorted.len() == 41, "{}", named.sorted.len());
+        for token in &many {
+            assert!(named.names(token.as_bytes()), "{token}");
+            assert!(
+                named.names(token.to_ascii_lowercase().as_bytes()),
+                "{token}"
+            );
+        }
+        assert!(named.names(b"upgrade"));
+        assert!(!named.names(b"x-tok-40") && !named.names(b"x-tok-") && !named.names(b""));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{Completion, ResponseBuilder, StoreError, StoredResponse};
+use super::{response, Completion, ResponseBuilder, StoreError, StoredResponse};
 
 /// The only encoding version this build writes and reads.
 pub const VERSION: u8 = 1;
@@ -73,6 +73,9 @@ pub fn decode(bytes: &Bytes) -> Result<Completion, StoreError> {
     }
     let kind = reader.u8("kind")?;
     let status = u16::from_be_bytes([reader.u8("status")?, reader.u8("status")?]);
+    if !response::is_stored_status(status) {
+        return Err(corrupt(format!("status {status} is never stored")));
+    }
     let completion = match kind {
         KIND_UNREPLAYABLE => Completion::Unreplayable { status },
         KIND_RESPONSE => {
@@ -81,6 +84,12 @@ pub fn decode(bytes: &Bytes) -> Result<Completion, StoreError> {
             // and believing it would reserve memory for nothing.
             if count > (reader.remaining() / 2) as u64 {
                 return Err(corrupt(format!("header count {count} exceeds the record")));
+            }
+            if count > response::MAX_HEADERS as u64 {
+                return Err(corrupt(format!(
+                    "{count} headers, more than a stored response has ({})",
+                    response::MAX_HEADERS
+                )));
             }
             // Two passes over the headers: the first checks them and sizes the stored
             // response's one buffer, the second copies them in.
@@ -241,7 +250,7 @@ mod tests {
 
     #[test]
     fn unreplayable_round_trips_in_four_bytes() {
-        for status in [0, 200, 201, 451, u16::MAX] {
+        for status in [200, 201, 451, 599] {
             let completion = Completion::Unreplayable { status };
             assert_eq!(encode(&completion).len(), 4);
             assert_eq!(round_trip(&completion), completion);
@@ -322,6 +331,25 @@ mod tests {
         );
         assert_corrupt(b"\x01\x00\x00\xC8\x01\x02\xC3\x28\x00\x00", "not UTF-8");
         assert_corrupt(b"\x01\x00\x00\xC8\x80\x00\x00", "overlong varint");
+        // Statuses no record holds: an interim or upgrade answer, and past 599.
+        for status in [0u16, 101, 199, 600, u16::MAX] {
+            let [hi, lo] = status.to_be_bytes();
+            assert_corrupt(&[1, 1, hi, lo], &format!("status {status} is never stored"));
+            assert_corrupt(
+                &[1, 0, hi, lo, 0, 0],
+                &format!("status {status} is never stored"),
+            );
+        }
+        // More headers than an answer idemgate relays may have (empty names and values).
+        let mut many = b"\x01\x00\x00\xC8\x81\x02".to_vec();
+        many.extend(std::iter::repeat_n(0u8, 2 * 257 + 1));
+        assert_corrupt(&many, "257 headers, more than a stored response has (256)");
+        let mut most = b"\x01\x00\x00\xC8\x80\x02".to_vec();
+        most.extend(std::iter::repeat_n(0u8, 2 * 256 + 1));
+        assert!(
+            decode(&Bytes::from(most)).is_ok(),
+            "256 headers are refused"
+        );
     }
 
     #[test]

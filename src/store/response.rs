@@ -18,6 +18,18 @@ use bytes::{BufMut, Bytes, BytesMut};
 /// Bytes a header takes in the packed buffer besides its name and value: two `u32` lengths.
 const HEADER_PREFIX: usize = 8;
 
+/// Most headers a stored response has: a backend's answer with more is refused before it is
+/// relayed, so a record read back with more was not written by idemgate (another tool under the
+/// prefix, a hand-written dead-letter line). Replaying it would also fail: `http`'s header map
+/// panics past 24,576 names.
+pub const MAX_HEADERS: usize = 256;
+
+/// Whether a record may hold this status: the only ones `cache_statuses` can name (200-599).
+/// Another (a 1xx, a 101) would replay as an interim or upgrade answer.
+pub fn is_stored_status(status: u16) -> bool {
+    (200..=599).contains(&status)
+}
+
 /// A response as stored for replay: status, end-to-end headers and body, byte for byte.
 #[derive(Clone, PartialEq, Eq)]
 pub struct StoredResponse {
