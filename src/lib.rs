@@ -21,6 +21,7 @@
 //!   pingora refuses itself, and a deadline on writes that wait for the client.
 //! - [`budget`]: the memory all keyed requests' bodies may hold at once.
 //! - [`server`]: wires pingora services, logging and graceful shutdown.
+//! - [`throttle`]: warnings that would otherwise come once per request during an outage.
 
 pub mod accesslog;
 pub mod admin;
@@ -41,5 +42,6 @@ pub mod scripts;
 pub mod server;
 pub mod snowflake;
 pub mod store;
+pub mod throttle;
 pub mod upstream;
 pub mod worker_lease;

@@ -13,10 +13,12 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-/// Latency buckets in seconds, from 100 µs to 30 s.
+/// Latency buckets in seconds, from 100 µs to 2 min: each default timeout (a backend's
+/// `read_timeout`, 20 s; the request body's and the answer's 60 s) is a bucket's bound, so the
+/// requests they cut off are told apart from slow ones.
 const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-    5.0, 10.0, 30.0,
+    5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
 ];
 
 /// Every metric idemgate exports.
@@ -407,6 +409,28 @@ impl Default for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_timeouts_are_bucket_bounds() {
+        let config = crate::config::Config::from_yaml_str(
+            "upstreams: {app: {addrs: [\"127.0.0.1:8080\"]}}\n\
+             routes: [{name: orders, path_prefix: /orders, upstream: app}]\n",
+        )
+        .expect("valid config");
+        let up = &config.upstreams[0];
+        for timeout in [
+            up.read_timeout,
+            up.write_timeout,
+            config.request_body_timeout,
+            config.request_body_total_timeout,
+            config.response_send_timeout,
+        ] {
+            assert!(
+                LATENCY_BUCKETS.contains(&timeout.as_secs_f64()),
+                "{timeout:?} is no bucket bound"
+            );
+        }
+    }
 
     #[test]
     fn renders_counters_and_histograms() {

@@ -252,7 +252,7 @@ impl UpstreamPool {
             let now = if i == 0 { started } else { Instant::now() };
             match upstream::send(backend, head, body, now, pooled).await {
                 Err(e @ UpstreamError::Connect { .. }) if i + 1 < n && may_go_on() => {
-                    tracing::warn!(error = %e, "backend unreachable; trying the next address");
+                    crate::warn_throttled!(error = %e, "backend unreachable; trying the next address");
                     i += 1;
                 }
                 sent => return sent,
@@ -593,15 +593,15 @@ impl Gate {
                 // read, or a script that fails. That is no outage, so the outage policy does not
                 // apply — executing could run the key twice.
                 Err(StoreError::Corrupt(e)) => {
-                    tracing::error!(error = %e, "record store answered with a record this proxy cannot read or a failing script; refused");
+                    crate::error_throttled!(error = %e, "record store answered with a record this proxy cannot read or a failing script; refused");
                     return self.refuse(session, Problem::StoreRecordUnreadable).await;
                 }
                 Err(e) if seen_live => {
-                    tracing::warn!(error = %e, "record store failed on claim after the key was seen held by another request; not executing it unprotected");
+                    crate::warn_throttled!(error = %e, "record store failed on claim after the key was seen held by another request; not executing it unprotected");
                     return self.refuse(session, Problem::StoreUnavailable).await;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "record store failed on claim");
+                    crate::warn_throttled!(error = %e, "record store failed on claim");
                     // A key this replica is running itself is in flight, whatever the policy
                     // lets through: a retry of it must not run beside it.
                     if let Some(retry_after) = self.store.own_claim(&claim_req.key) {
@@ -674,7 +674,7 @@ impl Gate {
                     let waited = store.wait_for_change(&claim_req.key, deadline - now).await;
                     self.observe_store(StoreOp::Wait, started, waited.is_err());
                     if let Err(e) = waited {
-                        tracing::warn!(error = %e, "record store failed while waiting");
+                        crate::warn_throttled!(error = %e, "record store failed while waiting");
                         return self.refuse(session, Problem::StoreUnavailable).await;
                     }
                     // Claim again: the original completed (replay), released (execute) or is
@@ -848,7 +848,7 @@ impl Gate {
             }
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
-                tracing::warn!(error = %e, route = %route.name, "backend unreachable; releasing the claim");
+                crate::warn_throttled!(error = %e, route = %route.name, "backend unreachable; releasing the claim");
                 // Nothing was sent, so a retry may run the key: at once once it is released,
                 // or once the lock lapses when the store did not take the release.
                 let locked = match &claim {
@@ -1172,7 +1172,7 @@ impl Gate {
                 Ok(x) => x,
                 Err(e) => {
                     gen.upstream_round(ctx.route, started);
-                    tracing::warn!(error = %e, route = label(ctx), "backend unreachable");
+                    crate::warn_throttled!(error = %e, route = label(ctx), "backend unreachable");
                     write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
                     return Ok(true);
                 }
@@ -1305,7 +1305,7 @@ impl Gate {
                 }
             }
             Err(e) => {
-                tracing::warn!(%record, error = %e, "storing the response failed; retrying");
+                crate::warn_throttled!(%record, error = %e, "storing the response failed; retrying");
                 self.retrier.submit(pending());
             }
         }
@@ -1344,7 +1344,7 @@ impl Gate {
                 Renewal::TakenOver
             }
             Err(e) => {
-                tracing::warn!(%record, error = %e, "renewing the lock failed; trying again");
+                crate::warn_throttled!(%record, error = %e, "renewing the lock failed; trying again");
                 Renewal::Failed
             }
         }
@@ -1413,11 +1413,15 @@ impl Gate {
         match written {
             Ok(WriteOutcome::Applied) => None,
             Ok(WriteOutcome::NotOwner) => {
-                self.metrics.fenced_writes.inc();
+                // Refused: another request took the lock over (fenced), or the record is gone
+                // (purged, evicted, lost in a failover), which fenced nothing: the record says.
+                if matches!(claim.store.get(&claim.req.key).await, Ok(Some(_))) {
+                    self.metrics.fenced_writes.inc();
+                }
                 None
             }
             Err(e) => {
-                tracing::warn!(record = %key::hash_label(&claim.req.key.hash), error = %e, "releasing the claim failed; it lapses at lock_ttl");
+                crate::warn_throttled!(record = %key::hash_label(&claim.req.key.hash), error = %e, "releasing the claim failed; it lapses at lock_ttl");
                 Some(claim.lapses_by.saturating_duration_since(Instant::now()))
             }
         }

@@ -539,6 +539,9 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         CompletionRetrier::new(stack.shared.clone(), stack.retry_hooks(), retry_options);
     register_store_metrics(&metrics, &retrier);
     register_worker_id_metrics(&metrics, &ids);
+    if let Some(bus) = &stack.purge {
+        register_purge_metrics(&metrics, &Arc::new(bus.clone()));
+    }
     metrics.pull_from(
         &in_flight,
         &[(
@@ -891,6 +894,28 @@ impl BackgroundService for RedisWarmup {
             pause = (pause * 2).min(Duration::from_secs(5));
         }
     }
+}
+
+fn register_purge_metrics(metrics: &Metrics, bus: &Arc<PurgeBus>) {
+    metrics.pull_from(
+        bus,
+        &[
+            (
+                "idemgate_purge_channel_subscribed",
+                "1 while the purge channel is subscribed (purges other replicas announce reach \
+                 this one's local copies), 0 while it is not",
+                Pull::Gauge,
+                |bus| f64::from(u8::from(bus.is_subscribed())),
+            ),
+            (
+                "idemgate_purge_channel_losses_total",
+                "Purge channel subscriptions lost (each drops the local copies of records read \
+                 from Redis once it is back)",
+                Pull::Counter,
+                |bus| bus.losses() as f64,
+            ),
+        ],
+    );
 }
 
 fn register_worker_id_metrics(metrics: &Metrics, ids: &Arc<WorkerIds>) {

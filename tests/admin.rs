@@ -237,6 +237,11 @@ async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
 
     // Both replicas' purge channels drop, and the record goes while nobody listens (as a purge
     // published at that moment would be missed).
+    for replica in [&a, &b] {
+        let m = replica.metrics().await;
+        assert!(m.contains("idemgate_purge_channel_subscribed 1"), "{m}");
+        assert!(m.contains("idemgate_purge_channel_losses_total 0"), "{m}");
+    }
     let killed: i64 = redis.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
     assert_eq!(killed, 2);
     let keys = redis.keys();
@@ -260,6 +265,15 @@ async fn a_purge_missed_while_the_channel_was_down_leaves_no_copy_replaying() {
     };
     assert_eq!(backend.count(), 2);
     b.log_containing("dropped the local copies").await;
+    // Each loss is counted and logged (once), and the channel is up again.
+    for replica in [&a, &b] {
+        let m = replica
+            .metrics_containing("idemgate_purge_channel_subscribed 1")
+            .await;
+        assert!(m.contains("idemgate_purge_channel_losses_total 1"), "{m}");
+        let log = replica.log_containing("purge channel lost").await;
+        assert_eq!(log.matches("purge channel lost").count(), 1, "{log}");
+    }
     // A completed the record itself and Redis took it: listening again, A drops it as well,
     // and replays what Redis holds now (B's execution), not the answer that was purged.
     loop {

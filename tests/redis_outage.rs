@@ -272,6 +272,82 @@ async fn pass_and_local_policies_forward_marked_degraded() {
     assert_eq!(Request::get("/readyz").send(local.admin).await.status, 200);
 }
 
+/// A release the store refuses because the record is gone (flushed while the backend ran) fenced
+/// nothing: `idemgate_store_fenced_writes_total` counts only locks another request took over.
+#[tokio::test]
+async fn a_release_refused_for_a_record_gone_is_not_counted_as_fenced() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = builder(&backend, &redis).start().await;
+    let req = Request::post("/orders/slow/600/status/503")
+        .key("gone-before-release")
+        .body("{}");
+    let first = req.spawn_send(proxy.addr);
+    backend.until_count(1).await;
+    let _: String = redis.cmd(&["FLUSHALL"]);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503, "{}", first.text());
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_store_fenced_writes_total"), 0.0, "{m}");
+    // Released or gone, the key runs again.
+    let again = req.send(proxy.addr).await;
+    assert_eq!((again.status, again.result()), (503, Some("MISS")));
+    assert_eq!(backend.count(), 2);
+}
+
+/// Each keyed request fails its claim while Redis is down: the warning is written once a
+/// second, not once a request (30 requests, 30 lines before), and says how many were left out.
+#[tokio::test]
+async fn an_outage_warns_once_a_second_not_once_a_request() {
+    let port = RedisServer::unused_port();
+    let backend = Backend::start().await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let pass = ProxyBuilder::new(&backend)
+        .redis(std::slice::from_ref(&url))
+        .store("  connect_timeout: 100ms")
+        .store("on_unavailable: pass")
+        .start()
+        .await;
+    let started = Instant::now();
+    for i in 0..30 {
+        let r = Request::post("/orders")
+            .key(&format!("k{i}"))
+            .body("{}")
+            .send(pass.addr)
+            .await;
+        assert_eq!(r.result(), Some("DEGRADED"), "{}", r.text());
+    }
+    let took = started.elapsed();
+    let log = pass.log_containing("suppressed=").await;
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("record store failed on claim"))
+        .collect();
+    let most = 1 + took.as_secs() as usize + 1;
+    assert!(
+        !lines.is_empty() && lines.len() <= most,
+        "{} lines in {took:?}:\n{log}",
+        lines.len()
+    );
+    assert!(lines[0].contains("suppressed=0"), "{}", lines[0]);
+    // The purge channel cannot subscribe either: said once, and by a gauge.
+    let log = pass
+        .log_containing("purge channel cannot be subscribed")
+        .await;
+    assert_eq!(
+        log.matches("purge channel cannot be subscribed").count(),
+        1,
+        "{log}"
+    );
+    let m = pass.metrics().await;
+    assert_eq!(metric(&m, "idemgate_purge_channel_subscribed"), 0.0, "{m}");
+    assert_eq!(
+        metric(&m, "idemgate_store_errors_total{op=\"claim\"}"),
+        30.0,
+        "{m}"
+    );
+}
+
 /// `on_unavailable: pass` forwards unprotected when the store cannot say whether a key is free,
 /// never when it already said the key is held: a waiter whose claim fails after its wait must
 /// not run the key beside the original.

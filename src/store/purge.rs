@@ -13,7 +13,7 @@
 //! (a listener still on a demoted primary also keeps hearing them: Redis replicates `PUBLISH`).
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +48,17 @@ pub struct PurgeBus {
     /// Swapped when the `store.redis.tls` files change ([`PurgeBus::use_certificates`]).
     server: Arc<ArcSwap<Server>>,
     channel: String,
+    /// Whether the listener is subscribed, and how often a subscription was lost.
+    state: Arc<ChannelState>,
+}
+
+/// The listener's state, for the metrics and for logging each loss once.
+#[derive(Default)]
+struct ChannelState {
+    subscribed: AtomicBool,
+    /// Subscribing failed since the channel was last up (or since the start): logged once.
+    failing: AtomicBool,
+    losses: AtomicU64,
 }
 
 /// Where the channel lives. One per process, behind an `Arc`: its size does not matter.
@@ -107,7 +118,19 @@ impl PurgeBus {
             server: Arc::new(ArcSwap::from_pointee(Server::new(config, certs)?)),
             channel: format!("{}:purge", config.key_prefix),
             config: Arc::new(config.clone()),
+            state: Arc::default(),
         })
+    }
+
+    /// Whether the listener is subscribed now: purges announced by other replicas reach this
+    /// one's local copies only then.
+    pub fn is_subscribed(&self) -> bool {
+        self.state.subscribed.load(Ordering::Relaxed)
+    }
+
+    /// Subscriptions lost since the start (each one drops the local copies when it is back).
+    pub fn losses(&self) -> u64 {
+        self.state.losses.load(Ordering::Relaxed)
     }
 
     /// Connects with `certs` from now on (the `store.redis.tls` files changed). A subscription
@@ -187,7 +210,13 @@ impl PurgeBus {
         loop {
             tokio::select! {
                 Err(e) = self.session(&on_purge, on_subscribed.as_ref(), &mut pause) => {
-                    tracing::debug!(error = %e, "purge channel lost; reconnecting");
+                    let state = &self.state;
+                    if state.subscribed.swap(false, Ordering::Relaxed) {
+                        state.losses.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, channel = %self.channel, "purge channel lost; subscribing again (purges other replicas announce meanwhile are missed: the local copies of records read from redis are dropped once it is back)");
+                    } else if !state.failing.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(error = %e, channel = %self.channel, "purge channel cannot be subscribed; purges other replicas announce do not reach this one's local copies until it is (trying again)");
+                    }
                     // The next try goes to a Cluster's next seed: this one may be gone.
                     self.server.load().next_seed();
                 }
@@ -221,6 +250,10 @@ impl PurgeBus {
             .map_err(|_| "subscribing timed out".to_string())?
             .map_err(|e| e.to_string())?;
         tracing::debug!(channel = %self.channel, "listening for purges");
+        self.state.subscribed.store(true, Ordering::Relaxed);
+        if self.state.failing.swap(false, Ordering::Relaxed) {
+            tracing::info!(channel = %self.channel, "purge channel subscribed");
+        }
         on_subscribed();
         *pause = Duration::from_millis(100);
         let (mut sink, mut messages) = pubsub.split();

@@ -396,7 +396,6 @@ impl CompletionRetrier {
     /// Queues a completion whose first write failed; dead-letters it at once when
     /// `queue_capacity` completions are waiting already.
     pub fn submit(&self, job: PendingCompletion) {
-        self.stats.queued.fetch_add(1, Ordering::Relaxed);
         let waiting = self.stats.pending.fetch_add(1, Ordering::AcqRel);
         let letters = self.stats.letters.load(Ordering::Acquire);
         if waiting.saturating_sub(letters) >= self.capacity {
@@ -419,7 +418,10 @@ impl CompletionRetrier {
             if let Some(job) = self.jobs.take(id) {
                 give_up(&self.dead, &self.local, job, 0, "retry queue full");
             }
+            return;
         }
+        // Only what is queued: a completion dead-lettered at once was never retried.
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Settles a completion whose first write the store refused (`NotOwner`): the record is
@@ -1586,6 +1588,7 @@ mod tests {
             "two wait, however fast the channel drains"
         );
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 3);
+        assert_eq!(retrier.stats().queued.load(Ordering::Relaxed), 2);
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert_eq!(text.matches("retry queue full").count(), 3);
     }
@@ -2250,5 +2253,10 @@ mod tests {
         retrier.flush_dead_letters();
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
         assert_eq!(retrier.pending(), 1);
+        assert_eq!(
+            retrier.stats().queued.load(Ordering::Relaxed),
+            1,
+            "the one dead-lettered at once was never queued for a retry"
+        );
     }
 }
