@@ -256,6 +256,14 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn a_response_is_charged_96_bytes_around_its_buffer() {
+        // The README's figure.
+        let r = StoredResponse::new(201, [("a", &b"b"[..])], b"body".to_vec());
+        assert_eq!(r.size_bytes() - r.data.len(), 96);
+    }
+
+    #[test]
     fn headers_and_body_come_back_in_order_byte_for_byte() {
         let r = StoredResponse::new(
             201,
