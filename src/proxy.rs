@@ -302,7 +302,41 @@ pub struct RequestCtx {
     /// Set once pingora's streaming path read the request body to its end (a body cut off is
     /// never marked so, though pingora counts it as done).
     body_ended: bool,
+    /// Its access line and metrics were written ([`ProxyHttp::logging`]).
+    logged: bool,
     _guard: InFlightGuard,
+}
+
+impl Drop for RequestCtx {
+    /// A request pingora dropped without ending it (its task dropped when a drain's grace
+    /// period runs out, or unwound by a panic) still gets its access line and its count, with
+    /// what is known of it here: route, result so far, record label and time; no method or path
+    /// (the session is gone), and no status (none was written whole).
+    fn drop(&mut self) {
+        if self.logged {
+            return;
+        }
+        let index = result_index(self.outcome, self.refused);
+        let elapsed = self.started.elapsed();
+        self.gen
+            .route_metrics(self.route)
+            .observe(index, elapsed.as_secs_f64());
+        let why: &dyn std::fmt::Display = if std::thread::panicking() {
+            &"the request's task panicked"
+        } else {
+            &"cut off: the process stopped before the request ended"
+        };
+        crate::accesslog::log(&crate::accesslog::AccessLine {
+            method: "-",
+            path: "-",
+            route: label(self),
+            result: RESULT_LABELS[index],
+            status: 0,
+            duration: elapsed,
+            record: self.record_label,
+            error: Some(why),
+        });
+    }
 }
 
 impl RequestCtx {
@@ -1924,6 +1958,7 @@ impl ProxyHttp for Gate {
             refused: false,
             record_label: None,
             body_ended: false,
+            logged: false,
             _guard: InFlightGuard::new(self.in_flight.clone()),
         }
     }
@@ -2141,6 +2176,7 @@ impl ProxyHttp for Gate {
 
     /// One structured line and the metrics for every request.
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
+        ctx.logged = true;
         crate::headguard::request_ended(session);
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let index = result_index(ctx.outcome, ctx.refused);

@@ -535,6 +535,45 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             ],
         );
     }
+    // The embedded store `on_unavailable: local` runs keys on while Redis is down (built, and
+    // empty, under the other policies too): filled by a long outage, it keeps answers as their
+    // status alone, which only these say.
+    if let Some(fallback) = &stack.fallback {
+        fn usage(s: &dyn RecordStore) -> StoreUsage {
+            s.usage().unwrap_or_default()
+        }
+        metrics.pull_from(
+            fallback,
+            &[
+                (
+                    "idemgate_fallback_store_records",
+                    "Records held by the embedded store on_unavailable: local runs keys on",
+                    Pull::Gauge,
+                    |s| usage(s).records as f64,
+                ),
+                (
+                    "idemgate_fallback_store_bytes",
+                    "Bytes held by the embedded store on_unavailable: local runs keys on",
+                    Pull::Gauge,
+                    |s| usage(s).bytes as f64,
+                ),
+                (
+                    "idemgate_fallback_store_capacity_bytes",
+                    "Byte capacity of the embedded store on_unavailable: local runs keys on \
+                     (store.memory.capacity)",
+                    Pull::Gauge,
+                    |s| usage(s).capacity as f64,
+                ),
+                (
+                    "idemgate_fallback_store_answers_kept_as_status_total",
+                    "Answers the full fallback store had no room for, kept as their status \
+                     alone (retries get 409 not-replayable)",
+                    Pull::Counter,
+                    |s| usage(s).answers_kept_as_status as f64,
+                ),
+            ],
+        );
+    }
     let (retrier, retry_worker) =
         CompletionRetrier::new(stack.shared.clone(), stack.retry_hooks(), retry_options);
     register_store_metrics(&metrics, &retrier);

@@ -1087,8 +1087,20 @@ async fn a_drain_that_runs_out_says_which_requests_it_cuts_off() {
         "the one request in flight: {told}"
     );
     let _ = inflight.await;
-    let (status, _proxy) = exit_of(proxy).await;
+    let (status, proxy) = exit_of(proxy).await;
     assert!(status.is_some(), "exited once the grace period ran out");
+    // The request cut off still has its access line, named by route and record.
+    let log = proxy.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("idemgate::access") && l.contains("cut off: the process stopped"))
+        .unwrap_or_else(|| panic!("no access line for the request cut off:\n{log}"));
+    assert!(
+        line.contains("route=\"orders\"")
+            && line.contains("result=\"MISS\"")
+            && line.contains("record="),
+        "{line}"
+    );
     assert!(
         status.is_some_and(|s| s.success()),
         "a SIGTERM stop exits 0 even when the drain ran out: {status:?}"

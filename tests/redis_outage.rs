@@ -268,6 +268,18 @@ async fn pass_and_local_policies_forward_marked_degraded() {
     assert_eq!(again.result(), Some("HIT"));
     assert_eq!(again.body, r.body);
     assert_eq!(backend.count(), 4, "pass ran three, the fallback one");
+    // The fallback's usage is exported (the shared store's is Redis's own business).
+    let m = local.metrics().await;
+    assert_eq!(metric(&m, "idemgate_fallback_store_records"), 1.0, "{m}");
+    assert!(metric(&m, "idemgate_fallback_store_bytes") > 0.0, "{m}");
+    assert!(
+        metric(&m, "idemgate_fallback_store_capacity_bytes") > 0.0,
+        "{m}"
+    );
+    assert!(!m.contains("idemgate_store_records "), "{m}");
+    // Built under every policy (a reload may switch to local), empty under the others.
+    let m = pass.metrics().await;
+    assert_eq!(metric(&m, "idemgate_fallback_store_records"), 0.0, "{m}");
     // The policy lets it serve: ready, so the pod stays in the Service through the outage.
     assert_eq!(Request::get("/readyz").send(local.admin).await.status, 200);
 }
