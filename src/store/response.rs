@@ -259,7 +259,7 @@ mod tests {
     #[cfg(target_pointer_width = "64")]
     fn a_response_is_charged_96_bytes_around_its_buffer() {
         // The README's figure.
-        let r = StoredResponse::new(201, [("a", &b"b"[..])], b"body".to_vec());
+        let r = StoredResponse::new(201, [("a", &b"b"[..])], b"body");
         assert_eq!(r.size_bytes() - r.data.len(), 96);
     }
 
