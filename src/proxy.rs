@@ -1028,7 +1028,15 @@ impl Gate {
                     let mut step = pin!(step);
                     loop {
                         let Some(call) = store_call.as_mut() else {
-                            match upstream::until(c.alarm(), step.as_mut()).await {
+                            // The alarm is read before each chunk as well: `until` looks at the
+                            // clock only when the step has to wait, and a body that never waits
+                            // (a fast backend, a fast client) would stream past it.
+                            let alarm = c.alarm();
+                            let stepped = match Instant::now() < alarm {
+                                true => upstream::until(alarm, step.as_mut()).await,
+                                false => Err(pingora::prelude::Elapsed),
+                            };
+                            match stepped {
                                 Ok(stepped) => break stepped,
                                 Err(_) if !body_renewed && Instant::now() < c.lock_deadline => {
                                     body_renewed = true;
@@ -1041,9 +1049,11 @@ impl Gate {
                             }
                             continue;
                         };
-                        let answered = match select(step.as_mut(), call.as_mut()).await {
-                            Either::Left((stepped, _)) => break stepped,
-                            Either::Right((answered, _)) => answered,
+                        // The store call first: almost always waiting, it costs nothing to ask,
+                        // and a body that never waits would otherwise keep it from being polled.
+                        let answered = match select(call.as_mut(), step.as_mut()).await {
+                            Either::Left((answered, _)) => answered,
+                            Either::Right((stepped, _)) => break stepped,
                         };
                         store_call = None;
                         match answered {
@@ -1378,7 +1388,7 @@ impl Gate {
                 Renewal::TakenOver
             }
             Err(e) => {
-                crate::warn_throttled!(%record, error = %e, "renewing the lock failed; trying again");
+                crate::warn_throttled!(%record, error = %e, "renewing the lock failed");
                 Renewal::Failed
             }
         }

@@ -391,9 +391,6 @@ fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<Cached
     );
 }
 
-/// Runs the proxy until shutdown. Returns once pingora has stopped (SIGINT, SIGQUIT, or a
-/// SIGTERM whose drain ran to the grace period); a SIGTERM drain that finishes early exits the
-/// process with status 0 directly. `config_path` is watched for live edits.
 /// Longest wait that goes on pingora's timer wheel; longer ones go on tokio's. pingora's
 /// timers stay registered until they fire, one per 10 ms with a registration per worker thread,
 /// even when the wait ended at once: a timeout of an hour (`read_timeout`, `lock_ttl`'s
@@ -415,6 +412,9 @@ fn server_conf(config: &Config) -> ServerConf {
     }
 }
 
+/// Runs the proxy until shutdown. Returns once pingora has stopped (SIGINT, SIGQUIT, or a
+/// SIGTERM whose drain ran to the grace period); a SIGTERM drain that finishes early exits the
+/// process with status 0 directly. `config_path` is watched for live edits.
 pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new());
     let stack = build_store(&config, &metrics)?;

@@ -291,12 +291,14 @@ async fn a_release_refused_for_a_record_gone_is_not_counted_as_fenced() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let proxy = builder(&backend, &redis).start().await;
-    let req = Request::post("/orders/slow/600/status/503")
+    let req = Request::post("/orders/slow/2000/status/503")
         .key("gone-before-release")
         .body("{}");
     let first = req.spawn_send(proxy.addr);
     backend.until_count(1).await;
     let _: String = redis.cmd(&["FLUSHALL"]);
+    assert!(redis.keys().is_empty(), "flushed while the backend ran");
+    assert!(!first.is_finished(), "answered before the flush");
     let first = first.await.unwrap();
     assert_eq!(first.status, 503, "{}", first.text());
     let m = proxy.metrics().await;
@@ -330,7 +332,15 @@ async fn an_outage_warns_once_a_second_not_once_a_request() {
         assert_eq!(r.result(), Some("DEGRADED"), "{}", r.text());
     }
     let took = started.elapsed();
-    let log = pass.log_containing("suppressed=").await;
+    // A later line in the log: every line before it has been written.
+    assert_eq!(
+        Request::get("/plain/log-marker")
+            .send(pass.addr)
+            .await
+            .status,
+        201
+    );
+    let log = pass.log_containing("/plain/log-marker").await;
     let lines: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("record store failed on claim"))
@@ -1041,9 +1051,16 @@ async fn a_body_streaming_while_its_renewal_is_out_is_not_held_up() {
             seen.push(sent.elapsed());
         }
     }
+    let ended = sent.elapsed();
     let _: String = redis.cmd(&["CLIENT", "UNPAUSE"]);
     let text = String::from_utf8_lossy(&got);
     assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+    // The body left the backend by 7.3 s; its last bytes waited for the settle, which went out
+    // at 7 s and gave up on the paused Redis at its 2 s call deadline.
+    assert!(
+        ended >= Duration::from_millis(8500),
+        "the response ended {ended:?} after it was sent, before the settle was answered"
+    );
     assert!(
         text.to_ascii_lowercase()
             .contains("x-idempotent-result: miss"),
