@@ -1166,6 +1166,15 @@ impl Config {
             .iter()
             .filter_map(|r| r.idempotency.as_ref().map(|idem| (r, idem)));
         for (route, idem) in keyed {
+            if route.methods.is_empty() && idem.key == KeyMode::Required {
+                warnings.push(format!(
+                    "routes[{}].methods is not set, so the route needs a key on every method: \
+                     GET, HEAD, TRACE and OPTIONS too, which get 400 without one (a browser's \
+                     CORS preflight, an OPTIONS request, never carries it); list the methods \
+                     that change state, e.g. [POST, PUT, PATCH, DELETE]",
+                    route.name
+                ));
+            }
             if idem.cache_statuses.is_empty() {
                 warnings.push(format!(
                     "routes[{}].idempotency.cache_statuses stores no status: every response \
@@ -4074,6 +4083,25 @@ routes:
             "idempotency: {{default_tenant: \"Org_1.eu:prod-2\"}}\n{MINIMAL}"
         ));
         assert_eq!(config.idempotency.default_tenant, "Org_1.eu:prod-2");
+    }
+
+    #[test]
+    fn a_keyed_route_that_lists_no_methods_is_warned_of() {
+        let warned = |text: &str| {
+            load(text)
+                .warnings()
+                .iter()
+                .any(|w| w.contains("routes[orders].methods is not set") && w.contains("OPTIONS"))
+        };
+        assert!(warned(&with_route_idempotency("ttl: 24h")));
+        // Methods listed, or a key that may be left out: no warning.
+        let listed = with_route_idempotency("ttl: 24h").replace(
+            "    path_prefix: /\n",
+            "    methods: [POST]\n    path_prefix: /\n",
+        );
+        assert!(listed.contains("methods: [POST]"), "{listed}");
+        assert!(!warned(&listed));
+        assert!(!warned(&with_route_idempotency("key: optional")));
     }
 
     #[test]

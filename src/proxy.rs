@@ -1699,11 +1699,7 @@ fn coding_beyond_chunked(head: &ResponseHeader, req: &RequestHeader) -> Option<S
     if req.version != http::Version::HTTP_10 || bodiless(req, head) {
         return None;
     }
-    head.headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .flat_map(|v| upstream::codings(v.as_bytes()))
-        .find(|c| !c.eq_ignore_ascii_case(b"chunked"))
+    upstream::coding_left_after_chunked(&head.headers)
         .map(|c| String::from_utf8_lossy(c).into_owned())
 }
 
@@ -1854,14 +1850,10 @@ fn stored_response(
     ResponseBuilder::new(resp.status.as_u16(), kept, body_hint)
 }
 
-/// Whether `Transfer-Encoding` lists a coding other than chunked: a body read from such a
-/// message (request or answer) still carries that coding.
+/// Whether `Transfer-Encoding` lists a coding other than chunked, or chunked twice: a body
+/// read from such a message (request or answer) still carries a coding.
 fn transfer_coded(headers: &http::HeaderMap) -> bool {
-    headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .flat_map(|v| upstream::codings(v.as_bytes()))
-        .any(|c| !c.eq_ignore_ascii_case(b"chunked"))
+    upstream::coding_left_after_chunked(headers).is_some()
 }
 
 /// Gives an HTTP/1.0 request that came without `Host` one (it goes on as HTTP/1.1, which

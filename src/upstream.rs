@@ -1043,6 +1043,26 @@ pub fn codings(value: &[u8]) -> impl Iterator<Item = &[u8]> {
         .filter(|c| !c.is_empty())
 }
 
+/// A transfer coding a message's body still carries once one chunked framing is read: its
+/// first coding other than chunked (`gzip, chunked` leaves gzip), else chunked when it is
+/// listed more than once (`chunked, chunked`: chunked applied twice, which RFC 9112 §6.1
+/// forbids, though readers that look only at the last coding take it, and one layer is left).
+/// `None` for a body that is plain once its chunks are read (or that has no coding).
+pub fn coding_left_after_chunked(headers: &http::HeaderMap) -> Option<&[u8]> {
+    let mut chunked = 0;
+    let all = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| codings(v.as_bytes()));
+    for coding in all {
+        if !coding.eq_ignore_ascii_case(b"chunked") {
+            return Some(coding);
+        }
+        chunked += 1;
+    }
+    (chunked > 1).then_some(&b"chunked"[..])
+}
+
 /// Decodes as much of a chunked body as `buf` holds. Returns the next state (`None` when the
 /// body, trailers included, is complete) and the data decoded, if any.
 fn decode_chunked(
@@ -1535,6 +1555,24 @@ mod tests {
             String::from_utf8(buf).unwrap(),
             "POST /orders?x=1 HTTP/1.1\r\nHost: shop\r\nX-Request-ID: r1\r\nContent-Length: 2\r\nx-idempotency-id: 42\r\n\r\n"
         );
+    }
+
+    #[test]
+    fn the_coding_left_once_the_chunks_are_read_is_named() {
+        let left = |values: &[&'static str]| {
+            let mut h = http::HeaderMap::new();
+            for v in values {
+                h.append("transfer-encoding", HeaderValue::from_static(v));
+            }
+            coding_left_after_chunked(&h).map(|c| String::from_utf8_lossy(c).into_owned())
+        };
+        assert_eq!(left(&[]), None);
+        assert_eq!(left(&["chunked"]), None);
+        assert_eq!(left(&["Chunked", ""]), None);
+        assert_eq!(left(&["gzip, chunked"]).as_deref(), Some("gzip"));
+        assert_eq!(left(&["chunked, gzip"]).as_deref(), Some("gzip"));
+        assert_eq!(left(&["chunked, chunked"]).as_deref(), Some("chunked"));
+        assert_eq!(left(&["chunked", "CHUNKED"]).as_deref(), Some("chunked"));
     }
 
     #[test]

@@ -211,6 +211,51 @@ async fn malformed_keys_and_tenants_are_400_and_never_forwarded() {
     assert_eq!(max.result(), Some("MISS"));
 }
 
+/// `Host` is not part of a record by default (one route, one backend): a gateway that serves
+/// several hosts through one route, whose backend tells them apart, lists `Host` in
+/// `fingerprint.headers`, and a key sent again to another host is then 422, never a replay of
+/// the first host's answer.
+#[tokio::test]
+async fn a_route_that_fingerprints_host_refuses_a_key_sent_to_another_host() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let exchange = |proxy: std::net::SocketAddr, host: &'static str| async move {
+        let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+        let request = format!(
+            "POST /orders HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: vhost-key\r\n\
+             Content-Length: 2\r\n\r\n{{}}"
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        common::client::read_response(&mut s, false).await.unwrap()
+    };
+    let by_host = ProxyBuilder::new(&backend)
+        .idem("fingerprint: { body: true, headers: [Host] }")
+        .start()
+        .await;
+    let a = exchange(by_host.addr, "shop-a.example").await;
+    assert_eq!(a.result(), Some("MISS"), "{}", a.text());
+    let b = exchange(by_host.addr, "shop-b.example").await;
+    assert_eq!(
+        (b.status, b.result()),
+        (422, Some("MISMATCH")),
+        "{}",
+        b.text()
+    );
+    let again = exchange(by_host.addr, "shop-a.example").await;
+    assert_eq!(again.result(), Some("HIT"), "{}", again.text());
+    assert_eq!(backend.count(), 1);
+    // By default the host is not looked at: the second host's retry replays the first's.
+    let default = ProxyBuilder::new(&backend).start().await;
+    assert_eq!(
+        exchange(default.addr, "shop-a.example").await.result(),
+        Some("MISS")
+    );
+    assert_eq!(
+        exchange(default.addr, "shop-b.example").await.result(),
+        Some("HIT")
+    );
+}
+
 #[tokio::test]
 async fn changed_payload_path_or_query_is_422() {
     let backend = Backend::start().await;

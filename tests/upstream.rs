@@ -457,6 +457,26 @@ async fn an_answer_under_another_transfer_coding_is_executed_once_and_not_replay
     assert_eq!(backend.count(), 1);
 }
 
+/// Chunked applied twice (which RFC 9112 forbids): reading one layer leaves the body still
+/// chunk-coded, so as with `gzip, chunked` it is relayed with its codings and stored as
+/// executed, not replayable (replayed by its length, the inner chunk lines were the body).
+#[tokio::test]
+async fn an_answer_chunked_twice_is_executed_once_and_not_replayed() {
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked, chunked\r\n\r\n\
+          f\r\n5\r\nhello\r\n0\r\n\r\n\r\n0\r\n\r\n",
+    )])
+    .await;
+    let proxy = proxy(&backend).await;
+    let (first, again) = twice(&proxy, "chunked-twice").await;
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(first.header("transfer-encoding"), Some("chunked, chunked"));
+    assert_eq!(first.body, b"5\r\nhello\r\n0\r\n\r\n");
+    assert_eq!(again.status, 409, "{}", again.text());
+    assert_eq!(again.problem_type(), "response-not-replayable");
+    assert_eq!(backend.count(), 1);
+}
+
 /// An HTTP/1.0 client knows no transfer codings: an answer whose body stays coded once its
 /// chunks are read (`gzip, chunked`), or is not chunked last at all (`chunked, gzip`), cannot
 /// reach it as the bytes it means. It gets 502 `upstream-answer-invalid` on every path; under
