@@ -105,7 +105,7 @@ pub fn log(line: &AccessLine<'_>) {
             route = line.route,
             result = line.result,
             status = line.status,
-            duration_ms = line.duration.as_secs_f64() * 1000.0,
+            duration_ms = %Millis(line.duration),
             record = line.record.map(tracing::field::display),
             error = line.error.map(tracing::field::display),
         );
@@ -200,6 +200,19 @@ impl Fields {
 }
 
 /// Milliseconds with microsecond precision: `1.336`.
+/// A duration as milliseconds to the microsecond (`1336.492`), for the fmt layer's line when
+/// no sink is installed (an embedding, such as the demo): an `f64` there printed float noise
+/// (`0.25139500000000004`).
+struct Millis(Duration);
+
+impl std::fmt::Display for Millis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut buf = Vec::with_capacity(24);
+        millis(&mut buf, self.0);
+        f.write_str(std::str::from_utf8(&buf).map_err(|_| std::fmt::Error)?)
+    }
+}
+
 fn millis(buf: &mut Vec<u8>, d: Duration) {
     let micros = d.as_micros().min(u64::MAX as u128) as u64;
     buf.extend_from_slice(crate::upstream::itoa(micros / 1000, &mut [0; 20]));
@@ -303,6 +316,23 @@ mod tests {
             record,
             error: None,
         }
+    }
+
+    #[test]
+    fn durations_are_milliseconds_to_the_microsecond() {
+        for (micros, want) in [
+            (251_395u64, "251.395"),
+            (251, "0.251"),
+            (1_336_492, "1336.492"),
+            (0, "0.000"),
+        ] {
+            assert_eq!(Millis(Duration::from_micros(micros)).to_string(), want);
+        }
+        // Nanoseconds below a microsecond are dropped, not printed as float noise.
+        assert_eq!(
+            Millis(Duration::from_nanos(251_395_123)).to_string(),
+            "251.395"
+        );
     }
 
     #[test]
