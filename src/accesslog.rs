@@ -111,7 +111,9 @@ pub fn log(line: &AccessLine<'_>) {
         );
         return;
     };
-    LINE.with(|cell| {
+    // `try_with`: a line written from a request's drop while the thread is being torn down
+    // is left out rather than panicking there.
+    let _ = LINE.try_with(|cell| {
         let mut cell = cell.borrow_mut();
         let (buf, stamp) = &mut *cell;
         buf.clear();

@@ -972,7 +972,19 @@ impl Gate {
         // and a replay, framed by its length, would have no header saying so: such an answer is
         // stored as executed but not replayable.
         let bodiless = head_request || has_no_body(status);
-        let mut captured = (storable && (bodiless || !transfer_coded(&response.headers)))
+        let coded = storable && !bodiless && transfer_coded(&response.headers);
+        if coded {
+            // Said, since its retries get 409 for the record's ttl. `chunked` on two lines
+            // counts as chunked twice, which is also what a backend sends that repeats the
+            // header by mistake over a body chunked once: which it is cannot be told here.
+            crate::warn_throttled!(
+                route = %route.name,
+                status,
+                "backend answer under a transfer coding left once its chunks are read; stored \
+                 as executed, not replayable"
+            );
+        }
+        let mut captured = (storable && !coded)
             .then(|| stored_response(&response, &idem.replay_exclude_headers, declared, bodiless));
 
         let mut downstream = response;

@@ -279,7 +279,11 @@ async fn pass_and_local_policies_forward_marked_degraded() {
     assert!(!m.contains("idemgate_store_records "), "{m}");
     // Built under every policy (a reload may switch to local), empty under the others.
     let m = pass.metrics().await;
-    assert_eq!(metric(&m, "idemgate_fallback_store_records"), 0.0, "{m}");
+    assert_eq!(
+        common::metric(&m, "idemgate_fallback_store_records"),
+        Some(0.0),
+        "{m}"
+    );
     // The policy lets it serve: ready, so the pod stays in the Service through the outage.
     assert_eq!(Request::get("/readyz").send(local.admin).await.status, 200);
 }

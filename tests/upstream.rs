@@ -475,6 +475,9 @@ async fn an_answer_chunked_twice_is_executed_once_and_not_replayed() {
     assert_eq!(again.status, 409, "{}", again.text());
     assert_eq!(again.problem_type(), "response-not-replayable");
     assert_eq!(backend.count(), 1);
+    proxy
+        .log_containing("under a transfer coding left once its chunks are read")
+        .await;
 }
 
 /// An HTTP/1.0 client knows no transfer codings: an answer whose body stays coded once its
