@@ -2404,6 +2404,20 @@ impl FileScripts {
 /// Checks one store URL; `Ok(true)` for a Sentinel URL. Messages never echo the URL, which may
 /// carry a password.
 fn check_redis_url(url: &str) -> Result<bool, String> {
+    // A URL carries no raw space, quote or control character; a password that has one is
+    // written percent-encoded. Taken raw (the URL parser would encode it), it would also end
+    // the URL early for the redaction of logs and /admin/config, which would show the rest of
+    // the password. Nothing of the URL is echoed.
+    if url
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '\\'))
+    {
+        return Err(
+            "the URL holds a space, quote, backslash or control character: percent-encode it \
+             (a password with a space: %20, a quote: %22 or %27)"
+                .to_owned(),
+        );
+    }
     let rest = REDIS_SCHEMES
         .iter()
         .find_map(|scheme| url.strip_prefix(scheme));
@@ -5650,6 +5664,32 @@ routes:
         assert_eq!(err.field(), Some("routes[0].upstream"));
         assert_eq!(err.to_string(), "routes[0].upstream: unknown upstream");
         assert_eq!(ConfigError::Parse("bad".into()).field(), None);
+    }
+
+    #[test]
+    fn a_redis_url_with_a_raw_space_or_quote_is_refused_without_echoing_it() {
+        for password in [
+            "Kv7correct horse battery staple",
+            "Qz9it's",
+            "Wp3say\"cheese\"",
+            "Bx4back\\slash",
+            "Tn6tab\there",
+        ] {
+            for scheme in ["redis", "rediss", "redis+sentinel"] {
+                let url = match scheme {
+                    "redis+sentinel" => format!("{scheme}://u:{password}@s1:26379/mymaster"),
+                    _ => format!("{scheme}://u:{password}@h:6379/0"),
+                };
+                let message = check_redis_url(&url).expect_err(&url);
+                assert!(message.contains("percent-encode"), "{message}");
+                let secret = &password[..3];
+                assert!(!message.contains(secret), "{message}");
+            }
+        }
+        // Percent-encoded, it loads, and what is shown of it hides the password.
+        let url = "redis://u:correct%20horse@h:6379/0";
+        assert_eq!(check_redis_url(url), Ok(false));
+        assert_eq!(redact_url(url), "redis://***@h:6379/0");
     }
 
     #[test]

@@ -53,8 +53,10 @@ fn with_a_2s_lock(builder: ProxyBuilder) -> ProxyBuilder {
         .idem("lock_ttl: 2s")
 }
 
+/// The value of metric `name` (with its labels, if any) in `text`; panics when it is not
+/// exported at all, so an assertion that it is 0 cannot pass for a metric renamed or gone.
 fn metric(text: &str, name: &str) -> f64 {
-    common::metric(text, name).unwrap_or(0.0)
+    common::metric(text, name).unwrap_or_else(|| panic!("{name} is not exported:\n{text}"))
 }
 
 /// A Cluster primary that stops answering opens the circuits of its own slots only: keys on
@@ -863,10 +865,9 @@ async fn a_record_the_proxy_cannot_read_is_refused_whatever_the_outage_policy() 
 async fn an_unprotected_execution_that_fails_is_marked_degraded() {
     let port = RedisServer::unused_port();
     let url = format!("redis://127.0.0.1:{port}");
-    // Nothing listens at the backend either.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let backend_addr = dead.local_addr().unwrap();
-    drop(dead);
+    // Nothing listens at the backend either (a reserved port outside the ephemeral range: one
+    // the kernel handed out could be handed to another test's listener meanwhile).
+    let backend_addr = SocketAddr::from(([127, 0, 0, 1], common::proxy::free_port()));
     let proxy = ProxyBuilder::at(backend_addr)
         .redis(&[url])
         .store("  connect_timeout: 100ms")
@@ -1280,19 +1281,23 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
     let redis = RedisServer::start();
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
-    // The lock (8 s) is renewed at three quarters of its life (6 s); the backend answers at 7 s.
-    let proxy = with_a_lock(builder_to(&backend, link.redis_url()), "7s", "8s")
+    // The lock (8 s) is renewed at three quarters of its life (6 s); the backend answers at 7 s,
+    // well inside the 7.4 s read_timeout.
+    let proxy = with_a_lock(builder_to(&backend, link.redis_url()), "7400ms", "8s")
         .start()
         .await;
     let req = Request::post("/orders/slow/7000").key("renew").body("{}");
     let first = req.spawn_send(proxy.addr);
-    // Redis is cut off over the first renewal (6 s after the claim, which the backend's count
-    // follows at once) and back as soon as that renewal has failed, before the next try (a
-    // quarter of the 2 s left later) and the answer (7 s).
+    // Redis is cut off from the claim (which the backend's count follows at once) over the
+    // first renewal (6 s after it), and back as soon as that renewal has failed, before the
+    // next try (a quarter of the 2 s left later) and the answer (7 s).
     backend.until_count(1).await;
-    tokio::time::sleep(Duration::from_millis(5500)).await;
     link.set(Fault::Reset);
-    proxy.log_containing("renewing the lock failed").await;
+    let deadline = Instant::now() + Duration::from_secs(7);
+    while !proxy.log().contains("renewing the lock failed") {
+        assert!(Instant::now() < deadline, "no renewal failed:\n{}", proxy.log());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     link.set(Fault::Pass);
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
@@ -1974,8 +1979,8 @@ async fn readiness_probes_share_their_store_pings() {
         let answer = probe.await.unwrap();
         assert_eq!(answer.status, 200, "{}", answer.text());
     }
-    // A ping is two commands (the get script and a PEXPIRE); the INFO that read `before` and
-    // the purge channel's heartbeat come on top. Sixty pings would be 120.
+    // A ping is two commands (the get script and a PEXPIRE); the INFO that read `before` comes
+    // on top (the purge channel's heartbeats are not counted). Sixty pings would be 120.
     let commands = redis.calls() - before;
     assert!(commands <= 16, "{commands} Redis commands for 60 probes");
 }

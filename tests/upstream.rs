@@ -1195,9 +1195,9 @@ async fn a_forwarded_request_says_whether_it_reached_the_backend() {
     assert!(backend.count() >= 2, "both reached the backend");
 
     // A backend nobody listens on: nothing was sent, on either path.
-    let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let dead_addr = dead.local_addr().unwrap();
-    drop(dead);
+    // A reserved port outside the ephemeral range (one the kernel handed out could be handed to
+    // another test's listener meanwhile).
+    let dead_addr = std::net::SocketAddr::from(([127, 0, 0, 1], common::proxy::free_port()));
     let proxy = ProxyBuilder::at(dead_addr).threads(1).start().await;
     for r in forward_both_ways(&proxy).await {
         assert_eq!(r.problem_type(), "upstream-unreachable", "{}", r.text());
