@@ -1295,7 +1295,11 @@ async fn a_lock_renewal_the_store_missed_is_tried_again_while_the_lock_holds() {
     link.set(Fault::Reset);
     let deadline = Instant::now() + Duration::from_secs(7);
     while !proxy.log().contains("renewing the lock failed") {
-        assert!(Instant::now() < deadline, "no renewal failed:\n{}", proxy.log());
+        assert!(
+            Instant::now() < deadline,
+            "no renewal failed:\n{}",
+            proxy.log()
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     link.set(Fault::Pass);
