@@ -581,8 +581,44 @@ async fn purge_from(
     })
 }
 
+/// Whether an admin request on a loopback listener names it as only a local client can: by an
+/// IP address or `localhost` (any port), or not at all (HTTP/1.0 without `Host`). A name that
+/// resolves to 127.0.0.1 only at the attacker's say-so (DNS rebinding) would let a web page in
+/// a browser on this host read the endpoints that need no token, as same-origin.
+fn loopback_host(req: &pingora::http::RequestHeader) -> bool {
+    let Some(host) = req.headers.get(http::header::HOST) else {
+        return req.version == http::Version::HTTP_10;
+    };
+    let Ok(host) = host.to_str() else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        // `[v6]` or `[v6]:port`.
+        Some(rest) => match rest.split_once(']') {
+            Some((v6, port)) if port.is_empty() || is_port(port) => {
+                return v6.parse::<std::net::Ipv6Addr>().is_ok();
+            }
+            _ => return false,
+        },
+        None => match host.rsplit_once(':') {
+            Some((name, port)) if is_port(port) => name,
+            Some(_) => return false,
+            None => host,
+        },
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::Ipv4Addr>().is_ok()
+}
+
+/// `:<digits>`, as a Host header's port is written.
+fn is_port(text: &str) -> bool {
+    text.strip_prefix(':')
+        .or(Some(text))
+        .is_some_and(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()))
+}
+
 fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
     let kind = match status {
+        StatusCode::MISDIRECTED_REQUEST => "admin-host-not-local",
         StatusCode::BAD_REQUEST => "admin-request-invalid",
         StatusCode::UNAUTHORIZED => "admin-unauthorized",
         StatusCode::NOT_FOUND => "admin-not-found",
@@ -900,6 +936,13 @@ impl ServeHttp for Admin {
 impl Admin {
     async fn respond(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
+        if self.current.load().config.admin.listen.ip().is_loopback() && !loopback_host(req) {
+            return error(
+                StatusCode::MISDIRECTED_REQUEST,
+                "the admin listener is on loopback and answers only to Host localhost or an IP \
+                 address",
+            );
+        }
         let is_get = req.method == http::Method::GET || req.method == http::Method::HEAD;
         let is_post = req.method == http::Method::POST;
         let path = req.uri.path().to_owned();
@@ -960,6 +1003,45 @@ impl Admin {
 mod tests {
     use std::sync::Arc;
     use std::time::Duration;
+
+    #[test]
+    fn a_loopback_admin_answers_only_to_a_local_host_name() {
+        let with_host = |version: http::Version, host: Option<&str>| {
+            let mut req = pingora::http::RequestHeader::build("GET", b"/metrics", None).unwrap();
+            req.set_version(version);
+            if let Some(host) = host {
+                req.insert_header("Host", host).unwrap();
+            }
+            super::loopback_host(&req)
+        };
+        let v11 = http::Version::HTTP_11;
+        for host in [
+            "localhost",
+            "LOCALHOST:6181",
+            "127.0.0.1",
+            "127.0.0.1:6181",
+            "10.1.2.3:80",
+            "[::1]",
+            "[::1]:6181",
+        ] {
+            assert!(with_host(v11, Some(host)), "{host}");
+        }
+        for host in [
+            "evil.example",
+            "evil.example:6181",
+            "localhost.evil.example",
+            "127.0.0.1.nip.io",
+            "[::1",
+            "[evil]:1",
+            "127.0.0.1:x",
+            "",
+        ] {
+            assert!(!with_host(v11, Some(host)), "{host}");
+        }
+        // No Host at all: an HTTP/1.0 client (no browser sends one without).
+        assert!(with_host(http::Version::HTTP_10, None));
+        assert!(!with_host(v11, None));
+    }
 
     use bytes::Bytes;
 

@@ -2414,7 +2414,7 @@ fn check_redis_url(url: &str) -> Result<bool, String> {
     {
         return Err(
             "the URL holds a space, quote, backslash or control character: percent-encode it \
-             (a password with a space: %20, a quote: %22 or %27)"
+             (a password with a space: %20, a quote: %22 or %27, a backslash: %5C)"
                 .to_owned(),
         );
     }

@@ -520,7 +520,7 @@ async fn the_admin_listener_holds_request_headers_to_request_header_timeout() {
     // A scraper's kept-alive connection serves request after request, however far apart.
     let mut s = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
     for _ in 0..2 {
-        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
             .await
             .unwrap();
         let r = common::client::read_response(&mut s, false).await.unwrap();
@@ -531,7 +531,7 @@ async fn the_admin_listener_holds_request_headers_to_request_header_timeout() {
     // off once the whole of it is late.
     let (got, elapsed, _) = common::client::trickle_header(
         proxy.admin,
-        b"GET /metrics HTTP/1.1\r\nHost: a\r\nX-Slow: ",
+        b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nX-Slow: ",
     )
     .await;
     let text = String::from_utf8_lossy(&got);

@@ -397,7 +397,7 @@ async fn query_order_and_absolute_form_are_fingerprinted_as_sent() {
         .await;
     assert_eq!(b.status, 422);
     // An absolute-form target is routed like its path.
-    let abs = Request::post("http://test/orders")
+    let abs = Request::post("http://localhost/orders")
         .key("abs")
         .body("{}")
         .send(proxy.addr)

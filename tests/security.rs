@@ -972,6 +972,36 @@ async fn raw_keys_scope_values_and_bodies_stay_out_of_logs_metrics_and_redis_key
 
 // === Admin: loopback by default, exact bearer token for mutations ===
 
+/// A loopback admin listener answers only requests that name it by `localhost` or an address:
+/// a web page whose name the attacker's DNS points at 127.0.0.1 (DNS rebinding) would otherwise
+/// read `/metrics`, `/admin/config` and record states from a browser on this host, as
+/// same-origin. Refused with 421 before anything is read.
+#[tokio::test]
+async fn a_loopback_admin_listener_refuses_a_foreign_host_name() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let ask = |host: String| async move {
+        let mut s = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
+        let request = format!("GET /admin/config HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        s.write_all(request.as_bytes()).await.unwrap();
+        common::client::read_response(&mut s, false).await.unwrap()
+    };
+    let port = proxy.admin.port();
+    for host in [
+        "rebind.evil.example".to_owned(),
+        format!("rebind.evil.example:{port}"),
+    ] {
+        let r = ask(host.clone()).await;
+        assert_eq!(r.status, 421, "{host}: {}", r.text());
+        assert!(r.text().contains("admin-host-not-local"), "{}", r.text());
+        assert!(!r.text().contains("routes"), "no config in the refusal");
+    }
+    for host in [format!("127.0.0.1:{port}"), format!("localhost:{port}")] {
+        assert_eq!(ask(host.clone()).await.status, 200, "{host}");
+    }
+}
+
 #[test]
 fn the_admin_listener_is_loopback_unless_configured_otherwise() {
     let minimal = "upstreams: {orders: {addrs: [\"127.0.0.1:8080\"]}}\nroutes: []\n";
@@ -1410,7 +1440,7 @@ async fn an_admin_request_that_cannot_be_parsed_or_answered_leaves_no_secret_in_
     // the admin token, a raw key in its path and a principal's credentials.
     let mut s = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
     let malformed = format!(
-        "GET /admin/records/default/unparsed-secret-key HTTP/1.1\r\nHost: a\r\n\
+        "GET /admin/records/default/unparsed-secret-key HTTP/1.1\r\nHost: localhost\r\n\
          Authorization: Bearer {TOKEN}\r\nX-Idemgate-Scope-Authorization: Bearer principal-secret\r\n\
          X-Note: a\x01b\r\n\r\n"
     );
@@ -1426,7 +1456,7 @@ async fn an_admin_request_that_cannot_be_parsed_or_answered_leaves_no_secret_in_
     assert_eq!(big.send(proxy.addr).await.result(), Some("MISS"));
     let mut s = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
     let read = format!(
-        "GET /admin/records/default/unwritten-secret-key?body=true HTTP/1.1\r\nHost: a\r\n\
+        "GET /admin/records/default/unwritten-secret-key?body=true HTTP/1.1\r\nHost: localhost\r\n\
          Authorization: Bearer {TOKEN}\r\n\r\n"
     );
     s.write_all(read.as_bytes()).await.unwrap();

@@ -55,8 +55,11 @@ impl Request {
 
     /// The request's bytes on the wire.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out =
-            format!("{} {} HTTP/1.1\r\nHost: test\r\n", self.method, self.path).into_bytes();
+        let mut out = format!(
+            "{} {} HTTP/1.1\r\nHost: localhost\r\n",
+            self.method, self.path
+        )
+        .into_bytes();
         for (n, v) in &self.headers {
             out.extend_from_slice(n.as_bytes());
             out.extend_from_slice(b": ");
