@@ -595,7 +595,7 @@ fn loopback_host(req: &pingora::http::RequestHeader) -> bool {
     let name = match host.strip_prefix('[') {
         // `[v6]` or `[v6]:port`.
         Some(rest) => match rest.split_once(']') {
-            Some((v6, port)) if port.is_empty() || is_port(port) => {
+            Some((v6, port)) if port.is_empty() || port.strip_prefix(':').is_some_and(is_port) => {
                 return v6.parse::<std::net::Ipv6Addr>().is_ok();
             }
             _ => return false,
@@ -609,11 +609,9 @@ fn loopback_host(req: &pingora::http::RequestHeader) -> bool {
     name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::Ipv4Addr>().is_ok()
 }
 
-/// `:<digits>`, as a Host header's port is written.
+/// A Host header's port: one to five digits.
 fn is_port(text: &str) -> bool {
-    text.strip_prefix(':')
-        .or(Some(text))
-        .is_some_and(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()))
+    !text.is_empty() && text.len() <= 5 && text.bytes().all(|b| b.is_ascii_digit())
 }
 
 fn error(status: StatusCode, message: &str) -> Response<Vec<u8>> {

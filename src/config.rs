@@ -503,8 +503,13 @@ const MAX_FILE_BYTES: u64 = 4 << 20;
 
 /// Reads the file at `path` whole, if it has at most [`MAX_FILE_BYTES`].
 pub fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
+    read_capped(path, MAX_FILE_BYTES)
+}
+
+/// Reads the file at `path` whole, if it has at most `cap` bytes: read through the cap, so a
+/// file that grows (or a device that never ends) is refused, not read into memory whole.
+pub fn read_capped(path: &Path, cap: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    let cap = MAX_FILE_BYTES;
     let mut bytes = Vec::new();
     std::fs::File::open(path)?
         .take(cap + 1)

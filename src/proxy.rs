@@ -316,30 +316,42 @@ impl Drop for RequestCtx {
         if self.logged {
             return;
         }
-        let index = result_index(self.outcome, self.refused);
-        let elapsed = self.started.elapsed();
-        self.gen
-            .route_metrics(self.route)
-            .observe(index, elapsed.as_secs_f64());
         let why: &dyn std::fmt::Display = if std::thread::panicking() {
             &"the request's task panicked"
         } else {
             &"cut off: the process stopped before the request ended"
         };
-        crate::accesslog::log(&crate::accesslog::AccessLine {
-            method: "-",
-            path: "-",
-            route: label(self),
-            result: RESULT_LABELS[index],
-            status: 0,
-            duration: elapsed,
-            record: self.record_label,
-            error: Some(why),
-        });
+        self.log_line("-", "-", 0, Some(why));
     }
 }
 
 impl RequestCtx {
+    /// The request's access line and its metrics (the route's count and duration by result).
+    fn log_line(
+        &mut self,
+        method: &str,
+        path: &str,
+        status: u16,
+        error: Option<&dyn std::fmt::Display>,
+    ) {
+        self.logged = true;
+        let index = result_index(self.outcome, self.refused);
+        let elapsed = self.started.elapsed();
+        self.gen
+            .route_metrics(self.route)
+            .observe(index, elapsed.as_secs_f64());
+        crate::accesslog::log(&crate::accesslog::AccessLine {
+            method,
+            path,
+            route: label(self),
+            result: RESULT_LABELS[index],
+            status,
+            duration: elapsed,
+            record: self.record_label,
+            error,
+        });
+    }
+
     /// `problem` answers the request itself, before anything was forwarded (its body stalled,
     /// broke or was too large: an `INVALID` request; the proxy had no room for it:
     /// `UNAVAILABLE`), on an idempotent route a bypassing one included. The backend's failures
@@ -412,6 +424,12 @@ struct Claim<'a> {
 }
 
 impl Claim<'_> {
+    /// Notes a renewal given up on at `at` (unanswered in its time, or no longer needed): it
+    /// may still land and start a lock then, so the lock has lapsed only a `lock_ttl` later.
+    fn renewal_may_land(&mut self, at: Instant) {
+        self.lapses_by = self.lapses_by.max(at + self.req.lock_ttl);
+    }
+
     /// When the lock is three quarters gone: the last moment to renew it, or to store an
     /// outcome, with a quarter of the lock left for the store's round trip.
     fn alarm(&self) -> Instant {
@@ -1044,9 +1062,10 @@ impl Gate {
                             // clock only when the step has to wait, and a body that never waits
                             // (a fast backend, a fast client) would stream past it.
                             let alarm = c.alarm();
-                            let stepped = match Instant::now() < alarm {
-                                true => upstream::until(alarm, step.as_mut()).await,
-                                false => Err(pingora::prelude::Elapsed),
+                            let stepped = if Instant::now() < alarm {
+                                upstream::until(alarm, step.as_mut()).await
+                            } else {
+                                Err(pingora::prelude::Elapsed)
                             };
                             match stepped {
                                 Ok(stepped) => break stepped,
@@ -1101,9 +1120,9 @@ impl Gate {
                 call.await;
             }
             Some(_) => {
-                // A renewal still out, no longer needed: it may still land and start a lock.
+                // A renewal still out, no longer needed.
                 if let Some(c) = claim.as_mut() {
-                    c.lapses_by = c.lapses_by.max(Instant::now() + c.req.lock_ttl);
+                    c.renewal_may_land(Instant::now());
                 }
             }
             None => {}
@@ -1417,13 +1436,13 @@ impl Gate {
     ) -> std::result::Result<Renewal, F::Output> {
         let raced = {
             let renewal = pin!(self.renew(claim));
-            match futures_util::future::select(head, renewal).await {
-                futures_util::future::Either::Left((answer, _)) => Err(answer),
-                futures_util::future::Either::Right((renewal, _)) => Ok(renewal),
+            match select(head, renewal).await {
+                Either::Left((answer, _)) => Err(answer),
+                Either::Right((renewal, _)) => Ok(renewal),
             }
         };
         if raced.is_err() {
-            claim.lapses_by = claim.lapses_by.max(Instant::now() + claim.req.lock_ttl);
+            claim.renewal_may_land(Instant::now());
         }
         raced
     }
@@ -1433,7 +1452,7 @@ impl Gate {
     /// a lock then.
     fn renewal_given_up(&self, claim: &mut Claim<'_>, started: Instant) {
         let answered = self.observe_store(StoreOp::Claim, started, true);
-        claim.lapses_by = claim.lapses_by.max(answered + claim.req.lock_ttl);
+        claim.renewal_may_land(answered);
         tracing::warn!(
             record = %key::hash_label(&claim.req.key.hash),
             "renewing the lock got no answer in time; storing the response as not replayable"
@@ -2190,28 +2209,11 @@ impl ProxyHttp for Gate {
 
     /// One structured line and the metrics for every request.
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
-        ctx.logged = true;
         crate::headguard::request_ended(session);
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        let index = result_index(ctx.outcome, ctx.refused);
-        let result = RESULT_LABELS[index];
-        let route = label(ctx);
-        let elapsed = ctx.started.elapsed();
-        ctx.gen
-            .route_metrics(ctx.route)
-            .observe(index, elapsed.as_secs_f64());
         let req = session.req_header();
         let error = e.map(|e| e as &dyn std::fmt::Display);
-        crate::accesslog::log(&crate::accesslog::AccessLine {
-            method: req.method.as_str(),
-            path: req.uri.path(),
-            route,
-            result,
-            status,
-            duration: elapsed,
-            record: ctx.record_label,
-            error,
-        });
+        ctx.log_line(req.method.as_str(), req.uri.path(), status, error);
     }
 }
 

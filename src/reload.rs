@@ -429,14 +429,7 @@ impl Reloader {
         // the same bytes CLOSE_WAIT after a poll first saw them: a time in the future (clock
         // skew on a network filesystem) says nothing, and the bytes decide.
         let steady = self.polled.lock().settled(hash.clone(), Instant::now());
-        let settled = steady
-            || std::fs::metadata(&self.path)
-                .and_then(|m| m.modified())
-                .is_ok_and(|at| {
-                    SystemTime::now()
-                        .duration_since(at)
-                        .is_ok_and(|age| age >= CLOSE_WAIT)
-                });
+        let settled = steady || untouched_for(&self.path, CLOSE_WAIT);
         if due && settled {
             // Whatever the outcome, later bytes are judged from a sighting of their own.
             self.polled.lock().forget();
@@ -465,6 +458,14 @@ impl Reloader {
         watcher.watch(&dir, RecursiveMode::NonRecursive)?;
         Ok(watcher)
     }
+}
+
+/// Whether the file at `path` was last written at least `gap` ago (a time in the future, as a
+/// skewed network filesystem may give, says it was not).
+pub(crate) fn untouched_for(path: &std::path::Path, gap: Duration) -> bool {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .is_ok_and(|at| at.elapsed().is_ok_and(|age| age >= gap))
 }
 
 /// Tells a settled file (or set of files) from one still being written: two readings that

@@ -154,11 +154,9 @@ pub const SETTLE_GAP: Duration = Duration::from_secs(2);
 /// script files have not been written for `gap` (an unreadable version is not at rest).
 fn at_rest(reading: &Reading, gap: Duration) -> bool {
     let quiet = |dir: &Path| {
-        crate::scripts::SCRIPT_NAMES.iter().all(|name| {
-            std::fs::metadata(dir.join(format!("{name}.lua")))
-                .and_then(|m| m.modified())
-                .is_ok_and(|at| at.elapsed().is_ok_and(|age| age >= gap))
-        })
+        crate::scripts::SCRIPT_NAMES
+            .iter()
+            .all(|name| crate::reload::untouched_for(&dir.join(format!("{name}.lua")), gap))
     };
     reading.iter().all(|sources| match sources {
         Some(s) => match &s.origin {

@@ -132,32 +132,20 @@ impl Sources {
             };
             // A regular file only: a FIFO would block its open (and every reload and watcher
             // tick after it), a device such as /dev/zero would never end. Read through the cap
-            // as well: a file may grow after its size was read.
+            // as well (`read_capped`): a file may grow after its size was read.
             let meta = std::fs::metadata(&path).map_err(|e| unreadable(e.to_string()))?;
             if !meta.is_file() {
                 return Err(unreadable("not a regular file".into()));
             }
-            let too_large = |len: u64| {
-                unreadable(format!(
+            let len = meta.len();
+            if len > MAX_SCRIPT_BYTES {
+                return Err(unreadable(format!(
                     "{len} bytes is more than a script may have ({MAX_SCRIPT_BYTES})"
-                ))
-            };
-            if meta.len() > MAX_SCRIPT_BYTES {
-                return Err(too_large(meta.len()));
+                )));
             }
-            let mut text = String::new();
-            std::io::Read::read_to_string(
-                &mut std::io::Read::take(
-                    std::fs::File::open(&path).map_err(|e| unreadable(e.to_string()))?,
-                    MAX_SCRIPT_BYTES + 1,
-                ),
-                &mut text,
-            )
-            .map_err(|e| unreadable(e.to_string()))?;
-            if text.len() as u64 > MAX_SCRIPT_BYTES {
-                return Err(too_large(text.len() as u64));
-            }
-            Ok(text)
+            let bytes = crate::config::read_capped(&path, MAX_SCRIPT_BYTES)
+                .map_err(|e| unreadable(e.to_string()))?;
+            String::from_utf8(bytes).map_err(|e| unreadable(e.to_string()))
         };
         Ok(Sources {
             version: version.to_owned(),

@@ -501,36 +501,20 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
 
     // Only a store that knows its size (the embedded one) exports it.
     if stack.store.usage().is_some() {
-        fn usage(s: &dyn RecordStore) -> StoreUsage {
-            s.usage().unwrap_or_default()
-        }
-        metrics.pull_from(
+        register_usage_metrics(
+            &metrics,
             &stack.store,
-            &[
-                (
-                    "idemgate_store_records",
-                    "Records held by the store",
-                    Pull::Gauge,
-                    |s| usage(s).records as f64,
-                ),
-                (
-                    "idemgate_store_bytes",
-                    "Bytes held by the store",
-                    Pull::Gauge,
-                    |s| usage(s).bytes as f64,
-                ),
+            [
+                ("idemgate_store_records", "Records held by the store"),
+                ("idemgate_store_bytes", "Bytes held by the store"),
                 (
                     "idemgate_store_capacity_bytes",
                     "Byte capacity of the store",
-                    Pull::Gauge,
-                    |s| usage(s).capacity as f64,
                 ),
                 (
                     "idemgate_store_answers_kept_as_status_total",
                     "Answers the full store had no room for, kept as their status alone \
                      (retries get 409 not-replayable)",
-                    Pull::Counter,
-                    |s| usage(s).answers_kept_as_status as f64,
                 ),
             ],
         );
@@ -539,37 +523,27 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     // empty, under the other policies too): filled by a long outage, it keeps answers as their
     // status alone, which only these say.
     if let Some(fallback) = &stack.fallback {
-        fn usage(s: &dyn RecordStore) -> StoreUsage {
-            s.usage().unwrap_or_default()
-        }
-        metrics.pull_from(
+        register_usage_metrics(
+            &metrics,
             fallback,
-            &[
+            [
                 (
                     "idemgate_fallback_store_records",
                     "Records held by the embedded store on_unavailable: local runs keys on",
-                    Pull::Gauge,
-                    |s| usage(s).records as f64,
                 ),
                 (
                     "idemgate_fallback_store_bytes",
                     "Bytes held by the embedded store on_unavailable: local runs keys on",
-                    Pull::Gauge,
-                    |s| usage(s).bytes as f64,
                 ),
                 (
                     "idemgate_fallback_store_capacity_bytes",
                     "Byte capacity of the embedded store on_unavailable: local runs keys on \
                      (store.memory.capacity)",
-                    Pull::Gauge,
-                    |s| usage(s).capacity as f64,
                 ),
                 (
                     "idemgate_fallback_store_answers_kept_as_status_total",
                     "Answers the full fallback store had no room for, kept as their status \
                      alone (retries get 409 not-replayable)",
-                    Pull::Counter,
-                    |s| usage(s).answers_kept_as_status as f64,
                 ),
             ],
         );
@@ -933,6 +907,34 @@ impl BackgroundService for RedisWarmup {
             pause = (pause * 2).min(Duration::from_secs(5));
         }
     }
+}
+
+/// An embedded store's usage, under `names` (name and help of: records, bytes, capacity in
+/// bytes, answers kept as their status alone).
+fn register_usage_metrics(
+    metrics: &Metrics,
+    store: &Arc<dyn RecordStore>,
+    names: [(&'static str, &'static str); 4],
+) {
+    fn usage(s: &dyn RecordStore) -> StoreUsage {
+        s.usage().unwrap_or_default()
+    }
+    let [records, bytes, capacity, kept] = names;
+    metrics.pull_from(
+        store,
+        &[
+            (records.0, records.1, Pull::Gauge, |s| {
+                usage(s).records as f64
+            }),
+            (bytes.0, bytes.1, Pull::Gauge, |s| usage(s).bytes as f64),
+            (capacity.0, capacity.1, Pull::Gauge, |s| {
+                usage(s).capacity as f64
+            }),
+            (kept.0, kept.1, Pull::Counter, |s| {
+                usage(s).answers_kept_as_status as f64
+            }),
+        ],
+    );
 }
 
 fn register_purge_metrics(metrics: &Metrics, bus: &Arc<PurgeBus>) {

@@ -62,27 +62,32 @@ fn base() -> &'static Instant {
     BASE.get_or_init(Instant::now)
 }
 
-/// `tracing::warn!`, written at most once a second from this call site, with a `suppressed`
-/// field counting the lines left out since the last one (see the module docs).
+/// `tracing::event!` at `$level`, written at most once a second from this call site, with a
+/// `suppressed` field counting the lines left out since the last one (see the module docs).
 #[macro_export]
-macro_rules! warn_throttled {
-    ($($arg:tt)+) => {{
+macro_rules! event_throttled {
+    ($level:expr, $($arg:tt)+) => {{
         static THROTTLE: $crate::throttle::Throttle = $crate::throttle::Throttle::new();
         if let Some(suppressed) = THROTTLE.admit() {
-            tracing::warn!(suppressed, $($arg)+);
+            tracing::event!($level, suppressed, $($arg)+);
         }
     }};
 }
 
-/// [`warn_throttled!`] at `error`.
+/// [`event_throttled!`] at `warn`.
+#[macro_export]
+macro_rules! warn_throttled {
+    ($($arg:tt)+) => {
+        $crate::event_throttled!(tracing::Level::WARN, $($arg)+)
+    };
+}
+
+/// [`event_throttled!`] at `error`.
 #[macro_export]
 macro_rules! error_throttled {
-    ($($arg:tt)+) => {{
-        static THROTTLE: $crate::throttle::Throttle = $crate::throttle::Throttle::new();
-        if let Some(suppressed) = THROTTLE.admit() {
-            tracing::error!(suppressed, $($arg)+);
-        }
-    }};
+    ($($arg:tt)+) => {
+        $crate::event_throttled!(tracing::Level::ERROR, $($arg)+)
+    };
 }
 
 #[cfg(test)]

@@ -207,12 +207,8 @@ impl Cache {
     /// about 80%. Once under a quarter full, as the embedded store does (see its
     /// `shrink_if_sparse`); the order queue likewise.
     fn shrink_if_sparse(&mut self) {
-        if self.map.len() < self.map.capacity() / 4 {
-            self.map.shrink_to(self.map.len());
-        }
-        if self.order.len() < self.order.capacity() / 4 {
-            self.order.shrink_to(self.order.len());
-        }
+        super::memory::shrink_if_sparse(&mut self.map);
+        super::memory::shrink_if_sparse(&mut self.order);
     }
 
     /// Whether `hash` may have been purged since the shard's count was `since`: yes if one of

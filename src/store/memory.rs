@@ -273,7 +273,7 @@ impl MemoryStore {
                 true
             }
         });
-        shrink_if_sparse(&mut map);
+        shrink_if_sparse(&mut *map);
         removed
     }
 
@@ -852,10 +852,41 @@ impl Eq for MapKey {}
 /// the shard under its lock each, every sweep; between 7/32 and 7/16 full it may take up to
 /// twice what its records are charged for slots. A rebuild moves every record once, about
 /// what the insert that doubled the table did, and happens only after at least as many
-/// records have gone.
-fn shrink_if_sparse<S: BuildHasher>(map: &mut HashMap<MapKey, Entry, S>) {
-    if map.len() < map.capacity() / 4 {
-        map.shrink_to(map.len());
+/// records have gone. (The local cache gives its tables back by the same rule.)
+pub(super) fn shrink_if_sparse(table: &mut impl Table) {
+    if table.entries() < table.room() / 4 {
+        table.shrink(table.entries());
+    }
+}
+
+/// A collection that keeps the room its entries leave ([`shrink_if_sparse`]).
+pub(super) trait Table {
+    fn entries(&self) -> usize;
+    fn room(&self) -> usize;
+    fn shrink(&mut self, to: usize);
+}
+
+impl<K: Eq + std::hash::Hash, V, S: BuildHasher> Table for HashMap<K, V, S> {
+    fn entries(&self) -> usize {
+        self.len()
+    }
+    fn room(&self) -> usize {
+        self.capacity()
+    }
+    fn shrink(&mut self, to: usize) {
+        self.shrink_to(to);
+    }
+}
+
+impl<T> Table for std::collections::VecDeque<T> {
+    fn entries(&self) -> usize {
+        self.len()
+    }
+    fn room(&self) -> usize {
+        self.capacity()
+    }
+    fn shrink(&mut self, to: usize) {
+        self.shrink_to(to);
     }
 }
 
