@@ -74,11 +74,7 @@ async fn a_cluster_primary_that_stops_answering_opens_the_circuits_of_its_slots_
         .store("local_cache: {enabled: false}")
         .start()
         .await;
-    let warm = Request::post("/orders")
-        .key("before")
-        .body("{}")
-        .send(proxy.addr)
-        .await;
+    let warm = order(&proxy, "before").await;
     assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
     let m = proxy.metrics().await;
     assert_eq!(metric(&m, "idemgate_store_circuit_parts"), 64.0, "{m}");
@@ -88,11 +84,7 @@ async fn a_cluster_primary_that_stops_answering_opens_the_circuits_of_its_slots_
     let mut served = 0;
     let mut refused = 0;
     for n in 0..30 {
-        let r = Request::post("/orders")
-            .key(&format!("while-one-is-down-{n}"))
-            .body("{}")
-            .send(proxy.addr)
-            .await;
+        let r = order(&proxy, &format!("while-one-is-down-{n}")).await;
         match r.status {
             201 => served += 1,
             503 => refused += 1,
@@ -330,23 +322,11 @@ async fn an_outage_warns_once_a_second_not_once_a_request() {
         .await;
     let started = Instant::now();
     for i in 0..30 {
-        let r = Request::post("/orders")
-            .key(&format!("k{i}"))
-            .body("{}")
-            .send(pass.addr)
-            .await;
+        let r = order(&pass, &format!("k{i}")).await;
         assert_eq!(r.result(), Some("DEGRADED"), "{}", r.text());
     }
     let took = started.elapsed();
-    // A later line in the log: every line before it has been written.
-    assert_eq!(
-        Request::get("/plain/log-marker")
-            .send(pass.addr)
-            .await
-            .status,
-        201
-    );
-    let log = pass.log_containing("/plain/log-marker").await;
+    let log = pass.log_written().await;
     let lines: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("record store failed on claim"))
@@ -875,11 +855,7 @@ async fn an_unprotected_execution_that_fails_is_marked_degraded() {
         .upstream("connect_timeout: 200ms")
         .start()
         .await;
-    let r = Request::post("/orders")
-        .key("d")
-        .body("{}")
-        .send(proxy.addr)
-        .await;
+    let r = order(&proxy, "d").await;
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.result(), Some("DEGRADED"));
 }
@@ -975,11 +951,7 @@ async fn an_answer_that_comes_while_a_renewal_is_out_does_not_wait_for_it() {
     until_forwarded(&backend).await;
     let sent = Instant::now();
     let _: String = redis.cmd(&["CLIENT", "PAUSE", "30000", "WRITE"]);
-    let other = Request::post("/orders")
-        .key("opens-the-circuit")
-        .body("{}")
-        .send(proxy.addr)
-        .await;
+    let other = order(&proxy, "opens-the-circuit").await;
     assert_eq!(other.status, 503, "{}", other.text());
     let m = proxy.metrics().await;
     assert_eq!(
@@ -1107,11 +1079,7 @@ async fn a_redis_out_of_memory_is_a_full_store_not_an_outage() {
         .store("on_unavailable: pass")
         .start()
         .await;
-    let warm = Request::post("/orders")
-        .key("before")
-        .body("{}")
-        .send(proxy.addr)
-        .await;
+    let warm = order(&proxy, "before").await;
     assert_eq!(warm.result(), Some("MISS"), "{}", warm.text());
     // Redis over its memory limit: every write that may grow it is refused (OOM).
     let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
@@ -1120,11 +1088,7 @@ async fn a_redis_out_of_memory_is_a_full_store_not_an_outage() {
         "Redis took a write over its limit"
     );
     for _ in 0..5 {
-        let r = Request::post("/orders")
-            .key("when-full")
-            .body("{}")
-            .send(proxy.addr)
-            .await;
+        let r = order(&proxy, "when-full").await;
         assert_eq!(r.status, 503, "{}\n{}", r.text(), proxy.log());
         assert_eq!(r.problem_type(), "store-full", "{}", r.text());
     }

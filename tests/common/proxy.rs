@@ -375,6 +375,16 @@ impl Proxy {
         }
     }
 
+    /// The log once every line written before now is in it: a request for `/plain/log-marker`
+    /// goes through, and its access line, written after all earlier lines, is waited for. For
+    /// checks that something is absent from the log, which pass vacuously on a log not yet
+    /// flushed.
+    pub async fn log_written(&self) -> String {
+        let marker = Request::get("/plain/log-marker").send(self.addr).await;
+        assert_eq!(marker.status, 201, "{}", marker.text());
+        self.log_containing("/plain/log-marker").await
+    }
+
     /// What the proxy logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
