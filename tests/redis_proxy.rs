@@ -117,6 +117,40 @@ async fn fifty_concurrent_duplicates_over_three_instances_execute_once() {
     assert_executed_once(&backend, &responses);
 }
 
+/// Scripts the server has run (`EVALSHA` in `INFO commandstats`).
+fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Duplicates waiting on an execution that runs on their own replica hear of its end there:
+/// they ask Redis nothing while it runs, and are answered from the local copy once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
+    let instances = proxies(&backend, &[redis.url()], 1, &wait).await;
+    let req = Request::post("/orders/slow/1500")
+        .key("one-replica")
+        .json(r#"{"sku":"D"}"#);
+    let before = evalsha_calls(&redis);
+    let responses = stampede(&instances, &req, 20).await;
+    let calls = evalsha_calls(&redis) - before;
+    assert_executed_once(&backend, &responses);
+    // A claim each (19 of them find the record in flight) and the completion, 21; a waiter
+    // whose claim's answer was taken before the original's reads the record once more, 40 at
+    // most. Polling, each waiter would read it every 5 ms doubling to 100 ms: some 17 times
+    // in the 1.5 s.
+    assert!(
+        calls <= 40,
+        "{calls} scripts run for 20 duplicates on one replica"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_replays_across_instances_and_executes_duplicates_once() {
     let cluster = RedisCluster::start(3);

@@ -18,13 +18,14 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bloomfilter::Bloom;
 use parking_lot::Mutex;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{
@@ -305,6 +306,8 @@ pub struct CachedStore<S> {
     /// Keys of the hash that picks a shard, random per store.
     shard_keys: std::hash::RandomState,
     pending: Mutex<PendingClaims>,
+    /// Waiters for the end of a claim of this replica's, woken when it completes or releases.
+    local_ends: LocalEnds,
     /// Completions whose first write was not applied (refused, or failed and retried): record
     /// hash, owner, and the shard's purge count before their claim went out. What the retrier
     /// later finds gone is kept unless the key was purged since its claim
@@ -451,6 +454,82 @@ impl PendingClaims {
     }
 }
 
+/// The waiters of [`RecordStore::wait_for_change`] by record hash, so the end of an execution
+/// this replica runs (its completion or release) wakes them at once: a duplicate that arrives
+/// while its original runs here waits without polling the store, and is answered from the
+/// local copy as soon as the original's answer is remembered. A claim acquired here wakes them
+/// too: a waiter that looked before its outcome came back stops polling.
+#[derive(Default)]
+struct LocalEnds {
+    /// Waiters registered, so an end with nobody waiting takes no lock.
+    waiting: AtomicUsize,
+    /// One wake-up per hash waited on, with how many wait on it.
+    by_hash: Mutex<HashMap<Digest, (Arc<Notify>, usize)>>,
+}
+
+/// One waiter's registration in [`LocalEnds`]; dropping it unregisters.
+struct LocalEndWatch<'a> {
+    ends: &'a LocalEnds,
+    hash: Digest,
+    notify: Arc<Notify>,
+}
+
+impl LocalEnds {
+    /// Registers a waiter for the end of a local claim of `hash`. A `notified()` future
+    /// created from it before the claim is looked up hears an end that comes after the look.
+    fn watch(&self, hash: Digest) -> LocalEndWatch<'_> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let notify = {
+            let mut by_hash = self.by_hash.lock();
+            let slot = by_hash.entry(hash).or_insert_with(|| (Arc::default(), 0));
+            slot.1 += 1;
+            slot.0.clone()
+        };
+        LocalEndWatch {
+            ends: self,
+            hash,
+            notify,
+        }
+    }
+
+    /// Wakes every waiter of `hash`. Called once the claim is no longer pending: a waiter that
+    /// found it pending registered before the look, so the count read here includes it.
+    fn announce(&self, hash: &Digest) {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        if let Some((notify, _)) = self.by_hash.lock().get(hash) {
+            notify.notify_waiters();
+        }
+    }
+}
+
+impl LocalEnds {
+    /// Wakes every waiter.
+    fn announce_all(&self) {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        for (notify, _) in self.by_hash.lock().values() {
+            notify.notify_waiters();
+        }
+    }
+}
+
+impl Drop for LocalEndWatch<'_> {
+    fn drop(&mut self) {
+        let mut by_hash = self.ends.by_hash.lock();
+        if let Entry::Occupied(mut slot) = by_hash.entry(self.hash) {
+            slot.get_mut().1 -= 1;
+            if slot.get().1 == 0 {
+                slot.remove();
+            }
+        }
+        drop(by_hash);
+        self.ends.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Unsettled completions remembered at most; one forgotten falls back to the shard's recent
 /// purges.
 const MAX_UNSETTLED: usize = 4096;
@@ -479,6 +558,7 @@ impl<S: RecordStore> CachedStore<S> {
             cache: (0..shards).map(|_| Mutex::new(Cache::default())).collect(),
             shard_keys: std::hash::RandomState::new(),
             pending: Mutex::new(PendingClaims::new()),
+            local_ends: LocalEnds::default(),
             unsettled: Mutex::new(VecDeque::new()),
             fill: Mutex::new(None),
             stats: Arc::default(),
@@ -613,6 +693,9 @@ impl<S: RecordStore> CachedStore<S> {
         if let Some(e) = cache.map.remove(&key.hash) {
             cache.bytes -= e.size;
         }
+        drop(cache);
+        // A wait on a claim of this replica's hears of the purge and asks the store from then on.
+        self.local_ends.announce(&key.hash);
     }
 
     /// Whether `hash` is among its shard's last [`RECENT_PURGES`] purges.
@@ -815,6 +898,8 @@ impl<S: RecordStore> CachedStore<S> {
             });
             cache.shrink_if_sparse();
         }
+        // The purges missed may have been of a record waited on here.
+        self.local_ends.announce_all();
         dropped
     }
 
@@ -1078,6 +1163,8 @@ impl<S: RecordStore> CachedStore<S> {
             self.pending
                 .lock()
                 .insert(req.key.hash, req.owner.0, entry, now);
+            // A wait that looked before this claim's outcome came back is polling the store.
+            self.local_ends.announce(&req.key.hash);
         }
         Ok(outcome)
     }
@@ -1149,6 +1236,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             self.remember(key, record, expires_at, origin);
         }
         self.pending.lock().remove(&key.hash, owner.0);
+        self.local_ends.announce(&key.hash);
         written
     }
 
@@ -1158,24 +1246,75 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
         self.pending.lock().remove(&key.hash, owner.0);
-        self.inner.release(key, owner).await
+        let released = self.inner.release(key, owner).await;
+        // Once the store has it (or failed to): a waiter woken sooner would read the record
+        // still in flight and go back to polling.
+        self.local_ends.announce(&key.hash);
+        released
     }
 
+    /// While a claim of this replica's own holds the key, the wait asks the store nothing: the
+    /// claim's end (its completion or release here) or acquisition wakes it ([`LocalEnds`]),
+    /// and only once the lock it took (renewed while it runs) has lapsed does it poll the
+    /// store. A completion ended here is answered from the local copy. A purge of a record of
+    /// the key's shard (or a drop of every copy) sends the wait to the store for good: the
+    /// record it waits on may be gone while the claim still runs here.
     async fn wait_for_change(
         &self,
         key: &RecordKey,
         timeout: Duration,
     ) -> Result<Option<Record>, StoreError> {
-        let mark = self.mark(&key.hash);
-        let sent = Instant::now();
-        let record = self.inner.wait_for_change(key, timeout).await?;
-        // A wait that ends on a completed record (another replica's execution, waited for) keeps
-        // a copy, as a claim that finds one does: the next retry here needs no round trip. Its
-        // life is counted from before the wait began, earlier than the read that told it.
-        if let Some(read) = &record {
-            self.keep_copy(key, read, sent, mark);
+        let watch = self.local_ends.watch(key.hash);
+        let end = Instant::now() + timeout;
+        let start = self.mark(&key.hash);
+        let mut store_only = false;
+        loop {
+            // Made before the look at the pending claims, so it hears what happens after it.
+            let heard = watch.notify.notified();
+            tokio::pin!(heard);
+            heard.as_mut().enable();
+            let now = Instant::now();
+            let held_here = match store_only {
+                true => None,
+                false => self.pending.lock().longest_left(&key.hash, now),
+            };
+            if let Some(left) = held_here.filter(|_| now < end) {
+                tokio::select! {
+                    _ = &mut heard => {
+                        if let Some(record) = self.cached(key) {
+                            return Ok(Some(record));
+                        }
+                        store_only = self.mark(&key.hash) != start;
+                    }
+                    _ = tokio::time::sleep(left.min(end - now)) => {}
+                }
+                continue;
+            }
+            let mark = self.mark(&key.hash);
+            let sent = Instant::now();
+            let left = end.saturating_duration_since(sent);
+            // Polling the store, a claim of this replica's may still be heard of: one whose
+            // outcome came back after the look above (its reply raced this wait's claim).
+            let record = tokio::select! {
+                biased;
+                record = self.inner.wait_for_change(key, left) => record?,
+                _ = &mut heard, if !store_only => {
+                    if let Some(record) = self.cached(key) {
+                        return Ok(Some(record));
+                    }
+                    store_only = self.mark(&key.hash) != start;
+                    continue;
+                }
+            };
+            // A wait that ends on a completed record (another replica's execution, waited
+            // for) keeps a copy, as a claim that finds one does: the next retry here needs no
+            // round trip. Its life is counted from before the wait began, earlier than the read
+            // that told it.
+            if let Some(read) = &record {
+                self.keep_copy(key, read, sent, mark);
+            }
+            return Ok(record);
         }
-        Ok(record)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
