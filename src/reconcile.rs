@@ -144,6 +144,11 @@ pub struct Tally {
     pub expired: usize,
     /// Lines that could not be read or restored.
     pub failed: usize,
+    /// Of the restored and expired lines, those refused because another request took their
+    /// key over (`"reason": "lock taken over"`): it executed the key again under the same
+    /// execution id, so the backend ran it twice whatever the store holds now (a failover that
+    /// lost the record, the ttl passing). They need someone, as an `another outcome` does.
+    pub executed_again: usize,
 }
 
 impl Tally {
@@ -163,7 +168,13 @@ impl Tally {
 
     /// Whether some line still needs someone (or another run).
     pub fn needs_action(&self) -> bool {
-        self.unconfirmed + self.another_outcome + self.executing + self.missing + self.failed > 0
+        self.unconfirmed
+            + self.another_outcome
+            + self.executing
+            + self.missing
+            + self.failed
+            + self.executed_again
+            > 0
     }
 }
 
@@ -172,7 +183,7 @@ impl fmt::Display for Tally {
         write!(
             f,
             "{} stored, {} stored unconfirmed, {} restored, {} missing, {} another outcome, \
-             {} executing, {} expired, {} failed",
+             {} executing, {} expired, {} failed; {} executed again",
             self.stored,
             self.unconfirmed,
             self.restored,
@@ -180,7 +191,8 @@ impl fmt::Display for Tally {
             self.another_outcome,
             self.executing,
             self.expired,
-            self.failed
+            self.failed,
+            self.executed_again
         )
     }
 }
@@ -274,7 +286,7 @@ pub async fn reconcile(
         if text.trim().is_empty() {
             continue;
         }
-        let (label, verdict) = match parse(text) {
+        let (label, verdict, taken_over) = match parse(text) {
             Ok(letter) => (
                 format!(
                     "{}/{} execution {}",
@@ -286,14 +298,30 @@ pub async fn reconcile(
                     Some(verdict) => verdict,
                     None => judge(store.as_ref(), &letter, apply, now_unix_ms()).await,
                 },
+                letter.taken_over,
             ),
             Err(why) => (
                 "?".to_string(),
                 Verdict::Failed(format!("unreadable line: {why}")),
+                false,
             ),
         };
         tally.count(&verdict);
-        say(format_args!("line {}: {label}: {verdict}", n + 1));
+        // The other verdicts of such a line need someone already, or (stored, unconfirmed)
+        // say another execution cannot be ruled out.
+        let again = taken_over && matches!(verdict, Verdict::Restored | Verdict::Expired);
+        if again {
+            tally.executed_again += 1;
+        }
+        let again = match again {
+            true => {
+                "; but its key was taken over and executed again under this id after its \
+                     lock lapsed (the line's write was refused for it): check the backend for \
+                     a double execution"
+            }
+            false => "",
+        };
+        say(format_args!("line {}: {label}: {verdict}{again}", n + 1));
     }
     say(format_args!("{tally}"));
     report.map(|()| tally)
@@ -909,6 +937,7 @@ mod tests {
             expired: 1,
             failed: 2,
             restored: 0,
+            executed_again: 0,
         };
         assert_eq!(tally, expected, "{out}");
         assert!(tally.needs_action());
@@ -1067,6 +1096,24 @@ mod tests {
         assert!(
             matches!(record.state, RecordState::InFlight { .. }),
             "left alone: {record:?}"
+        );
+        // The record lost (a failover): written back, so retries replay rather than run the key
+        // a third time, and still flagged: the key ran twice.
+        assert!(store.delete(&job.key).await.unwrap());
+        let (tally, out) = run(&store, &refused, true).await;
+        assert_eq!(
+            tally,
+            Tally {
+                restored: 1,
+                executed_again: 1,
+                ..Tally::default()
+            },
+            "{out}"
+        );
+        assert!(tally.needs_action());
+        assert!(
+            out.contains("check the backend for a double execution"),
+            "{out}"
         );
 
         // Refused because the record was gone, or a write that may have landed: what lapsed

@@ -465,18 +465,23 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         },
     };
     // Found out now, not when a completion the store never took has nowhere else to go.
-    if let Err(e) = std::fs::OpenOptions::new()
-        .create(true)
-        .read(true)
-        .append(true)
-        .open(&r.dead_letter_path)
-    {
-        tracing::error!(
+    match crate::store::retry::open_dead_letter_file(&r.dead_letter_path) {
+        Ok(file) => {
+            if let Some(mode) = crate::store::retry::dead_letter_file_exposed(&file) {
+                tracing::warn!(
+                    path = %r.dead_letter_path.display(),
+                    mode = %format_args!("{mode:o}"),
+                    "the dead-letter file can be read by other users, and its lines hold whole \
+                     responses: chmod 600 it"
+                );
+            }
+        }
+        Err(e) => tracing::error!(
             path = %r.dead_letter_path.display(),
             error = %e,
             "the dead-letter file cannot be opened: a completion the store never takes will \
              be only in the log (store.completion_retry.dead_letter_path)"
-        );
+        ),
     }
 
     let generation = Generation::new(config, &metrics).map_err(StartError::Config)?;

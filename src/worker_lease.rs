@@ -28,8 +28,10 @@
 //! - **Cut off from Redis (or paused) longer than the lease:** the process keeps its id (it has
 //!   no other it could trust); `idemgate_worker_id_leased` turns 0 once the lease may have run
 //!   out. A process started meanwhile may lease the same id; the first renewal that gets
-//!   through finds it taken, and the process moves to a free id at once. A paused process
-//!   issues ids on resuming before that renewal has answered.
+//!   through finds it taken, and the process moves to a free id at once: from then on keyed
+//!   requests wait for the search (as for the first attempt, at most [`FIRST_LEASE_WAIT`])
+//!   rather than take ids under the id it now knows another holds. A paused process issues
+//!   ids on resuming before that renewal has answered.
 //! - **A failover that loses the lease's write** (replication is asynchronous): another process
 //!   may take the id; this one finds out at its next renewal, a third of a lease later at most,
 //!   and moves.
@@ -129,8 +131,9 @@ impl WorkerIds {
         }
     }
 
-    /// The next execution id. While the first lease attempt is out, waits for it (at most
-    /// [`FIRST_LEASE_WAIT`]), so an id is not issued under a worker id the lease then gives up.
+    /// The next execution id. While the first lease attempt is out, or the search for another
+    /// id after the lease was found lost, waits for it (at most [`FIRST_LEASE_WAIT`]), so an
+    /// id is not issued under a worker id the lease then gives up.
     pub async fn next_id(&self) -> u64 {
         if !self.settled.load(Ordering::Acquire) {
             let notified = self.settled_notify.notified();
@@ -190,6 +193,15 @@ impl WorkerIds {
             self.settled_notify.notify_waiters();
         }
     }
+
+    /// The lease was found held by another process: no lease is held, and ids wait for the
+    /// search for another ([`WorkerIds::settle`] when it ends) instead of going out under an
+    /// id a live process holds.
+    fn lose(&self) {
+        self.lost.fetch_add(1, Ordering::Relaxed);
+        self.hold(None);
+        self.settled.store(false, Ordering::Release);
+    }
 }
 
 /// Keeps a worker id leased for a [`WorkerIds`]; see the module docs.
@@ -240,8 +252,7 @@ impl Lease {
                         renew_every
                     }
                     Ok(false) => {
-                        self.ids.lost.fetch_add(1, Ordering::Relaxed);
-                        self.ids.hold(None);
+                        self.ids.lose();
                         held = None;
                         tracing::error!(
                             worker_id = id,
@@ -384,6 +395,34 @@ mod tests {
             .expect("woken by the settle")
             .expect("task");
         assert_eq!(snowflake::decode(id).worker_id, 900);
+    }
+
+    #[tokio::test]
+    async fn ids_wait_for_the_search_after_a_lost_lease_and_take_the_new_id() {
+        let ids = Arc::new(WorkerIds::to_lease(5));
+        ids.hold(Some(Instant::now() + Duration::from_secs(30)));
+        ids.settle();
+        assert_eq!(snowflake::decode(ids.next_id().await).worker_id, 5);
+        // Another process holds id 5 now: nothing more goes out under it.
+        ids.lose();
+        assert!(!ids.is_leased());
+        assert_eq!(ids.leases_lost(), 1);
+        let waiting = tokio::spawn({
+            let ids = ids.clone();
+            async move { ids.next_id().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !waiting.is_finished(),
+            "an id went out under the lost worker id"
+        );
+        ids.snowflake.set_worker_id(6);
+        ids.settle();
+        let id = tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .expect("woken by the settle")
+            .expect("task");
+        assert_eq!(snowflake::decode(id).worker_id, 6);
     }
 
     #[tokio::test(start_paused = true)]

@@ -149,6 +149,40 @@ async fn readyz_answers_in_time_while_redis_hangs_under_a_permissive_policy() {
     assert!(!log.contains("after a restart"), "{log}");
 }
 
+/// The dead-letter file holds whole responses: created for this user only, and one others can
+/// read is reported at start.
+#[tokio::test]
+async fn a_dead_letter_file_is_private_and_an_exposed_one_is_reported_at_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let start_on = |path: &std::path::Path| {
+        ProxyBuilder::new(&backend)
+            .store(&format!(
+                "completion_retry: {{ dead_letter_path: \"{}\" }}",
+                path.display()
+            ))
+            .start()
+    };
+    let fresh = dir.path().join("fresh.jsonl");
+    let proxy = start_on(&fresh).await;
+    assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));
+    let mode = std::fs::metadata(&fresh)
+        .expect("created at start")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    proxy.log_written().await;
+    assert!(!proxy.log().contains("can be read by other users"));
+
+    let exposed = dir.path().join("exposed.jsonl");
+    std::fs::write(&exposed, "").expect("file");
+    std::fs::set_permissions(&exposed, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let proxy = start_on(&exposed).await;
+    let line = proxy.log_containing("can be read by other users").await;
+    assert!(line.contains("644"), "{line}");
+}
+
 #[tokio::test]
 async fn a_dead_letter_file_that_cannot_be_opened_is_reported_at_start() {
     let backend = Backend::start().await;

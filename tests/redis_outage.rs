@@ -658,8 +658,14 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     );
     assert!(redis.keys().is_empty(), "nothing written without --apply");
     let (code, report) = reconcile(true);
-    assert_eq!(code, Some(0), "{report}");
+    // Still flagged: the key ran twice, whatever the store holds now.
+    assert_eq!(code, Some(1), "{report}");
     assert!(report.contains("restored"), "{report}");
+    assert!(report.contains("1 executed again"), "{report}");
+    assert!(
+        report.contains("check the backend for a double execution"),
+        "{report}"
+    );
     // A retry now replays the dead-lettered answer (A holds no copy of its own: its write was
     // refused), under the same execution id, instead of executing a third time.
     let r = replay.send(a.addr).await;

@@ -903,11 +903,7 @@ impl DeadLetterFile {
     fn write(&self, letters: Vec<LetterLine>) {
         let lines: Vec<String> = letters.iter().map(|l| l.text(&self.store)).collect();
         let text = lines.concat();
-        let written = std::fs::OpenOptions::new()
-            .create(true)
-            .read(true)
-            .append(true)
-            .open(&self.path)
+        let written = open_dead_letter_file(&self.path)
             .and_then(|f| append_line(&f, text.as_bytes(), |mut f, bytes| f.write_all(bytes)));
         for (letter, line) in letters.iter().zip(&lines) {
             let record = crate::key::hash_label(&letter.job.key.hash);
@@ -1038,6 +1034,26 @@ impl InStore {
 }
 
 /// One dead-letter JSON line (with trailing newline) for a record in `store`.
+/// Opens the dead-letter file to append, creating it readable and writable by this user only
+/// (`0600`): its lines hold whole responses, which may carry personal or payment data. An
+/// existing file keeps its mode (see [`dead_letter_file_exposed`]).
+pub fn open_dead_letter_file(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+}
+
+/// The mode of the dead-letter file when group or others may read it.
+pub fn dead_letter_file_exposed(file: &std::fs::File) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = file.metadata().ok()?.permissions().mode() & 0o777;
+    (mode & 0o044 != 0).then_some(mode)
+}
+
 pub fn dead_letter_line(
     store: &LetterStore,
     job: &PendingCompletion,
@@ -1257,6 +1273,12 @@ mod tests {
             .unwrap();
         assert_eq!(body, b"\x00\xffbody");
         assert_eq!(retrier.stats().dead_lettered.load(Ordering::Relaxed), 1);
+        // Whole responses: for this user's eyes only, whatever the umask.
+        let file = std::fs::File::open(dir.path().join("dead.jsonl")).unwrap();
+        assert_eq!(dead_letter_file_exposed(&file), None);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = file.metadata().unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
     }
 
     /// Submits the completion of a claim on `store` under an owner token the store no longer
