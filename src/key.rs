@@ -398,6 +398,59 @@ fn put_headers_except(
 mod tests {
     use super::*;
 
+    /// Record ids and fingerprints are what the shared store's records are found and matched
+    /// by: a change of either orphans every live record in a rolling upgrade (retries run
+    /// again under a new execution id) or turns their retries into 422s. Pinned to digests
+    /// worked out apart from this code (Python's `hashlib` over the documented encoding:
+    /// 8-byte big-endian lengths and counts, a tag first).
+    #[test]
+    fn record_ids_and_fingerprints_are_pinned() {
+        let auth = http::HeaderName::from_static("authorization");
+        let mut headers = http::HeaderMap::new();
+        headers.insert("authorization", http::HeaderValue::from_static("Bearer t"));
+        headers.insert(
+            "content-type",
+            http::HeaderValue::from_static("application/json"),
+        );
+        let hex = |d: Digest| hex::encode(d);
+        assert_eq!(
+            hex(record_hash("acme", &headers, &[auth.clone()], "order-1")),
+            "206106e3f7d108858048cc26717d5aba196df47cd07e8ad4e9303c164ce2ac06"
+        );
+        assert_eq!(
+            hex(record_hash(
+                "acme",
+                &http::HeaderMap::new(),
+                &[auth],
+                "order-1"
+            )),
+            "f2b2ae65d70f898539c7d9d05d303679a85bfbd7219de63713cbc416f95d39ca"
+        );
+        let content_type = http::HeaderName::from_static("content-type");
+        assert_eq!(
+            hex(fingerprint(
+                &http::Method::POST,
+                b"/orders?x=1",
+                &headers,
+                &[content_type],
+                &[],
+                Some(br#"{"sku":"A"}"#),
+            )),
+            "95912a2bd88f2457ce19e270da6eac70946f90d5e21047f3bc2bb297de409b01"
+        );
+        assert_eq!(
+            hex(fingerprint(
+                &http::Method::POST,
+                b"/orders?x=1",
+                &headers,
+                &[],
+                &[],
+                None
+            )),
+            "30379bf11ccd23a27369766a24ea872dabc41e898e43eae34459d9814840d876"
+        );
+    }
+
     #[test]
     fn a_principal_is_a_scope_header_with_a_value() {
         let names = [

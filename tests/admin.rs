@@ -12,6 +12,65 @@ use common::{Backend, Proxy, ProxyBuilder, Request};
 
 const TOKEN: &str = "admin-token-for-tests-0123456789";
 
+/// `/metrics` is Prometheus' text format (0.0.4): its content type, a `# HELP` and `# TYPE`
+/// for every family, every sample a family's (a histogram's `_bucket`, `_sum` and `_count`,
+/// with a `+Inf` bucket), every value a number.
+#[tokio::test]
+async fn metrics_are_prometheus_text() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let req = Request::post("/orders").key("m-1").body("{}");
+    assert_eq!(req.send(proxy.addr).await.result(), Some("MISS"));
+    let m = Request::get("/metrics").send(proxy.admin).await;
+    assert_eq!(m.status, 200);
+    assert_eq!(m.header("content-type"), Some("text/plain; version=0.0.4"));
+    let text = m.text();
+    let mut types = std::collections::HashMap::new();
+    let mut helped = std::collections::HashSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+            assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
+            assert!(
+                types.insert(name.to_owned(), kind.to_owned()).is_none(),
+                "twice: {line}"
+            );
+        } else if let Some(rest) = line.strip_prefix("# HELP ") {
+            helped.insert(rest.split(' ').next().unwrap_or_default().to_owned());
+        }
+    }
+    let mut samples = 0;
+    let mut infinite_buckets = std::collections::HashSet::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (series, value) = line.rsplit_once(' ').expect("series value");
+        assert!(value.parse::<f64>().is_ok(), "not a number: {line}");
+        let name = series.split('{').next().unwrap_or_default();
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| {
+                let base = name.strip_suffix(suffix)?;
+                (types.get(base).map(String::as_str) == Some("histogram")).then_some(base)
+            })
+            .unwrap_or(name);
+        assert!(types.contains_key(family), "no # TYPE for {line}");
+        assert!(helped.contains(family), "no # HELP for {line}");
+        assert!(family.starts_with("idemgate_"), "{line}");
+        if name.ends_with("_bucket") && series.contains("le=\"+Inf\"") {
+            infinite_buckets.insert(family.to_owned());
+        }
+        samples += 1;
+    }
+    assert!(samples > 50, "{text}");
+    for (name, kind) in &types {
+        if kind == "histogram" && text.contains(&format!("{name}_count")) {
+            assert!(infinite_buckets.contains(name), "{name} has no +Inf bucket");
+        }
+    }
+}
+
 #[tokio::test]
 async fn inspect_and_purge_a_record() {
     let backend = Backend::start().await;

@@ -408,6 +408,55 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 
+/// Nor a waiter whose wait fails: the store said the key is held before it failed, so under
+/// `pass` the waiter is refused (503), not forwarded beside the original.
+#[tokio::test]
+async fn a_waiter_whose_wait_fails_never_runs_the_key_unprotected() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    // Version vy: v1, with a get script (the wait's read) that fails on every record key as a
+    // server that cannot serve does; the readiness probe's key still reads.
+    let scripts = tempfile::tempdir().expect("scripts dir");
+    script_dir(scripts.path(), "vy", "v1", |name, text| match name {
+        "get" => format!(
+            "if string.find(KEYS[1], '{{default:', 1, true) then \
+             return redis.error_reply('LOADING Redis is loading the dataset in memory') end\n{text}"
+        ),
+        _ => text,
+    });
+    let replica = |worker: u16| {
+        ProxyBuilder::new(&backend)
+            .worker_id(worker)
+            .redis(&[redis.url()])
+            .store(&format!(
+                "  scripts: {{dir: \"{}\", version: vy}}",
+                scripts.path().display()
+            ))
+            .store("on_unavailable: pass")
+            .idem("on_in_flight: wait")
+            .idem("wait_timeout: 5s")
+            .start()
+    };
+    let (one, other) = (replica(1).await, replica(2).await);
+    let order = || Request::post("/orders/slow/1500").key("held").body("{}");
+    let original = order().spawn_send(one.addr);
+    backend.until_count(1).await;
+    let retry = order().send(other.addr).await;
+    assert_eq!(retry.status, 503, "{}", retry.text());
+    assert_eq!(
+        retry.problem_type(),
+        "store-unavailable",
+        "{}",
+        retry.text()
+    );
+    let first = original.await.expect("original");
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    assert_eq!(backend.count(), 1, "the key ran once");
+    other
+        .log_containing("record store failed while waiting")
+        .await;
+}
+
 /// The first write of a completion never reaches Redis (the connection is reset under it, and
 /// new ones too, until after the answer went out): only the retry queue can store it.
 #[tokio::test]

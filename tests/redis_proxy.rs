@@ -76,6 +76,35 @@ async fn replays_across_two_and_three_instances() {
     }
 }
 
+/// A request without the tenant header is scoped under `idempotency.default_tenant`; one with
+/// it, under its tenant. Each tenant's records are its own keys.
+#[tokio::test]
+async fn requests_without_a_tenant_are_scoped_under_the_configured_default_tenant() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .global("default_tenant: shop-eu")
+        .start()
+        .await;
+    let plain = Request::post("/orders").key("t-1").body("x");
+    assert_eq!(plain.send(proxy.addr).await.result(), Some("MISS"));
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert!(keys[0].starts_with("idemgate:{shop-eu:"), "{keys:?}");
+    // The same key under a named tenant is another record; under the default one, a replay.
+    let named = plain.clone().header("X-Tenant-ID", "shop-us");
+    assert_eq!(named.send(proxy.addr).await.result(), Some("MISS"));
+    let named_default = plain.clone().header("X-Tenant-ID", "shop-eu");
+    assert_eq!(named_default.send(proxy.addr).await.result(), Some("HIT"));
+    let mut keys = redis.keys();
+    keys.sort();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(keys[0].starts_with("idemgate:{shop-eu:"), "{keys:?}");
+    assert!(keys[1].starts_with("idemgate:{shop-us:"), "{keys:?}");
+    assert_eq!(backend.count(), 2);
+}
+
 /// Sends `count` copies of one request at once, spread round-robin over `instances`.
 async fn stampede(instances: &[Proxy], req: &Request, count: usize) -> Vec<common::Response> {
     let tasks: Vec<_> = (0..count)

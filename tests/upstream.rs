@@ -794,17 +794,23 @@ async fn head_requests_and_bodiless_statuses_end_without_a_body() {
     assert_eq!(backend.connections(), 1);
 }
 
-/// `Idempotent-Replayed` is idemgate's to say on a keyed route: a backend's own does not reach
-/// the client of a fresh execution, and a replay carries idemgate's one.
+/// `Idempotent-Replayed` and `X-Idempotent-Result` are idemgate's to say on a keyed route: a
+/// backend's own (a gateway's answer, another idemgate behind this one) does not reach the
+/// client of a fresh execution, and a replay carries idemgate's one.
 #[tokio::test]
 async fn a_backend_s_idempotent_replayed_header_does_not_reach_a_fresh_execution() {
     let backend = RawBackend::start(vec![send(
-        b"HTTP/1.1 201 Created\r\nIdempotent-Replayed: true\r\nContent-Length: 2\r\n\r\n{}",
+        b"HTTP/1.1 201 Created\r\nIdempotent-Replayed: true\r\nX-Idempotent-Result: HIT\r\n\
+          Content-Length: 2\r\n\r\n{}",
     )])
     .await;
     let proxy = proxy(&backend).await;
     let (first, again) = twice(&proxy, "replayed-header").await;
-    assert_eq!(first.result(), Some("MISS"));
+    fn results(r: &common::Response) -> Vec<&[u8]> {
+        r.headers_named("x-idempotent-result")
+    }
+    assert_eq!(results(&first), vec![&b"MISS"[..]], "{first:?}");
+    assert_eq!(results(&again), vec![&b"HIT"[..]], "{again:?}");
     assert!(
         first.headers_named("idempotent-replayed").is_empty(),
         "{first:?}"
@@ -822,6 +828,7 @@ async fn a_backend_s_idempotent_replayed_header_does_not_reach_a_fresh_execution
     ] {
         let bypass = req.send(proxy.addr).await;
         assert_eq!((bypass.status, bypass.result()), (201, Some("BYPASS")));
+        assert_eq!(results(&bypass), vec![&b"BYPASS"[..]], "{bypass:?}");
         assert!(
             bypass.headers_named("idempotent-replayed").is_empty(),
             "{bypass:?}"
