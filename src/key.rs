@@ -414,7 +414,12 @@ mod tests {
         );
         let hex = |d: Digest| hex::encode(d);
         assert_eq!(
-            hex(record_hash("acme", &headers, &[auth.clone()], "order-1")),
+            hex(record_hash(
+                "acme",
+                &headers,
+                std::slice::from_ref(&auth),
+                "order-1"
+            )),
             "206106e3f7d108858048cc26717d5aba196df47cd07e8ad4e9303c164ce2ac06"
         );
         assert_eq!(
