@@ -180,6 +180,36 @@ async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
     );
 }
 
+/// Duplicates waiting on one replica for an execution that runs on another share one poll of
+/// the record: one of them reads it, with backoff, and the others take what it read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_waiting_on_another_replica_s_execution_share_one_poll() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
+    let instances = proxies(&backend, &[redis.url()], 2, &wait).await;
+    let req = Request::post("/orders/slow/1500")
+        .key("other-replica")
+        .json(r#"{"sku":"E"}"#);
+    let before = evalsha_calls(&redis);
+    let original = tokio::spawn({
+        let (req, addr) = (req.clone(), instances[0].addr);
+        async move { req.send(addr).await }
+    });
+    backend.until_count(1).await;
+    let mut responses = stampede(&instances[1..], &req, 20).await;
+    responses.push(original.await.expect("original"));
+    let calls = evalsha_calls(&redis) - before;
+    assert_executed_once(&backend, &responses);
+    // 21 claims and the completion; one poll of some 17 reads over the 1.5 s, plus a read
+    // each for a few waiters that came while a poll was ending. Each waiter polling would
+    // read the record some 17 times: about 340 in all.
+    assert!(
+        calls <= 70,
+        "{calls} scripts run for 20 duplicates waiting on one replica"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_replays_across_instances_and_executes_duplicates_once() {
     let cluster = RedisCluster::start(3);

@@ -458,13 +458,28 @@ impl PendingClaims {
 /// this replica runs (its completion or release) wakes them at once: a duplicate that arrives
 /// while its original runs here waits without polling the store, and is answered from the
 /// local copy as soon as the original's answer is remembered. A claim acquired here wakes them
-/// too: a waiter that looked before its outcome came back stops polling.
+/// too: a waiter that looked before its outcome came back stops polling. While the original
+/// runs elsewhere, one waiter of a hash polls the store for all of them on this replica.
 #[derive(Default)]
 struct LocalEnds {
     /// Waiters registered, so an end with nobody waiting takes no lock.
     waiting: AtomicUsize,
-    /// One wake-up per hash waited on, with how many wait on it.
-    by_hash: Mutex<HashMap<Digest, (Arc<Notify>, usize)>>,
+    /// What the waiters of each hash share.
+    by_hash: Mutex<HashMap<Digest, WaitSlot>>,
+}
+
+/// The waiters of one record hash on this replica.
+struct WaitSlot {
+    /// Wakes them: the end or acquisition of a claim here, a purge, the end of a poll.
+    notify: Arc<Notify>,
+    /// How many wait.
+    waiters: usize,
+    /// Whether one of them is polling the store for the others ([`LocalEnds::lead`]).
+    polling: bool,
+    /// Polls ended so far, and what the last one read when it read a change (a record no
+    /// longer held, or none): what the others take instead of a read of their own.
+    polls: u64,
+    read: Option<(u64, Option<Record>)>,
 }
 
 /// One waiter's registration in [`LocalEnds`]; dropping it unregisters.
@@ -474,6 +489,13 @@ struct LocalEndWatch<'a> {
     notify: Arc<Notify>,
 }
 
+/// The poll of the waiter that leads the waiters of a hash; dropping it (the poll over, or
+/// the waiter gone) lets another lead and wakes them.
+struct PollLead<'a> {
+    ends: &'a LocalEnds,
+    hash: Digest,
+}
+
 impl LocalEnds {
     /// Registers a waiter for the end of a local claim of `hash`. A `notified()` future
     /// created from it before the claim is looked up hears an end that comes after the look.
@@ -481,9 +503,15 @@ impl LocalEnds {
         self.waiting.fetch_add(1, Ordering::SeqCst);
         let notify = {
             let mut by_hash = self.by_hash.lock();
-            let slot = by_hash.entry(hash).or_insert_with(|| (Arc::default(), 0));
-            slot.1 += 1;
-            slot.0.clone()
+            let slot = by_hash.entry(hash).or_insert_with(|| WaitSlot {
+                notify: Arc::default(),
+                waiters: 0,
+                polling: false,
+                polls: 0,
+                read: None,
+            });
+            slot.waiters += 1;
+            slot.notify.clone()
         };
         LocalEndWatch {
             ends: self,
@@ -498,20 +526,70 @@ impl LocalEnds {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
-        if let Some((notify, _)) = self.by_hash.lock().get(hash) {
-            notify.notify_waiters();
+        if let Some(slot) = self.by_hash.lock().get(hash) {
+            slot.notify.notify_waiters();
         }
     }
-}
 
-impl LocalEnds {
     /// Wakes every waiter.
     fn announce_all(&self) {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
-        for (notify, _) in self.by_hash.lock().values() {
-            notify.notify_waiters();
+        for slot in self.by_hash.lock().values() {
+            slot.notify.notify_waiters();
+        }
+    }
+
+    /// The poll of `hash`'s store record, for the waiter that takes it: `Ok` when none is
+    /// polling, `Err` with the count of polls ended so far when another is (the waiter then
+    /// waits for it, and takes what it read: [`LocalEnds::read_since`]).
+    fn lead(&self, hash: Digest) -> Result<PollLead<'_>, u64> {
+        let mut by_hash = self.by_hash.lock();
+        let Some(slot) = by_hash.get_mut(&hash) else {
+            // Not registered (never so: the caller holds a watch); poll alone.
+            return Ok(PollLead { ends: self, hash });
+        };
+        if slot.polling {
+            return Err(slot.polls);
+        }
+        slot.polling = true;
+        Ok(PollLead { ends: self, hash })
+    }
+
+    /// What a poll of `hash` that ended after the first `polls` read, when it read a change.
+    fn read_since(&self, hash: &Digest, polls: u64) -> Option<Option<Record>> {
+        let by_hash = self.by_hash.lock();
+        match &by_hash.get(hash)?.read {
+            Some((ended, record)) if *ended > polls => Some(record.clone()),
+            _ => None,
+        }
+    }
+}
+
+impl PollLead<'_> {
+    /// Leaves what the poll read for the others, when it read a change (not a record still
+    /// held: each waiter has its own deadline, and one whose wait goes on polls next).
+    fn read(&self, record: &Option<Record>) {
+        let changed = !matches!(
+            record,
+            Some(Record {
+                state: RecordState::InFlight { lock_remaining },
+                ..
+            }) if !lock_remaining.is_zero()
+        );
+        if let Some(slot) = self.ends.by_hash.lock().get_mut(&self.hash) {
+            slot.read = changed.then(|| (slot.polls + 1, record.clone()));
+        }
+    }
+}
+
+impl Drop for PollLead<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.ends.by_hash.lock().get_mut(&self.hash) {
+            slot.polling = false;
+            slot.polls += 1;
+            slot.notify.notify_waiters();
         }
     }
 }
@@ -520,8 +598,8 @@ impl Drop for LocalEndWatch<'_> {
     fn drop(&mut self) {
         let mut by_hash = self.ends.by_hash.lock();
         if let Entry::Occupied(mut slot) = by_hash.entry(self.hash) {
-            slot.get_mut().1 -= 1;
-            if slot.get().1 == 0 {
+            slot.get_mut().waiters -= 1;
+            if slot.get().waiters == 0 {
                 slot.remove();
             }
         }
@@ -1256,7 +1334,8 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
     /// While a claim of this replica's own holds the key, the wait asks the store nothing: the
     /// claim's end (its completion or release here) or acquisition wakes it ([`LocalEnds`]),
     /// and only once the lock it took (renewed while it runs) has lapsed does it poll the
-    /// store. A completion ended here is answered from the local copy. A purge of a record of
+    /// store. A completion ended here is answered from the local copy. Polling the store, one
+    /// waiter of a hash polls for all of them here ([`LocalEnds::lead`]). A purge of a record of
     /// the key's shard (or a drop of every copy) sends the wait to the store for good: the
     /// record it waits on may be gone while the claim still runs here.
     async fn wait_for_change(
@@ -1293,27 +1372,56 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             let mark = self.mark(&key.hash);
             let sent = Instant::now();
             let left = end.saturating_duration_since(sent);
-            // Polling the store, a claim of this replica's may still be heard of: one whose
-            // outcome came back after the look above (its reply raced this wait's claim).
-            let record = tokio::select! {
-                biased;
-                record = self.inner.wait_for_change(key, left) => record?,
-                _ = &mut heard, if !store_only => {
-                    if let Some(record) = self.cached(key) {
-                        return Ok(Some(record));
-                    }
-                    store_only = self.mark(&key.hash) != start;
-                    continue;
-                }
-            };
             // A wait that ends on a completed record (another replica's execution, waited
             // for) keeps a copy, as a claim that finds one does: the next retry here needs no
             // round trip. Its life is counted from before the wait began, earlier than the read
             // that told it.
-            if let Some(read) = &record {
-                self.keep_copy(key, read, sent, mark);
+            let keep = |record: &Option<Record>| {
+                if let Some(read) = record {
+                    self.keep_copy(key, read, sent, mark);
+                }
+            };
+            match self.local_ends.lead(key.hash) {
+                // Polling the store, a claim of this replica's may still be heard of: one whose
+                // outcome came back after the look above (its reply raced this wait's claim).
+                Ok(lead) => {
+                    let record = tokio::select! {
+                        biased;
+                        record = self.inner.wait_for_change(key, left) => record?,
+                        _ = &mut heard, if !store_only => {
+                            if let Some(record) = self.cached(key) {
+                                return Ok(Some(record));
+                            }
+                            store_only = self.mark(&key.hash) != start;
+                            continue;
+                        }
+                    };
+                    // Kept before the others are woken, so they find it.
+                    keep(&record);
+                    lead.read(&record);
+                    return Ok(record);
+                }
+                // Another waiter here polls the store for the record: this one waits for that
+                // poll to end and takes what it read (a completed record from the local copy
+                // it kept), or polls next; on its own deadline it reads once itself.
+                Err(polls) => tokio::select! {
+                    _ = &mut heard => {
+                        if let Some(record) = self.cached(key) {
+                            return Ok(Some(record));
+                        }
+                        if let Some(record) = self.local_ends.read_since(&key.hash, polls) {
+                            return Ok(record);
+                        }
+                        store_only = store_only || self.mark(&key.hash) != start;
+                        continue;
+                    }
+                    _ = tokio::time::sleep(left) => {
+                        let record = self.inner.wait_for_change(key, Duration::ZERO).await?;
+                        keep(&record);
+                        return Ok(record);
+                    }
+                },
             }
-            return Ok(record);
         }
     }
 
@@ -2102,6 +2210,59 @@ mod tests {
         let a = CachedStore::new(shared.clone(), options()).unwrap();
         let b = CachedStore::new(shared.clone(), options()).unwrap();
         (shared, a, b)
+    }
+
+    /// Waiters on one replica for another's execution share one wait on the store: one waits,
+    /// the others take what it read — a release as much as a completion.
+    #[tokio::test]
+    async fn waiters_for_another_replica_s_execution_share_one_wait_on_the_store() {
+        let (shared, a, b) = two_replicas();
+        let b = Arc::new(b);
+        for (n, settle_with_release) in [(30u8, true), (31, false)] {
+            let req = ClaimRequest {
+                lock_ttl: Duration::from_secs(30),
+                ..claim("t", n)
+            };
+            assert!(matches!(
+                a.claim(&req).await.unwrap(),
+                ClaimOutcome::Acquired { .. }
+            ));
+            let before = shared.calls.load(Ordering::Relaxed);
+            let waiters: Vec<_> = (0..5)
+                .map(|_| {
+                    let (b, key) = (b.clone(), req.key.clone());
+                    tokio::spawn(
+                        async move { b.wait_for_change(&key, Duration::from_secs(5)).await },
+                    )
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if settle_with_release {
+                a.release(&req.key, req.owner).await.unwrap();
+            } else {
+                a.complete(
+                    &req.key,
+                    req.owner,
+                    response(b"done"),
+                    Duration::from_secs(60),
+                )
+                .await
+                .unwrap();
+            }
+            for waiter in waiters {
+                let record = waiter.await.unwrap().unwrap().expect("a record");
+                match settle_with_release {
+                    true => assert_eq!(record.state, RecordState::Released),
+                    false => assert!(matches!(record.state, RecordState::Completed(_))),
+                }
+            }
+            // One wait of B's and A's settle.
+            assert_eq!(
+                shared.calls.load(Ordering::Relaxed),
+                before + 2,
+                "release: {settle_with_release}"
+            );
+        }
     }
 
     #[tokio::test]
