@@ -594,6 +594,18 @@ impl Drop for PollLead<'_> {
     }
 }
 
+/// Announces the end of a claim of `hash` when dropped ([`LocalEnds::announce`]).
+struct AnnounceOnDrop<'a> {
+    ends: &'a LocalEnds,
+    hash: Digest,
+}
+
+impl Drop for AnnounceOnDrop<'_> {
+    fn drop(&mut self) {
+        self.ends.announce(&self.hash);
+    }
+}
+
 impl Drop for LocalEndWatch<'_> {
     fn drop(&mut self) {
         let mut by_hash = self.ends.by_hash.lock();
@@ -602,6 +614,11 @@ impl Drop for LocalEndWatch<'_> {
             if slot.get().waiters == 0 {
                 slot.remove();
             }
+        }
+        // A stampede over many keys leaves no large empty table behind.
+        if by_hash.capacity() > 64 && by_hash.len() * 4 < by_hash.capacity() {
+            let len = by_hash.len();
+            by_hash.shrink_to(len * 2);
         }
         drop(by_hash);
         self.ends.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -1324,11 +1341,15 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         owner: OwnerToken,
     ) -> Result<WriteOutcome, StoreError> {
         self.pending.lock().remove(&key.hash, owner.0);
-        let released = self.inner.release(key, owner).await;
         // Once the store has it (or failed to): a waiter woken sooner would read the record
-        // still in flight and go back to polling.
-        self.local_ends.announce(&key.hash);
-        released
+        // still in flight and go back to polling. Also when this call is dropped on the way
+        // (its request gone): its waiters no longer find the claim here, and must not sleep on
+        // it until its lock would have lapsed.
+        let _announce = AnnounceOnDrop {
+            ends: &self.local_ends,
+            hash: key.hash,
+        };
+        self.inner.release(key, owner).await
     }
 
     /// While a claim of this replica's own holds the key, the wait asks the store nothing: the
@@ -1347,11 +1368,13 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
         let end = Instant::now() + timeout;
         let start = self.mark(&key.hash);
         let mut store_only = false;
-        loop {
+        'wait: loop {
             // Made before the look at the pending claims, so it hears what happens after it.
             let heard = watch.notify.notified();
             tokio::pin!(heard);
             heard.as_mut().enable();
+            // A purge since the wait began (before this wake-up could hear it) counts too.
+            store_only = store_only || self.mark(&key.hash) != start;
             let now = Instant::now();
             let held_here = match store_only {
                 true => None,
@@ -1385,15 +1408,33 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 // Polling the store, a claim of this replica's may still be heard of: one whose
                 // outcome came back after the look above (its reply raced this wait's claim).
                 Ok(lead) => {
-                    let record = tokio::select! {
-                        biased;
-                        record = self.inner.wait_for_change(key, left) => record?,
-                        _ = &mut heard, if !store_only => {
-                            if let Some(record) = self.cached(key) {
-                                return Ok(Some(record));
+                    let poll = self.inner.wait_for_change(key, left);
+                    tokio::pin!(poll);
+                    let record = loop {
+                        tokio::select! {
+                            biased;
+                            record = &mut poll => break record?,
+                            _ = &mut heard, if !store_only => {
+                                // Armed again before the looks, so it hears what comes after.
+                                heard.set(watch.notify.notified());
+                                heard.as_mut().enable();
+                                if let Some(record) = self.cached(key) {
+                                    return Ok(Some(record));
+                                }
+                                if self.mark(&key.hash) != start {
+                                    // The poll reads what the purge left.
+                                    store_only = true;
+                                } else if self
+                                    .pending
+                                    .lock()
+                                    .longest_left(&key.hash, Instant::now())
+                                    .is_some()
+                                {
+                                    continue 'wait;
+                                }
+                                // Anything else (another poll's end, a renewal, a claim whose
+                                // outcome this replica could not keep) leaves the poll be.
                             }
-                            store_only = self.mark(&key.hash) != start;
-                            continue;
                         }
                     };
                     // Kept before the others are woken, so they find it.
@@ -1412,7 +1453,6 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                         if let Some(record) = self.local_ends.read_since(&key.hash, polls) {
                             return Ok(record);
                         }
-                        store_only = store_only || self.mark(&key.hash) != start;
                         continue;
                     }
                     _ = tokio::time::sleep(left) => {
@@ -2210,6 +2250,42 @@ mod tests {
         let a = CachedStore::new(shared.clone(), options()).unwrap();
         let b = CachedStore::new(shared.clone(), options()).unwrap();
         (shared, a, b)
+    }
+
+    /// A waiter on a claim of its own replica hears of its release even when the release call
+    /// is dropped on its way to the store (its request gone): it asks the store from then on,
+    /// instead of sleeping on a claim no longer here until the lock would have lapsed.
+    #[tokio::test]
+    async fn a_release_dropped_on_its_way_still_wakes_the_claim_s_waiters() {
+        let store = cached();
+        let req = ClaimRequest {
+            lock_ttl: Duration::from_secs(30),
+            ..claim("t", 41)
+        };
+        assert!(matches!(
+            store.claim(&req).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+        let waiter = tokio::spawn({
+            let (store, key) = (store.clone(), req.key.clone());
+            async move { store.wait_for_change(&key, Duration::from_secs(20)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let calls = store.inner().calls.load(Ordering::Relaxed);
+        store.inner().set(Fault::Stall);
+        let releasing = tokio::spawn({
+            let (store, key) = (store.clone(), req.key.clone());
+            async move { store.release(&key, req.owner).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        releasing.abort();
+        let _ = releasing.await;
+        store.inner().set(Fault::None);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The release, and the waiter's wait on the store.
+        assert_eq!(store.inner().calls.load(Ordering::Relaxed), calls + 2);
+        assert!(!waiter.is_finished(), "the record is still in flight");
+        waiter.abort();
     }
 
     /// Waiters on one replica for another's execution share one wait on the store: one waits,
