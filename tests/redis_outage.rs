@@ -408,6 +408,43 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
     assert_eq!(backend.count(), 1, "the key ran once");
 }
 
+/// A claim that keeps finding the record released under its own fingerprint (another claimer
+/// winning each race for it) gives up after a few rounds with 409 and `Retry-After: 1`: it
+/// never forwards without a claim, and never loops for ever.
+#[tokio::test]
+async fn a_claim_that_keeps_losing_the_race_for_a_released_record_is_refused_not_forwarded() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    // Version vr: v1, with a claim that always answers the record released, as it would be
+    // if another claimer took and released it between every two claims of this one.
+    let scripts = tempfile::tempdir().expect("scripts dir");
+    script_dir(scripts.path(), "vr", "v1", |name, text| match name {
+        "claim" => format!(
+            "if string.find(KEYS[1], '{{default:', 1, true) then \
+             return {{0, ARGV[1], ARGV[3], 'r', 0, ''}} end\n{text}"
+        ),
+        _ => text,
+    });
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .store(&format!(
+            "  scripts: {{dir: \"{}\", version: vr}}",
+            scripts.path().display()
+        ))
+        .store("on_unavailable: pass")
+        .start()
+        .await;
+    let r = Request::post("/orders")
+        .key("raced")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(r.result(), Some("CONFLICT"));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(backend.count(), 0, "forwarded without a claim");
+}
+
 /// Nor a waiter whose wait fails: the store said the key is held before it failed, so under
 /// `pass` the waiter is refused (503), not forwarded beside the original.
 #[tokio::test]
