@@ -144,7 +144,7 @@ pub struct Tally {
     pub expired: usize,
     /// Lines that could not be read or restored.
     pub failed: usize,
-    /// Of the restored and expired lines, those refused because another request took their
+    /// Of the restored, missing and expired lines, those refused because another request took their
     /// key over (`"reason": "lock taken over"`): it executed the key again under the same
     /// execution id, so the backend ran it twice whatever the store holds now (a failover that
     /// lost the record, the ttl passing). They need someone, as an `another outcome` does.
@@ -307,9 +307,13 @@ pub async fn reconcile(
             ),
         };
         tally.count(&verdict);
-        // The other verdicts of such a line need someone already, or (stored, unconfirmed)
-        // say another execution cannot be ruled out.
-        let again = taken_over && matches!(verdict, Verdict::Restored | Verdict::Expired);
+        // The other verdicts of such a line say as much already (another outcome), or that
+        // another execution cannot be ruled out (stored, unconfirmed).
+        let again = taken_over
+            && matches!(
+                verdict,
+                Verdict::Restored | Verdict::Expired | Verdict::Missing
+            );
         if again {
             tally.executed_again += 1;
         }

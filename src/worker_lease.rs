@@ -29,9 +29,11 @@
 //!   no other it could trust); `idemgate_worker_id_leased` turns 0 once the lease may have run
 //!   out. A process started meanwhile may lease the same id; the first renewal that gets
 //!   through finds it taken, and the process moves to a free id at once: from then on keyed
-//!   requests wait for the search (as for the first attempt, at most [`FIRST_LEASE_WAIT`])
-//!   rather than take ids under the id it now knows another holds. A paused process issues
-//!   ids on resuming before that renewal has answered.
+//!   requests wait for the search (usually a round trip or two; at most [`FIRST_LEASE_WAIT`]
+//!   from the loss, one deadline for all) rather than take ids under the id it now knows
+//!   another holds. A search that fails (Redis gone again) or finds no id free, or runs past
+//!   the deadline, leaves ids going out under the old id, as in the cases above. A paused
+//!   process issues ids on resuming before that renewal has answered.
 //! - **A failover that loses the lease's write** (replication is asynchronous): another process
 //!   may take the id; this one finds out at its next renewal, a third of a lease later at most,
 //!   and moves.
@@ -40,7 +42,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tokio::sync::Notify;
 
@@ -98,8 +102,12 @@ pub struct WorkerIds {
     /// 0 when no lease is held (only ever set under [`WorkerIdSource::Lease`]).
     leased_until_ms: AtomicU64,
     base: Instant,
-    /// The first lease attempt has ended (or there is none to make).
+    /// The first lease attempt has ended (or there is none to make), or since a lease was
+    /// lost, the search for another.
     settled: AtomicBool,
+    /// Until when ids wait for the attempt or search under way (milliseconds after `base`):
+    /// one deadline for every request, so a long search stalls each by what is left of it.
+    settle_by_ms: AtomicU64,
     settled_notify: Notify,
     /// Leases found held by another process at renewal.
     lost: AtomicU64,
@@ -125,6 +133,7 @@ impl WorkerIds {
             leased_until_ms: AtomicU64::new(0),
             base: Instant::now(),
             settled: AtomicBool::new(settled),
+            settle_by_ms: AtomicU64::new(FIRST_LEASE_WAIT.as_millis() as u64),
             settled_notify: Notify::new(),
             lost: AtomicU64::new(0),
             failures: AtomicU64::new(0),
@@ -141,7 +150,9 @@ impl WorkerIds {
             // Registered before the flag is read again, so a settle in between is not missed.
             notified.as_mut().enable();
             if !self.settled.load(Ordering::Acquire) {
-                let _ = tokio::time::timeout(FIRST_LEASE_WAIT, notified).await;
+                let by = self.settle_by_ms.load(Ordering::Acquire);
+                let left = by.saturating_sub(self.millis(Instant::now()));
+                let _ = tokio::time::timeout(Duration::from_millis(left), notified).await;
             }
         }
         self.snowflake.next_id()
@@ -200,6 +211,8 @@ impl WorkerIds {
     fn lose(&self) {
         self.lost.fetch_add(1, Ordering::Relaxed);
         self.hold(None);
+        let by = self.millis(Instant::now()) + FIRST_LEASE_WAIT.as_millis() as u64;
+        self.settle_by_ms.store(by, Ordering::Release);
         self.settled.store(false, Ordering::Release);
     }
 }
@@ -423,6 +436,20 @@ mod tests {
             .expect("woken by the settle")
             .expect("task");
         assert_eq!(snowflake::decode(id).worker_id, 6);
+    }
+
+    /// The wait after a lost lease is one deadline for all: a search that runs long stalls a
+    /// request that comes late in it only by what is left.
+    #[tokio::test(start_paused = true)]
+    async fn the_wait_for_the_search_after_a_lost_lease_is_one_deadline() {
+        let ids = WorkerIds::to_lease(5);
+        ids.settle();
+        ids.lose();
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        let started = tokio::time::Instant::now();
+        let id = ids.next_id().await;
+        assert_eq!(started.elapsed(), Duration::from_millis(500));
+        assert_eq!(snowflake::decode(id).worker_id, 5);
     }
 
     #[tokio::test(start_paused = true)]

@@ -41,10 +41,18 @@ async fn metrics_are_prometheus_text() {
     }
     let mut samples = 0;
     let mut infinite_buckets = std::collections::HashSet::new();
-    for line in text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-    {
+    // In order: a family's # TYPE before its samples, and its samples together.
+    let mut typed_so_far = std::collections::HashSet::new();
+    let mut families_done = std::collections::HashSet::new();
+    let mut current = String::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            typed_so_far.insert(rest.split(' ').next().unwrap_or_default().to_owned());
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
         let (series, value) = line.rsplit_once(' ').expect("series value");
         assert!(value.parse::<f64>().is_ok(), "not a number: {line}");
         let name = series.split('{').next().unwrap_or_default();
@@ -56,6 +64,17 @@ async fn metrics_are_prometheus_text() {
             })
             .unwrap_or(name);
         assert!(types.contains_key(family), "no # TYPE for {line}");
+        assert!(
+            typed_so_far.contains(family),
+            "# TYPE after the sample: {line}"
+        );
+        if family != current {
+            assert!(
+                families_done.insert(family.to_owned()),
+                "{family}'s samples are not together: {line}"
+            );
+            current = family.to_owned();
+        }
         assert!(helped.contains(family), "no # HELP for {line}");
         assert!(family.starts_with("idemgate_"), "{line}");
         if name.ends_with("_bucket") && series.contains("le=\"+Inf\"") {

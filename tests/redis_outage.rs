@@ -434,6 +434,7 @@ async fn a_claim_that_keeps_losing_the_race_for_a_released_record_is_refused_not
         .store("on_unavailable: pass")
         .start()
         .await;
+    let before = redis.command_calls("evalsha");
     let r = Request::post("/orders")
         .key("raced")
         .body("{}")
@@ -441,8 +442,11 @@ async fn a_claim_that_keeps_losing_the_race_for_a_released_record_is_refused_not
         .await;
     assert_eq!(r.status, 409, "{}", r.text());
     assert_eq!(r.result(), Some("CONFLICT"));
+    assert_eq!(r.problem_type(), "request-in-flight", "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(backend.count(), 0, "forwarded without a claim");
+    // Nine claims, each finding the record released again, before it gave up.
+    assert_eq!(redis.command_calls("evalsha") - before, 9);
 }
 
 /// Nor a waiter whose wait fails: the store said the key is held before it failed, so under
@@ -742,6 +746,8 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
         report.contains("missing: a retry would execute again"),
         "{report}"
     );
+    // Told without --apply too: the key ran twice, restored or not.
+    assert!(report.contains("1 executed again"), "{report}");
     assert!(redis.keys().is_empty(), "nothing written without --apply");
     let (code, report) = reconcile(true);
     // Still flagged: the key ran twice, whatever the store holds now.

@@ -146,13 +146,9 @@ async fn fifty_concurrent_duplicates_over_three_instances_execute_once() {
     assert_executed_once(&backend, &responses);
 }
 
-/// Scripts the server has run (`EVALSHA` in `INFO commandstats`).
+/// Scripts the server has run.
 fn evalsha_calls(redis: &RedisServer) -> u64 {
-    let info: String = redis.cmd(&["INFO", "commandstats"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|v| v.split(',').next()?.parse().ok())
-        .unwrap_or(0)
+    redis.command_calls("evalsha")
 }
 
 /// Duplicates waiting on an execution that runs on their own replica hear of its end there:
@@ -167,17 +163,24 @@ async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
         .key("one-replica")
         .json(r#"{"sku":"D"}"#);
     let before = evalsha_calls(&redis);
-    let responses = stampede(&instances, &req, 20).await;
+    // Well into the original's 1.5 s: a claim each (19 of them found the record in flight),
+    // and at most a read or two of waiters whose claims' answers were taken before the
+    // original's, which then heard of it. Polling the store instead (even one poll for all of
+    // them) would have read the record some 12 times by now, at 5 ms doubling to 100 ms.
+    let midway = async {
+        backend.until_count(1).await;
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        evalsha_calls(&redis) - before
+    };
+    let (responses, midway) = tokio::join!(stampede(&instances, &req, 20), midway);
+    assert!(
+        (20..=23).contains(&midway),
+        "{midway} scripts run 0.8 s into the original, for 20 duplicates on one replica"
+    );
     let calls = evalsha_calls(&redis) - before;
     assert_executed_once(&backend, &responses);
-    // A claim each (19 of them find the record in flight) and the completion, 21; a waiter
-    // whose claim's answer was taken before the original's reads the record once more, 40 at
-    // most. Polling, each waiter would read it every 5 ms doubling to 100 ms: some 17 times
-    // in the 1.5 s.
-    assert!(
-        calls <= 40,
-        "{calls} scripts run for 20 duplicates on one replica"
-    );
+    // The completion; the waiters are answered from the local copy.
+    assert_eq!(calls, midway + 1, "scripts run after the original ended");
 }
 
 /// Duplicates waiting on one replica for an execution that runs on another share one poll of

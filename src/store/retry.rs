@@ -1033,7 +1033,6 @@ impl InStore {
     }
 }
 
-/// One dead-letter JSON line (with trailing newline) for a record in `store`.
 /// Opens the dead-letter file to append, creating it readable and writable by this user only
 /// (`0600`): its lines hold whole responses, which may carry personal or payment data. An
 /// existing file keeps its mode (see [`dead_letter_file_exposed`]).
@@ -1054,6 +1053,7 @@ pub fn dead_letter_file_exposed(file: &std::fs::File) -> Option<u32> {
     (mode & 0o044 != 0).then_some(mode)
 }
 
+/// One dead-letter JSON line (with trailing newline) for a record in `store`.
 pub fn dead_letter_line(
     store: &LetterStore,
     job: &PendingCompletion,

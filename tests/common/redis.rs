@@ -192,6 +192,17 @@ impl RedisServer {
             .sum()
     }
 
+    /// How many times this server has run `command` (lower case, as `INFO commandstats` names
+    /// it: `evalsha`), counting the calls scripts make too for the commands they call.
+    pub fn command_calls(&self, command: &str) -> u64 {
+        let info: String = self.cmd(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix[..]))
+            .and_then(|v| v.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// Every key on this server (`KEYS *`, fine for a test server).
     pub fn keys(&self) -> Vec<String> {
         self.cmd(&["KEYS", "*"])
