@@ -205,8 +205,19 @@ impl fmt::Display for Tally {
 /// failed one cuts the file back to where it began), so the lock need not be held while the
 /// lines are judged, and proxies appending meanwhile do not wait on a long `--apply`. Anything
 /// other than a file (a pipe: `--reconcile <(zcat dead.jsonl.gz)`) has no length, and is read
-/// to its end.
+/// to its end. A lock held past [`LOCK_WAIT`] (a proxy whose disk hangs in the append's
+/// `fsync`) is an error that says so, not a run that hangs without a word.
 pub fn open_dead_letters(path: &std::path::Path) -> io::Result<impl io::BufRead> {
+    open_dead_letters_within(path, LOCK_WAIT)
+}
+
+/// How long [`open_dead_letters`] waits for an append under way to finish.
+pub const LOCK_WAIT: Duration = Duration::from_secs(10);
+
+fn open_dead_letters_within(
+    path: &std::path::Path,
+    wait: Duration,
+) -> io::Result<impl io::BufRead> {
     use std::io::Read;
     let file = std::fs::File::open(path)?;
     let meta = file.metadata()?;
@@ -217,7 +228,26 @@ pub fn open_dead_letters(path: &std::path::Path) -> io::Result<impl io::BufRead>
         }));
     }
     // `flock(2)` on Unix, as a proxy's appends take it.
-    file.lock_shared()?;
+    let until = std::time::Instant::now() + wait;
+    loop {
+        match file.try_lock_shared() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "a proxy has held the file's lock for an append over {}s (a disk that \
+                         hangs?); try again once it lets go",
+                        wait.as_secs_f64()
+                    ),
+                ))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+        }
+    }
     let len = file.metadata()?.len();
     file.unlock()?;
     Ok(io::BufReader::new(Exactly {
@@ -1318,6 +1348,33 @@ mod tests {
         let mut text = String::new();
         lines.read_to_string(&mut text).unwrap();
         assert_eq!(text, "{\"first\":1}\n{\"second\":2}\n");
+    }
+
+    /// A lock held past the wait (an append stuck in its `fsync`) ends the run with an error
+    /// that says so, instead of a hang.
+    #[test]
+    fn a_lock_held_past_the_wait_is_an_error_not_a_hang() {
+        use std::os::unix::io::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        std::fs::write(&path, "{}\n").unwrap();
+        let writer = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        // SAFETY: flock on a descriptor `writer` keeps open.
+        assert_eq!(unsafe { libc::flock(writer.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let error = match open_dead_letters_within(&path, Duration::from_millis(100)) {
+            Ok(_) => panic!("opened while an append held the lock"),
+            Err(e) => e,
+        };
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        assert!(
+            error.to_string().contains("held the file's lock"),
+            "{error}"
+        );
+        drop(writer);
+        assert!(open_dead_letters_within(&path, Duration::from_millis(100)).is_ok());
     }
 
     #[tokio::test]
