@@ -1407,7 +1407,9 @@ impl RecordStore for RedisStore {
     /// connection per node (which Cluster and failover make fiddly), it holds no connection
     /// while it sleeps (waiters share the multiplexed connection, so many duplicates cannot
     /// exhaust a pool), and it costs a waiter at most ~10 reads a second. The price is up to
-    /// 100 ms of extra latency for a waiter whose original runs long.
+    /// 100 ms of extra latency for a waiter whose original runs long on another replica. The
+    /// local cache in front ([`super::cached::CachedStore`]) runs one such poll for all the
+    /// waiters of a key on a replica, and none while the original runs on the waiter's own.
     async fn wait_for_change(
         &self,
         key: &RecordKey,
