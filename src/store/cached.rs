@@ -2252,6 +2252,102 @@ mod tests {
         (shared, a, b)
     }
 
+    /// The waits under many interleavings: two replicas over one store, rounds of a claim on
+    /// either, waiters on both, and an end after a random pause — a completion, a release, a
+    /// purge through either replica, or the lock left to lapse. Every waiter ends soon after
+    /// the change it waits for (no lost wake-up leaves one asleep until its timeout) and reads
+    /// what the change made.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waits_end_soon_after_every_kind_of_change_on_either_replica() {
+        use rand::Rng;
+        let shared = Arc::new(FaultyStore::new(MemoryStore::new(1 << 24, 4)));
+        let replicas = [
+            Arc::new(CachedStore::new(shared.clone(), options()).unwrap()),
+            Arc::new(CachedStore::new(shared.clone(), options()).unwrap()),
+        ];
+        // Longer than any change takes to be heard: a missed wake-up shows as a waiter that
+        // slept until the lapse.
+        let lock = Duration::from_secs(1);
+        let timeout = Duration::from_secs(3);
+        for round in 0..40u32 {
+            let (owner_at, end, pause_ms, waiters) = {
+                let mut rng = rand::thread_rng();
+                (
+                    rng.gen_range(0..2usize),
+                    rng.gen_range(0..5u8),
+                    rng.gen_range(0..15u64),
+                    rng.gen_range(1..6usize),
+                )
+            };
+            let req = ClaimRequest {
+                key: numbered(10_000 + round),
+                lock_ttl: lock,
+                ..claim("t", 0)
+            };
+            let owner = &replicas[owner_at];
+            assert!(matches!(
+                owner.claim(&req).await.unwrap(),
+                ClaimOutcome::Acquired { .. }
+            ));
+            let started = Instant::now();
+            let tasks: Vec<_> = (0..waiters)
+                .map(|w| {
+                    let (store, key) = (replicas[w % 2].clone(), req.key.clone());
+                    tokio::spawn(async move {
+                        let record = store.wait_for_change(&key, timeout).await.unwrap();
+                        (record, Instant::now())
+                    })
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+            let changed = Instant::now();
+            match end {
+                0 => {
+                    let done = response(b"done");
+                    let written = owner.complete(&req.key, req.owner, done, req.ttl).await;
+                    assert_eq!(written.unwrap(), WriteOutcome::Applied);
+                }
+                1 => {
+                    let released = owner.release(&req.key, req.owner).await;
+                    assert_eq!(released.unwrap(), WriteOutcome::Applied);
+                }
+                2 | 3 => {
+                    let purger = &replicas[usize::from(end) - 2];
+                    assert!(purger.delete(&req.key).await.unwrap());
+                    // The other replica hears of it as a purge message.
+                    replicas[3 - usize::from(end)].forget(&req.key);
+                }
+                _ => {}
+            }
+            // A change is heard within a few of the store's polls; a lapse soon after it.
+            let due = match end {
+                4 => started + lock,
+                _ => changed,
+            } + Duration::from_millis(400);
+            for task in tasks {
+                let (record, ended) = task.await.unwrap();
+                assert!(
+                    ended <= due,
+                    "round {round}: end {end}, a waiter ended {:?} late",
+                    ended - due
+                );
+                let state = record.as_ref().map(|r| &r.state);
+                let fits = match end {
+                    0 => matches!(state, Some(RecordState::Completed(_))),
+                    1 => matches!(state, Some(RecordState::Released)),
+                    2 | 3 => state.is_none(),
+                    _ => {
+                        matches!(
+                            state,
+                            Some(RecordState::InFlight { lock_remaining }) if lock_remaining.is_zero()
+                        ) || matches!(state, Some(RecordState::Released))
+                    }
+                };
+                assert!(fits, "round {round}: end {end}, read {record:?}");
+            }
+        }
+    }
+
     /// A waiter on a claim of its own replica hears of its release even when the release call
     /// is dropped on its way to the store (its request gone): it asks the store from then on,
     /// instead of sleeping on a claim no longer here until the lock would have lapsed.
