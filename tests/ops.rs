@@ -154,6 +154,10 @@ async fn readyz_answers_in_time_while_redis_hangs_under_a_permissive_policy() {
 #[tokio::test]
 async fn a_dead_letter_file_is_private_and_an_exposed_one_is_reported_at_start() {
     use std::os::unix::fs::PermissionsExt;
+    // The usual umask, which alone would create the file readable by all: the proxies started
+    // here inherit it. (A stricter one would make the check below pass whatever the code does.)
+    // SAFETY: umask only sets the process's file creation mask.
+    unsafe { libc::umask(0o022) };
     let backend = Backend::start().await;
     let dir = tempfile::tempdir().expect("dir");
     let start_on = |path: &std::path::Path| {
