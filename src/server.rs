@@ -359,6 +359,18 @@ fn register_cache_metrics<S: RecordStore>(metrics: &Metrics, cached: &Arc<Cached
                 |s| s.copied.load(Ordering::Relaxed) as f64,
             ),
             (
+                "idemgate_waits_ended_here_total",
+                "Waits (on_in_flight: wait) answered when a claim of this replica ended, with no store read",
+                Pull::Counter,
+                |s| s.waits_ended_here.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "idemgate_waits_shared_total",
+                "Waits answered by another waiter's poll of the store on this replica",
+                Pull::Counter,
+                |s| s.waits_shared.load(Ordering::Relaxed) as f64,
+            ),
+            (
                 "idemgate_bloom_negatives_total",
                 "Claims the Bloom filter sent straight to the store",
                 Pull::Counter,

@@ -181,6 +181,12 @@ async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
     assert_executed_once(&backend, &responses);
     // The completion; the waiters are answered from the local copy.
     assert_eq!(calls, midway + 1, "scripts run after the original ended");
+    let m = instances[0].metrics().await;
+    assert_eq!(
+        common::metric(&m, "idemgate_waits_ended_here_total"),
+        Some(19.0),
+        "{m}"
+    );
 }
 
 /// Duplicates waiting on one replica for an execution that runs on another share one poll of
@@ -210,6 +216,14 @@ async fn duplicates_waiting_on_another_replica_s_execution_share_one_poll() {
     assert!(
         calls <= 70,
         "{calls} scripts run for 20 duplicates waiting on one replica"
+    );
+    // All but the waiters that polled took another's read.
+    let m = instances[1].metrics().await;
+    let shared = common::metric(&m, "idemgate_waits_shared_total").expect("exported");
+    assert!(shared >= 15.0, "{shared} of 20 waits shared a poll");
+    assert_eq!(
+        common::metric(&m, "idemgate_waits_ended_here_total"),
+        Some(0.0)
     );
 }
 

@@ -69,6 +69,10 @@ pub struct LocalCacheStats {
     /// Completed records read from the store (completed by another replica, or by this one
     /// before it restarted) and kept as local copies.
     pub copied: AtomicU64,
+    /// Waits (`on_in_flight: wait`) answered when a claim of this replica ended: no store read.
+    pub waits_ended_here: AtomicU64,
+    /// Waits answered by what another waiter's poll of the store read.
+    pub waits_shared: AtomicU64,
 }
 
 struct Filters {
@@ -1384,6 +1388,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 tokio::select! {
                     _ = &mut heard => {
                         if let Some(record) = self.cached(key) {
+                            self.stats.waits_ended_here.fetch_add(1, Ordering::Relaxed);
                             return Ok(Some(record));
                         }
                         store_only = self.mark(&key.hash) != start;
@@ -1419,6 +1424,7 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                                 heard.set(watch.notify.notified());
                                 heard.as_mut().enable();
                                 if let Some(record) = self.cached(key) {
+                                    self.stats.waits_ended_here.fetch_add(1, Ordering::Relaxed);
                                     return Ok(Some(record));
                                 }
                                 if self.mark(&key.hash) != start {
@@ -1447,10 +1453,11 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                 // it kept), or polls next; on its own deadline it reads once itself.
                 Err(polls) => tokio::select! {
                     _ = &mut heard => {
-                        if let Some(record) = self.cached(key) {
-                            return Ok(Some(record));
-                        }
-                        if let Some(record) = self.local_ends.read_since(&key.hash, polls) {
+                        let shared = self.cached(key).map(Some).or_else(|| {
+                            self.local_ends.read_since(&key.hash, polls)
+                        });
+                        if let Some(record) = shared {
+                            self.stats.waits_shared.fetch_add(1, Ordering::Relaxed);
                             return Ok(record);
                         }
                         continue;
