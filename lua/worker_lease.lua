@@ -9,8 +9,10 @@
 -- ARGV[2]  lease, milliseconds (decimal integer >= 1, sent to PEXPIRE as this text)
 --
 -- Reply:
---   1  the caller holds the lease for ARGV[2] ms from now
---   0  another holder has it (or the key is no lease); nothing changed
+--   {1, now_ms}  the caller holds the lease for ARGV[2] ms from now; now_ms is this server's
+--                clock (TIME) in Unix milliseconds, so a caller whose clock runs behind can
+--                issue its ids no earlier than that
+--   0            another holder has it (or the key is no lease); nothing changed
 --
 -- Transition:
 --   absent                  -> held by ARGV[1] (field h) for ARGV[2] ms
@@ -20,6 +22,12 @@
 --   or another's (0): it never takes over a lease someone else holds.
 
 local key = KEYS[1]
+
+local function held()
+  local time = redis.call('TIME')
+  return {1, tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)}
+end
+
 local found = redis.pcall('HMGET', key, 'h')
 if found.err then
   -- Not a hash: some other key under this name, never overwritten. Any other error (an ACL
@@ -37,10 +45,10 @@ if not holder then
   end
   redis.call('HSET', key, 'h', ARGV[1])
   redis.call('PEXPIRE', key, ARGV[2])
-  return 1
+  return held()
 end
 if holder == ARGV[1] then
   redis.call('PEXPIRE', key, ARGV[2])
-  return 1
+  return held()
 end
 return 0

@@ -73,13 +73,18 @@ impl Snowflake {
             .store(worker_id & MAX_WORKER_ID, Ordering::Relaxed);
     }
 
+    /// Issues no id stamped before `unix_ms` from now on (ids already issued are untouched):
+    /// the logical clock moves up to it if behind. A clock that runs behind another trusted
+    /// one (the shared store's) then cannot issue ids another generator issued under the same
+    /// worker id before it.
+    pub fn advance_to(&self, unix_ms: u64) {
+        let floor = unix_ms.saturating_sub(EPOCH_UNIX_MS).min(MAX_MS) << SEQUENCE_BITS;
+        self.state.fetch_max(floor, Ordering::Relaxed);
+    }
+
     /// The next id, stamped with the current wall-clock time.
     pub fn next_id(&self) -> u64 {
-        // A clock before 1970 or beyond u64 ms is nonsense; the logical clock absorbs it.
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        self.next_id_at(now)
+        self.next_id_at(unix_ms_now())
     }
 
     /// The next id as if the wall clock read `now_unix_ms`: [`Snowflake::next_id`] with an
@@ -112,6 +117,14 @@ impl Snowflake {
     pub fn worker_id(&self) -> u16 {
         self.worker_id.load(Ordering::Relaxed)
     }
+}
+
+/// This host's wall clock in Unix milliseconds (0 before 1970: a clock that far off is
+/// nonsense, and the logical clock absorbs it).
+pub fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Splits an id into its issue time, worker id and sequence.

@@ -18,6 +18,10 @@
 //! third of a lease (plus a slow call) before, so a successor taking its id starts about two
 //! thirds of a lease (20 s by default) after the last id issued under it at the least, which
 //! covers clocks that differ between hosts (or step back across a restart) by less than that.
+//! A clock further behind is covered too: each lease call answers with Redis's clock, and ids
+//! are issued no earlier than it ([`WorkerIds::follow_store_clock`]; a Redis clock over
+//! [`MAX_STORE_CLOCK_AHEAD`] ahead is not followed, and said once). What is left is a previous
+//! holder whose clock ran over 20 s *ahead* of Redis's.
 //!
 //! What the lease cannot rule out, and what happens then:
 //! - **Redis unreachable at the start:** ids go out under the hashed id, unleased, until a
@@ -56,6 +60,10 @@ use crate::store::StoreError;
 /// attempt ends within one Redis operation's deadline per id it tries, so this is only reached
 /// when Redis is slow or down at the start.
 pub const FIRST_LEASE_WAIT: Duration = Duration::from_secs(2);
+
+/// How far ahead of this host's clock Redis's may be for ids to follow it
+/// ([`WorkerIds::follow_store_clock`]).
+pub const MAX_STORE_CLOCK_AHEAD: Duration = Duration::from_secs(600);
 
 /// Pause before trying again after Redis did not answer a lease call.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
@@ -208,6 +216,21 @@ impl WorkerIds {
     /// The lease was found held by another process: no lease is held, and ids wait for the
     /// search for another ([`WorkerIds::settle`] when it ends) instead of going out under an
     /// id a live process holds.
+    /// Issues no more ids stamped before `store_ms`, the shared store's clock at a lease call
+    /// (this host's reading `now_ms`): a host whose clock runs behind the store's (a VM
+    /// restored from a snapshot, a node whose NTP has not caught up) would otherwise issue ids
+    /// stamped before the last ones its worker id's previous holder issued, and repeat them.
+    /// A store clock more than [`MAX_STORE_CLOCK_AHEAD`] ahead is not followed (ids far in
+    /// the future would misdate every record): `Err` with how far ahead it is.
+    fn follow_store_clock(&self, store_ms: u64, now_ms: u64) -> Result<(), u64> {
+        let ahead = store_ms.saturating_sub(now_ms);
+        if ahead > MAX_STORE_CLOCK_AHEAD.as_millis() as u64 {
+            return Err(ahead);
+        }
+        self.snowflake.advance_to(store_ms);
+        Ok(())
+    }
+
     fn lose(&self) {
         self.lost.fetch_add(1, Ordering::Relaxed);
         self.hold(None);
@@ -225,6 +248,8 @@ pub struct Lease {
     holder: String,
     lease: Duration,
     first_choice: u16,
+    /// Whether a Redis clock too far ahead to follow was reported (once per process).
+    clock_warned: AtomicBool,
 }
 
 impl Lease {
@@ -240,6 +265,7 @@ impl Lease {
             holder,
             lease,
             first_choice,
+            clock_warned: AtomicBool::new(false),
         }
     }
 
@@ -328,17 +354,31 @@ impl Lease {
     }
 
     /// One lease call on `id`; when the lease is this process's, records it as held for a
-    /// lease from when the call was sent.
+    /// lease from when the call was sent, and issues no more ids stamped before Redis's clock
+    /// ([`WorkerIds::follow_store_clock`]).
     async fn call(&self, id: u16) -> Result<bool, StoreError> {
         let sent = Instant::now();
         let held = self
             .store
             .lease_worker_id(id, &self.holder, self.lease)
             .await?;
-        if held {
-            self.ids.hold(Some(sent + self.lease));
+        let Some(store_ms) = held else {
+            return Ok(false);
+        };
+        self.ids.hold(Some(sent + self.lease));
+        if let Err(ahead) = self
+            .ids
+            .follow_store_clock(store_ms, snowflake::unix_ms_now())
+        {
+            if !self.clock_warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    ahead_ms = ahead,
+                    "Redis's clock is far ahead of this host's; execution ids keep this host's \
+                     clock (check NTP on both)"
+                );
+            }
         }
-        Ok(held)
+        Ok(true)
     }
 
     /// Leases the first free id from `start` on; `None` when every id is held (or could not
@@ -450,6 +490,29 @@ mod tests {
         let id = ids.next_id().await;
         assert_eq!(started.elapsed(), Duration::from_millis(500));
         assert_eq!(snowflake::decode(id).worker_id, 5);
+    }
+
+    /// Ids follow Redis's clock when this host's runs behind it (a restored VM would otherwise
+    /// reissue its worker id's earlier ids), but not one absurdly far ahead.
+    #[test]
+    fn ids_follow_a_store_clock_ahead_of_this_host_s_within_bounds() {
+        let ids = WorkerIds::fixed(9, WorkerIdSource::Lease);
+        let now = snowflake::unix_ms_now();
+        let store = now + 90_000;
+        assert_eq!(ids.follow_store_clock(store, now), Ok(()));
+        let id = ids.snowflake.next_id();
+        assert!(
+            snowflake::decode(id).unix_ms >= store,
+            "an id stamped before the store's clock"
+        );
+        // A store clock behind this host's changes nothing.
+        let before = ids.snowflake.next_id();
+        assert_eq!(ids.follow_store_clock(now - 60_000, now), Ok(()));
+        assert_eq!(ids.snowflake.next_id(), before + 1);
+        // One over ten minutes ahead is not followed.
+        let far = now + MAX_STORE_CLOCK_AHEAD.as_millis() as u64 + 90_000 + 1;
+        assert!(ids.follow_store_clock(far, now).is_err());
+        assert!(snowflake::decode(ids.snowflake.next_id()).unix_ms < far);
     }
 
     #[tokio::test(start_paused = true)]

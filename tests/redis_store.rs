@@ -82,6 +82,35 @@ async fn claim_and_complete(store: &RedisStore, key: &RecordKey, body: &[u8]) ->
     req
 }
 
+/// The worker-id lease answers with Redis's clock when the caller holds it (ids then follow it:
+/// `WorkerIds::follow_store_clock`), and with nothing when another holder has it.
+#[tokio::test]
+async fn a_worker_id_lease_answers_with_the_server_s_clock() {
+    let server = RedisServer::start();
+    let store = single(&server);
+    store.connect().await.expect("connect");
+    let lease = Duration::from_secs(30);
+    let time: Vec<String> = server.cmd(&["TIME"]);
+    let server_ms = time[0].parse::<u64>().expect("seconds") * 1000;
+    let held = store
+        .lease_worker_id(7, "token-a host-a", lease)
+        .await
+        .expect("lease call");
+    let now_ms = held.expect("a free id is leased");
+    assert!(
+        now_ms.abs_diff(server_ms) < 5_000,
+        "{now_ms} is not the server's clock ({server_ms})"
+    );
+    // Renewed by its holder: the clock again, never earlier.
+    let renewed = store.lease_worker_id(7, "token-a host-a", lease).await;
+    assert!(renewed.expect("renewal") >= Some(now_ms));
+    // Held by another: no clock, nothing changed.
+    let taken = store.lease_worker_id(7, "token-b host-b", lease).await;
+    assert_eq!(taken.expect("lease call"), None);
+    let holder: String = server.cmd(&["HGET", &store.worker_lease_key(7), "h"]);
+    assert_eq!(holder, "token-a host-a");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_on_a_single_server() {
     let server = RedisServer::start();

@@ -1274,13 +1274,14 @@ impl RedisStore {
     }
 
     /// Takes the lease on worker id `id` for `holder`, or renews it if `holder` has it, for
-    /// `lease` from now (`lua/worker_lease.lua`). `Ok(false)`: another holder has it.
+    /// `lease` from now (`lua/worker_lease.lua`): `Some` with the server's clock in Unix
+    /// milliseconds when `holder` holds it, `None` when another holder has it.
     pub async fn lease_worker_id(
         &self,
         id: u16,
         holder: &str,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<u64>, StoreError> {
         static SCRIPT: LazyLock<redis::Script> =
             LazyLock::new(|| redis::Script::new(WORKER_LEASE_SCRIPT));
         let key = self.worker_lease_key(id);
@@ -1298,8 +1299,11 @@ impl RedisStore {
         };
         let reply = self.send("worker lease", call).await.map_err(|f| f.error)?;
         match reply {
-            Value::Int(1) => Ok(true),
-            Value::Int(0) => Ok(false),
+            Value::Array(parts) => match parts.as_slice() {
+                [Value::Int(1), Value::Int(now_ms)] if *now_ms >= 0 => Ok(Some(*now_ms as u64)),
+                _ => Err(unexpected("worker lease", &Value::Array(parts))),
+            },
+            Value::Int(0) => Ok(None),
             other => Err(unexpected("worker lease", &other)),
         }
     }
