@@ -17,7 +17,7 @@ const EXIT_BAD_CONFIG: u8 = 64;
 /// Exit status for a listen address that cannot be bound (EX_UNAVAILABLE).
 const EXIT_CANNOT_LISTEN: u8 = 69;
 /// Exit status for a stop with dead letters the dead-letter file never took (EX_IOERR).
-const EXIT_DEAD_LETTERS_LOST: u8 = 74;
+const EXIT_DEAD_LETTERS_LOST: u8 = idemgate::server::EXIT_DEAD_LETTERS_LOST as u8;
 
 /// A reverse proxy that makes non-idempotent HTTP APIs safe to retry.
 #[derive(Parser, Debug)]

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -712,6 +712,51 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             on_exit,
         }),
     });
+    if EXITING.swap(true, Ordering::SeqCst) {
+        // The fast stop's watchdog is ending the process; it does what follows.
+        loop {
+            std::thread::park();
+        }
+    }
+    finish(&retrier, on_exit)
+}
+
+/// Set by whichever of `run`'s end and the fast stop's watchdog ends the process first.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// How long a fast stop (SIGINT) waits for pingora to stop its runtimes before the process
+/// ends without them. pingora stops them in well under a second; but a listener whose runtime
+/// is being shut down can find `accept` failing at once, every time, and log and retry in a
+/// loop that never yields, so its runtime's thread never stops and the process hung, writing
+/// the same error millions of times (seen in about one stop in ten on a busy machine).
+const FAST_STOP_LIMIT: Duration = Duration::from_secs(1);
+
+/// Ends the process [`FAST_STOP_LIMIT`] after a fast stop unless `run` has ended it first,
+/// doing what `run`'s end does ([`finish`]).
+fn watch_fast_stop(retrier: CompletionRetrier, on_exit: fn()) {
+    std::thread::spawn(move || {
+        std::thread::sleep(FAST_STOP_LIMIT);
+        if EXITING.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        tracing::warn!(
+            "the runtimes did not stop within {}s of SIGINT; exiting without them",
+            FAST_STOP_LIMIT.as_secs_f64()
+        );
+        let code = match finish(&retrier, on_exit) {
+            Ok(()) => 0,
+            Err(_) => EXIT_DEAD_LETTERS_LOST,
+        };
+        std::process::exit(code);
+    });
+}
+
+/// The process's exit status when dead letters could not be written at the end (`EX_IOERR`).
+pub const EXIT_DEAD_LETTERS_LOST: i32 = 74;
+
+/// The end of a stop, once requests are no longer served: dead-letters what still waits for
+/// the store, waits a bounded time for the dead-letter file to take it, and flushes the log.
+fn finish(retrier: &CompletionRetrier, on_exit: fn()) -> Result<(), StartError> {
     // The drain ran out of time (or the stop was fast): what still waits for the store goes to
     // the dead-letter file rather than vanishing with the process.
     let left = retrier.dead_letter_pending("process stopped before the store took it");
@@ -1087,6 +1132,13 @@ impl Signals {
         std::thread::spawn(move || exit_when_drained(&in_flight, &retrier, grace_period, on_exit));
         ShutdownSignal::GracefulTerminate
     }
+
+    /// The fast stop (SIGINT): no drain, and an end within [`FAST_STOP_LIMIT`] whatever
+    /// pingora's runtimes do.
+    fn fast_stop(&self) -> ShutdownSignal {
+        watch_fast_stop(self.retrier.clone(), self.on_exit);
+        ShutdownSignal::FastShutdown
+    }
 }
 
 /// The signals that stop the server: SIGTERM and SIGQUIT drain, SIGINT stops at once.
@@ -1151,7 +1203,7 @@ impl ShutdownSignalWatch for Signals {
         // A stop signal that came while the process was starting, before these streams were
         // there to take it (caught by `catch_stop_signals_while_starting`), counts now.
         match stop_signal_while_starting() {
-            Some(libc::SIGINT) => return ShutdownSignal::FastShutdown,
+            Some(libc::SIGINT) => return self.fast_stop(),
             None => {}
             Some(early) => {
                 tracing::info!(
@@ -1166,7 +1218,7 @@ impl ShutdownSignalWatch for Signals {
                 tracing::info!("SIGTERM: draining in-flight requests");
                 self.drain()
             }
-            _ = int.recv() => ShutdownSignal::FastShutdown,
+            _ = int.recv() => self.fast_stop(),
             // pingora's graceful upgrade (handing the listeners to a new process) is not used:
             // SIGQUIT drains as SIGTERM does rather than wait out the grace period unready.
             _ = quit.recv() => {

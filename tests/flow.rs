@@ -1108,7 +1108,7 @@ async fn sigint_stops_at_once_without_a_drain() {
     proxy.signal("INT");
     let started = std::time::Instant::now();
     let (status, proxy) = exit_of(proxy).await;
-    let status = status.expect("exited");
+    let status = status.unwrap_or_else(|| panic!("not exited; log:\n{}", proxy.log()));
     assert!(status.success(), "exit status {status:?}");
     assert!(
         started.elapsed() < Duration::from_secs(5),
