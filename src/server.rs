@@ -739,17 +739,30 @@ fn watch_fast_stop(retrier: CompletionRetrier, on_exit: fn()) {
         if EXITING.swap(true, Ordering::SeqCst) {
             return;
         }
-        tracing::warn!(
+        // Straight to stderr: the log's buffer may be full of the spinning listener's errors.
+        let message = format!(
             "the runtimes did not stop within {}s of SIGINT; exiting without them",
             FAST_STOP_LIMIT.as_secs_f64()
         );
-        let code = match finish(&retrier, on_exit) {
-            Ok(()) => 0,
-            Err(_) => EXIT_DEAD_LETTERS_LOST,
+        eprint!(
+            "{}",
+            crate::accesslog::stderr_line("idemgate::server", &message, &[], "")
+        );
+        // `run` is parked for good once the flag is taken: the process ends here whatever
+        // `finish` does, a panic included.
+        let finished =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(&retrier, on_exit)));
+        let code = match finished {
+            Ok(Ok(())) => 0,
+            Ok(Err(_)) => EXIT_DEAD_LETTERS_LOST,
+            Err(_) => EXIT_SOFTWARE,
         };
         std::process::exit(code);
     });
 }
+
+/// The exit status when the end of a stop itself failed (`EX_SOFTWARE`).
+const EXIT_SOFTWARE: i32 = 70;
 
 /// The process's exit status when dead letters could not be written at the end (`EX_IOERR`).
 pub const EXIT_DEAD_LETTERS_LOST: i32 = 74;
@@ -1277,6 +1290,10 @@ fn exit_when_drained(
         if in_flight.get() == 0 && retrier.pending() == 0 {
             idle_looks += 1;
             if idle_looks >= 2 {
+                if EXITING.swap(true, Ordering::SeqCst) {
+                    // `run`'s end is under way (pingora stopped first): it exits.
+                    return;
+                }
                 tracing::info!("drained; exiting");
                 on_exit();
                 std::process::exit(0);
