@@ -549,15 +549,13 @@ impl LocalEnds {
     /// polling, `Err` with the count of polls ended so far when another is (the waiter then
     /// waits for it, and takes what it read: [`LocalEnds::read_since`]).
     fn lead(&self, hash: Digest) -> Result<PollLead<'_>, u64> {
-        let mut by_hash = self.by_hash.lock();
-        let Some(slot) = by_hash.get_mut(&hash) else {
-            // Not registered (never so: the caller holds a watch); poll alone.
-            return Ok(PollLead { ends: self, hash });
-        };
-        if slot.polling {
-            return Err(slot.polls);
+        // The caller's watch keeps the slot there.
+        if let Some(slot) = self.by_hash.lock().get_mut(&hash) {
+            if slot.polling {
+                return Err(slot.polls);
+            }
+            slot.polling = true;
         }
-        slot.polling = true;
         Ok(PollLead { ends: self, hash })
     }
 
@@ -620,10 +618,7 @@ impl Drop for LocalEndWatch<'_> {
             }
         }
         // A stampede over many keys leaves no large empty table behind.
-        if by_hash.capacity() > 64 && by_hash.len() * 4 < by_hash.capacity() {
-            let len = by_hash.len();
-            by_hash.shrink_to(len * 2);
-        }
+        super::memory::shrink_if_sparse(&mut *by_hash);
         drop(by_hash);
         self.ends.waiting.fetch_sub(1, Ordering::SeqCst);
     }
@@ -844,6 +839,23 @@ impl<S: RecordStore> CachedStore<S> {
         if let Some(p) = pending.get_mut(&req.key.hash, req.owner.0) {
             p.deadline = p.deadline.max(Instant::now() + req.lock_ttl);
         }
+    }
+
+    /// What is left of a claim of this replica's on `key`, for a wait that began at the shard
+    /// counts `start`: none once a purge of the shard since (or a drop of every copy) has sent
+    /// the wait to the store for good (`store_only`), as the record it waits on may be gone
+    /// while the claim still runs here.
+    fn own_claim_left(
+        &self,
+        key: &RecordKey,
+        start: Mark,
+        store_only: &mut bool,
+    ) -> Option<Duration> {
+        *store_only = *store_only || self.mark(&key.hash) != start;
+        if *store_only {
+            return None;
+        }
+        self.pending.lock().longest_left(&key.hash, Instant::now())
     }
 
     fn cached(&self, key: &RecordKey) -> Option<Record> {
@@ -1377,13 +1389,8 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             let heard = watch.notify.notified();
             tokio::pin!(heard);
             heard.as_mut().enable();
-            // A purge since the wait began (before this wake-up could hear it) counts too.
-            store_only = store_only || self.mark(&key.hash) != start;
             let now = Instant::now();
-            let held_here = match store_only {
-                true => None,
-                false => self.pending.lock().longest_left(&key.hash, now),
-            };
+            let held_here = self.own_claim_left(key, start, &mut store_only);
             if let Some(left) = held_here.filter(|_| now < end) {
                 tokio::select! {
                     _ = &mut heard => {
@@ -1391,7 +1398,6 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                             self.stats.waits_ended_here.fetch_add(1, Ordering::Relaxed);
                             return Ok(Some(record));
                         }
-                        store_only = self.mark(&key.hash) != start;
                     }
                     _ = tokio::time::sleep(left.min(end - now)) => {}
                 }
@@ -1427,19 +1433,12 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
                                     self.stats.waits_ended_here.fetch_add(1, Ordering::Relaxed);
                                     return Ok(Some(record));
                                 }
-                                if self.mark(&key.hash) != start {
-                                    // The poll reads what the purge left.
-                                    store_only = true;
-                                } else if self
-                                    .pending
-                                    .lock()
-                                    .longest_left(&key.hash, Instant::now())
-                                    .is_some()
-                                {
+                                if self.own_claim_left(key, start, &mut store_only).is_some() {
                                     continue 'wait;
                                 }
                                 // Anything else (another poll's end, a renewal, a claim whose
-                                // outcome this replica could not keep) leaves the poll be.
+                                // outcome this replica could not keep, a purge: the poll reads
+                                // what it left) leaves the poll be.
                             }
                         }
                     };
@@ -2259,6 +2258,25 @@ mod tests {
         (shared, a, b)
     }
 
+    /// `req` claimed on `store`, which must acquire it.
+    async fn acquired<S: RecordStore>(store: &CachedStore<S>, req: &ClaimRequest) {
+        let outcome = store.claim(req).await.unwrap();
+        assert!(
+            matches!(outcome, ClaimOutcome::Acquired { .. }),
+            "{outcome:?}"
+        );
+    }
+
+    /// A wait on `key` through `store`, in a task of its own.
+    fn spawn_wait<S: RecordStore + 'static>(
+        store: &Arc<CachedStore<S>>,
+        key: &RecordKey,
+        timeout: Duration,
+    ) -> tokio::task::JoinHandle<Result<Option<Record>, StoreError>> {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move { store.wait_for_change(&key, timeout).await })
+    }
+
     /// The waits under many interleavings: two replicas over one store, rounds of a claim on
     /// either, waiters on both, and an end after a random pause — a completion, a release, a
     /// purge through either replica, or the lock left to lapse. Every waiter ends soon after
@@ -2292,10 +2310,7 @@ mod tests {
                 ..claim("t", 0)
             };
             let owner = &replicas[owner_at];
-            assert!(matches!(
-                owner.claim(&req).await.unwrap(),
-                ClaimOutcome::Acquired { .. }
-            ));
+            acquired(owner, &req).await;
             let started = Instant::now();
             let tasks: Vec<_> = (0..waiters)
                 .map(|w| {
@@ -2365,14 +2380,8 @@ mod tests {
             lock_ttl: Duration::from_secs(30),
             ..claim("t", 41)
         };
-        assert!(matches!(
-            store.claim(&req).await.unwrap(),
-            ClaimOutcome::Acquired { .. }
-        ));
-        let waiter = tokio::spawn({
-            let (store, key) = (store.clone(), req.key.clone());
-            async move { store.wait_for_change(&key, Duration::from_secs(20)).await }
-        });
+        acquired(&store, &req).await;
+        let waiter = spawn_wait(&store, &req.key, Duration::from_secs(20));
         tokio::time::sleep(Duration::from_millis(50)).await;
         let calls = store.inner().calls.load(Ordering::Relaxed);
         store.inner().set(Fault::Stall);
@@ -2402,18 +2411,10 @@ mod tests {
                 lock_ttl: Duration::from_secs(30),
                 ..claim("t", n)
             };
-            assert!(matches!(
-                a.claim(&req).await.unwrap(),
-                ClaimOutcome::Acquired { .. }
-            ));
+            acquired(&a, &req).await;
             let before = shared.calls.load(Ordering::Relaxed);
             let waiters: Vec<_> = (0..5)
-                .map(|_| {
-                    let (b, key) = (b.clone(), req.key.clone());
-                    tokio::spawn(
-                        async move { b.wait_for_change(&key, Duration::from_secs(5)).await },
-                    )
-                })
+                .map(|_| spawn_wait(&b, &req.key, Duration::from_secs(5)))
                 .collect();
             tokio::time::sleep(Duration::from_millis(50)).await;
             if settle_with_release {
