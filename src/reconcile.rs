@@ -1311,19 +1311,20 @@ mod tests {
     /// The file is read only once an append in progress (under the exclusive lock a proxy
     /// takes for it) is done: a half-written line is never read. Lines appended once it is
     /// open are left for the next run, and do not wait for this one.
+    /// `path` opened to append under its exclusive `flock`, as a proxy's append holds it.
+    fn appending(path: &std::path::Path) -> std::fs::File {
+        let file = std::fs::OpenOptions::new().append(true).open(path).unwrap();
+        file.lock().unwrap();
+        file
+    }
+
     #[test]
     fn the_file_is_read_between_appends() {
         use std::io::Read;
-        use std::os::unix::io::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dead.jsonl");
         std::fs::write(&path, "{\"first\":1}\n").unwrap();
-        let writer = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
-        // SAFETY: flock on a descriptor `writer` keeps open.
-        assert_eq!(unsafe { libc::flock(writer.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let writer = appending(&path);
         (&writer).write_all(b"{\"second\":").unwrap();
         let reader = std::thread::spawn({
             let path = path.clone();
@@ -1338,12 +1339,7 @@ mod tests {
             .append(true)
             .open(&path)
             .unwrap();
-        // SAFETY: flock on a descriptor `later` keeps open.
-        assert_eq!(
-            unsafe { libc::flock(later.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
-            0,
-            "an open reader holds no lock"
-        );
+        assert!(later.try_lock().is_ok(), "an open reader holds no lock");
         (&later).write_all(b"{\"third\":3}\n").unwrap();
         let mut text = String::new();
         lines.read_to_string(&mut text).unwrap();
@@ -1354,16 +1350,10 @@ mod tests {
     /// that says so, instead of a hang.
     #[test]
     fn a_lock_held_past_the_wait_is_an_error_not_a_hang() {
-        use std::os::unix::io::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dead.jsonl");
         std::fs::write(&path, "{}\n").unwrap();
-        let writer = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
-        // SAFETY: flock on a descriptor `writer` keeps open.
-        assert_eq!(unsafe { libc::flock(writer.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let writer = appending(&path);
         let error = match open_dead_letters_within(&path, Duration::from_millis(100)) {
             Ok(_) => panic!("opened while an append held the lock"),
             Err(e) => e,

@@ -428,26 +428,29 @@ mod tests {
         assert!(!ids.is_leased());
     }
 
-    #[tokio::test]
-    async fn ids_wait_for_the_first_attempt_and_take_the_id_it_leased() {
-        let ids = Arc::new(WorkerIds::to_lease(5));
-        assert!(!ids.is_settled());
+    /// An id asked for while `ids` is unsettled waits (`why` it must not go out), and takes
+    /// `worker_id` once a lease of it settles them.
+    async fn waits_and_takes_the_leased_id(ids: &Arc<WorkerIds>, worker_id: u16, why: &str) {
         let waiting = tokio::spawn({
             let ids = ids.clone();
             async move { ids.next_id().await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(
-            !waiting.is_finished(),
-            "an id went out before the attempt ended"
-        );
-        ids.snowflake.set_worker_id(900);
+        assert!(!waiting.is_finished(), "{why}");
+        ids.snowflake.set_worker_id(worker_id);
         ids.settle();
         let id = tokio::time::timeout(Duration::from_secs(1), waiting)
             .await
             .expect("woken by the settle")
             .expect("task");
-        assert_eq!(snowflake::decode(id).worker_id, 900);
+        assert_eq!(snowflake::decode(id).worker_id, worker_id);
+    }
+
+    #[tokio::test]
+    async fn ids_wait_for_the_first_attempt_and_take_the_id_it_leased() {
+        let ids = Arc::new(WorkerIds::to_lease(5));
+        assert!(!ids.is_settled());
+        waits_and_takes_the_leased_id(&ids, 900, "an id went out before the attempt ended").await;
     }
 
     #[tokio::test]
@@ -460,22 +463,7 @@ mod tests {
         ids.lose();
         assert!(!ids.is_leased());
         assert_eq!(ids.leases_lost(), 1);
-        let waiting = tokio::spawn({
-            let ids = ids.clone();
-            async move { ids.next_id().await }
-        });
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(
-            !waiting.is_finished(),
-            "an id went out under the lost worker id"
-        );
-        ids.snowflake.set_worker_id(6);
-        ids.settle();
-        let id = tokio::time::timeout(Duration::from_secs(1), waiting)
-            .await
-            .expect("woken by the settle")
-            .expect("task");
-        assert_eq!(snowflake::decode(id).worker_id, 6);
+        waits_and_takes_the_leased_id(&ids, 6, "an id went out under the lost worker id").await;
     }
 
     /// The wait after a lost lease is one deadline for all: a search that runs long stalls a
