@@ -16,10 +16,7 @@ async fn an_edit_refused_for_a_missing_script_version_goes_live_once_the_version
     let scripts = tempfile::tempdir().expect("scripts dir");
     let mut proxy = ProxyBuilder::new(&backend)
         .store("redis:")
-        .store(&format!(
-            "  scripts: {{dir: \"{}\", version: v1}}",
-            scripts.path().display()
-        ))
+        .scripts(scripts.path(), "v1")
         .start()
         .await;
     assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));

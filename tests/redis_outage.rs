@@ -361,42 +361,58 @@ async fn an_outage_warns_once_a_second_not_once_a_request() {
 /// not run the key beside the original.
 #[tokio::test]
 async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
+    // A claim that fails from its third call on a key: the original's claim, the waiter's
+    // (which finds it in flight), then the waiter's after its wait. It fails as a server that
+    // cannot serve does (`LOADING`: an outage, for which `pass` would forward), not with a
+    // script error (refused whatever the policy).
+    let failing_claim = "if redis.call('INCR', KEYS[1] .. ':calls') >= 3 then \
+         return redis.error_reply('LOADING Redis is loading the dataset in memory') end";
+    let (retry, _) = a_waiter_on_another_replica("claim", failing_claim, "300ms").await;
+    assert_eq!(retry.result(), Some("UNAVAILABLE"));
+}
+
+/// Script versions under a new directory: `version`, which is v1 with `prelude` run first in
+/// its `script`.
+fn v1_with(version: &str, script: &str, prelude: &str) -> tempfile::TempDir {
+    let scripts = tempfile::tempdir().expect("scripts dir");
+    script_dir(scripts.path(), version, "v1", |name, text| {
+        match name == script {
+            true => format!("{prelude}\n{text}"),
+            false => text,
+        }
+    });
+    scripts
+}
+
+/// The original of a key on one replica, a retry waiting for it (`on_in_flight: wait`,
+/// `wait_timeout`) on another, both under `on_unavailable: pass` and v1 with `prelude` first
+/// in `script`. The retry's replica is not running the key itself, so only what its store
+/// said of the key stops it: the retry is refused with 503 `store-unavailable`, and the key
+/// runs once. Returns the retry's answer and its replica.
+async fn a_waiter_on_another_replica(
+    script: &str,
+    prelude: &str,
+    wait_timeout: &str,
+) -> (common::Response, Proxy) {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    // Version vx: v1, with a claim that fails from its third call on a key: the original's
-    // claim, the waiter's (which finds it in flight), then the waiter's after its wait. It
-    // fails as a server that cannot serve does (`LOADING`: an outage, for which `pass` would
-    // forward), not with a script error (refused whatever the policy).
-    let scripts = tempfile::tempdir().expect("scripts dir");
-    script_dir(scripts.path(), "vx", "v1", |name, text| match name {
-        "claim" => format!(
-            "if redis.call('INCR', KEYS[1] .. ':calls') >= 3 then \
-             return redis.error_reply('LOADING Redis is loading the dataset in memory') end\n{text}"
-        ),
-        _ => text,
-    });
+    let scripts = v1_with("vw", script, prelude);
     let replica = |worker: u16| {
         ProxyBuilder::new(&backend)
             .worker_id(worker)
             .redis(&[redis.url()])
-            .store(&format!(
-                "  scripts: {{dir: \"{}\", version: vx}}",
-                scripts.path().display()
-            ))
+            .scripts(scripts.path(), "vw")
             .store("on_unavailable: pass")
             .idem("on_in_flight: wait")
-            .idem("wait_timeout: 300ms")
+            .idem(&format!("wait_timeout: {wait_timeout}"))
             .start()
     };
-    // The original runs on one replica, the retry comes to another: the retry's replica is
-    // not running the key itself, so only what its store said of the key stops it.
     let (one, other) = (replica(1).await, replica(2).await);
     let order = || Request::post("/orders/slow/1500").key("held").body("{}");
     let original = order().spawn_send(one.addr);
     backend.until_count(1).await;
     let retry = order().send(other.addr).await;
     assert_eq!(retry.status, 503, "{}", retry.text());
-    assert_eq!(retry.result(), Some("UNAVAILABLE"));
     assert_eq!(
         retry.problem_type(),
         "store-unavailable",
@@ -406,6 +422,7 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
     let first = original.await.expect("original");
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     assert_eq!(backend.count(), 1, "the key ran once");
+    (retry, other)
 }
 
 /// A claim that keeps finding the record released under its own fingerprint (another claimer
@@ -415,22 +432,17 @@ async fn a_waiter_that_saw_the_key_in_flight_never_runs_it_unprotected() {
 async fn a_claim_that_keeps_losing_the_race_for_a_released_record_is_refused_not_forwarded() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    // Version vr: v1, with a claim that always answers the record released, as it would be
-    // if another claimer took and released it between every two claims of this one.
-    let scripts = tempfile::tempdir().expect("scripts dir");
-    script_dir(scripts.path(), "vr", "v1", |name, text| match name {
-        "claim" => format!(
-            "if string.find(KEYS[1], '{{default:', 1, true) then \
-             return {{0, ARGV[1], ARGV[3], 'r', 0, ''}} end\n{text}"
-        ),
-        _ => text,
-    });
+    // A claim that always answers the record released, as it would be if another claimer
+    // took and released it between every two claims of this one.
+    let scripts = v1_with(
+        "vr",
+        "claim",
+        "if string.find(KEYS[1], '{default:', 1, true) then \
+         return {0, ARGV[1], ARGV[3], 'r', 0, ''} end",
+    );
     let proxy = ProxyBuilder::new(&backend)
         .redis(&[redis.url()])
-        .store(&format!(
-            "  scripts: {{dir: \"{}\", version: vr}}",
-            scripts.path().display()
-        ))
+        .scripts(scripts.path(), "vr")
         .store("on_unavailable: pass")
         .start()
         .await;
@@ -453,46 +465,11 @@ async fn a_claim_that_keeps_losing_the_race_for_a_released_record_is_refused_not
 /// `pass` the waiter is refused (503), not forwarded beside the original.
 #[tokio::test]
 async fn a_waiter_whose_wait_fails_never_runs_the_key_unprotected() {
-    let redis = RedisServer::start();
-    let backend = Backend::start().await;
-    // Version vy: v1, with a get script (the wait's read) that fails on every record key as a
-    // server that cannot serve does; the readiness probe's key still reads.
-    let scripts = tempfile::tempdir().expect("scripts dir");
-    script_dir(scripts.path(), "vy", "v1", |name, text| match name {
-        "get" => format!(
-            "if string.find(KEYS[1], '{{default:', 1, true) then \
-             return redis.error_reply('LOADING Redis is loading the dataset in memory') end\n{text}"
-        ),
-        _ => text,
-    });
-    let replica = |worker: u16| {
-        ProxyBuilder::new(&backend)
-            .worker_id(worker)
-            .redis(&[redis.url()])
-            .store(&format!(
-                "  scripts: {{dir: \"{}\", version: vy}}",
-                scripts.path().display()
-            ))
-            .store("on_unavailable: pass")
-            .idem("on_in_flight: wait")
-            .idem("wait_timeout: 5s")
-            .start()
-    };
-    let (one, other) = (replica(1).await, replica(2).await);
-    let order = || Request::post("/orders/slow/1500").key("held").body("{}");
-    let original = order().spawn_send(one.addr);
-    backend.until_count(1).await;
-    let retry = order().send(other.addr).await;
-    assert_eq!(retry.status, 503, "{}", retry.text());
-    assert_eq!(
-        retry.problem_type(),
-        "store-unavailable",
-        "{}",
-        retry.text()
-    );
-    let first = original.await.expect("original");
-    assert_eq!((first.status, first.result()), (201, Some("MISS")));
-    assert_eq!(backend.count(), 1, "the key ran once");
+    // A get script (the wait's read) that fails on every record key as a server that cannot
+    // serve does; the readiness probe's key still reads.
+    let failing_get = "if string.find(KEYS[1], '{default:', 1, true) then \
+         return redis.error_reply('LOADING Redis is loading the dataset in memory') end";
+    let (_, other) = a_waiter_on_another_replica("get", failing_get, "5s").await;
     other
         .log_containing("record store failed while waiting")
         .await;

@@ -11,6 +11,9 @@ use common::redis::{RedisCluster, RedisServer};
 use common::tcp;
 use common::{Backend, Proxy, ProxyBuilder, Request};
 
+/// Duplicates wait for their original (10 s at most) instead of a 409.
+const WAIT: [&str; 2] = ["on_in_flight: wait", "wait_timeout: 10s"];
+
 /// `count` proxies in front of `backend`, all on the Redis at `urls`.
 async fn proxies(backend: &Backend, urls: &[String], count: usize, idem: &[&str]) -> Vec<Proxy> {
     let mut started = Vec::new();
@@ -137,18 +140,12 @@ fn assert_executed_once(backend: &Backend, responses: &[common::Response]) {
 async fn fifty_concurrent_duplicates_over_three_instances_execute_once() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
-    let instances = proxies(&backend, &[redis.url()], 3, &wait).await;
+    let instances = proxies(&backend, &[redis.url()], 3, &WAIT).await;
     let req = Request::post("/orders/slow/400")
         .key("stampede")
         .json(r#"{"sku":"B"}"#);
     let responses = stampede(&instances, &req, 50).await;
     assert_executed_once(&backend, &responses);
-}
-
-/// Scripts the server has run.
-fn evalsha_calls(redis: &RedisServer) -> u64 {
-    redis.command_calls("evalsha")
 }
 
 /// Duplicates waiting on an execution that runs on their own replica hear of its end there:
@@ -157,12 +154,11 @@ fn evalsha_calls(redis: &RedisServer) -> u64 {
 async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
-    let instances = proxies(&backend, &[redis.url()], 1, &wait).await;
+    let instances = proxies(&backend, &[redis.url()], 1, &WAIT).await;
     let req = Request::post("/orders/slow/1500")
         .key("one-replica")
         .json(r#"{"sku":"D"}"#);
-    let before = evalsha_calls(&redis);
+    let before = redis.command_calls("evalsha");
     // Well into the original's 1.5 s: a claim each (19 of them found the record in flight),
     // and at most a read or two of waiters whose claims' answers were taken before the
     // original's, which then heard of it. Polling the store instead (even one poll for all of
@@ -170,14 +166,14 @@ async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
     let midway = async {
         backend.until_count(1).await;
         tokio::time::sleep(Duration::from_millis(800)).await;
-        evalsha_calls(&redis) - before
+        redis.command_calls("evalsha") - before
     };
     let (responses, midway) = tokio::join!(stampede(&instances, &req, 20), midway);
     assert!(
         (20..=23).contains(&midway),
         "{midway} scripts run 0.8 s into the original, for 20 duplicates on one replica"
     );
-    let calls = evalsha_calls(&redis) - before;
+    let calls = redis.command_calls("evalsha") - before;
     assert_executed_once(&backend, &responses);
     // The completion; the waiters are answered from the local copy.
     assert_eq!(calls, midway + 1, "scripts run after the original ended");
@@ -195,20 +191,16 @@ async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
 async fn duplicates_waiting_on_another_replica_s_execution_share_one_poll() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
-    let instances = proxies(&backend, &[redis.url()], 2, &wait).await;
+    let instances = proxies(&backend, &[redis.url()], 2, &WAIT).await;
     let req = Request::post("/orders/slow/1500")
         .key("other-replica")
         .json(r#"{"sku":"E"}"#);
-    let before = evalsha_calls(&redis);
-    let original = tokio::spawn({
-        let (req, addr) = (req.clone(), instances[0].addr);
-        async move { req.send(addr).await }
-    });
+    let before = redis.command_calls("evalsha");
+    let original = req.clone().spawn_send(instances[0].addr);
     backend.until_count(1).await;
     let mut responses = stampede(&instances[1..], &req, 20).await;
     responses.push(original.await.expect("original"));
-    let calls = evalsha_calls(&redis) - before;
+    let calls = redis.command_calls("evalsha") - before;
     assert_executed_once(&backend, &responses);
     // 21 claims and the completion; one poll of some 17 reads over the 1.5 s, plus a read
     // each for a few waiters that came while a poll was ending. Each waiter polling would
@@ -231,8 +223,7 @@ async fn duplicates_waiting_on_another_replica_s_execution_share_one_poll() {
 async fn cluster_replays_across_instances_and_executes_duplicates_once() {
     let cluster = RedisCluster::start(3);
     let backend = Backend::start().await;
-    let wait = ["on_in_flight: wait", "wait_timeout: 10s"];
-    let instances = proxies(&backend, &cluster.urls(), 2, &wait).await;
+    let instances = proxies(&backend, &cluster.urls(), 2, &WAIT).await;
 
     let req = Request::post("/orders/slow/400")
         .key("cluster-stampede")

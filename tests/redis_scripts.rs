@@ -1123,10 +1123,7 @@ async fn a_script_that_fails_is_refused_not_taken_for_an_outage_the_policy_forwa
     for policy in ["pass", "local"] {
         let proxy = ProxyBuilder::new(&backend)
             .redis(&[redis.url()])
-            .store(&format!(
-                "  scripts: {{dir: \"{}\", version: v3}}",
-                root.path().display()
-            ))
+            .scripts(root.path(), "v3")
             .store(&format!("on_unavailable: {policy}"))
             .start()
             .await;
@@ -1232,10 +1229,7 @@ async fn an_unreachable_backend_says_whether_the_key_was_released() {
     let start = |version: &str| {
         ProxyBuilder::at(closed)
             .redis(&[redis.url()])
-            .store(&format!(
-                "  scripts: {{dir: \"{}\", version: {version}}}",
-                root.path().display()
-            ))
+            .scripts(root.path(), version)
             .store("local_cache: {enabled: false}")
             .upstream("connect_timeout: 1s")
             .upstream("write_timeout: 1s")

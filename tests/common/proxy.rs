@@ -127,6 +127,15 @@ impl ProxyBuilder {
         self.store.push(line.to_string());
         self
     }
+    /// `store.redis.scripts`: the versions under `dir`, `version` active (after `redis`, or a
+    /// `redis:` line of its own).
+    pub fn scripts(self, dir: &std::path::Path, version: &str) -> Self {
+        let line = format!(
+            "  scripts: {{dir: \"{}\", version: {version}}}",
+            dir.display()
+        );
+        self.store(&line)
+    }
     /// An environment variable for the proxy process.
     pub fn env(mut self, name: &str, value: &str) -> Self {
         self.env.push((name.to_string(), value.to_string()));
