@@ -34,7 +34,7 @@
 use std::fmt;
 use std::io::{self, Write};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use base64::Engine;
 
@@ -326,7 +326,15 @@ pub async fn reconcile(
                 ),
                 match elsewhere(&letter, key_prefix) {
                     Some(verdict) => verdict,
-                    None => judge(store.as_ref(), &letter, apply, now_unix_ms()).await,
+                    None => {
+                        judge(
+                            store.as_ref(),
+                            &letter,
+                            apply,
+                            crate::snowflake::unix_ms_now(),
+                        )
+                        .await
+                    }
                 },
                 letter.taken_over,
             ),
@@ -533,12 +541,6 @@ fn status(completion: &Completion) -> u16 {
         Completion::Response(r) => r.status,
         Completion::Unreplayable { status } => *status,
     }
-}
-
-fn now_unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// [`parse`], for [`crate::fuzzing::dead_letter`].
@@ -771,7 +773,7 @@ mod tests {
             assert_eq!(read.execution_id, job.execution_id);
             assert_eq!(read.fingerprint, Some(job.fingerprint));
             assert_eq!(read.completion, completion);
-            let now = now_unix_ms();
+            let now = crate::snowflake::unix_ms_now();
             assert!((now + 3_590_000..=now + 3_600_000).contains(&read.expires_at_unix_ms));
         }
     }
