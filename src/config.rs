@@ -1128,12 +1128,15 @@ impl Config {
         file.into_config(source_hash, lookup)
     }
 
-    /// Checks that every route's largest stored response can wait in the completion retry
-    /// queue of a Redis store: one that could not would be dead-lettered at the first failed
-    /// write, queue empty or not, and its key executed again once its lock lapsed. (The
-    /// embedded store's writes do not fail, so nothing waits there.) Run on the file as loaded
-    /// and again on a reload's config once the running `queue_bytes` (read only at start-up)
-    /// is in it.
+    /// Checks that every route's largest stored response can go to a Redis store: as one
+    /// script argument, which Redis takes up to its default `proto-max-bulk-len` (a larger one
+    /// is a protocol error that closes the connection every store call of its thread shares,
+    /// and the record stays in flight until its lock lapses and the key runs again), and into
+    /// the completion retry queue, where one that could not wait would be dead-lettered at the
+    /// first failed write, queue empty or not, and its key executed again once its lock
+    /// lapsed. (The embedded store's writes do not fail, so nothing waits there.) Run on the
+    /// file as loaded and again on a reload's config once the running `queue_bytes` (read only
+    /// at start-up) is in it.
     pub fn check_retry_queue(&self) -> Result<(), ConfigError> {
         if self.store.backend != StoreBackend::Redis {
             return Ok(());
@@ -1144,6 +1147,18 @@ impl Config {
                 continue;
             };
             let largest = largest_stored(idem);
+            if largest > REDIS_MAX_ARGUMENT {
+                return Err(invalid(
+                    format!("routes[{i}].idempotency.max_response_bytes"),
+                    format!(
+                        "{} bytes and room for its head (128 KiB) is more than Redis takes in \
+                         one argument by default (proto-max-bulk-len, 512 MiB): such a response \
+                         could never be stored; at most {} bytes with store.backend: redis",
+                        idem.max_response_bytes,
+                        REDIS_MAX_ARGUMENT - STORED_HEAD_ALLOWANCE
+                    ),
+                ));
+            }
             if largest > queue_bytes {
                 return Err(invalid(
                     format!("routes[{i}].idempotency.max_response_bytes"),
@@ -1213,6 +1228,23 @@ impl Config {
                      retries get 409 instead of the response",
                     route.name, idem.max_response_bytes
                 ));
+            }
+            // A store call answers within response_timeout of being sent or fails, and a
+            // record's write shares its connection with every store call of its thread.
+            if let Some(redis) = self.store.redis.as_ref() {
+                let carried = redis.response_timeout.as_secs_f64() * LINK_BYTES_PER_SECOND;
+                if self.store.backend == StoreBackend::Redis && largest as f64 > carried {
+                    warnings.push(format!(
+                        "routes[{}].idempotency.max_response_bytes ({} bytes, with room for its \
+                         head, 128 KiB) takes longer than store.redis.response_timeout ({}) to \
+                         send at 1 Gbit/s: a response that large can time out its own write \
+                         (retried, then dead-lettered) and the store calls of its worker thread \
+                         queued behind it; raise response_timeout or lower max_response_bytes",
+                        route.name,
+                        idem.max_response_bytes,
+                        fmt_duration(redis.response_timeout)
+                    ));
+                }
             }
             let Some(up) = self.upstreams.get(route.upstream) else {
                 continue;
@@ -1866,6 +1898,13 @@ fn largest_stored(idem: &RouteIdempotency) -> usize {
     idem.max_response_bytes
         .saturating_add(STORED_HEAD_ALLOWANCE)
 }
+
+/// Redis's default `proto-max-bulk-len`: the largest argument (a stored response, whole) it
+/// takes.
+const REDIS_MAX_ARGUMENT: usize = 512 << 20;
+
+/// The link a Redis store is assumed to have, for [`Config::warnings`]: 1 Gbit/s.
+const LINK_BYTES_PER_SECOND: f64 = 125e6;
 
 /// The shortest `store.completion_retry.base_delay`.
 const MIN_RETRY_DELAY: Duration = Duration::from_millis(10);
@@ -5030,6 +5069,58 @@ routes:
         ));
         // The embedded store's writes never wait in the queue.
         load(&with_route_idempotency("max_response_bytes: 1GiB"));
+    }
+
+    /// Redis takes one argument of at most 512 MiB by default: a route whose largest stored
+    /// response is more is refused, and one whose write may outlast the response timeout at
+    /// 1 Gbit/s is warned of.
+    #[test]
+    fn every_stored_response_fits_one_redis_argument() {
+        let redis = |idem: &str| {
+            format!(
+                "store: {{backend: redis, completion_retry: {{queue_bytes: 2GiB}}}}\n{}",
+                with_route_idempotency(idem)
+            )
+        };
+        let message = assert_field(
+            &redis("max_response_bytes: 1GiB"),
+            "routes[0].idempotency.max_response_bytes",
+        );
+        assert!(message.contains("proto-max-bulk-len"), "{message}");
+        assert_field(
+            &redis(&format!(
+                "max_response_bytes: {}",
+                (512 << 20) - (128 << 10) + 1
+            )),
+            "routes[0].idempotency.max_response_bytes",
+        );
+        let largest = load(&redis(&format!(
+            "max_response_bytes: {}",
+            (512 << 20) - (128 << 10)
+        )));
+        assert!(largest.check_retry_queue().is_ok());
+        let slow = |w: &String| w.contains("store.redis.response_timeout (200ms)");
+        assert!(
+            largest.warnings().iter().any(slow),
+            "{:?}",
+            largest.warnings()
+        );
+        // 200 ms carries 25 MB at 1 Gbit/s: the default 1 MiB is far from it.
+        let small = load(&redis("ttl: 24h"));
+        assert!(!small.warnings().iter().any(slow), "{:?}", small.warnings());
+        let fast = load(&format!(
+            "store: {{backend: redis, redis: {{response_timeout: 1s}}, completion_retry: \
+             {{queue_bytes: 2GiB}}}}\n{}",
+            with_route_idempotency("max_response_bytes: 100MiB")
+        ));
+        assert!(
+            !fast
+                .warnings()
+                .iter()
+                .any(|w| w.contains("response_timeout")),
+            "{:?}",
+            fast.warnings()
+        );
     }
 
     #[test]

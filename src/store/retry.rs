@@ -288,6 +288,9 @@ struct DeadLetters {
     /// reader that stalled, the log writer holding it for a batch). `None` when the thread
     /// could not be started: the caller writes them then.
     overflow: Option<std::sync::mpsc::Sender<Letter>>,
+    /// What the overflow thread has waiting, weighed by [`overflow_weight`]: past
+    /// [`OVERFLOW_BYTES`] the caller writes its line to stderr itself.
+    spilling: Arc<AtomicUsize>,
     file: Arc<DeadLetterFile>,
 }
 
@@ -343,6 +346,17 @@ const LETTER_BACKLOG: usize = 1024;
 const LETTER_BATCH: usize = 256;
 /// Why a line the writer is too far behind for went to stderr.
 const OVERFLOW_WHY: &str = "the dead-letter writer is too far behind";
+/// Most the overflow thread may have waiting for stderr (by [`overflow_weight`]). The jobs
+/// that reach it need not have been in the retry queue (one dead-lettered because that queue
+/// was full never was), so `queue_bytes` does not bound them: past this, the caller writes its
+/// line itself and waits on stderr, which keeps memory bounded and loses nothing.
+const OVERFLOW_BYTES: usize = 64 << 20;
+
+/// What a line waiting for the overflow thread counts against [`OVERFLOW_BYTES`]: its
+/// response, and a kilobyte for the rest of it, so many small lines count too.
+fn overflow_weight(line: &LetterLine) -> usize {
+    line.job.completion.response_bytes().saturating_add(1024)
+}
 /// Bytes of stored responses in one append at most (one line past it may start a batch): a
 /// line holds its response in base64 and is copied a few times on its way to the file, so
 /// 256 lines of 1 MiB responses would have taken about a gigabyte at once.
@@ -739,10 +753,11 @@ impl DeadLetters {
             }
         };
         let (overflow_tx, overflow_rx) = std::sync::mpsc::channel();
-        let spilled = file.clone();
+        let spilling = Arc::new(AtomicUsize::new(0));
+        let (spilled, waiting) = (file.clone(), spilling.clone());
         let spawned = std::thread::Builder::new()
             .name("dead letters to stderr".into())
-            .spawn(move || spilled.run_overflow(overflow_rx));
+            .spawn(move || spilled.run_overflow(overflow_rx, &waiting));
         let overflow = match spawned {
             Ok(_) => Some(overflow_tx),
             Err(e) => {
@@ -753,6 +768,7 @@ impl DeadLetters {
         DeadLetters {
             queue,
             overflow,
+            spilling,
             file,
         }
     }
@@ -777,13 +793,19 @@ impl DeadLetters {
             Ok(()) => {}
             // The writer is LETTER_BACKLOG lines behind (a disk that hangs): the line goes
             // whole to stderr rather than stall the caller or be lost, from the overflow
-            // thread, so the caller does not wait on stderr either. Unbounded, as the lines
-            // are what the retry queue (bounded by `queue_bytes`) held a moment before; the
-            // alternative is a request thread that waits, or a completion lost.
+            // thread, so the caller does not wait on stderr either, up to OVERFLOW_BYTES
+            // waiting there: past it the caller writes the line itself (a request thread
+            // that waits rather than memory without bound, or a completion lost).
             Err(TrySendError::Full(Letter::Line(line))) => {
+                let weight = overflow_weight(&line);
                 let spilled = match &self.overflow {
-                    Some(overflow) => overflow.send(Letter::Line(line)).map_err(|e| e.0),
-                    None => Err(Letter::Line(line)),
+                    Some(overflow) if self.room_to_spill(weight) => {
+                        overflow.send(Letter::Line(line)).map_err(|e| {
+                            self.spilling.fetch_sub(weight, Ordering::AcqRel);
+                            e.0
+                        })
+                    }
+                    _ => Err(Letter::Line(line)),
                 };
                 if let Err(Letter::Line(line)) = spilled {
                     let text = line.text(&self.file.store);
@@ -797,6 +819,18 @@ impl DeadLetters {
                 TrySendError::Full(Letter::Flush(_)) | TrySendError::Disconnected(Letter::Flush(_)),
             ) => {}
         }
+    }
+
+    /// Takes `weight` of [`OVERFLOW_BYTES`] for a line handed to the overflow thread, if it
+    /// fits.
+    fn room_to_spill(&self, weight: usize) -> bool {
+        self.spilling
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |waiting| {
+                waiting
+                    .checked_add(weight)
+                    .filter(|&total| total <= OVERFLOW_BYTES)
+            })
+            .is_ok()
     }
 
     /// Waits until every line handed over before this call is written (to the file, or from
@@ -925,11 +959,14 @@ impl DeadLetterFile {
 
     /// The overflow thread: writes each line it is handed whole to stderr, until every sender
     /// is gone.
-    fn run_overflow(&self, queue: std::sync::mpsc::Receiver<Letter>) {
+    /// `waiting` is what it has queued, by [`overflow_weight`]: each line's weight comes off
+    /// once it is written.
+    fn run_overflow(&self, queue: std::sync::mpsc::Receiver<Letter>, waiting: &AtomicUsize) {
         while let Ok(letter) = queue.recv() {
             match letter {
                 Letter::Line(line) => {
-                    self.settle_on_stderr(&line, &line.text(&self.store), OVERFLOW_WHY)
+                    self.settle_on_stderr(&line, &line.text(&self.store), OVERFLOW_WHY);
+                    waiting.fetch_sub(overflow_weight(&line), Ordering::AcqRel);
                 }
                 Letter::Flush(done) => {
                     let _ = done.send(());
@@ -2162,6 +2199,92 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text.lines().count() + *seen.lock(), letters);
         assert_eq!(stats.pending.load(Ordering::Acquire), 0);
+    }
+
+    /// What waits for a stalled stderr is bounded: past OVERFLOW_BYTES of responses with the
+    /// overflow thread, the caller writes its line itself (and waits) instead of queueing it.
+    #[tokio::test]
+    async fn the_overflow_waiting_for_a_stalled_stderr_is_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dead.jsonl");
+        let held = hold_lock_of(&path);
+        let stats = Arc::new(RetryStats::default());
+        let gate = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        // Lines the last resort was handed, and those from a thread other than the overflow's.
+        let seen = Arc::new(Mutex::new((0usize, 0usize)));
+        let (caller_wrote, caller_writes) = std::sync::mpsc::channel();
+        let dead = Arc::new(DeadLetters::start(DeadLetterFile {
+            path: path.clone(),
+            store: LetterStore::Memory,
+            stats: stats.clone(),
+            last_resort: Box::new({
+                let (gate, seen) = (gate.clone(), seen.clone());
+                let caller_wrote = std::sync::Mutex::new(caller_wrote);
+                move |_: &str| {
+                    let overflow_thread =
+                        std::thread::current().name() == Some("dead letters to stderr");
+                    if !overflow_thread {
+                        let _ = caller_wrote.lock().unwrap().send(());
+                    }
+                    let (open, cv) = &*gate;
+                    let mut open = open.lock().unwrap();
+                    while !*open {
+                        open = cv.wait(open).unwrap();
+                    }
+                    let mut seen = seen.lock();
+                    seen.0 += 1;
+                    seen.1 += usize::from(!overflow_thread);
+                }
+            }),
+        }));
+        // Small lines fill the writer's queue; then 2 MiB responses, 40 of them: about 31 fit
+        // under the bound.
+        let small = claimed(faulty().as_ref(), 34).await;
+        let mut job = small.clone();
+        job.completion = Completion::Response(Arc::new(StoredResponse::new(
+            201,
+            Vec::<(&str, Bytes)>::new(),
+            Bytes::from(vec![7u8; 2 << 20]),
+        )));
+        let (smalls, letters) = (
+            LETTER_BACKLOG + LETTER_BATCH,
+            LETTER_BACKLOG + LETTER_BATCH + 40,
+        );
+        let caller = std::thread::spawn({
+            let (dead, stats, job) = (dead.clone(), stats.clone(), job.clone());
+            move || {
+                for i in 0..letters {
+                    stats.pending.fetch_add(1, Ordering::AcqRel);
+                    let letter = if i < smalls { &small } else { &job };
+                    dead.settle(letter.clone(), 1, "store failed", InStore::Unknown);
+                }
+            }
+        });
+        caller_writes
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the caller went on queueing for the stalled stderr");
+        let waiting = dead.spilling.load(Ordering::Acquire);
+        assert!(waiting <= OVERFLOW_BYTES, "{waiting} bytes waiting");
+        assert!(
+            waiting > OVERFLOW_BYTES - overflow_weight_of(&job),
+            "the bound, not less: {waiting}"
+        );
+        // stderr and the file come back: every line is somewhere, none twice.
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        drop(held);
+        caller.join().unwrap();
+        dead.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let (to_stderr, by_callers) = *seen.lock();
+        assert!(by_callers >= 1);
+        assert_eq!(text.lines().count() + to_stderr, letters);
+        assert_eq!(stats.pending.load(Ordering::Acquire), 0);
+        assert_eq!(dead.spilling.load(Ordering::Acquire), 0);
+    }
+
+    fn overflow_weight_of(job: &PendingCompletion) -> usize {
+        job.completion.response_bytes() + 1024
     }
 
     /// The exit's flush gives up at its deadline on a file that does not take the lines (here
