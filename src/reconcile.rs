@@ -32,7 +32,7 @@
 //! took a record of another execution id releases it again at once).
 
 use std::fmt;
-use std::io::{self, Write};
+use std::io::{self, BufRead, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +43,10 @@ use crate::store::{
     parse_digest, ClaimOutcome, ClaimRequest, Completion, Digest, OwnerToken, Record, RecordKey,
     RecordState, RecordStore, StoredResponse, WriteOutcome,
 };
+
+/// The longest line read: a dead letter of the largest response a route may store (1 GiB, in
+/// base64) with its head and fields fits well within it.
+const MAX_LINE_BYTES: usize = 1536 << 20;
 
 /// How long the claim that restores a record holds its lock: the completion follows at once.
 const RESTORE_LOCK: Duration = Duration::from_secs(10);
@@ -291,6 +295,19 @@ pub async fn reconcile(
     apply: bool,
     out: &mut dyn Write,
 ) -> io::Result<Tally> {
+    reconcile_lines(store, key_prefix, dead_letters, apply, out, MAX_LINE_BYTES).await
+}
+
+/// [`reconcile`], reading lines of at most `max_line` bytes: a longer one is read past and
+/// counted as failed.
+async fn reconcile_lines(
+    store: &Arc<dyn RecordStore>,
+    key_prefix: &str,
+    dead_letters: &mut dyn io::BufRead,
+    apply: bool,
+    out: &mut dyn Write,
+    max_line: usize,
+) -> io::Result<Tally> {
     let mut report: io::Result<()> = Ok(());
     let mut say = |text: std::fmt::Arguments<'_>| {
         if report.is_ok() {
@@ -301,8 +318,23 @@ pub async fn reconcile(
     let mut line = Vec::new();
     for n in 0.. {
         line.clear();
-        match dead_letters.read_until(b'\n', &mut line) {
+        let limit = u64::try_from(max_line).unwrap_or(u64::MAX);
+        let mut bounded = io::Read::take(&mut *dead_letters, limit);
+        match bounded.read_until(b'\n', &mut line) {
             Ok(0) => break,
+            Ok(_) if line.len() >= max_line && line.last() != Some(&b'\n') => {
+                // Longer than any line idemgate writes: a damaged file. Read past, not kept.
+                line = Vec::new();
+                let verdict = match dead_letters.skip_until(b'\n') {
+                    Ok(_) => Verdict::Failed(format!(
+                        "longer than any dead letter ({max_line} bytes): not read"
+                    )),
+                    Err(e) => Verdict::Failed(format!("reading the file: {e}")),
+                };
+                tally.count(&verdict);
+                say(format_args!("line {}: ?: {verdict}", n + 1));
+                continue;
+            }
             Ok(_) => {}
             Err(e) => {
                 let verdict = Verdict::Failed(format!("reading the file: {e}"));
@@ -1265,6 +1297,28 @@ mod tests {
         let out = String::from_utf8(out).unwrap();
         assert_eq!((tally.missing, tally.failed), (1, 1), "{out}");
         assert!(out.contains("cut short"), "{out}");
+    }
+
+    /// A line longer than any dead letter (a damaged file, one without newlines) is read past,
+    /// never held whole, and counted as failed; the lines after it are read as usual.
+    #[tokio::test]
+    async fn a_line_longer_than_any_dead_letter_is_read_past() {
+        let store = store();
+        let job = letter(62, response(b"a"));
+        let good = dead_letter_line(&here(), &job, 1, "store failed", InStore::Unknown);
+        let text = format!("{}\n{good}{}", "x".repeat(10_000), "y".repeat(4096));
+        let mut out = Vec::new();
+        let tally = reconcile_lines(&store, PREFIX, &mut text.as_bytes(), false, &mut out, 4096)
+            .await
+            .unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert_eq!((tally.missing, tally.failed), (1, 2), "{out}");
+        assert!(out.contains("line 1: ?: "), "{out}");
+        assert!(
+            out.contains("longer than any dead letter (4096 bytes)"),
+            "{out}"
+        );
+        assert!(out.contains("line 3: ?: "), "{out}");
     }
 
     /// A pipe has no length: it is read to its end (`--reconcile <(zcat dead.jsonl.gz)`).

@@ -58,7 +58,7 @@ impl StoredResponse {
         V: AsRef<[u8]>,
     {
         let body = body.as_ref();
-        let mut builder = ResponseBuilder::new(status, || headers.clone(), body.len());
+        let mut builder = ResponseBuilder::sized(status, || headers.clone(), body.len());
         builder.push_body(body);
         builder.finish()
     }
@@ -158,6 +158,9 @@ fn read_u32(bytes: &[u8]) -> Option<usize> {
     usize::try_from(u32::from_le_bytes(word)).ok()
 }
 
+/// Most body bytes [`ResponseBuilder::new`] makes room for before they arrive.
+const MAX_BODY_HINT: usize = 256 << 10;
+
 /// Writes a [`StoredResponse`] as its body arrives: the headers first, then each body chunk,
 /// into one buffer sized up front for the headers and the expected body.
 pub struct ResponseBuilder {
@@ -170,8 +173,22 @@ pub struct ResponseBuilder {
 impl ResponseBuilder {
     /// Starts a response with the headers `headers` yields (called twice: once to size the
     /// buffer, once to fill it); `body_hint` is the body length expected (the declared
-    /// `Content-Length`, or 0 when unknown).
+    /// `Content-Length`, or 0 when unknown). Room for at most [`MAX_BODY_HINT`] of it is taken
+    /// up front: a length is only what a backend says, and one that declares a large body and
+    /// stalls must not make every request it answers hold that much before a byte has come
+    /// (memory that, on a host that does not overcommit, is taken for real). A larger body grows
+    /// the buffer as it arrives.
     pub fn new<I, N, V>(status: u16, headers: impl Fn() -> I, body_hint: usize) -> Self
+    where
+        I: IntoIterator<Item = (N, V)>,
+        N: AsRef<str>,
+        V: AsRef<[u8]>,
+    {
+        Self::sized(status, headers, body_hint.min(MAX_BODY_HINT))
+    }
+
+    /// [`ResponseBuilder::new`] for a body of `body_len` bytes already in hand.
+    fn sized<I, N, V>(status: u16, headers: impl Fn() -> I, body_len: usize) -> Self
     where
         I: IntoIterator<Item = (N, V)>,
         N: AsRef<str>,
@@ -181,7 +198,7 @@ impl ResponseBuilder {
             .into_iter()
             .map(|(n, v)| Self::header_size(n.as_ref(), v.as_ref()))
             .sum();
-        let mut builder = Self::with_capacity(status, header_bytes.saturating_add(body_hint));
+        let mut builder = Self::with_capacity(status, header_bytes.saturating_add(body_len));
         for (name, value) in headers() {
             builder.push_header(name.as_ref(), value.as_ref());
         }
@@ -322,6 +339,25 @@ mod tests {
                 r.data.len() + 16 + std::mem::size_of::<StoredResponse>() + 24
             );
         }
+    }
+
+    /// A declared length is room taken up front only up to MAX_BODY_HINT: a backend that
+    /// declares a gigabyte and stalls costs a request no more than that.
+    #[test]
+    fn a_large_declared_length_is_not_taken_up_front() {
+        let mut b = ResponseBuilder::new(200, || [("x", "1")], 1 << 30);
+        assert!(b.buf.capacity() < 2 * MAX_BODY_HINT, "{}", b.buf.capacity());
+        let body = vec![7u8; 3 * MAX_BODY_HINT + 5];
+        for chunk in body.chunks(16 << 10) {
+            b.push_body(chunk);
+        }
+        let r = b.finish();
+        assert_eq!(r.body(), &body[..]);
+        assert_eq!(r.data.len(), HEADER_PREFIX + 2 + body.len());
+        assert_eq!(
+            r.size_bytes(),
+            r.data.len() + 16 + std::mem::size_of::<StoredResponse>() + 24
+        );
     }
 
     #[test]
