@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use redis::{ClientTlsConfig, FromRedisValue, TlsCertificates, Value};
 
-use super::redis::{free_redis_port, spawn_sentinel};
+use super::redis::{free_redis_port, setinfo_rule, spawn_sentinel};
 
 /// A private CA and certificates it signed, in a temporary directory: `ca.pem`, `server.pem` /
 /// `server.key` (for `localhost` and `127.0.0.1`), `client.pem` / `client.key`.
@@ -182,22 +182,33 @@ impl TlsRedis {
             &acl,
             format!(
                 "user default off\n\
-                 user {IDEMGATE_USER} on >{IDEMGATE_PASSWORD} {IDEMGATE_RULES} {extra_rules}\n\
-                 user inspector on >{INSPECTOR_PASSWORD} ~* &* +@all\n"
+                 user {IDEMGATE_USER} on >{IDEMGATE_PASSWORD} {IDEMGATE_RULES} {} \
+                 {extra_rules}\n\
+                 user inspector on >{INSPECTOR_PASSWORD} ~* &* +@all\n",
+                setinfo_rule()
             ),
         )
         .expect("write users.acl");
+        // The server reads its own copies of its certificate, key and CA, which `rotate`
+        // replaces in place where a Redis before 7.0 cannot move to new paths.
+        for (from, to) in [
+            (pki.path("server.pem"), "server.pem"),
+            (pki.path("server.key"), "server.key"),
+            (pki.ca(), "ca.pem"),
+        ] {
+            std::fs::copy(from, dir.path().join(to)).expect("copy the server's TLS files");
+        }
         let port = free_redis_port();
         let log = std::fs::File::create(dir.path().join("redis.log")).expect("redis log");
         let child = Command::new("redis-server")
             .args(["--port", "0"])
             .args(["--tls-port", &port.to_string()])
             .arg("--tls-cert-file")
-            .arg(pki.path("server.pem"))
+            .arg(dir.path().join("server.pem"))
             .arg("--tls-key-file")
-            .arg(pki.path("server.key"))
+            .arg(dir.path().join("server.key"))
             .arg("--tls-ca-cert-file")
-            .arg(pki.ca())
+            .arg(dir.path().join("ca.pem"))
             .args(["--tls-auth-clients", auth_clients])
             .arg("--aclfile")
             .arg(&acl)
@@ -277,7 +288,7 @@ impl TlsRedis {
             .get_connection_with_timeout(Duration::from_secs(2))
             .expect("connect with the old CA");
         let file = |f: &str| to.path(f).display().to_string();
-        let _: () = redis::cmd("CONFIG")
+        let moved: redis::RedisResult<()> = redis::cmd("CONFIG")
             .arg("SET")
             .arg("tls-cert-file")
             .arg(file("server.pem"))
@@ -285,8 +296,30 @@ impl TlsRedis {
             .arg(file("server.key"))
             .arg("tls-ca-cert-file")
             .arg(to.ca().display().to_string())
-            .query(&mut conn)
-            .expect("CONFIG SET tls-*");
+            .query(&mut conn);
+        if let Err(e) = moved {
+            // Before 7.0 CONFIG SET takes one parameter, applied at once: a new certificate
+            // beside the old key is refused. The new files replace the server's copies, and
+            // setting a path again reads all three anew.
+            assert!(
+                super::redis::server_version().0 < 7,
+                "CONFIG SET tls-*: {e}"
+            );
+            for (from, to) in [
+                (to.path("server.pem"), "server.pem"),
+                (to.path("server.key"), "server.key"),
+                (to.ca(), "ca.pem"),
+            ] {
+                std::fs::copy(from, self.dir.path().join(to)).expect("replace a TLS file");
+            }
+            let own = self.dir.path().join("server.pem").display().to_string();
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("tls-cert-file")
+                .arg(own)
+                .query(&mut conn)
+                .expect("CONFIG SET tls-cert-file");
+        }
         let _: i64 = redis::cmd("CLIENT")
             .arg("KILL")
             .arg("USER")
