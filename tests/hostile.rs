@@ -485,10 +485,11 @@ async fn a_request_header_trickled_past_request_header_timeout_is_cut_off() {
         .unwrap();
     let first = common::client::read_response(&mut s, false).await.unwrap();
     assert_eq!(first.status, 201);
+    // Before the write: the proxy's clock starts once it reads the first byte.
+    let started = std::time::Instant::now();
     s.write_all(b"POST /plain HTTP/1.1\r\nHost: t\r\nX-Slow: ")
         .await
         .unwrap();
-    let started = std::time::Instant::now();
     let rest = until_closed(&mut s).await;
     assert!(started.elapsed() >= Duration::from_millis(500));
     assert_raw_problem(&rest, 408, "request-header-timeout");

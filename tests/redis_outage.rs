@@ -147,6 +147,8 @@ async fn load_through_an_outage(
             let r = req.send(addr).await;
             seen.push((sent - started, sent.elapsed(), r));
             n += 1;
+            // Paced: a loop of instant 503s would take both cores from the proxy it times.
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         seen
     });
@@ -552,13 +554,14 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
         .start()
         .await;
     let addr = proxy.addr;
-    let first = Request::post("/orders/slow/500")
+    let first = Request::post("/orders/gate/lost")
         .key("lost")
         .body("{}")
         .spawn_send(addr);
     backend.until_count(1).await;
     let pid = redis.pid().unwrap();
     signal(pid, "STOP");
+    backend.open("lost");
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -799,11 +802,14 @@ async fn an_outage_longer_than_the_retry_attempts_but_not_the_lock_still_stores_
     };
     let a = build().start().await;
     let b = build().start().await;
-    let req = Request::post("/orders/slow/500").key("outage").body("{}");
+    let req = Request::post("/orders/gate/outage")
+        .key("outage")
+        .body("{}");
     let first = req.spawn_send(a.addr);
     // Claimed, the backend is working: now every Redis connection breaks until further notice.
     backend.until_count(1).await;
     link.set(Fault::Reset);
+    backend.open("outage");
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -848,12 +854,13 @@ async fn a_retried_completion_that_lost_its_key_is_dead_lettered_not_taken_from_
     let b = with_a_2s_lock(builder(&backend, &redis).worker_id(2))
         .start()
         .await;
-    let req = Request::post("/orders/slow/500").key("taken").body("{}");
+    let req = Request::post("/orders/gate/taken").key("taken").body("{}");
     let first = req.spawn_send(a.addr);
     // Claimed; A's completion cannot reach Redis, so it waits in A's retry queue (and A's local
     // cache keeps the answer meanwhile).
     backend.until_count(1).await;
     link.set(Fault::Reset);
+    backend.open("taken");
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
     // Past the lock, B takes the key over and completes it.
@@ -1491,14 +1498,14 @@ async fn a_completion_whose_first_write_is_out_when_the_process_stops_is_dead_le
         .top("shutdown: {grace_period: 1s, graceful_shutdown_timeout: 1s}")
         .start()
         .await;
-    let req = Request::post("/orders/slow/500").key("cut").body("{}");
+    let req = Request::post("/orders/gate/cut").key("cut").body("{}");
     let addr = proxy.addr;
     let first = tokio::spawn(async move {
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream.write_all(&req.to_bytes()).await.unwrap();
         common::client::read_response(&mut stream, false).await
     });
-    // Claimed once the backend has it; it answers 500 ms later, into a partition from Redis.
+    // Claimed once the backend has it; it answers once Redis is partitioned away.
     let deadline = Instant::now() + Duration::from_secs(10);
     while backend.count() == 0 {
         assert!(
@@ -1509,7 +1516,8 @@ async fn a_completion_whose_first_write_is_out_when_the_process_stops_is_dead_le
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     link.set(Fault::Hold);
-    tokio::time::sleep(Duration::from_millis(750)).await;
+    backend.open("cut");
+    tokio::time::sleep(Duration::from_millis(250)).await;
     proxy.signal("TERM");
     let (status, proxy) =
         tokio::task::spawn_blocking(move || (proxy.wait_exit(Duration::from_secs(10)), proxy))
@@ -1539,12 +1547,13 @@ async fn executed_as_redis_dies(
     redis: &mut RedisServer,
     key: &str,
 ) {
-    let first = Request::post("/orders/slow/500")
+    let first = Request::post(&format!("/orders/gate/{key}"))
         .key(key)
         .body("{}")
         .spawn_send(proxy.addr);
     backend.until_count(backend.count() + 1).await;
     redis.kill();
+    backend.open(key);
     let first = first.await.unwrap();
     assert_eq!((first.status, first.result()), (201, Some("MISS")));
 }

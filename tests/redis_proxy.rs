@@ -155,23 +155,34 @@ async fn duplicates_waiting_on_their_own_replica_do_not_poll_redis() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let instances = proxies(&backend, &[redis.url()], 1, &WAIT).await;
-    let req = Request::post("/orders/slow/1500")
+    let req = Request::post("/orders/slow/4000")
         .key("one-replica")
         .json(r#"{"sku":"D"}"#);
     let before = redis.command_calls("evalsha");
-    // Well into the original's 1.5 s: a claim each (19 of them found the record in flight),
-    // and at most a read or two of waiters whose claims' answers were taken before the
-    // original's, which then heard of it. Polling the store instead (even one poll for all of
-    // them) would have read the record some 12 times by now, at 5 ms doubling to 100 ms.
+    // Once every duplicate has claimed (19 of them found the record in flight), and at most a
+    // read or two of waiters whose claims' answers were taken before the original's, which
+    // then heard of it, a second of the original's 4 s passes without a script. Polling the
+    // store instead (even one poll for all of them) reads the record some 10 times a second,
+    // at 5 ms doubling to 100 ms; each waiter polling, some 190.
     let midway = async {
         backend.until_count(1).await;
-        tokio::time::sleep(Duration::from_millis(800)).await;
-        redis.command_calls("evalsha") - before
+        let started = std::time::Instant::now();
+        while redis.command_calls("evalsha") - before < 20 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the duplicates' claims did not all run"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let claimed = redis.command_calls("evalsha") - before;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        (claimed, redis.command_calls("evalsha") - before)
     };
-    let (responses, midway) = tokio::join!(stampede(&instances, &req, 20), midway);
+    let (responses, (claimed, midway)) = tokio::join!(stampede(&instances, &req, 20), midway);
     assert!(
-        (20..=23).contains(&midway),
-        "{midway} scripts run 0.8 s into the original, for 20 duplicates on one replica"
+        claimed <= 23 && midway - claimed <= 3,
+        "{claimed} scripts run once the 20 duplicates on one replica had claimed, {midway} a \
+         second later"
     );
     let calls = redis.command_calls("evalsha") - before;
     assert_executed_once(&backend, &responses);
@@ -192,7 +203,8 @@ async fn duplicates_waiting_on_another_replica_s_execution_share_one_poll() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let instances = proxies(&backend, &[redis.url()], 2, &WAIT).await;
-    let req = Request::post("/orders/slow/1500")
+    // Long enough that every duplicate waits on it, however slowly they come.
+    let req = Request::post("/orders/slow/4000")
         .key("other-replica")
         .json(r#"{"sku":"E"}"#);
     let before = redis.command_calls("evalsha");
@@ -202,11 +214,11 @@ async fn duplicates_waiting_on_another_replica_s_execution_share_one_poll() {
     responses.push(original.await.expect("original"));
     let calls = redis.command_calls("evalsha") - before;
     assert_executed_once(&backend, &responses);
-    // 21 claims and the completion; one poll of some 17 reads over the 1.5 s, plus a read
-    // each for a few waiters that came while a poll was ending. Each waiter polling would
-    // read the record some 17 times: about 340 in all.
+    // 21 claims and the completion; one poll of some 45 reads over the 4 s (5 ms doubling to
+    // 100 ms), plus a read each for a few waiters that came while a poll was ending. Each
+    // waiter polling would read the record some 45 times: about 900 in all.
     assert!(
-        calls <= 70,
+        calls <= 90,
         "{calls} scripts run for 20 duplicates waiting on one replica"
     );
     // All but the waiters that polled took another's read.

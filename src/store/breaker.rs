@@ -486,7 +486,7 @@ mod tests {
         }
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn opens_after_consecutive_failures_and_fails_fast() {
         // Open for far longer than the test takes, however slow the machine: no probe.
         let b = breaker_over(1, 3, Duration::from_secs(60));
@@ -510,7 +510,7 @@ mod tests {
     /// lock back as soon as the store answers, not after the next probe. One that fails is part
     /// of the outage (the circuit stays open, its period not stretched); one the store answers
     /// makes the probe due at once, and the probe closes the circuit.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn renewals_are_sent_while_the_circuit_is_open() {
         let b = breaker_over(1, 3, Duration::from_secs(60));
         let req = ClaimRequest {
@@ -559,7 +559,7 @@ mod tests {
     /// circuit per part: a part that is down opens its own, is probed on its own, and the keys
     /// of the other parts go on being served (with one circuit, they were all refused).
     /// Readiness pings a part whose circuit is closed.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn each_part_of_the_store_has_its_own_circuit() {
         let b = breaker_over(4, 1, Duration::from_millis(200));
         assert_eq!(b.view().parts(), 4);
@@ -619,7 +619,7 @@ mod tests {
 
     /// A part whose keys keep failing opens its own circuit only, however many failures its
     /// keys meet: the others stay closed and keep serving.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn one_part_failing_opens_no_other_part() {
         let b = breaker_over(64, 3, Duration::from_secs(60));
         let on = |part: u8| RecordKey {
@@ -651,7 +651,7 @@ mod tests {
         );
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn half_open_probe_closes_on_recovery_and_reopens_on_failure() {
         let b = breaker();
         b.inner().set(Fault::Down);
@@ -670,7 +670,7 @@ mod tests {
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 1);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_probe_the_store_answers_badly_closes_the_circuit() {
         let b = breaker();
         b.inner().set(Fault::Down);
@@ -685,7 +685,7 @@ mod tests {
         assert_eq!(b.view().state(), CircuitState::Closed);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn one_probe_at_a_time_while_half_open() {
         let b = Arc::new(breaker());
         b.inner().set(Fault::Down);
@@ -727,7 +727,7 @@ mod tests {
         Err(StoreError::Unavailable("injected".into()))
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn failures_of_calls_let_through_before_the_circuit_opened_count_once() {
         let b = breaker();
         // Six calls let through while closed, failing together: one opening, not four, and
@@ -772,7 +772,7 @@ mod tests {
         assert_eq!(b.view().opened.load(Ordering::Relaxed), 2);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_success_resets_the_failure_count() {
         let b = breaker();
         for _ in 0..5 {

@@ -299,7 +299,7 @@ pub async fn case_release_by_non_owner_is_refused<S: RecordStore>(store: &Arc<S>
 /// owner can neither complete nor release over it.
 pub async fn case_lapsed_lock_is_taken_over_and_fenced<S: RecordStore>(store: &Arc<S>) {
     let key = fresh_key();
-    let first = request(&key, fingerprint(1));
+    let first = lapsing(&key, fingerprint(1));
     ok(store.claim(&first).await);
     tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
 
@@ -448,7 +448,7 @@ pub async fn case_record_expires_after_ttl<S: RecordStore>(store: &Arc<S>) {
     let abandoned = fresh_key();
     let lost = ClaimRequest {
         ttl: SHORT_TTL,
-        ..request(&abandoned, fingerprint(1))
+        ..lapsing(&abandoned, fingerprint(1))
     };
     ok(store.claim(&lost).await);
     // A record in flight has no life to tell: it still changes.
@@ -475,9 +475,10 @@ pub async fn case_record_expires_after_ttl<S: RecordStore>(store: &Arc<S>) {
 /// end of its life cannot vanish under its next owner.
 pub async fn case_reclaim_extends_record_life<S: RecordStore>(store: &Arc<S>) {
     let key = fresh_key();
+    // A lock shorter than the ttl, so the claim's life is the ttl's.
     let short = |key: &RecordKey| ClaimRequest {
         ttl: SHORT_TTL,
-        ..request(key, fingerprint(1))
+        ..lapsing(key, fingerprint(1))
     };
     let first = short(&key);
     ok(store.claim(&first).await);
@@ -606,9 +607,12 @@ pub async fn case_wait_wakes_on_release<S: RecordStore>(store: &Arc<S>) {
 /// `wait_for_change` returns when the holder's lock lapses, without waiting for its timeout.
 pub async fn case_wait_returns_when_lock_lapses<S: RecordStore>(store: &Arc<S>) {
     let key = fresh_key();
-    let req = request(&key, fingerprint(1));
+    let req = lapsing(&key, fingerprint(1));
+    // From before the claim: the lock runs from the store's answer, which may come late.
+    let started = Instant::now();
     ok(store.claim(&req).await);
-    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
+    let (record, _) = timed_wait(store, &key, WAIT_TIMEOUT).await;
+    let waited = started.elapsed();
     let record = record.expect("lapsed record must still exist");
     assert_eq!(record.execution_id, req.execution_id);
     assert!(
@@ -681,7 +685,7 @@ pub async fn case_concurrent_claims_of_a_lapsed_lock_have_one_winner<S: RecordSt
     store: &Arc<S>,
 ) {
     let key = fresh_key();
-    let first = request(&key, fingerprint(1));
+    let first = lapsing(&key, fingerprint(1));
     ok(store.claim(&first).await);
     tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
     let race = race_to_claim(store, &key).await;
@@ -700,10 +704,10 @@ pub async fn case_concurrent_claims_of_a_lapsed_lock_have_one_winner<S: RecordSt
 pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(store: &Arc<S>) {
     // Two keys lapse in the same sleep: one renewed by its owner, one taken over first.
     let kept = fresh_key();
-    let kept_owner = request(&kept, fingerprint(1));
+    let kept_owner = lapsing(&kept, fingerprint(1));
     ok(store.claim(&kept_owner).await);
     let taken = fresh_key();
-    let old_owner = request(&taken, fingerprint(1));
+    let old_owner = lapsing(&taken, fingerprint(1));
     ok(store.claim(&old_owner).await);
     tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
 
@@ -779,10 +783,12 @@ pub async fn case_wait_returns_when_the_record_expires<S: RecordStore>(store: &A
     let key = fresh_key();
     let req = ClaimRequest {
         ttl: LOCK_TTL,
-        ..request(&key, fingerprint(1))
+        ..lapsing(&key, fingerprint(1))
     };
+    let started = Instant::now();
     ok(store.claim(&req).await);
-    let (record, waited) = timed_wait(store, &key, WAIT_TIMEOUT).await;
+    let (record, _) = timed_wait(store, &key, WAIT_TIMEOUT).await;
+    let waited = started.elapsed();
     match record {
         None => {}
         Some(Record {
@@ -826,10 +832,10 @@ pub async fn case_complete_after_own_release_is_refused<S: RecordStore>(store: &
 /// or release.
 pub async fn case_lapsed_owner_may_finish_until_someone_reclaims<S: RecordStore>(store: &Arc<S>) {
     let completed = fresh_key();
-    let completer = request(&completed, fingerprint(1));
+    let completer = lapsing(&completed, fingerprint(1));
     ok(store.claim(&completer).await);
     let released = fresh_key();
-    let releaser = request(&released, fingerprint(1));
+    let releaser = lapsing(&released, fingerprint(1));
     ok(store.claim(&releaser).await);
     tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
 
@@ -856,7 +862,7 @@ pub async fn case_different_fingerprint_does_not_take_over_a_lapsed_lock<S: Reco
     store: &Arc<S>,
 ) {
     let key = fresh_key();
-    let first = request(&key, fingerprint(1));
+    let first = lapsing(&key, fingerprint(1));
     ok(store.claim(&first).await);
     tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
 
@@ -939,7 +945,7 @@ pub async fn case_settled_delete_spares_a_running_claim<S: RecordStore>(store: &
     ok(store.release(&key, released.owner).await);
     assert_eq!(ok(store.delete_settled(&key).await), Deletion::Deleted);
 
-    let lapsed = request(&key, fingerprint(3));
+    let lapsed = lapsing(&key, fingerprint(3));
     ok(store.claim(&lapsed).await);
     tokio::time::sleep(LOCK_TTL + Duration::from_millis(200)).await;
     assert_eq!(
@@ -1141,15 +1147,24 @@ fn fingerprint(n: u8) -> Digest {
     [n; 32]
 }
 
-/// A claim with a fresh owner and execution id and the default short durations.
+/// A claim with a fresh owner and execution id, a lock no stall of a loaded machine outlasts
+/// and the default record ttl.
 fn request(key: &RecordKey, fingerprint: Digest) -> ClaimRequest {
     ClaimRequest {
         key: key.clone(),
         fingerprint,
         owner: OwnerToken::random(),
         execution_id: rand::random(),
-        lock_ttl: LOCK_TTL,
+        lock_ttl: LONG_LOCK,
         ttl: TTL,
+    }
+}
+
+/// [`request`] with a lock that lapses after [`LOCK_TTL`], for the cases that let it.
+fn lapsing(key: &RecordKey, fingerprint: Digest) -> ClaimRequest {
+    ClaimRequest {
+        lock_ttl: LOCK_TTL,
+        ..request(key, fingerprint)
     }
 }
 

@@ -1,8 +1,9 @@
 //! A real HTTP/1.1 backend on port 0 that records every execution and answers by path.
 //!
 //! Paths (after any prefix): `/binary`, `/chunked`, `/empty`, `/status/NNN`, `/flaky/N` (first N
-//! executions per `X-Idempotency-Id` answer 503), `/slow/MS`, `/large/BYTES`, `/echo`;
-//! anything else answers 201 JSON with the execution number.
+//! executions per `X-Idempotency-Id` answer 503), `/slow/MS`, `/gate/NAME` (answers once the
+//! test calls [`Backend::open`] with `NAME`), `/large/BYTES`, `/echo`; anything else answers 201
+//! JSON with the execution number.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -30,6 +31,14 @@ pub struct Execution {
 #[derive(Default)]
 struct State {
     executions: Vec<Execution>,
+    gates: std::collections::HashMap<String, Arc<Gate>>,
+}
+
+/// What requests to `/gate/NAME` wait on.
+#[derive(Default)]
+struct Gate {
+    open: std::sync::atomic::AtomicBool,
+    opened: tokio::sync::Notify,
 }
 
 /// The running backend.
@@ -80,6 +89,21 @@ impl Backend {
     /// Every execution so far.
     pub fn executions(&self) -> Vec<Execution> {
         self.state.lock().unwrap().executions.clone()
+    }
+
+    /// Lets the requests to `/gate/NAME` answer, those waiting and those to come: a test holds
+    /// an execution at the backend for as long as it needs (to break the store under it), on a
+    /// machine of any speed.
+    #[allow(dead_code)]
+    pub fn open(&self, name: &str) {
+        let gate = self.gate(name);
+        gate.open.store(true, std::sync::atomic::Ordering::SeqCst);
+        gate.opened.notify_waiters();
+    }
+
+    fn gate(&self, name: &str) -> Arc<Gate> {
+        let mut st = self.state.lock().unwrap();
+        st.gates.entry(name.to_owned()).or_default().clone()
     }
 
     /// How many requests reached the backend.
@@ -145,6 +169,17 @@ impl Backend {
         };
         if let Some(ms) = find("slow").and_then(|v| v.parse::<u64>().ok()) {
             tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        if let Some(name) = find("gate") {
+            let gate = self.gate(name);
+            loop {
+                // Made before the look, so an `open` in between is not missed.
+                let opened = gate.opened.notified();
+                if gate.open.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                opened.await;
+            }
         }
         let mut resp = Response::builder();
         if seg.contains(&"binary") {

@@ -332,8 +332,10 @@ pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Resul
 /// connection closed, and how many trickled bytes went out.
 pub async fn trickle_header(addr: SocketAddr, start: &[u8]) -> (Vec<u8>, Duration, usize) {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(start).await.unwrap();
+    // Before the write: the listener's clock starts once it reads the first byte, never
+    // before this.
     let started = std::time::Instant::now();
+    s.write_all(start).await.unwrap();
     let (mut got, mut buf, mut sent) = (Vec::new(), [0u8; 4096], 0);
     loop {
         assert!(
