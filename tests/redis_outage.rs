@@ -1031,7 +1031,8 @@ async fn an_answer_that_comes_while_a_renewal_is_out_does_not_wait_for_it() {
     let req = Request::post("/orders").key("renewal-out").body("{}");
     let first = req.spawn_send(proxy.addr);
     until_forwarded(&backend).await;
-    let sent = Instant::now();
+    // When the backend read it, which its 7 s script counts from.
+    let sent = backend.first_read_at().expect("read");
     let _: String = redis.cmd(&["CLIENT", "PAUSE", "30000", "WRITE"]);
     let other = order(&proxy, "opens-the-circuit").await;
     assert_eq!(other.status, 503, "{}", other.text());
@@ -1089,7 +1090,8 @@ async fn a_body_streaming_while_its_renewal_is_out_is_not_held_up() {
     let req = Request::post("/orders").key("body-renewal-out").body("{}");
     client.write_all(&req.to_bytes()).await.unwrap();
     until_forwarded(&backend).await;
-    let sent = Instant::now();
+    // When the backend read it, which its script counts from.
+    let sent = backend.first_read_at().expect("read");
     let _: String = redis.cmd(&["CLIENT", "PAUSE", "30000", "WRITE"]);
     // When each marker reached the client.
     let mut seen = Vec::new();

@@ -32,6 +32,8 @@ pub struct RawBackend {
     /// Connections the other side ended (or broke) while this one waited for a request.
     ended: Arc<AtomicUsize>,
     heads: Arc<Mutex<Vec<String>>>,
+    /// When each request was read, in order.
+    read_at: Arc<Mutex<Vec<std::time::Instant>>>,
 }
 
 impl RawBackend {
@@ -69,6 +71,7 @@ impl RawBackend {
             connections: Arc::new(AtomicUsize::new(0)),
             ended: Arc::new(AtomicUsize::new(0)),
             heads: Arc::new(Mutex::new(Vec::new())),
+            read_at: Arc::new(Mutex::new(Vec::new())),
         };
         let b = backend.clone();
         tokio::spawn(async move {
@@ -85,6 +88,12 @@ impl RawBackend {
     /// Requests read so far.
     pub fn count(&self) -> usize {
         self.executions.load(Ordering::SeqCst)
+    }
+
+    /// When the first request was read (its script starts then), once one was.
+    #[allow(dead_code)]
+    pub fn first_read_at(&self) -> Option<std::time::Instant> {
+        self.read_at.lock().expect("read_at").first().copied()
     }
 
     /// Connections accepted so far.
@@ -127,6 +136,11 @@ async fn serve(
             return;
         };
         backend.heads.lock().expect("heads").push(head);
+        backend
+            .read_at
+            .lock()
+            .expect("read_at")
+            .push(std::time::Instant::now());
         backend.executions.fetch_add(1, Ordering::SeqCst);
         let script = &scripts[n.min(scripts.len() - 1)];
         for step in script {
