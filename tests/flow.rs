@@ -431,7 +431,8 @@ async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
         .idem("wait_timeout: 200ms")
         .start()
         .await;
-    let req = Request::post("/orders/slow/1500")
+    // The original runs until the test lets it answer.
+    let req = Request::post("/orders/gate/slow-wait")
         .key("slow-wait")
         .body("{}");
     let addr = proxy.addr;
@@ -446,9 +447,10 @@ async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
         .and_then(|v| v.parse::<u64>().ok())
         .is_some_and(|s| s >= 1));
     assert!(
-        started.elapsed() < Duration::from_millis(1200),
+        started.elapsed() < Duration::from_secs(3),
         "waited past wait_timeout"
     );
+    backend.open("slow-wait");
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(req.send(addr).await.result(), Some("HIT"));
 }
@@ -1066,7 +1068,11 @@ async fn drains_on(signal: &str) {
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend).start().await;
     let addr = proxy.addr;
-    let inflight = slow_order(&proxy, 1500, "drain");
+    // In flight until the test lets it answer.
+    let inflight = Request::post("/orders/gate/drain")
+        .key("drain")
+        .body("{}")
+        .spawn_send(addr);
     backend.until_count(1).await;
     proxy.signal(signal);
     let started = std::time::Instant::now();
@@ -1075,6 +1081,7 @@ async fn drains_on(signal: &str) {
         common::client::refused_while(addr, &inflight).await,
         "a new connection was still accepted when the drain ended"
     );
+    backend.open("drain");
     let resp = inflight.await.unwrap();
     assert_eq!((resp.status, resp.result()), (201, Some("MISS")));
     let (status, proxy) = exit_of(proxy).await;

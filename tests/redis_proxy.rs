@@ -762,16 +762,20 @@ async fn a_request_drained_at_sigterm_is_stored_for_the_other_replicas() {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let mut instances = proxies(&backend, &[redis.url()], 2, &[]).await;
-    let req = Request::post("/orders/slow/1500").key("drained").body("{}");
+    let req = Request::post("/orders/gate/drained")
+        .key("drained")
+        .body("{}");
     let inflight = req.spawn_send(instances[0].addr);
     backend.until_count(1).await;
     let draining = instances[0].addr;
     instances[0].signal("TERM");
-    // Draining: new connections are refused while the request in flight still runs.
+    // Draining: new connections are refused while the request in flight still runs (until
+    // the test lets it answer).
     assert!(
         common::client::refused_while(draining, &inflight).await,
         "a new connection was still accepted when the drain ended"
     );
+    backend.open("drained");
     let answered = inflight.await.unwrap();
     assert_eq!((answered.status, answered.result()), (201, Some("MISS")));
     let status = instances[0]

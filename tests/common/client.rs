@@ -357,10 +357,11 @@ pub async fn trickle_header(addr: SocketAddr, start: &[u8]) -> (Vec<u8>, Duratio
     (got, started.elapsed(), sent)
 }
 
-/// Whether `addr` refuses a new connection before `task` ends, trying every 20 ms: a listener
-/// closed while a request it took still runs (a drain).
+/// Whether `addr` refuses a new connection before `task` ends, trying every 20 ms for 10 s at
+/// most: a listener closed while a request it took still runs (a drain).
 pub async fn refused_while<T>(addr: SocketAddr, task: &tokio::task::JoinHandle<T>) -> bool {
-    while !task.is_finished() {
+    let started = std::time::Instant::now();
+    while !task.is_finished() && started.elapsed() < Duration::from_secs(10) {
         if TcpStream::connect(addr).await.is_err() {
             return true;
         }
