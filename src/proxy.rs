@@ -979,8 +979,8 @@ impl Gate {
         let status = response.status.as_u16();
         let storable = claim.is_some() && idem.cache_statuses.contains(status);
         // The stored response is one buffer, headers then body, sized by the declared length
-        // when there is one (up to 256 KiB taken before the body comes): one allocation of its
-        // own length, what the store's capacity accounting charges.
+        // when there is one (up to 256 KiB taken before the body comes, the rest as it comes):
+        // it ends as one buffer of its own length, what the store's capacity accounting charges.
         let declared = exchange
             .body_left()
             .and_then(|n| usize::try_from(n).ok())

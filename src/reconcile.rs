@@ -318,11 +318,12 @@ async fn reconcile_lines(
     let mut line = Vec::new();
     for n in 0.. {
         line.clear();
-        let limit = u64::try_from(max_line).unwrap_or(u64::MAX);
+        // One byte more than a line may have, to tell a longer one.
+        let limit = u64::try_from(max_line).map_or(u64::MAX, |n| n.saturating_add(1));
         let mut bounded = io::Read::take(&mut *dead_letters, limit);
         match bounded.read_until(b'\n', &mut line) {
             Ok(0) => break,
-            Ok(_) if line.len() >= max_line && line.last() != Some(&b'\n') => {
+            Ok(_) if line.len() > max_line && line.last() != Some(&b'\n') => {
                 // Longer than any line idemgate writes: a damaged file. Read past, not kept.
                 line = Vec::new();
                 let verdict = match dead_letters.skip_until(b'\n') {
@@ -1306,7 +1307,7 @@ mod tests {
         let store = store();
         let job = letter(62, response(b"a"));
         let good = dead_letter_line(&here(), &job, 1, "store failed", InStore::Unknown);
-        let text = format!("{}\n{good}{}", "x".repeat(10_000), "y".repeat(4096));
+        let text = format!("{}\n{good}{}", "x".repeat(10_000), "y".repeat(5000));
         let mut out = Vec::new();
         let tally = reconcile_lines(&store, PREFIX, &mut text.as_bytes(), false, &mut out, 4096)
             .await

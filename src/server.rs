@@ -718,7 +718,11 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             std::thread::park();
         }
     }
-    finish(&retrier, on_exit)
+    // A panic in the end of a stop exits as the watchdog's does.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(&retrier, on_exit))) {
+        Ok(finished) => finished,
+        Err(_) => std::process::exit(EXIT_SOFTWARE),
+    }
 }
 
 /// Set by whichever of `run`'s end and the fast stop's watchdog ends the process first.

@@ -1394,7 +1394,7 @@ async fn a_backend_still_answering_keeps_its_lock_renewed() {
     // long as the answer took on a slow machine, never more.
     let most = (took.as_secs_f64() / 0.75) as u64 + 1;
     assert!(
-        (1..=most).contains(&renewals),
+        (2..=most).contains(&renewals),
         "renewals: {renewals} in {took:?}\n{metrics}"
     );
 }

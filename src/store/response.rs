@@ -168,6 +168,9 @@ pub struct ResponseBuilder {
     buf: BytesMut,
     body_at: usize,
     header_count: usize,
+    /// The whole response's length as expected (the headers and the declared body): once the
+    /// body outgrows the room taken up front, the buffer grows toward it.
+    expected: usize,
 }
 
 impl ResponseBuilder {
@@ -176,15 +179,18 @@ impl ResponseBuilder {
     /// `Content-Length`, or 0 when unknown). Room for at most [`MAX_BODY_HINT`] of it is taken
     /// up front: a length is only what a backend says, and one that declares a large body and
     /// stalls must not make every request it answers hold that much before a byte has come
-    /// (memory that, on a host that does not overcommit, is taken for real). A larger body grows
-    /// the buffer as it arrives.
+    /// (memory that, on a host that does not overcommit, is taken for real). Once the body
+    /// outgrows that room, the buffer grows toward the declared length as the body comes, and
+    /// still ends exact.
     pub fn new<I, N, V>(status: u16, headers: impl Fn() -> I, body_hint: usize) -> Self
     where
         I: IntoIterator<Item = (N, V)>,
         N: AsRef<str>,
         V: AsRef<[u8]>,
     {
-        Self::sized(status, headers, body_hint.min(MAX_BODY_HINT))
+        let mut builder = Self::sized(status, headers, body_hint.min(MAX_BODY_HINT));
+        builder.expected = builder.body_at.saturating_add(body_hint);
+        builder
     }
 
     /// [`ResponseBuilder::new`] for a body of `body_len` bytes already in hand.
@@ -213,6 +219,7 @@ impl ResponseBuilder {
             buf: BytesMut::with_capacity(capacity),
             body_at: 0,
             header_count: 0,
+            expected: capacity,
         }
     }
 
@@ -248,6 +255,20 @@ impl ResponseBuilder {
 
     /// Appends a body chunk.
     pub fn push_body(&mut self, chunk: &[u8]) {
+        let needed = self.buf.len().saturating_add(chunk.len());
+        let room = self.buf.capacity();
+        if needed > room && self.expected > room {
+            // Toward the declared length as the body really comes: doubling, the last step
+            // landing on it exactly, so the buffer ends exact without a copy, and a backend that
+            // declares a large body and stalls partway holds at most twice what it sent.
+            let target = self
+                .expected
+                .min(needed.max(room.saturating_mul(2)))
+                .max(needed);
+            let mut grown = BytesMut::with_capacity(target);
+            grown.extend_from_slice(&self.buf);
+            self.buf = grown;
+        }
         self.buf.extend_from_slice(chunk);
     }
 
@@ -351,6 +372,20 @@ mod tests {
         for chunk in body.chunks(16 << 10) {
             b.push_body(chunk);
         }
+        let r = b.finish();
+        assert_eq!(r.body(), &body[..]);
+        // A true length past the room taken up front: the buffer doubles toward it as the body
+        // comes (256 KiB, 512 KiB, then the length), and ends exact without a copy.
+        let mut b = ResponseBuilder::new(200, || [("x", "1")], body.len());
+        let mut grown = 0;
+        for chunk in body.chunks(16 << 10) {
+            let before = b.buf.capacity();
+            b.push_body(chunk);
+            grown += usize::from(b.buf.capacity() != before);
+            assert!(b.buf.capacity() <= 2 * b.buf.len().max(MAX_BODY_HINT));
+        }
+        assert_eq!(grown, 2);
+        assert_eq!(b.buf.capacity(), b.buf.len());
         let r = b.finish();
         assert_eq!(r.body(), &body[..]);
         assert_eq!(r.data.len(), HEADER_PREFIX + 2 + body.len());

@@ -822,13 +822,14 @@ impl DeadLetters {
     }
 
     /// Takes `weight` of [`OVERFLOW_BYTES`] for a line handed to the overflow thread, if it
-    /// fits.
+    /// fits, or if nothing waits there (a line larger than the bound still goes alone: what
+    /// waits is at most the bound or one line).
     fn room_to_spill(&self, weight: usize) -> bool {
         self.spilling
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |waiting| {
                 waiting
                     .checked_add(weight)
-                    .filter(|&total| total <= OVERFLOW_BYTES)
+                    .filter(|&total| total <= OVERFLOW_BYTES || waiting == 0)
             })
             .is_ok()
     }
@@ -2281,6 +2282,23 @@ mod tests {
         assert_eq!(text.lines().count() + to_stderr, letters);
         assert_eq!(stats.pending.load(Ordering::Acquire), 0);
         assert_eq!(dead.spilling.load(Ordering::Acquire), 0);
+    }
+
+    /// A line larger than the bound goes to the overflow thread when nothing waits there,
+    /// alone; the next waits for it.
+    #[test]
+    fn a_line_larger_than_the_overflow_bound_goes_alone() {
+        let dead = DeadLetters::start(DeadLetterFile {
+            path: std::path::PathBuf::from("/nonexistent/dead.jsonl"),
+            store: LetterStore::Memory,
+            stats: Arc::new(RetryStats::default()),
+            last_resort: Box::new(|_: &str| {}),
+        });
+        assert!(dead.room_to_spill(OVERFLOW_BYTES + 1));
+        assert!(!dead.room_to_spill(1), "the bound is taken");
+        dead.spilling.store(0, Ordering::Release);
+        assert!(dead.room_to_spill(OVERFLOW_BYTES));
+        assert!(!dead.room_to_spill(1));
     }
 
     fn overflow_weight_of(job: &PendingCompletion) -> usize {
