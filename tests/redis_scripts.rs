@@ -256,8 +256,9 @@ async fn the_polls_of_a_wait_count_once_in_the_canary_window() {
         .expect("record");
     assert!(matches!(record.state, RecordState::InFlight { .. }));
     let (calls_after, _) = counts(&store, "v2");
+    // Four reads in the first 75 ms on an idle machine; more than one shows the polling.
     assert!(
-        calls_after - calls_before >= 4,
+        calls_after - calls_before >= 2,
         "the wait polled: {calls_after}"
     );
     // One waiter is one call in the window, however often it polled: its repeats must not
@@ -323,7 +324,7 @@ async fn a_wait_whose_polls_all_fail_on_the_canary_counts_one_error() {
         .expect("record");
     assert!(matches!(record.state, RecordState::InFlight { .. }));
     let (calls_after, errors) = counts(&store, "vbusy");
-    assert!(calls_after - calls_before >= 4, "the wait polled");
+    assert!(calls_after - calls_before >= 2, "the wait polled");
     assert_eq!(errors, calls_after - calls_before, "every poll failed");
     // The claim, and the wait as one failing call: not one error per poll.
     assert_eq!(window(&store), (2, 1));
