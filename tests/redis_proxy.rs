@@ -353,7 +353,7 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
     let replica = || {
         ProxyBuilder::new(&backend)
             .redis(&[redis.url()])
-            .idem("ttl: 4s")
+            .idem("ttl: 8s")
             .idem("lock_ttl: 1s")
             .upstream("connect_timeout: 100ms")
             .upstream("write_timeout: 100ms")
@@ -367,7 +367,7 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
     let first = req.send(a.addr).await;
     assert_eq!(first.result(), Some("MISS"));
     // Half the record's life later, B reads it from Redis once and keeps a copy.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
     let read = req.send(b.addr).await;
     assert_eq!((read.result(), &read.body), (Some("HIT"), &first.body));
     let before = redis.calls();
@@ -395,7 +395,7 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
 
     // The copy lives no longer than the record in Redis (what was left of its life when B read
     // it, not a whole route ttl from then): once Redis has dropped the record, B executes again.
-    let deadline = Instant::now() + Duration::from_secs(8);
+    let deadline = Instant::now() + Duration::from_secs(12);
     while !redis.keys().is_empty() {
         assert!(Instant::now() < deadline, "the record never expired");
         tokio::time::sleep(Duration::from_millis(20)).await;
