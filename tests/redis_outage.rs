@@ -1296,8 +1296,8 @@ async fn a_retry_on_the_replica_running_the_key_is_refused_through_an_outage_lon
 {
     let redis = RedisServer::start();
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
-    // A backend still at work after the lock.
-    let backend = still_processing_for(6).await;
+    // A backend still at work after the lock, and well after the retry (at 5 s).
+    let backend = still_processing_for(8).await;
     let on = on_redis(ProxyBuilder::at(backend.addr), &[link.redis_url()], "200ms");
     let proxy = with_a_lock(on, "1500ms", "2500ms")
         .store("on_unavailable: local")
