@@ -718,11 +718,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             std::thread::park();
         }
     }
-    // A panic in the end of a stop exits as the watchdog's does.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(&retrier, on_exit))) {
-        Ok(finished) => finished,
-        Err(_) => std::process::exit(EXIT_SOFTWARE),
-    }
+    finish_or_abort(&retrier, on_exit)
 }
 
 /// Set by whichever of `run`'s end and the fast stop's watchdog ends the process first.
@@ -754,12 +750,9 @@ fn watch_fast_stop(retrier: CompletionRetrier, on_exit: fn()) {
         );
         // `run` is parked for good once the flag is taken: the process ends here whatever
         // `finish` does, a panic included.
-        let finished =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(&retrier, on_exit)));
-        let code = match finished {
-            Ok(Ok(())) => 0,
-            Ok(Err(_)) => EXIT_DEAD_LETTERS_LOST,
-            Err(_) => EXIT_SOFTWARE,
+        let code = match finish_or_abort(&retrier, on_exit) {
+            Ok(()) => 0,
+            Err(_) => EXIT_DEAD_LETTERS_LOST,
         };
         std::process::exit(code);
     });
@@ -770,6 +763,13 @@ const EXIT_SOFTWARE: i32 = 70;
 
 /// The process's exit status when dead letters could not be written at the end (`EX_IOERR`).
 pub const EXIT_DEAD_LETTERS_LOST: i32 = 74;
+
+/// [`finish`], a panic in it ending the process with [`EXIT_SOFTWARE`] (whichever of `run`'s
+/// end and the fast stop's watchdog does it).
+fn finish_or_abort(retrier: &CompletionRetrier, on_exit: fn()) -> Result<(), StartError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(retrier, on_exit)))
+        .unwrap_or_else(|_| std::process::exit(EXIT_SOFTWARE))
+}
 
 /// The end of a stop, once requests are no longer served: dead-letters what still waits for
 /// the store, waits a bounded time for the dead-letter file to take it, and flushes the log.
