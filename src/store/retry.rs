@@ -1921,22 +1921,33 @@ mod tests {
         job: &PendingCompletion,
         letters: usize,
     ) -> bool {
-        let (returned, done) = std::sync::mpsc::channel();
-        let caller = std::thread::spawn({
-            let (dead, stats, job) = (dead.clone(), stats.clone(), job.clone());
-            move || {
-                for _ in 0..letters {
-                    stats.pending.fetch_add(1, Ordering::AcqRel);
-                    dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
-                }
-                let _ = returned.send(());
-            }
-        });
-        let through = done.recv_timeout(Duration::from_secs(10)).is_ok();
+        let caller = settling_from_a_thread(dead, stats, job, letters);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !caller.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let through = caller.is_finished();
         if through {
             caller.join().unwrap();
         }
         through
+    }
+
+    /// A request thread's way of dead-lettering: `letters` copies of `job`, each counted as
+    /// pending first, settled one after another on a thread of its own.
+    fn settling_from_a_thread(
+        dead: &Arc<DeadLetters>,
+        stats: &Arc<RetryStats>,
+        job: &PendingCompletion,
+        letters: usize,
+    ) -> std::thread::JoinHandle<()> {
+        let (dead, stats, job) = (dead.clone(), stats.clone(), job.clone());
+        std::thread::spawn(move || {
+            for _ in 0..letters {
+                stats.pending.fetch_add(1, Ordering::AcqRel);
+                dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
+            }
+        })
     }
 
     /// A local cache in front of `shared`, as a replica's is.
@@ -2250,15 +2261,7 @@ mod tests {
             Bytes::from(vec![7u8; 2 << 20]),
         )));
         let letters = 40;
-        let caller = std::thread::spawn({
-            let (dead, stats, job) = (dead.clone(), stats.clone(), job.clone());
-            move || {
-                for _ in 0..letters {
-                    stats.pending.fetch_add(1, Ordering::AcqRel);
-                    dead.settle(job.clone(), 1, "store failed", InStore::Unknown);
-                }
-            }
-        });
+        let caller = settling_from_a_thread(&dead, &stats, &job, letters);
         caller_writes
             .recv_timeout(Duration::from_secs(30))
             .expect("the caller went on queueing for the stalled stderr");
