@@ -1137,7 +1137,7 @@ impl Config {
     /// lapsed. (The embedded store's writes do not fail, so nothing waits there.) Run on the
     /// file as loaded and again on a reload's config once the running `queue_bytes` (read only
     /// at start-up) is in it.
-    pub fn check_retry_queue(&self) -> Result<(), ConfigError> {
+    pub fn check_redis_record_limits(&self) -> Result<(), ConfigError> {
         if self.store.backend != StoreBackend::Redis {
             return Ok(());
         }
@@ -1231,9 +1231,9 @@ impl Config {
             }
             // A store call answers within response_timeout of being sent or fails, and a
             // record's write shares its connection with every store call of its thread.
-            if let Some(redis) = self.store.redis.as_ref() {
+            if let (StoreBackend::Redis, Some(redis)) = (self.store.backend, &self.store.redis) {
                 let carried = redis.response_timeout.as_secs_f64() * LINK_BYTES_PER_SECOND;
-                if self.store.backend == StoreBackend::Redis && largest as f64 > carried {
+                if largest as f64 > carried {
                     warnings.push(format!(
                         "routes[{}].idempotency.max_response_bytes ({} bytes, with room for its \
                          head, 128 KiB) takes longer than store.redis.response_timeout ({}) to \
@@ -1698,7 +1698,7 @@ impl FileConfig {
             routes,
             source_hash,
         };
-        config.check_retry_queue()?;
+        config.check_redis_record_limits()?;
         Ok(config)
     }
 }
@@ -5057,7 +5057,7 @@ routes:
             ", completion_retry: {queue_bytes: 512MiB}",
             "max_response_bytes: 256MiB",
         ));
-        assert!(config.check_retry_queue().is_ok());
+        assert!(config.check_redis_record_limits().is_ok());
         // The smallest queue holds a response of up to 896 KiB, not the default 1 MiB.
         assert_field(
             &redis(", completion_retry: {queue_bytes: 1MiB}", "ttl: 24h"),
@@ -5098,7 +5098,7 @@ routes:
             "max_response_bytes: {}",
             (512 << 20) - (128 << 10)
         )));
-        assert!(largest.check_retry_queue().is_ok());
+        assert!(largest.check_redis_record_limits().is_ok());
         let slow = |w: &String| w.contains("store.redis.response_timeout (200ms)");
         assert!(
             largest.warnings().iter().any(slow),

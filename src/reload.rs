@@ -249,8 +249,8 @@ impl Reloader {
                 let mut config = config;
                 let restart_only = keep_restart_only(&running.config, &mut config);
                 // Likewise the store's settings, whose queue must still hold every route's
-                // largest response.
-                config.check_retry_queue().map_err(|e| e.to_string())?;
+                // largest response (which must also fit one Redis argument).
+                config.check_redis_record_limits().map_err(|e| e.to_string())?;
                 // Only a file that changed nothing but restart-only settings takes no effect (an
                 // edit of comments alone changes nothing at all, and goes live as before).
                 let takes_effect = restart_only.is_empty() || {

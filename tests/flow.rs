@@ -345,11 +345,11 @@ async fn tenants_and_principals_are_isolated() {
     assert_eq!(backend.count(), combos.len());
 }
 
-/// Twenty concurrent sends of one keyed POST to `path`, under `on_in_flight: mode`.
-async fn concurrent_duplicates(mode: &str, path: &str) -> (Backend, Vec<common::Response>) {
+/// Twenty concurrent sends of one keyed POST to `path`, under `on_in_flight: wait`.
+async fn waiting_duplicates(path: &str) -> (Backend, Vec<common::Response>) {
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
-        .idem(&format!("on_in_flight: {mode}"))
+        .idem("on_in_flight: wait")
         .idem("wait_timeout: 10s")
         .start()
         .await;
@@ -409,7 +409,7 @@ async fn twenty_concurrent_duplicates_execute_once_reject_mode() {
 
 #[tokio::test]
 async fn twenty_concurrent_duplicates_execute_once_wait_mode() {
-    let (backend, responses) = concurrent_duplicates("wait", "/orders/slow/400").await;
+    let (backend, responses) = waiting_duplicates("/orders/slow/400").await;
     assert_eq!(backend.count(), 1);
     assert!(
         responses.iter().all(|r| r.status == 201),
@@ -1271,7 +1271,7 @@ async fn forwarding_headers_reach_the_backend_as_the_client_sent_them() {
 #[tokio::test]
 async fn waiters_on_a_released_original_run_it_once_more_and_replay_that() {
     // The first execution answers 503 after 400 ms (released); the next one answers 201.
-    let (backend, responses) = concurrent_duplicates("wait", "/orders/flaky/1/slow/400").await;
+    let (backend, responses) = waiting_duplicates("/orders/flaky/1/slow/400").await;
     let ids: Vec<_> = backend
         .executions()
         .into_iter()
