@@ -38,5 +38,5 @@ mkdir "$work/bin"
 ln -s "$source_dir/src/redis-server" "$source_dir/src/redis-cli" "$work/bin/"
 export PATH="$work/bin:$PATH"
 echo "ci: $(redis-server --version)"
-cargo test --locked --test redis_store --test redis_proxy --test redis_outage \
+cargo test --locked --test redis_store --test redis_proxy --test redis_outage --test redis_failover \
   --test redis_scripts --test security --test admin --test soak 2>&1

@@ -102,6 +102,10 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 /// Durations sent to the scripts are capped here: Lua numbers are doubles, and a century is
 /// more than any record needs.
 const MAX_TTL_MS: u128 = 100 * 365 * 24 * 3600 * 1000;
+
+/// The least and the most a Redis Cluster call waits before a retry that follows a pause,
+/// milliseconds (redis-rs draws it between them, growing with the retry).
+const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (10, 100);
 /// Reconnect attempts the connection manager makes per connection; the operation deadline
 /// bounds the waiting anyway, and the next operation starts a new round.
 const RECONNECT_RETRIES: usize = 1;
@@ -406,6 +410,13 @@ fn build_backend(
                 .response_timeout(config.response_timeout)
                 .overall_response_timeout(Some(op_timeout))
                 .retries(2)
+                // redis-rs waits at least 1.28 s before a retry that follows a pause (a
+                // node that cannot be reached, CLUSTERDOWN, TRYAGAIN), longer than a whole
+                // operation may take: every call for a dead primary's slots waited out its
+                // deadline, and its part's circuit took three of them to open. A few tens of
+                // milliseconds let a redirect or a refreshed slot map settle.
+                .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
+                .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
                 .tcp_settings(tcp_settings());
             // The config let `tls` through only with rediss:// seeds, so this never turns
             // TLS on for plain URLs; the nodes the cluster announces get the same settings.

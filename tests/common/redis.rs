@@ -1,6 +1,6 @@
-//! Real Redis for tests: single servers, a 3-primary Redis Cluster and a Sentinel setup, each
-//! process started on free ports in its own temporary directory and killed by pid, so tests can
-//! break Redis on purpose. Everything is killed on drop, panics included.
+//! Real Redis for tests: single servers, Redis Clusters (primaries only, or with replicas) and a
+//! Sentinel setup, each process started on free ports in its own temporary directory and killed by
+//! pid, so tests can break Redis on purpose. Everything is killed on drop, panics included.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -255,9 +255,11 @@ impl Drop for RedisServer {
     }
 }
 
-/// A Redis Cluster of primaries only (no replicas), created with `redis-cli --cluster create`.
+/// A Redis Cluster created with `redis-cli --cluster create`: primaries only, or primaries
+/// with replicas ([`RedisCluster::start_with_replicas`]).
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
+    replicas: usize,
 }
 
 impl RedisCluster {
@@ -269,7 +271,14 @@ impl RedisCluster {
 
     /// [`RedisCluster::start`] with `extra` arguments for every node.
     pub fn start_with(primaries: usize, extra: &[&str]) -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..primaries)
+        RedisCluster::start_with_replicas(primaries, 0, extra)
+    }
+
+    /// `primaries` primaries with `replicas` replicas each (which node is which is
+    /// `redis-cli`'s choice: ask [`RedisCluster::role`]); returns once every node reports
+    /// `cluster_state:ok`, every slot range lists its replicas and every replica is in sync.
+    pub fn start_with_replicas(primaries: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..primaries * (1 + replicas))
             .map(|_| {
                 let mut args = vec![
                     "--cluster-enabled",
@@ -289,7 +298,7 @@ impl RedisCluster {
             create.arg(format!("127.0.0.1:{}", node.port));
         }
         let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .expect("run redis-cli --cluster create");
@@ -299,18 +308,33 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        let cluster = RedisCluster { nodes };
+        let cluster = RedisCluster { nodes, replicas };
         cluster.wait_ok();
         cluster
     }
 
-    fn wait_ok(&self) {
-        let deadline = Instant::now() + START_TIMEOUT;
+    /// Waits until every node reports `cluster_state:ok` and a slot range per primary, each
+    /// range naming its replicas, and every replica's link to its primary is up.
+    pub fn wait_ok(&self) {
+        let deadline = Instant::now() + START_TIMEOUT * 2;
+        let primaries = self.nodes.len() / (1 + self.replicas);
         for node in &self.nodes {
             loop {
                 let info: String = node.cmd(&["CLUSTER", "INFO"]);
-                let slots: Vec<Value> = node.cmd(&["CLUSTER", "SLOTS"]);
-                if info.contains("cluster_state:ok") && slots.len() == self.nodes.len() {
+                let slots: Vec<Vec<Value>> = node.cmd(&["CLUSTER", "SLOTS"]);
+                let replicated = slots.iter().all(|range| range.len() == 3 + self.replicas);
+                let linked = match self.role(node) {
+                    (role, _) if role == "slave" => {
+                        let repl: String = node.cmd(&["INFO", "replication"]);
+                        repl.contains("master_link_status:up")
+                    }
+                    _ => true,
+                };
+                if info.contains("cluster_state:ok")
+                    && slots.len() == primaries
+                    && replicated
+                    && linked
+                {
                     break;
                 }
                 assert!(
@@ -321,6 +345,35 @@ impl RedisCluster {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+    }
+
+    /// A node's role (`master` or `slave`) and, for a replica, its primary's port.
+    pub fn role(&self, node: &RedisServer) -> (String, Option<u16>) {
+        let role: Vec<Value> = node.cmd(&["ROLE"]);
+        let text = |v: Option<&Value>| match v {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            other => panic!("ROLE of {}: {other:?}", node.port),
+        };
+        let name = text(role.first());
+        let primary = (name == "slave").then(|| match role.get(2) {
+            Some(Value::Int(port)) => u16::try_from(*port).expect("port"),
+            other => panic!("ROLE of {}: {other:?}", node.port),
+        });
+        (name, primary)
+    }
+
+    /// The index of a primary and of its (first) replica.
+    pub fn primary_and_replica(&self) -> (usize, usize) {
+        let replica = (0..self.nodes.len())
+            .find(|&i| self.role(&self.nodes[i]).0 == "slave")
+            .expect("a replica");
+        let primary_port = self.role(&self.nodes[replica]).1.expect("its primary");
+        let primary = self
+            .nodes
+            .iter()
+            .position(|n| n.port == primary_port)
+            .expect("the primary is one of the nodes");
+        (primary, replica)
     }
 
     /// Seed URLs, one per node.
@@ -334,6 +387,30 @@ impl RedisCluster {
             .iter()
             .flat_map(|node| node.keys().into_iter().map(|k| (node.port, k)))
             .collect()
+    }
+}
+
+/// Waits until `replica` has everything `primary` wrote (replication is asynchronous: what a
+/// primary never passed on dies with it).
+pub fn until_replicated(primary: &RedisServer, replica: &RedisServer) {
+    let offset = |node: &RedisServer, field: &str| -> Option<u64> {
+        let info: String = node.cmd(&["INFO", "replication"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let wrote = offset(primary, "master_repl_offset:");
+        let has = offset(replica, "slave_repl_offset:");
+        if wrote.is_some() && wrote == has {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica never caught up: {has:?} of {wrote:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -1,0 +1,322 @@
+//! Redis changing shape under a running proxy: a Cluster primary replaced by its replica (a
+//! planned failover, as for an upgrade, and the primary's death), a Sentinel's primary dying,
+//! and Cluster slots moving between primaries. Every record the proxy completed is replayed
+//! afterwards, and no key runs twice at the backend.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::{until_replicated, RedisCluster, RedisSentinel};
+use common::{Backend, Proxy, ProxyBuilder, Request, Response};
+
+/// A proxy on `cluster` without the local cache, so every replay is read from Redis.
+async fn cluster_proxy(backend: &Backend, cluster: &RedisCluster) -> Proxy {
+    ProxyBuilder::new(backend)
+        .redis(&cluster.urls())
+        .store("local_cache: {enabled: false}")
+        .start()
+        .await
+}
+
+async fn order(addr: SocketAddr, key: &str) -> Response {
+    Request::post("/orders")
+        .key(key)
+        .body("{}")
+        .send(addr)
+        .await
+}
+
+/// Whether `r` is the 503 the outage policy (`reject`) answers with.
+fn refused_by_policy(r: &Response) -> bool {
+    r.status == 503 && r.result() == Some("UNAVAILABLE") && r.header("retry-after").is_some()
+}
+
+/// One key after another, each sent and then retried at once, until `stop`: every answer is
+/// a `MISS` then a `HIT`, or a 503 refused by the outage policy.
+async fn keys_and_retries(addr: SocketAddr, stop: Arc<AtomicBool>) -> Vec<(String, Vec<Response>)> {
+    let mut sent = Vec::new();
+    let mut n = 0;
+    while !stop.load(Ordering::SeqCst) {
+        let key = format!("during-{n}");
+        n += 1;
+        let first = order(addr, &key).await;
+        let mut answers = vec![first];
+        if answers[0].result() == Some("MISS") {
+            answers.push(order(addr, &key).await);
+        }
+        sent.push((key, answers));
+    }
+    sent
+}
+
+/// Panics unless the backend ran each execution id once, and returns how many ran.
+fn each_ran_once(backend: &Backend) -> usize {
+    let mut runs: HashMap<String, usize> = HashMap::new();
+    for e in backend.executions() {
+        *runs
+            .entry(e.execution_id.expect("every execution carries its id"))
+            .or_default() += 1;
+    }
+    let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "ran more than once: {twice:?}");
+    runs.len()
+}
+
+/// A planned failover (`CLUSTER FAILOVER` on a replica: its primary stops taking writes until
+/// the replica has them all, then hands over its slots) while keys and their retries keep
+/// coming: no client sees an error (redis-rs follows the slots to the new primary, and the
+/// scripts the new primary lacks are loaded again), every retry replays, and no key runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_cluster_failover_is_invisible_to_clients() {
+    let cluster = RedisCluster::start_with_replicas(3, 1, &[]);
+    let backend = Backend::start().await;
+    let proxy = cluster_proxy(&backend, &cluster).await;
+    let (primary, replica) = cluster.primary_and_replica();
+
+    let before = executed_before(&proxy).await;
+    assert!(
+        !cluster.nodes[primary].keys().is_empty(),
+        "no record on the primary that fails over"
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(keys_and_retries(proxy.addr, stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _: String = cluster.nodes[replica].cmd(&["CLUSTER", "FAILOVER"]);
+    let handed_over = tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if cluster.role(&cluster.nodes[replica]).0 == "master"
+                && cluster.role(&cluster.nodes[primary]).0 == "slave"
+            {
+                cluster.wait_ok();
+                return cluster;
+            }
+            assert!(Instant::now() < deadline, "the failover never finished");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let cluster = handed_over.await.expect("failover");
+    // Keys and retries go on past the handover.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let during = load.await.expect("load");
+
+    // Every record, those written before the handover too, replays from the new primary.
+    each_ran_and_replays(&proxy, &backend, &before, &during).await;
+    assert!(
+        !cluster.nodes[replica].keys().is_empty(),
+        "the new primary holds no record"
+    );
+}
+
+/// Slots moving between primaries (`redis-cli --cluster reshard`: each slot marked migrating
+/// and importing, its records moved one by one, then handed over) while keys and their
+/// retries keep coming: a claim for a record not moved yet runs where it is, one for a record
+/// gone runs on the importing node (ASK), no client sees an error, every record replays from
+/// wherever it landed, and no key runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_resharding_under_load_loses_no_record() {
+    let cluster = RedisCluster::start(3);
+    let backend = Backend::start().await;
+    let proxy = cluster_proxy(&backend, &cluster).await;
+    let before = executed_before(&proxy).await;
+    let held_before = cluster.nodes[0].keys().len();
+    assert!(
+        held_before > 0,
+        "no record on the node giving its slots away"
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(keys_and_retries(proxy.addr, stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let from: String = cluster.nodes[0].cmd(&["CLUSTER", "MYID"]);
+    let to: String = cluster.nodes[1].cmd(&["CLUSTER", "MYID"]);
+    let seed = format!("127.0.0.1:{}", cluster.nodes[0].port);
+    let reshard = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("redis-cli")
+            .args(["--cluster", "reshard", &seed])
+            .args(["--cluster-from", &from, "--cluster-to", &to])
+            .args(["--cluster-slots", "2000", "--cluster-yes"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster reshard")
+    })
+    .await
+    .expect("reshard");
+    assert!(
+        reshard.status.success(),
+        "reshard failed:\n{}\n{}",
+        String::from_utf8_lossy(&reshard.stdout),
+        String::from_utf8_lossy(&reshard.stderr)
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::SeqCst);
+    let during = load.await.expect("load");
+
+    each_ran_and_replays(&proxy, &backend, &before, &during).await;
+    let slots: Vec<Vec<redis::Value>> = cluster.nodes[0].cmd(&["CLUSTER", "SLOTS"]);
+    assert!(slots.len() > 3, "no slot moved: {slots:?}");
+}
+
+/// Checks what [`keys_and_retries`] saw: each key ran (`MISS`) and its retry replayed
+/// (`HIT`), at least 5 of them. Then every key, `before` too, replays, and no key ran twice.
+async fn each_ran_and_replays(
+    proxy: &Proxy,
+    backend: &Backend,
+    before: &[String],
+    during: &[(String, Vec<Response>)],
+) {
+    for (key, answers) in during {
+        let results: Vec<_> = answers.iter().map(|r| (r.status, r.result())).collect();
+        assert_eq!(
+            results,
+            [(201, Some("MISS")), (201, Some("HIT"))],
+            "{key}: {}\n{}",
+            answers[0].text(),
+            proxy.log()
+        );
+    }
+    assert!(during.len() >= 5, "only {} keys meanwhile", during.len());
+    eprintln!("{} keys and their retries meanwhile", during.len());
+    for key in before.iter().chain(during.iter().map(|(k, _)| k)) {
+        let r = order(proxy.addr, key).await;
+        assert_eq!(r.result(), Some("HIT"), "{key}: {} {}", r.status, r.text());
+    }
+    let executed = before.len() + during.len();
+    assert_eq!(each_ran_once(backend), executed);
+    assert_eq!(backend.count(), executed);
+}
+
+/// Keys `before-0` to `before-29`, each executed now.
+async fn executed_before(proxy: &Proxy) -> Vec<String> {
+    let before: Vec<String> = (0..30).map(|n| format!("before-{n}")).collect();
+    for key in &before {
+        let r = order(proxy.addr, key).await;
+        assert_eq!(r.result(), Some("MISS"), "{} {}", r.status, r.text());
+    }
+    before
+}
+
+/// After a primary died at `killed`: passes over the keys `before` (executed before it died),
+/// each followed by a fresh key, until `taken_over()` and a whole pass replays. Every answer
+/// comes within a second (not the operation's whole deadline, 1.4 s: redis-rs paused 1.28 s
+/// before a Cluster retry, and every call for the dead primary's slots waited it out); a key
+/// that ran before is replayed or refused by the outage policy (`reject`), never run again;
+/// a fresh key runs or is refused, never runs unprotected. Then fresh keys run and replay
+/// everywhere, and no key ran twice.
+async fn records_replay_once_the_replica_took_over(
+    proxy: &Proxy,
+    backend: &Backend,
+    before: &[String],
+    killed: Instant,
+    taken_over: impl Fn() -> bool,
+) {
+    let mut refused = 0;
+    let mut fresh = 0;
+    let mut fresh_executed = 0;
+    let back = loop {
+        let mut all_replayed = true;
+        for n in 0..=before.len() {
+            let key = before
+                .get(n)
+                .cloned()
+                .unwrap_or_else(|| format!("fresh-{fresh}"));
+            let sent = Instant::now();
+            let r = order(proxy.addr, &key).await;
+            assert!(
+                sent.elapsed() < Duration::from_secs(1),
+                "{key} took {:?} ({} {})",
+                sent.elapsed(),
+                r.status,
+                r.result().unwrap_or_default()
+            );
+            match r.result() {
+                _ if refused_by_policy(&r) => {
+                    refused += 1;
+                    all_replayed &= n == before.len();
+                }
+                Some("HIT") if n < before.len() => {}
+                Some("MISS") if n == before.len() => fresh_executed += 1,
+                _ => panic!("{key}: {} {}\n{}", r.status, r.text(), proxy.log()),
+            }
+        }
+        fresh += 1;
+        if all_replayed && taken_over() {
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "the records never replayed again ({refused} refused)\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        refused > 0,
+        "nothing was refused while the primary was dead"
+    );
+    for n in 0..10 {
+        let key = format!("after-{n}");
+        let first = order(proxy.addr, &key).await;
+        assert_eq!(first.result(), Some("MISS"), "{key}: {}", first.text());
+        let again = order(proxy.addr, &key).await;
+        assert_eq!(again.result(), Some("HIT"), "{key}: {}", again.text());
+    }
+    let executed = before.len() + fresh_executed + 10;
+    assert_eq!(each_ran_once(backend), executed, "back after {back:?}");
+    assert_eq!(backend.count(), executed);
+    eprintln!("records replayed again {back:?} after the kill; {refused} refused meanwhile");
+}
+
+/// A Cluster primary that dies is replaced by its replica once the cluster has marked it
+/// failed (`cluster-node-timeout`, 2 s here) and elected the replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_primary_s_records_replay_from_its_replica_once_it_takes_over() {
+    let mut cluster = RedisCluster::start_with_replicas(3, 1, &[]);
+    let backend = Backend::start().await;
+    let proxy = cluster_proxy(&backend, &cluster).await;
+    let (primary, replica) = cluster.primary_and_replica();
+    let before = executed_before(&proxy).await;
+    assert!(
+        !cluster.nodes[primary].keys().is_empty(),
+        "no record on the primary that dies"
+    );
+    until_replicated(&cluster.nodes[primary], &cluster.nodes[replica]);
+
+    cluster.nodes[primary].kill();
+    let killed = Instant::now();
+    let taken_over = || cluster.role(&cluster.nodes[replica]).0 == "master";
+    records_replay_once_the_replica_took_over(&proxy, &backend, &before, killed, taken_over).await;
+}
+
+/// A primary behind Sentinel that dies is replaced by its replica once the Sentinel has found
+/// it down (`down-after-milliseconds`, 1 s here) and promoted the replica; the proxy looks the
+/// primary up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_sentinel_primary_s_records_replay_from_the_replica_it_promoted() {
+    let mut sentinel = RedisSentinel::start();
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[sentinel.url()])
+        .store("local_cache: {enabled: false}")
+        .start()
+        .await;
+    let before = executed_before(&proxy).await;
+    until_replicated(&sentinel.primary, &sentinel.replica);
+
+    sentinel.primary.kill();
+    let killed = Instant::now();
+    let replica = sentinel.replica.port.to_string();
+    let taken_over = || {
+        let master: redis::RedisResult<HashMap<String, String>> =
+            sentinel.sentinel_cmd(&["SENTINEL", "MASTER", RedisSentinel::MASTER]);
+        master.is_ok_and(|m| m.get("port") == Some(&replica))
+    };
+    records_replay_once_the_replica_took_over(&proxy, &backend, &before, killed, taken_over).await;
+}
