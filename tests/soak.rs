@@ -30,7 +30,8 @@
 //!
 //! Anything else is a **double execution**: above all, an execution after one whose stored-able
 //! answer (2xx/4xx) idemgate received, or one that overlaps a released execution, comes before
-//! a lapsed lock could allow it, or carries another execution id.
+//! a lapsed lock could allow it, or carries another execution id. And no execution id may
+//! appear under two keys (instances SIGKILLed and restarted under their worker ids included).
 //!
 //! The envelope the invariant is promised in: a completed response that idemgate cannot store
 //! before the claim's lock lapses can be executed again by a retry (the lock is all that stood
@@ -587,6 +588,8 @@ struct Report {
     doubles: Vec<String>,
     foreign_replays: Vec<String>,
     divergent_replays: Vec<String>,
+    /// Execution ids the backend saw under more than one key.
+    shared_ids: Vec<String>,
     sweep: BTreeMap<String, usize>,
     slowest: Duration,
 }
@@ -728,7 +731,25 @@ fn analyse(specs: &[KeySpec], sent: &[Sent], executions: &[Execution]) -> Report
                 .push(format!("{} replayed executions {seqs:?}", specs[key].key));
         }
     }
+    r.shared_ids = shared_ids(executions);
     r
+}
+
+/// The execution ids seen under more than one key, each with its keys. An id names one key's
+/// executions only: a backend that keeps it under a unique index would refuse another key's
+/// order that came with the same id.
+fn shared_ids(executions: &[Execution]) -> Vec<String> {
+    let mut keys_of_id: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for e in executions {
+        if let Some(id) = &e.execution_id {
+            keys_of_id.entry(id).or_default().insert(&e.key);
+        }
+    }
+    keys_of_id
+        .into_iter()
+        .filter(|(_, keys)| keys.len() > 1)
+        .map(|(id, keys)| format!("X-Idempotency-Id {id} on keys {keys:?}"))
+        .collect()
 }
 
 // === the driver ===
@@ -1025,6 +1046,10 @@ fn print_report(
         "keys replaying two different executions",
         r.divergent_replays.len().to_string(),
     );
+    row(
+        "execution ids seen under two keys",
+        r.shared_ids.len().to_string(),
+    );
     row("**double executions**", format!("**{}**", r.doubles.len()));
     println!("\n| measure | value |\n|---|---|\n{out}");
 
@@ -1051,6 +1076,9 @@ fn print_report(
     }
     for d in r.divergent_replays.iter().take(10) {
         println!("DIVERGENT REPLAYS {d}");
+    }
+    for d in r.shared_ids.iter().take(10) {
+        println!("SHARED ID {d}");
     }
 }
 
@@ -1080,6 +1108,7 @@ fn assert_invariants(r: &Report) {
     assert_eq!(r.mismatches, 0, "422 for identical sends");
     assert!(r.foreign_replays.is_empty(), "{:#?}", r.foreign_replays);
     assert!(r.divergent_replays.is_empty(), "{:#?}", r.divergent_replays);
+    assert!(r.shared_ids.is_empty(), "{:#?}", r.shared_ids);
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -1203,4 +1232,23 @@ fn checker_flags_every_unjustified_execution() {
     let mut none = exec(1, "7", 0, Fate::Answered(201));
     none.execution_id = None;
     assert_eq!(violations(&[none], &[]), [(0, Violation::NoExecutionId)]);
+}
+
+#[test]
+fn checker_flags_an_execution_id_seen_under_two_keys() {
+    let mut other_key = exec(3, "7", 100, Fate::Answered(201));
+    other_key.key = "k2".into();
+    let mut own_id = exec(4, "8", 100, Fate::Answered(201));
+    own_id.key = "k3".into();
+    let execs = [
+        exec(1, "7", 0, Fate::Answered(503)),
+        exec(2, "7", 60, Fate::Answered(201)),
+        other_key,
+        own_id,
+    ];
+    assert_eq!(
+        shared_ids(&execs),
+        [r#"X-Idempotency-Id 7 on keys {"k", "k2"}"#]
+    );
+    assert_eq!(shared_ids(&execs[..2]), Vec::<String>::new());
 }
