@@ -36,8 +36,8 @@ fn refused_by_policy(r: &Response) -> bool {
     r.status == 503 && r.result() == Some("UNAVAILABLE") && r.header("retry-after").is_some()
 }
 
-/// One key after another, each sent and then retried at once, until `stop`: every answer is
-/// a `MISS` then a `HIT`, or a 503 refused by the outage policy.
+/// Sends one key after another until `stop`, each sent again at once when it ran (`MISS`);
+/// returns every key with its answers.
 async fn keys_and_retries(addr: SocketAddr, stop: Arc<AtomicBool>) -> Vec<(String, Vec<Response>)> {
     let mut sent = Vec::new();
     let mut n = 0;

@@ -17,8 +17,11 @@ const WAIT: [&str; 2] = ["on_in_flight: wait", "wait_timeout: 10s"];
 /// `count` proxies in front of `backend`, all on the Redis at `urls`.
 async fn proxies(backend: &Backend, urls: &[String], count: usize, idem: &[&str]) -> Vec<Proxy> {
     let mut started = Vec::new();
-    for _ in 0..count {
-        let mut builder = ProxyBuilder::new(backend).redis(urls);
+    for n in 0..count {
+        // A worker id of its own, as replicas sharing a Redis need.
+        let mut builder = ProxyBuilder::new(backend)
+            .worker_id(1 + n as u16)
+            .redis(urls);
         for line in idem {
             builder = builder.idem(line);
         }
