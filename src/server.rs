@@ -26,6 +26,7 @@ use crate::script_reload::ScriptReloader;
 use crate::snowflake;
 use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
+use crate::store::eviction;
 use crate::store::purge::PurgeBus;
 use crate::store::retry::{CompletionRetrier, LetterStore, LocalHooks, RetryOptions};
 use crate::store::{ForgetLocal, MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
@@ -338,6 +339,7 @@ fn register_script_metrics(metrics: &Metrics, redis: &Arc<RedisStore>) {
             ("idemgate_script_reload_failures_total", "Script changes refused (unreadable, or Redis would not load them); the old scripts stay", Pull::Counter, |s| s.script_reload_failures() as f64),
             ("idemgate_redis_tls_reloads_total", "Changed store.redis.tls files taken into use without a restart", Pull::Counter, |s| s.tls_reloads() as f64),
             ("idemgate_redis_tls_reload_failures_total", "Changed store.redis.tls files refused (unreadable, or no PEM); the previous files stay", Pull::Counter, |s| s.tls_reload_failures() as f64),
+            ("idemgate_store_redis_may_evict", "1 while Redis may evict records (maxmemory with a maxmemory-policy other than noeviction, on some primary), 0 while it may not, -1 not known (not read yet, or INFO refused)", Pull::Gauge, |s| f64::from(s.may_evict())),
         ],
     );
 }
@@ -944,7 +946,9 @@ impl BackgroundService for RetryWorker {
 }
 
 /// Connects the Redis store and loads its scripts soon after start, retrying with backoff
-/// until it succeeds once; after that the store keeps itself connected.
+/// until it succeeds once; after that the store keeps itself connected. Then reads whether
+/// Redis may evict records, now and every [`eviction::CHECK_EVERY`], until the ACL user turns
+/// out not to be allowed to ask.
 struct RedisWarmup {
     store: Arc<RedisStore>,
 }
@@ -969,7 +973,7 @@ impl BackgroundService for RedisWarmup {
             match self.store.connect().await {
                 Ok(()) => {
                     tracing::info!("redis store connected; scripts loaded");
-                    return;
+                    break;
                 }
                 Err(e) => {
                     failures += 1;
@@ -984,6 +988,12 @@ impl BackgroundService for RedisWarmup {
                 _ = shutdown.changed() => return,
             }
             pause = (pause * 2).min(Duration::from_secs(5));
+        }
+        while self.store.check_eviction().await {
+            tokio::select! {
+                _ = tokio::time::sleep(eviction::CHECK_EVERY) => {}
+                _ = shutdown.changed() => return,
+            }
         }
     }
 }

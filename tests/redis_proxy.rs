@@ -823,3 +823,36 @@ async fn a_response_too_large_to_keep_is_never_run_again_on_any_replica() {
     assert_eq!(changed.status, 422, "{}", changed.text());
     assert_eq!(backend.count(), 1);
 }
+
+/// A Redis that may evict records (a memory limit under a policy other than `noeviction`) is
+/// warned of once connected, and `idemgate_store_redis_may_evict` is 1; on one that may not,
+/// it is 0 and nothing is said.
+#[tokio::test]
+async fn a_redis_that_may_evict_records_is_warned_of() {
+    let evicting =
+        RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru"]);
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[evicting.url()])
+        .start()
+        .await;
+    let log = proxy.log_containing("redis may evict records").await;
+    assert!(
+        log.contains("maxmemory-policy volatile-lru with maxmemory 67108864"),
+        "{log}"
+    );
+    proxy
+        .metrics_containing("idemgate_store_redis_may_evict 1")
+        .await;
+
+    let safe = RedisServer::start();
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[safe.url()])
+        .start()
+        .await;
+    proxy
+        .metrics_containing("idemgate_store_redis_may_evict 0")
+        .await;
+    let log = proxy.log_written().await;
+    assert!(!log.contains("may evict"), "{log}");
+}

@@ -563,6 +563,67 @@ async fn ping_runs_the_script_path_not_just_ping() {
     conformance::case_release_then_claim_keeps_execution_id(&store).await;
     conformance::case_wait_returns_at_once_when_not_in_flight(&store).await;
     conformance::case_delete_removes(&store).await;
+    // +info lets it read the eviction setting.
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 0);
+}
+
+/// Whether Redis may evict records is read from `INFO memory`: a memory limit under any
+/// policy but `noeviction` may (every record has a ttl, so `volatile-*` takes them too), no
+/// limit or `noeviction` may not, and a change made while idemgate runs is read at the next
+/// check. On a Cluster every primary is asked. A user that may not run `INFO` leaves it
+/// unknown, and the checks stop (each would leave a denial in `ACL LOG`).
+#[tokio::test]
+async fn whether_redis_may_evict_records_is_read_from_every_server() {
+    let server =
+        RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru"]);
+    let store = single(&server);
+    assert_eq!(store.may_evict(), -1, "not read yet");
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 1);
+    let _: () = server.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 0);
+    let _: () = server.cmd(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 1);
+    // No limit: nothing is evicted, whatever the policy.
+    let _: () = server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 0);
+
+    let cluster = RedisCluster::start(3);
+    let config = settings(cluster.urls(), RedisTopology::Cluster);
+    let store = RedisStore::new(&config).expect("store");
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 0);
+    let _: () = cluster.nodes[2].cmd(&["CONFIG", "SET", "maxmemory", "64mb"]);
+    let _: () = cluster.nodes[2].cmd(&["CONFIG", "SET", "maxmemory-policy", "volatile-ttl"]);
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 1, "one primary of three may evict");
+
+    let rights: Vec<&str> = common::redis::SCRIPT_RIGHTS
+        .iter()
+        .copied()
+        .filter(|r| *r != "+info")
+        .collect();
+    let _: () = server.cmd(
+        &[
+            &["ACL", "SETUSER", "noinfo", "on", ">pw", "~*"][..],
+            &rights,
+        ]
+        .concat(),
+    );
+    let config = settings(
+        vec![format!("redis://noinfo:pw@127.0.0.1:{}", server.port)],
+        RedisTopology::Single,
+    );
+    let store = RedisStore::new(&config).expect("store");
+    assert!(
+        !store.check_eviction().await,
+        "INFO is refused: stop asking"
+    );
+    assert_eq!(store.may_evict(), -1);
 }
 
 /// A replica runs read-only scripts: a probe that only read would call a server that refuses

@@ -92,6 +92,12 @@ async fn redis_over_tls_with_a_private_ca_and_an_acl_user_replays_across_instanc
         .start()
         .await;
     readyz_becomes(&b, 200).await;
+    for proxy in [&a, &b] {
+        // The eviction setting was read (INFO allowed), so ACL LOG covers that call too.
+        proxy
+            .metrics_containing("idemgate_store_redis_may_evict 0")
+            .await;
+    }
 
     let req = Request::post("/orders")
         .key("tls-order-1")
@@ -175,6 +181,10 @@ async fn miss_then_hit_on_two_proxies(urls: &[String], pki: &Pki, key: &str) -> 
         }
         let proxy = builder.start().await;
         readyz_becomes(&proxy, 200).await;
+        // The eviction setting was read (INFO allowed), so ACL LOG covers that call too.
+        proxy
+            .metrics_containing("idemgate_store_redis_may_evict 0")
+            .await;
         proxies.push(proxy);
     }
     let req = Request::post("/orders").key(key).body("{}");

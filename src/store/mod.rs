@@ -18,6 +18,7 @@ pub mod breaker;
 pub mod cached;
 pub mod codec;
 pub mod conformance;
+pub mod eviction;
 pub mod faulty;
 pub mod memory;
 pub mod purge;

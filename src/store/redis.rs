@@ -56,7 +56,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI8, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -77,6 +77,7 @@ use redis::{
 };
 use tokio::time::Instant;
 
+use super::eviction;
 pub use super::script_set::{
     AvailableVersion, CanaryStatus, Scripts, ScriptsStatus, VersionStats, VersionStatus,
 };
@@ -208,6 +209,11 @@ pub struct RedisStore {
     /// On a Cluster, a probe key for each part of the slot space ([`CLUSTER_PARTS`]), so the
     /// circuit breaker probes the part whose circuit is open; empty otherwise.
     part_ping_keys: Box<[String]>,
+    /// What the last reading of Redis's eviction setting found ([`RedisStore::check_eviction`]):
+    /// 1 some server may evict records, 0 none may, -1 not known (not read yet, or refused).
+    may_evict: AtomicI8,
+    /// The evicting settings last warned of, so that each change warns once.
+    eviction_warned: parking_lot::Mutex<Option<String>>,
 }
 
 /// Parts of a Cluster's slot space the circuit breaker keeps a circuit for: 64 ranges of 256
@@ -648,6 +654,8 @@ struct Failure {
     /// no answer at all (connection lost, timed out): the same call may fare otherwise on
     /// another script version.
     answered: bool,
+    /// The ACL user may not run the call (`NOPERM`).
+    denied: bool,
 }
 
 // === impl RedisStore ===
@@ -697,7 +705,76 @@ impl RedisStore {
             },
             prefix: config.key_prefix.clone(),
             op_timeout,
+            may_evict: AtomicI8::new(-1),
+            eviction_warned: parking_lot::Mutex::new(None),
         })
+    }
+
+    /// Reads whether Redis may evict records (see [`eviction`]): `INFO memory` on the server,
+    /// or on every primary of a Cluster. Warns when some server may (once per change of what
+    /// it finds), and says when none may any longer. Returns false once the ACL user may not
+    /// run `INFO`: that is said once, and asking again would only fill `ACL LOG`. A server
+    /// that does not answer leaves the last reading as it was.
+    pub async fn check_eviction(&self) -> bool {
+        let mut info = redis::cmd("INFO");
+        info.arg("memory");
+        let reading = match self.send("info", Call::Command(&info)).await {
+            Ok(reply) => eviction::read(reply),
+            Err(failure) if failure.denied => eviction::Reading::Denied(failure.error.to_string()),
+            Err(failure) => {
+                tracing::debug!(error = %failure.error, "redis eviction setting not read");
+                return true;
+            }
+        };
+        match reading {
+            eviction::Reading::Settings(settings) => {
+                let evicting: Vec<String> = settings
+                    .iter()
+                    .filter(|s| s.may_evict())
+                    .map(ToString::to_string)
+                    .collect();
+                let mut warned = self.eviction_warned.lock();
+                if evicting.is_empty() {
+                    self.may_evict.store(0, Ordering::Relaxed);
+                    if warned.take().is_some() {
+                        tracing::info!("redis no longer evicts records (maxmemory-policy noeviction, or no maxmemory)");
+                    }
+                } else {
+                    self.may_evict.store(1, Ordering::Relaxed);
+                    let what = evicting.join("; ");
+                    if warned.as_deref() != Some(&what) {
+                        tracing::warn!(
+                            setting = %what,
+                            "redis may evict records: every record has a ttl, so any \
+                             maxmemory-policy but noeviction drops them under memory pressure, \
+                             and a retry of a dropped key runs again; set maxmemory-policy \
+                             noeviction"
+                        );
+                        *warned = Some(what);
+                    }
+                }
+                true
+            }
+            eviction::Reading::Denied(why) => {
+                self.may_evict.store(-1, Ordering::Relaxed);
+                tracing::info!(
+                    error = %why,
+                    "cannot tell whether redis may evict records: the ACL user may not run \
+                     INFO (grant +info to be warned)"
+                );
+                false
+            }
+            eviction::Reading::Unreadable(why) => {
+                tracing::debug!(error = %why, "redis eviction setting not read");
+                true
+            }
+        }
+    }
+
+    /// What the last [`RedisStore::check_eviction`] found: 1 some server may evict records, 0
+    /// none may, -1 not known.
+    pub fn may_evict(&self) -> i8 {
+        self.may_evict.load(Ordering::Relaxed)
     }
 
     /// Connects (if not yet connected) and loads the scripts in force, so the first requests
@@ -1181,6 +1258,7 @@ impl RedisStore {
                 error,
                 script_fault: true,
                 answered: true,
+                denied: false,
             })
         });
         if matches!(&result, Err(f) if f.script_fault) {
@@ -1239,6 +1317,7 @@ impl RedisStore {
                 backend.on_error(&err, used, self.op_timeout);
                 let script_fault = is_script_fault(&err);
                 let answered = matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension);
+                let denied = err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm);
                 // A script that fails is no outage: Redis is up and would fail it the same way
                 // on every retry, so the outage policy must not apply (`pass` would forward
                 // every keyed request unprotected behind a broken `claim.lua`) and the circuit
@@ -1251,6 +1330,7 @@ impl RedisStore {
                 Err(Failure {
                     script_fault,
                     answered,
+                    denied,
                     error,
                 })
             }
@@ -1262,6 +1342,7 @@ impl RedisStore {
                     error: self.timed_out(op),
                     script_fault: false,
                     answered: false,
+                    denied: false,
                 })
             }
         }

@@ -16,9 +16,9 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The command rights of the least-privilege ACL user on a single server, as documented in
 /// `config/idemgate.yaml` (key patterns and channels come on top): EVALSHA + SCRIPT LOAD, DEL,
-/// and what the scripts call.
+/// what the scripts call, and INFO (the eviction setting).
 #[allow(dead_code)]
-pub const SCRIPT_RIGHTS: [&str; 10] = [
+pub const SCRIPT_RIGHTS: [&str; 11] = [
     "-@all",
     "+evalsha",
     "+script|load",
@@ -29,6 +29,7 @@ pub const SCRIPT_RIGHTS: [&str; 10] = [
     "+pexpire",
     "+pttl",
     "+time",
+    "+info",
 ];
 
 /// The `redis-server` on the `PATH`: its version, as `(major, minor)`.

@@ -150,7 +150,7 @@ impl Pki {
 pub const IDEMGATE_USER: &str = "idemgate";
 pub const IDEMGATE_PASSWORD: &str = "s3cret-acl-password-for-tests";
 pub const IDEMGATE_RULES: &str = "~idemgate:* resetchannels &idemgate:purge -@all \
-     +evalsha +script|load +del +hmget +hset +hdel +pexpire +pttl +time +publish +subscribe";
+     +evalsha +script|load +del +hmget +hset +hdel +pexpire +pttl +time +info +publish +subscribe";
 pub const INSPECTOR_PASSWORD: &str = "inspector-password";
 
 /// A `redis-server` that listens only on a TLS port (`--port 0`), signed by `pki`, with the

@@ -1,0 +1,214 @@
+//! Whether Redis may evict records, read from `INFO memory` (`maxmemory`, `maxmemory_policy`)
+//! once the store is connected and every [`CHECK_EVERY`] after.
+//!
+//! Every record carries a ttl, so every policy but `noeviction` may drop one under memory
+//! pressure: the `volatile-*` policies (the default of several managed Redis offerings) as much
+//! as the `allkeys-*` ones. A dropped in-flight record lets a duplicate execute; a dropped
+//! completed one makes its retry run again. idemgate cannot prevent that; it says so, with a
+//! warning and `idemgate_store_redis_may_evict`.
+
+use std::time::Duration;
+
+use redis::Value;
+
+/// How often the setting is read again: a `CONFIG SET`, or a failover to a server configured
+/// otherwise, changes it while idemgate runs.
+pub const CHECK_EVERY: Duration = Duration::from_secs(60);
+
+/// One server's memory limit and eviction policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Setting {
+    /// The server: a Cluster primary's address, empty for a single server.
+    pub node: String,
+    /// `maxmemory` in bytes; 0 is no limit.
+    pub maxmemory: u64,
+    /// `maxmemory-policy`.
+    pub policy: String,
+}
+
+impl Setting {
+    /// Whether this server may evict a record: a memory limit, under any policy but
+    /// `noeviction`. (Without a limit nothing is evicted, whatever the policy says.)
+    pub fn may_evict(&self) -> bool {
+        self.maxmemory > 0 && self.policy != "noeviction"
+    }
+}
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "maxmemory-policy {} with maxmemory {}",
+            self.policy, self.maxmemory
+        )?;
+        if !self.node.is_empty() {
+            write!(f, " on {}", self.node)?;
+        }
+        Ok(())
+    }
+}
+
+/// What one reading of `INFO memory` found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reading {
+    /// Every server's setting (each primary's, on a Cluster).
+    Settings(Vec<Setting>),
+    /// The ACL user may not run `INFO` (`NOPERM`).
+    Denied(String),
+    /// A reply without the two fields, or of another shape.
+    Unreadable(String),
+}
+
+/// Reads the reply of `INFO memory`: one server's text, or (Cluster) a map from each primary's
+/// address to its text or its error.
+pub fn read(reply: Value) -> Reading {
+    match reply {
+        Value::Map(nodes) => {
+            let mut settings = Vec::with_capacity(nodes.len());
+            for (node, reply) in nodes {
+                let node = text_of(&node).unwrap_or_default();
+                match reply {
+                    Value::ServerError(e) if e.code() == "NOPERM" => {
+                        return Reading::Denied(format!("{node}: {e}"));
+                    }
+                    reply => match setting(node, &reply) {
+                        Ok(s) => settings.push(s),
+                        Err(why) => return Reading::Unreadable(why),
+                    },
+                }
+            }
+            Reading::Settings(settings)
+        }
+        reply => match setting(String::new(), &reply) {
+            Ok(s) => Reading::Settings(vec![s]),
+            Err(why) => Reading::Unreadable(why),
+        },
+    }
+}
+
+/// One server's setting from its `INFO memory` text.
+fn setting(node: String, reply: &Value) -> Result<Setting, String> {
+    let Some(text) = text_of(reply) else {
+        return Err(format!("INFO answered {reply:?}"));
+    };
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    };
+    let maxmemory = field("maxmemory").and_then(|v| v.parse().ok());
+    match (maxmemory, field("maxmemory_policy")) {
+        (Some(maxmemory), Some(policy)) if !policy.is_empty() => Ok(Setting {
+            node,
+            maxmemory,
+            policy: policy.to_owned(),
+        }),
+        _ => Err(format!(
+            "INFO memory{} has no maxmemory and maxmemory_policy",
+            if node.is_empty() {
+                String::new()
+            } else {
+                format!(" of {node}")
+            }
+        )),
+    }
+}
+
+fn text_of(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(maxmemory: u64, policy: &str) -> String {
+        format!(
+            "# Memory\r\nused_memory:1024\r\nmaxmemory:{maxmemory}\r\nmaxmemory_human:1M\r\n\
+             maxmemory_policy:{policy}\r\nallocator_frag_ratio:1.0\r\n"
+        )
+    }
+
+    fn bulk(text: &str) -> Value {
+        Value::BulkString(text.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn a_server_evicts_only_with_a_limit_and_a_policy_other_than_noeviction() {
+        let cases = [
+            (0, "volatile-lru", false),
+            (1 << 20, "noeviction", false),
+            (1 << 20, "volatile-lru", true),
+            (1 << 20, "allkeys-lfu", true),
+            (1 << 20, "volatile-ttl", true),
+        ];
+        for (maxmemory, policy, evicts) in cases {
+            let Reading::Settings(settings) = read(bulk(&info(maxmemory, policy))) else {
+                panic!("{maxmemory} {policy}");
+            };
+            assert_eq!(
+                settings,
+                [Setting {
+                    node: String::new(),
+                    maxmemory,
+                    policy: policy.into()
+                }]
+            );
+            assert_eq!(settings[0].may_evict(), evicts, "{maxmemory} {policy}");
+        }
+    }
+
+    #[test]
+    fn resp3_text_and_cluster_maps_are_read() {
+        let verbatim = Value::VerbatimString {
+            format: redis::VerbatimFormat::Text,
+            text: info(100, "allkeys-lru"),
+        };
+        assert!(matches!(read(verbatim), Reading::Settings(s) if s[0].may_evict()));
+        let cluster = Value::Map(vec![
+            (bulk("10.0.0.1:7000"), bulk(&info(0, "noeviction"))),
+            (bulk("10.0.0.2:7000"), bulk(&info(100, "volatile-lru"))),
+        ]);
+        let Reading::Settings(settings) = read(cluster) else {
+            panic!("cluster");
+        };
+        let evicting: Vec<String> = settings
+            .iter()
+            .filter(|s| s.may_evict())
+            .map(Setting::to_string)
+            .collect();
+        assert_eq!(
+            evicting,
+            ["maxmemory-policy volatile-lru with maxmemory 100 on 10.0.0.2:7000"]
+        );
+    }
+
+    #[test]
+    fn a_refusal_and_odd_replies_are_told_apart() {
+        let denied =
+            redis::parse_redis_value(b"-NOPERM this user has no permissions to run 'info'\r\n")
+                .expect("an error reply");
+        assert!(matches!(denied, Value::ServerError(_)), "{denied:?}");
+        let cluster = Value::Map(vec![
+            (bulk("10.0.0.1:7000"), bulk(&info(0, "noeviction"))),
+            (bulk("10.0.0.2:7000"), denied),
+        ]);
+        assert!(matches!(read(cluster), Reading::Denied(why) if why.starts_with("10.0.0.2:7000")));
+        for odd in [
+            Value::Nil,
+            Value::Int(1),
+            bulk("# Memory\r\nused_memory:1\r\n"),
+            bulk("maxmemory:lots\r\nmaxmemory_policy:noeviction\r\n"),
+            bulk("maxmemory:0\r\nmaxmemory_policy:\r\n"),
+        ] {
+            assert!(
+                matches!(read(odd.clone()), Reading::Unreadable(_)),
+                "{odd:?}"
+            );
+        }
+    }
+}
