@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::redis::{until_replicated, RedisCluster, RedisSentinel};
+use common::faultproxy::FaultProxy;
+use common::redis::{until_replicated, RedisCluster, RedisSentinel, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request, Response};
 
 /// A proxy on `cluster` without the local cache, so every replay is read from Redis.
@@ -319,4 +320,58 @@ async fn a_dead_sentinel_primary_s_records_replay_from_the_replica_it_promoted()
         master.is_ok_and(|m| m.get("port") == Some(&replica))
     };
     records_replay_once_the_replica_took_over(&proxy, &backend, &before, killed, taken_over).await;
+}
+
+/// A single-server URL whose address moves to the new primary at a failover (a DNS name or a
+/// virtual IP re-pointed, as managed Redis offerings do), while the old primary lives on as a
+/// replica: the connection already open still reaches the old one, which refuses every write
+/// (READONLY). idemgate drops that connection and sends the call again on a new one, which
+/// reaches the new primary, so clients see no error; kept, it would send every call to a
+/// replica for as long as the connection lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_server_address_moved_to_the_new_primary_is_followed() {
+    let old = RedisServer::start();
+    let new = RedisServer::start_with(&["--replicaof", "127.0.0.1", &old.port.to_string()]);
+    let address = FaultProxy::start(server_addr(&old)).await;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[address.redis_url()])
+        .store("local_cache: {enabled: false}")
+        .start()
+        .await;
+    let before = executed_before(&proxy).await;
+    until_replicated(&old, &new);
+
+    // The failover: the replica takes over, the old primary follows it, the address moves.
+    let _: () = new.cmd(&["REPLICAOF", "NO", "ONE"]);
+    let _: () = old.cmd(&["REPLICAOF", "127.0.0.1", &new.port.to_string()]);
+    address.retarget(server_addr(&new));
+
+    for n in 0..=before.len() {
+        let fresh = format!("after-{n}");
+        let key = before.get(n).unwrap_or(&fresh);
+        let sent = Instant::now();
+        let r = order(proxy.addr, key).await;
+        let wanted = if n < before.len() { "HIT" } else { "MISS" };
+        assert_eq!(
+            (r.status, r.result()),
+            (201, Some(wanted)),
+            "{key}: {}\n{}",
+            r.text(),
+            proxy.log()
+        );
+        assert!(
+            sent.elapsed() < Duration::from_secs(1),
+            "{key} took {:?}",
+            sent.elapsed()
+        );
+    }
+    assert_eq!(each_ran_once(&backend), before.len() + 1);
+    proxy
+        .log_containing("redis answered as a replica; connecting afresh")
+        .await;
+}
+
+fn server_addr(server: &RedisServer) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], server.port))
 }

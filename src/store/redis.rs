@@ -1685,9 +1685,11 @@ impl Backend {
     }
 
     /// Lets the backend react to a call that failed on `held` (sent at `sent`), or to a failure
-    /// to connect at all (`None`). A connection that went silent is dropped (see [`Held`]); the
-    /// Sentinel backend also forgets a primary that was demoted or whose connection broke, and
-    /// looks it up again. Otherwise redis-rs reconnects by itself.
+    /// to connect at all (`None`). A connection that went silent is dropped (see [`Held`]), and
+    /// so is a single server's that answered as a replica (READONLY: the URL's name or address
+    /// has moved to a new primary since it connected); the Sentinel backend also forgets a
+    /// primary that was demoted or whose connection broke, and looks it up again. Otherwise
+    /// redis-rs reconnects by itself.
     fn on_error(&self, err: &RedisError, used: Option<(&Arc<Held>, Instant)>, quiet: Duration) {
         let silent = used.is_some_and(|(held, sent)| held.silent_since(sent, quiet));
         match self {
@@ -1701,6 +1703,14 @@ impl Backend {
                     }
                 } else if turned_away(err) && conn.current().drop_if_current(held) {
                     tracing::warn!(error = %err, "redis turned the connection away; connecting afresh");
+                } else if matches!(self, Backend::Single { .. })
+                    && is_read_only(err)
+                    && conn.current().drop_if_current(held)
+                {
+                    // A failover that moved the URL's name or address to the new primary left
+                    // this connection on the old one, now a replica. (A Cluster client follows
+                    // the slots by itself.)
+                    tracing::warn!(error = %err, "redis answered as a replica; connecting afresh, to where the URL leads now");
                 }
             }
             Backend::Sentinel(sentinel) => {

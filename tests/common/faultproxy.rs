@@ -45,7 +45,8 @@ pub struct FaultStats {
 /// A running fault proxy; stops accepting when dropped.
 pub struct FaultProxy {
     pub addr: SocketAddr,
-    pub target: SocketAddr,
+    /// Where new connections are relayed to ([`FaultProxy::retarget`]).
+    target: watch::Sender<SocketAddr>,
     mode: watch::Sender<Fault>,
     /// Bumped by [`FaultProxy::strand`]; a relay accepted under an older value is silent.
     strands: watch::Sender<u64>,
@@ -62,6 +63,7 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("fault proxy addr");
         let (mode, rx) = watch::channel(Fault::Pass);
         let (strands, stranded) = watch::channel(0u64);
+        let (targets, target_now) = watch::channel(target);
         let stats = Arc::new(FaultStats::default());
         let accept = tokio::spawn({
             let stats = stats.clone();
@@ -75,13 +77,14 @@ impl FaultProxy {
                         at: *stranded.borrow(),
                         now: stranded.clone(),
                     };
+                    let target = *target_now.borrow();
                     tokio::spawn(relay(client, target, rx.clone(), born, stats.clone()));
                 }
             }
         });
         FaultProxy {
             addr,
-            target,
+            target: targets,
             mode,
             strands,
             stats,
@@ -93,6 +96,12 @@ impl FaultProxy {
     /// way and they stay open. Connections made afterwards are relayed as usual.
     pub fn strand(&self) {
         self.strands.send_modify(|n| *n += 1);
+    }
+
+    /// Relays connections made from now on to `to`, as a DNS name or a virtual IP moved to
+    /// another server does; connections open now stay with the server they reach.
+    pub fn retarget(&self, to: SocketAddr) {
+        self.target.send_replace(to);
     }
 
     /// `redis://<addr>`: the proxy's address as a Redis URL.
