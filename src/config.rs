@@ -534,6 +534,9 @@ const MAX_WORKER_LEASE: Duration = Duration::from_secs(600);
 /// Both generations of the local-cache Bloom filter together, at most.
 const MAX_BLOOM_BYTES: u64 = 1 << 30;
 const ADMIN_TOKEN_ENV: &str = "IDEMGATE_ADMIN_TOKEN";
+/// When set and not empty, the password of every `store.redis` URL: it can then come from a
+/// secret (a Kubernetes Secret) rather than the config file (a ConfigMap, which is none).
+const REDIS_PASSWORD_ENV: &str = "IDEMGATE_REDIS_PASSWORD";
 const MIN_ADMIN_TOKEN_LEN: usize = 16;
 
 #[derive(Debug, Deserialize)]
@@ -1626,7 +1629,14 @@ impl FileConfig {
             };
 
         let idempotency = self.idempotency.into_config()?;
-        let store = self.store.into_config()?;
+        let redis_password = match std::env::var(REDIS_PASSWORD_ENV) {
+            Ok(password) => Some(password).filter(|p| !p.is_empty()),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(invalid(REDIS_PASSWORD_ENV, "is not valid UTF-8"));
+            }
+        };
+        let store = self.store.into_config(redis_password.as_deref())?;
 
         let mut routes: Vec<Route> = Vec::with_capacity(self.routes.len());
         for (i, file_route) in self.routes.into_iter().enumerate() {
@@ -1922,7 +1932,9 @@ fn default_memory_shards(capacity_bytes: usize) -> usize {
 }
 
 impl FileStore {
-    fn into_config(self) -> Result<StoreConfig, ConfigError> {
+    /// The store settings; `redis_password` (from [`REDIS_PASSWORD_ENV`]) replaces the password
+    /// of every Redis URL.
+    fn into_config(self, redis_password: Option<&str>) -> Result<StoreConfig, ConfigError> {
         // A few hundred bytes hold no record with its response: `capacity: 256` meant MiB,
         // and such a store would refuse every keyed request (503) while reporting ready.
         let capacity_bytes = byte_size_in_range(
@@ -1940,8 +1952,8 @@ impl FileStore {
         };
         // `backend: redis` with no block means a local server with every default.
         let redis = match (self.redis, self.backend) {
-            (Some(block), _) => Some(block.into_config()?),
-            (None, StoreBackend::Redis) => Some(FileRedis::default().into_config()?),
+            (Some(block), _) => Some(block.into_config(redis_password)?),
+            (None, StoreBackend::Redis) => Some(FileRedis::default().into_config(redis_password)?),
             (None, StoreBackend::Memory) => None,
         };
         let c = &self.local_cache;
@@ -2058,7 +2070,7 @@ impl FileStore {
 }
 
 impl FileRedis {
-    fn into_config(self) -> Result<RedisConfig, ConfigError> {
+    fn into_config(self, password: Option<&str>) -> Result<RedisConfig, ConfigError> {
         let (field, urls) = match (self.url, self.urls) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
@@ -2095,6 +2107,15 @@ impl FileRedis {
                 plain.get_or_insert(field);
             }
         }
+        // Checked as written; the password from the environment goes in afterwards, replacing
+        // any the file gives (as the admin token's variable wins over admin.token).
+        let urls: Vec<String> = match password {
+            Some(password) => urls
+                .iter()
+                .map(|url| with_password(url, password))
+                .collect(),
+            None => urls,
+        };
         // One transport for every node: a seed list that mixes TLS and plain text would let
         // some connections go out unencrypted.
         if plain.is_some() && urls.iter().any(|url| uses_tls(url)) {
@@ -2494,6 +2515,36 @@ fn check_redis_url(url: &str) -> Result<bool, String> {
         "not a valid Redis URL (use redis[s]://[user[:password]@]host[:port][/db])".to_owned()
     })?;
     Ok(false)
+}
+
+/// `url` (a checked store URL) with `password`, percent-encoded, as its password, replacing
+/// any it has and keeping its user. On a `redis+sentinel://` URL it is the primary's, as a
+/// password written there is.
+fn with_password(url: &str, password: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let (user, hosts) = match authority.rfind('@') {
+        Some(at) => {
+            let info = &authority[..at];
+            (
+                info.split_once(':').map_or(info, |(user, _)| user),
+                &authority[at + 1..],
+            )
+        }
+        None => ("", authority),
+    };
+    let mut encoded = String::with_capacity(password.len() * 3);
+    for byte in password.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            encoded.push(char::from(byte));
+        } else {
+            encoded.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    format!("{scheme}://{user}:{encoded}@{hosts}{tail}")
 }
 
 /// Whether a `redis+sentinel://` URL names a database (`/<master>/<db>`), rather than take
@@ -4622,6 +4673,65 @@ routes:
             seen += 1;
         }
         assert!(seen >= 3, "only {seen} seeds");
+    }
+
+    /// The password from the environment goes into every kind of store URL, replacing the
+    /// file's and keeping the user, and reads back byte for byte however odd it is.
+    #[test]
+    fn the_environment_s_redis_password_goes_into_every_url() {
+        let odd = "p@ss:w/rd?#%20 é\"'";
+        let cases = [
+            ("redis://cache:6379", None, 0),
+            ("redis://cache:6379/2", None, 2),
+            ("rediss://idemgate@cache:6380", Some("idemgate"), 0),
+            (
+                "redis://idemgate:old%40pw@cache:6379/1",
+                Some("idemgate"),
+                1,
+            ),
+            ("redis://:old@cache", None, 0),
+        ];
+        for (url, user, db) in cases {
+            let with = with_password(url, odd);
+            assert!(!with.contains("old"), "{with}");
+            check_redis_url(&with).unwrap_or_else(|e| panic!("{with}: {e}"));
+            let info = redis::IntoConnectionInfo::into_connection_info(with.as_str())
+                .unwrap_or_else(|e| panic!("{with}: {e}"));
+            let settings = info.redis_settings();
+            assert_eq!(settings.password(), Some(odd), "{with}");
+            assert_eq!(settings.username(), user, "{with}");
+            assert_eq!(settings.db(), db, "{with}");
+            assert!(
+                !redact_url(&with).contains("p%40ss"),
+                "{}",
+                redact_url(&with)
+            );
+        }
+        for (url, user) in [
+            ("redis+sentinel://s1:26379,s2:26379/mymaster/3", None),
+            (
+                "rediss+sentinel://idemgate:old@s1,s2/mymaster",
+                Some("idemgate"),
+            ),
+        ] {
+            let with = with_password(url, odd);
+            let parsed = parse_sentinel_url(&with).unwrap_or_else(|e| panic!("{with}: {e}"));
+            assert_eq!(parsed.password.as_deref(), Some(odd), "{with}");
+            assert_eq!(parsed.username.as_deref(), user, "{with}");
+            assert_eq!(parsed.sentinels.len(), 2);
+            assert_eq!(parsed.master, "mymaster");
+        }
+        // Through the whole loader: every URL, a Cluster's seeds too.
+        let yaml = format!(
+            "{MINIMAL}store:\n  backend: redis\n  redis:\n    urls: [\"redis://a:7000\", \"redis://b:7000\"]\n"
+        );
+        let file: FileConfig = serde_yaml::from_str(&yaml).expect("yaml");
+        let store = file.store.into_config(Some("s3cret")).expect("store");
+        let redis = store.redis.expect("redis block");
+        assert_eq!(
+            redis.urls,
+            ["redis://:s3cret@a:7000", "redis://:s3cret@b:7000"]
+        );
     }
 
     #[test]

@@ -1537,3 +1537,53 @@ async fn pingora_s_error_lines_leave_the_query_and_host_out() {
     assert!(line.contains("POST \"/plain/x\", route plain"), "{line}");
     assert_absent(&proxy.log(), &["QRY-s3cr3tQ", "HST-h0stH"], "the log");
 }
+
+/// The Redis password can come from the environment (`IDEMGATE_REDIS_PASSWORD`, filled from a
+/// Kubernetes Secret) rather than the config file (a ConfigMap, which is no secret). It
+/// replaces the password a URL gives (here a wrong one), keeps the URL's user, and shows
+/// neither in `/admin/config` nor in the log.
+#[tokio::test]
+async fn the_redis_password_can_come_from_the_environment() {
+    let redis = RedisServer::start();
+    let secret = "env-only p@ss/word";
+    let _: () = redis.cmd(&[
+        "ACL",
+        "SETUSER",
+        "idemgate",
+        "on",
+        &format!(">{secret}"),
+        "~*",
+        "&*",
+        "+@all",
+    ]);
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[format!(
+            "redis://idemgate:written-in-the-file@127.0.0.1:{}",
+            redis.port
+        )])
+        .env("IDEMGATE_REDIS_PASSWORD", secret)
+        .start()
+        .await;
+    let req = Request::post("/orders").key("env-password").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(
+        first.result(),
+        Some("MISS"),
+        "{}\n{}",
+        first.text(),
+        proxy.log()
+    );
+    assert_eq!(req.send(proxy.addr).await.result(), Some("HIT"));
+    let clients: String = redis.cmd(&["CLIENT", "LIST"]);
+    assert!(clients.contains("user=idemgate"), "{clients}");
+
+    let view = Request::get("/admin/config").send(proxy.admin).await.text();
+    let log = proxy.log_written().await;
+    for shown in [&view, &log] {
+        for form in [secret, "env-only%20p%40ss%2Fword", "written-in-the-file"] {
+            assert!(!shown.contains(form), "{form} shown:\n{shown}");
+        }
+    }
+    assert!(view.contains("127.0.0.1"), "{view}");
+}
