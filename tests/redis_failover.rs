@@ -72,11 +72,18 @@ fn each_ran_once(backend: &Backend) -> usize {
 /// the replica has them all, then hands over its slots) while keys and their retries keep
 /// coming: no client sees an error (redis-rs follows the slots to the new primary, and the
 /// scripts the new primary lacks are loaded again), every retry replays, and no key runs twice.
+/// The handover takes milliseconds; the calls it holds wait for it up to the response timeout,
+/// 1 s here, so a starved test machine cannot turn a slow handover into errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_planned_cluster_failover_is_invisible_to_clients() {
     let cluster = RedisCluster::start_with_replicas(3, 1, &[]);
     let backend = Backend::start().await;
-    let proxy = cluster_proxy(&backend, &cluster).await;
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&cluster.urls())
+        .store("  response_timeout: 1s")
+        .store("local_cache: {enabled: false}")
+        .start()
+        .await;
     let (primary, replica) = cluster.primary_and_replica();
 
     let before = executed_before(&proxy).await;
@@ -92,8 +99,8 @@ async fn a_planned_cluster_failover_is_invisible_to_clients() {
     let handed_over = tokio::task::spawn_blocking(move || {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if cluster.role(&cluster.nodes[replica]).0 == "master"
-                && cluster.role(&cluster.nodes[primary]).0 == "slave"
+            if cluster.nodes[replica].role().0 == "master"
+                && cluster.nodes[primary].role().0 == "slave"
             {
                 cluster.wait_ok();
                 return cluster;
@@ -127,11 +134,14 @@ async fn a_cluster_resharding_under_load_loses_no_record() {
     let backend = Backend::start().await;
     let proxy = cluster_proxy(&backend, &cluster).await;
     let before = executed_before(&proxy).await;
-    let held_before = cluster.nodes[0].keys().len();
-    assert!(
-        held_before > 0,
-        "no record on the node giving its slots away"
-    );
+    let held_before = cluster.nodes[0].keys();
+    // redis-cli moves a node's slots lowest first: move enough for its lowest record.
+    let lowest = held_before
+        .iter()
+        .map(|key| cluster.nodes[0].cmd::<i64>(&["CLUSTER", "KEYSLOT", key]))
+        .min()
+        .expect("no record on the node giving its slots away");
+    let moving = (lowest + 1).max(1000).to_string();
 
     let stop = Arc::new(AtomicBool::new(false));
     let load = tokio::spawn(keys_and_retries(proxy.addr, stop.clone()));
@@ -143,7 +153,7 @@ async fn a_cluster_resharding_under_load_loses_no_record() {
         std::process::Command::new("redis-cli")
             .args(["--cluster", "reshard", &seed])
             .args(["--cluster-from", &from, "--cluster-to", &to])
-            .args(["--cluster-slots", "2000", "--cluster-yes"])
+            .args(["--cluster-slots", &moving, "--cluster-yes"])
             .stdin(std::process::Stdio::null())
             .output()
             .expect("run redis-cli --cluster reshard")
@@ -161,8 +171,12 @@ async fn a_cluster_resharding_under_load_loses_no_record() {
     let during = load.await.expect("load");
 
     each_ran_and_replays(&proxy, &backend, &before, &during).await;
-    let slots: Vec<Vec<redis::Value>> = cluster.nodes[0].cmd(&["CLUSTER", "SLOTS"]);
-    assert!(slots.len() > 3, "no slot moved: {slots:?}");
+    let moved: Vec<String> = cluster.nodes[1]
+        .keys()
+        .into_iter()
+        .filter(|key| held_before.contains(key))
+        .collect();
+    assert!(!moved.is_empty(), "no record moved: {held_before:?}");
 }
 
 /// Checks what [`keys_and_retries`] saw: each key ran (`MISS`) and its retry replayed
@@ -205,12 +219,12 @@ async fn executed_before(proxy: &Proxy) -> Vec<String> {
 }
 
 /// After a primary died at `killed`: passes over the keys `before` (executed before it died),
-/// each followed by a fresh key, until `taken_over()` and a whole pass replays. Every answer
-/// comes within a second (not the operation's whole deadline, 1.4 s: redis-rs paused 1.28 s
-/// before a Cluster retry, and every call for the dead primary's slots waited it out); a key
-/// that ran before is replayed or refused by the outage policy (`reject`), never run again;
-/// a fresh key runs or is refused, never runs unprotected. Then fresh keys run and replay
-/// everywhere, and no key ran twice.
+/// each followed by a fresh key, until `taken_over()` and a whole pass replays. A key that ran
+/// before is replayed or refused by the outage policy (`reject`), never run again; a fresh key
+/// runs or is refused, never runs unprotected; no answer waits past the store's deadline
+/// (1.4 s) by much, and the refusals come fast: their median is under 300 ms (redis-rs paused
+/// 1.28 s before a Cluster retry, so every call for the dead primary's slots waited out most of
+/// the deadline). Then fresh keys run and replay everywhere, and no key ran twice.
 async fn records_replay_once_the_replica_took_over(
     proxy: &Proxy,
     backend: &Backend,
@@ -218,7 +232,7 @@ async fn records_replay_once_the_replica_took_over(
     killed: Instant,
     taken_over: impl Fn() -> bool,
 ) {
-    let mut refused = 0;
+    let mut refused = Vec::new();
     let mut fresh = 0;
     let mut fresh_executed = 0;
     let back = loop {
@@ -230,16 +244,16 @@ async fn records_replay_once_the_replica_took_over(
                 .unwrap_or_else(|| format!("fresh-{fresh}"));
             let sent = Instant::now();
             let r = order(proxy.addr, &key).await;
+            let took = sent.elapsed();
             assert!(
-                sent.elapsed() < Duration::from_secs(1),
-                "{key} took {:?} ({} {})",
-                sent.elapsed(),
+                took < Duration::from_secs(3),
+                "{key} took {took:?} ({} {})",
                 r.status,
                 r.result().unwrap_or_default()
             );
             match r.result() {
                 _ if refused_by_policy(&r) => {
-                    refused += 1;
+                    refused.push(took);
                     all_replayed &= n == before.len();
                 }
                 Some("HIT") if n < before.len() => {}
@@ -253,14 +267,22 @@ async fn records_replay_once_the_replica_took_over(
         }
         assert!(
             killed.elapsed() < Duration::from_secs(30),
-            "the records never replayed again ({refused} refused)\n{}",
+            "the records never replayed again ({} refused)\n{}",
+            refused.len(),
             proxy.log()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert!(
-        refused > 0,
+        !refused.is_empty(),
         "nothing was refused while the primary was dead"
+    );
+    refused.sort();
+    let median = refused[refused.len() / 2];
+    assert!(
+        median < Duration::from_millis(300),
+        "refusals waited: median {median:?} of {}",
+        refused.len()
     );
     for n in 0..10 {
         let key = format!("after-{n}");
@@ -272,7 +294,10 @@ async fn records_replay_once_the_replica_took_over(
     let executed = before.len() + fresh_executed + 10;
     assert_eq!(each_ran_once(backend), executed, "back after {back:?}");
     assert_eq!(backend.count(), executed);
-    eprintln!("records replayed again {back:?} after the kill; {refused} refused meanwhile");
+    eprintln!(
+        "records replayed again {back:?} after the kill; {} refused meanwhile (median {median:?})",
+        refused.len()
+    );
 }
 
 /// A Cluster primary that dies is replaced by its replica once the cluster has marked it
@@ -292,7 +317,7 @@ async fn a_dead_cluster_primary_s_records_replay_from_its_replica_once_it_takes_
 
     cluster.nodes[primary].kill();
     let killed = Instant::now();
-    let taken_over = || cluster.role(&cluster.nodes[replica]).0 == "master";
+    let taken_over = || cluster.nodes[replica].role().0 == "master";
     records_replay_once_the_replica_took_over(&proxy, &backend, &before, killed, taken_over).await;
 }
 
@@ -313,12 +338,7 @@ async fn a_dead_sentinel_primary_s_records_replay_from_the_replica_it_promoted()
 
     sentinel.primary.kill();
     let killed = Instant::now();
-    let replica = sentinel.replica.port.to_string();
-    let taken_over = || {
-        let master: redis::RedisResult<HashMap<String, String>> =
-            sentinel.sentinel_cmd(&["SENTINEL", "MASTER", RedisSentinel::MASTER]);
-        master.is_ok_and(|m| m.get("port") == Some(&replica))
-    };
+    let taken_over = || sentinel.master_port() == Some(sentinel.replica.port);
     records_replay_once_the_replica_took_over(&proxy, &backend, &before, killed, taken_over).await;
 }
 
@@ -332,7 +352,7 @@ async fn a_dead_sentinel_primary_s_records_replay_from_the_replica_it_promoted()
 async fn a_single_server_address_moved_to_the_new_primary_is_followed() {
     let old = RedisServer::start();
     let new = RedisServer::start_with(&["--replicaof", "127.0.0.1", &old.port.to_string()]);
-    let address = FaultProxy::start(server_addr(&old)).await;
+    let address = FaultProxy::start(old.addr()).await;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
         .redis(&[address.redis_url()])
@@ -345,14 +365,14 @@ async fn a_single_server_address_moved_to_the_new_primary_is_followed() {
     // The failover: the replica takes over, the old primary follows it, the address moves.
     let _: () = new.cmd(&["REPLICAOF", "NO", "ONE"]);
     let _: () = old.cmd(&["REPLICAOF", "127.0.0.1", &new.port.to_string()]);
-    address.retarget(server_addr(&new));
+    address.retarget(new.addr());
 
-    for n in 0..=before.len() {
-        let fresh = format!("after-{n}");
-        let key = before.get(n).unwrap_or(&fresh);
-        let sent = Instant::now();
-        let r = order(proxy.addr, key).await;
-        let wanted = if n < before.len() { "HIT" } else { "MISS" };
+    // A fresh key (a write), every earlier one (replays), a fresh key again.
+    let keys = std::iter::once(("after-0".to_owned(), "MISS"))
+        .chain(before.iter().map(|key| (key.clone(), "HIT")))
+        .chain(std::iter::once(("after-1".to_owned(), "MISS")));
+    for (key, wanted) in keys {
+        let r = order(proxy.addr, &key).await;
         assert_eq!(
             (r.status, r.result()),
             (201, Some(wanted)),
@@ -360,18 +380,9 @@ async fn a_single_server_address_moved_to_the_new_primary_is_followed() {
             r.text(),
             proxy.log()
         );
-        assert!(
-            sent.elapsed() < Duration::from_secs(1),
-            "{key} took {:?}",
-            sent.elapsed()
-        );
     }
-    assert_eq!(each_ran_once(&backend), before.len() + 1);
+    assert_eq!(each_ran_once(&backend), before.len() + 2);
     proxy
         .log_containing("redis answered as a replica; connecting afresh")
         .await;
-}
-
-fn server_addr(server: &RedisServer) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], server.port))
 }

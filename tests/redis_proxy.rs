@@ -353,8 +353,9 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
 {
     let redis = RedisServer::start();
     let backend = Backend::start().await;
-    let replica = || {
+    let replica = |worker_id| {
         ProxyBuilder::new(&backend)
+            .worker_id(worker_id)
             .redis(&[redis.url()])
             .idem("ttl: 8s")
             .idem("lock_ttl: 1s")
@@ -363,7 +364,7 @@ async fn a_record_another_replica_completed_is_copied_and_replayed_locally_no_lo
             .upstream("read_timeout: 500ms")
             .start()
     };
-    let (a, b) = (replica().await, replica().await);
+    let (a, b) = (replica(1).await, replica(2).await);
     let req = Request::post("/orders")
         .key("copied-1")
         .json(r#"{"sku":"C"}"#);

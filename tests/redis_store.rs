@@ -592,7 +592,7 @@ async fn whether_redis_may_evict_records_is_read_from_every_server() {
     assert!(store.check_eviction().await);
     assert_eq!(store.may_evict(), 0);
 
-    let cluster = RedisCluster::start(3);
+    let mut cluster = RedisCluster::start(3);
     let config = settings(cluster.urls(), RedisTopology::Cluster);
     let store = RedisStore::new(&config).expect("store");
     assert!(store.check_eviction().await);
@@ -601,6 +601,12 @@ async fn whether_redis_may_evict_records_is_read_from_every_server() {
     let _: () = cluster.nodes[2].cmd(&["CONFIG", "SET", "maxmemory-policy", "volatile-ttl"]);
     assert!(store.check_eviction().await);
     assert_eq!(store.may_evict(), 1, "one primary of three may evict");
+    // That primary dies: a reading without it is not the Cluster's, and the last one stands.
+    cluster.nodes[2].kill();
+    for _ in 0..3 {
+        assert!(store.check_eviction().await);
+        assert_eq!(store.may_evict(), 1, "a reading left the dead primary out");
+    }
 
     let rights: Vec<&str> = common::redis::SCRIPT_RIGHTS
         .iter()

@@ -86,6 +86,41 @@ pub fn read(reply: Value) -> Reading {
     }
 }
 
+/// The settings that may evict records, described in one line sorted by server (a Cluster's
+/// replies come in no fixed order), or `None` when none may: what a warning names, and what
+/// tells one reading's finding from the last.
+pub fn evicting(settings: &[Setting]) -> Option<String> {
+    let mut evicting: Vec<&Setting> = settings.iter().filter(|s| s.may_evict()).collect();
+    evicting.sort_by(|a, b| a.node.cmp(&b.node));
+    let lines: Vec<String> = evicting.iter().map(ToString::to_string).collect();
+    (!lines.is_empty()).then(|| lines.join("; "))
+}
+
+/// How many primaries own slots in a `CLUSTER SLOTS` reply (each range names its primary
+/// third), or `None` for a reply of another shape. A fan-out of `INFO` leaves out a primary the
+/// client holds no connection to (a dead one still owning its slots), so a reading with fewer
+/// servers than this is not the whole Cluster's.
+pub fn slot_primaries(reply: &Value) -> Option<usize> {
+    let Value::Array(ranges) = reply else {
+        return None;
+    };
+    let mut primaries = std::collections::BTreeSet::new();
+    for range in ranges {
+        let Value::Array(parts) = range else {
+            return None;
+        };
+        let Some(Value::Array(primary)) = parts.get(2) else {
+            return None;
+        };
+        let host = primary.first().and_then(text_of)?;
+        let Some(Value::Int(port)) = primary.get(1) else {
+            return None;
+        };
+        primaries.insert((host, *port));
+    }
+    Some(primaries.len())
+}
+
 /// One server's setting from its `INFO memory` text.
 fn setting(node: String, reply: &Value) -> Result<Setting, String> {
     let Some(text) = text_of(reply) else {
@@ -185,6 +220,52 @@ mod tests {
             evicting,
             ["maxmemory-policy volatile-lru with maxmemory 100 on 10.0.0.2:7000"]
         );
+    }
+
+    #[test]
+    fn what_may_evict_is_described_the_same_whatever_the_reply_order() {
+        let setting = |node: &str, maxmemory, policy: &str| Setting {
+            node: node.into(),
+            maxmemory,
+            policy: policy.into(),
+        };
+        let a = setting("10.0.0.1:7000", 100, "volatile-lru");
+        let b = setting("10.0.0.2:7000", 0, "volatile-lru");
+        let c = setting("10.0.0.3:7000", 200, "allkeys-lru");
+        let described = evicting(&[a.clone(), b.clone(), c.clone()]);
+        assert_eq!(
+            described.as_deref(),
+            Some(
+                "maxmemory-policy volatile-lru with maxmemory 100 on 10.0.0.1:7000; \
+                 maxmemory-policy allkeys-lru with maxmemory 200 on 10.0.0.3:7000"
+            )
+        );
+        assert_eq!(evicting(&[c, b.clone(), a]), described);
+        assert_eq!(evicting(&[b]), None);
+    }
+
+    #[test]
+    fn the_primaries_owning_slots_are_counted_once_each() {
+        let node = |port| Value::Array(vec![bulk("127.0.0.1"), Value::Int(port), bulk("id")]);
+        let range = |from, to, primary, replica| {
+            Value::Array(vec![
+                Value::Int(from),
+                Value::Int(to),
+                node(primary),
+                node(replica),
+            ])
+        };
+        // Three primaries, one of them owning two ranges after a reshard.
+        let slots = Value::Array(vec![
+            range(0, 99, 7001, 7004),
+            range(100, 5460, 7000, 7003),
+            range(5461, 10922, 7001, 7004),
+            range(10923, 16383, 7002, 7005),
+        ]);
+        assert_eq!(slot_primaries(&slots), Some(3));
+        assert_eq!(slot_primaries(&Value::Array(vec![])), Some(0));
+        assert_eq!(slot_primaries(&Value::Nil), None);
+        assert_eq!(slot_primaries(&Value::Array(vec![Value::Int(1)])), None);
     }
 
     #[test]

@@ -105,8 +105,9 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 const MAX_TTL_MS: u128 = 100 * 365 * 24 * 3600 * 1000;
 
 /// The least and the most a Redis Cluster call waits before a retry that follows a pause,
-/// milliseconds (redis-rs draws it between them, growing with the retry).
-const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (10, 100);
+/// milliseconds: redis-rs draws it from the least up to 10 × 2^retry (20, then 40 for the
+/// two retries a call gets), capped at the most.
+const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (10, 40);
 /// Reconnect attempts the connection manager makes per connection; the operation deadline
 /// bounds the waiting anyway, and the next operation starts a new round.
 const RECONNECT_RETRIES: usize = 1;
@@ -710,12 +711,27 @@ impl RedisStore {
         })
     }
 
-    /// Reads whether Redis may evict records (see [`eviction`]): `INFO memory` on the server,
-    /// or on every primary of a Cluster. Warns when some server may (once per change of what
-    /// it finds), and says when none may any longer. Returns false once the ACL user may not
-    /// run `INFO`: that is said once, and asking again would only fill `ACL LOG`. A server
-    /// that does not answer leaves the last reading as it was.
+    /// Reads whether Redis may evict records (see [`eviction`]): `INFO memory` on the server
+    /// (the primary, behind Sentinel), or on every primary of a Cluster. Warns when some server
+    /// may (once per change of what it finds), and says when none may any longer. Returns
+    /// false once the ACL user may not run `INFO` (on a Cluster: on some primary): that is said
+    /// once, and asking again would only fill `ACL LOG` (a grant made later takes a restart).
+    /// A server that does not answer, or a Cluster reading that left out a primary owning
+    /// slots, leaves the last reading as it was.
     pub async fn check_eviction(&self) -> bool {
+        // On a Cluster, how many primaries the reading must cover.
+        let mut primaries = None;
+        if self.settings.topology == RedisTopology::Cluster {
+            let mut slots = redis::cmd("CLUSTER");
+            slots.arg("SLOTS");
+            match self.send("cluster slots", Call::Command(&slots)).await {
+                Ok(reply) => primaries = eviction::slot_primaries(&reply),
+                Err(failure) => {
+                    tracing::debug!(error = %failure.error, "redis eviction setting not read");
+                    return true;
+                }
+            }
+        }
         let mut info = redis::cmd("INFO");
         info.arg("memory");
         let reading = match self.send("info", Call::Command(&info)).await {
@@ -727,30 +743,37 @@ impl RedisStore {
             }
         };
         match reading {
+            eviction::Reading::Settings(settings)
+                if primaries.is_some_and(|primaries| settings.len() < primaries) =>
+            {
+                tracing::debug!(
+                    answered = settings.len(),
+                    primaries,
+                    "redis eviction setting not read on every primary; the last reading stands"
+                );
+                true
+            }
             eviction::Reading::Settings(settings) => {
-                let evicting: Vec<String> = settings
-                    .iter()
-                    .filter(|s| s.may_evict())
-                    .map(ToString::to_string)
-                    .collect();
                 let mut warned = self.eviction_warned.lock();
-                if evicting.is_empty() {
-                    self.may_evict.store(0, Ordering::Relaxed);
-                    if warned.take().is_some() {
-                        tracing::info!("redis no longer evicts records (maxmemory-policy noeviction, or no maxmemory)");
+                match eviction::evicting(&settings) {
+                    None => {
+                        self.may_evict.store(0, Ordering::Relaxed);
+                        if warned.take().is_some() {
+                            tracing::info!("redis no longer evicts records (maxmemory-policy noeviction, or no maxmemory)");
+                        }
                     }
-                } else {
-                    self.may_evict.store(1, Ordering::Relaxed);
-                    let what = evicting.join("; ");
-                    if warned.as_deref() != Some(&what) {
-                        tracing::warn!(
-                            setting = %what,
-                            "redis may evict records: every record has a ttl, so any \
-                             maxmemory-policy but noeviction drops them under memory pressure, \
-                             and a retry of a dropped key runs again; set maxmemory-policy \
-                             noeviction"
-                        );
-                        *warned = Some(what);
+                    Some(what) => {
+                        self.may_evict.store(1, Ordering::Relaxed);
+                        if warned.as_deref() != Some(&what) {
+                            tracing::warn!(
+                                setting = %what,
+                                "redis may evict records: every record has a ttl, so any \
+                                 maxmemory-policy but noeviction drops them under memory pressure, \
+                                 and a retry of a dropped key runs again; set maxmemory-policy \
+                                 noeviction"
+                            );
+                            *warned = Some(what);
+                        }
                     }
                 }
                 true
@@ -1710,7 +1733,9 @@ impl Backend {
                     // A failover that moved the URL's name or address to the new primary left
                     // this connection on the old one, now a replica. (A Cluster client follows
                     // the slots by itself.)
-                    tracing::warn!(error = %err, "redis answered as a replica; connecting afresh, to where the URL leads now");
+                    // Throttled: a URL that keeps leading to a replica meets this on every call
+                    // the circuit lets through.
+                    crate::warn_throttled!(error = %err, "redis answered as a replica; connecting afresh, to where the URL leads now");
                 }
             }
             Backend::Sentinel(sentinel) => {

@@ -149,6 +149,26 @@ impl RedisServer {
         }
     }
 
+    /// This server's role (`master` or `slave`) and, for a replica, its primary's port.
+    pub fn role(&self) -> (String, Option<u16>) {
+        let role: Vec<Value> = self.cmd(&["ROLE"]);
+        let text = |v: Option<&Value>| match v {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            other => panic!("ROLE of {}: {other:?}", self.port),
+        };
+        let name = text(role.first());
+        let primary = (name == "slave").then(|| match role.get(2) {
+            Some(Value::Int(port)) => u16::try_from(*port).expect("port"),
+            other => panic!("ROLE of {}: {other:?}", self.port),
+        });
+        (name, primary)
+    }
+
+    /// `127.0.0.1:<port>`.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
     /// `redis://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
@@ -314,7 +334,7 @@ impl RedisCluster {
         cluster
     }
 
-    /// Waits until every node reports `cluster_state:ok` and a slot range per primary, each
+    /// Waits until every node reports `cluster_state:ok` and slots owned by every primary, each
     /// range naming its replicas, and every replica's link to its primary is up.
     pub fn wait_ok(&self) {
         let deadline = Instant::now() + START_TIMEOUT * 2;
@@ -324,7 +344,13 @@ impl RedisCluster {
                 let info: String = node.cmd(&["CLUSTER", "INFO"]);
                 let slots: Vec<Vec<Value>> = node.cmd(&["CLUSTER", "SLOTS"]);
                 let replicated = slots.iter().all(|range| range.len() == 3 + self.replicas);
-                let linked = match self.role(node) {
+                // Ranges by their primary (a reshard splits one primary's slots into several).
+                let owners: std::collections::BTreeSet<String> = slots
+                    .iter()
+                    .filter_map(|range| range.get(2))
+                    .map(|primary| format!("{primary:?}"))
+                    .collect();
+                let linked = match node.role() {
                     (role, _) if role == "slave" => {
                         let repl: String = node.cmd(&["INFO", "replication"]);
                         repl.contains("master_link_status:up")
@@ -332,7 +358,7 @@ impl RedisCluster {
                     _ => true,
                 };
                 if info.contains("cluster_state:ok")
-                    && slots.len() == primaries
+                    && owners.len() == primaries
                     && replicated
                     && linked
                 {
@@ -348,27 +374,12 @@ impl RedisCluster {
         }
     }
 
-    /// A node's role (`master` or `slave`) and, for a replica, its primary's port.
-    pub fn role(&self, node: &RedisServer) -> (String, Option<u16>) {
-        let role: Vec<Value> = node.cmd(&["ROLE"]);
-        let text = |v: Option<&Value>| match v {
-            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-            other => panic!("ROLE of {}: {other:?}", node.port),
-        };
-        let name = text(role.first());
-        let primary = (name == "slave").then(|| match role.get(2) {
-            Some(Value::Int(port)) => u16::try_from(*port).expect("port"),
-            other => panic!("ROLE of {}: {other:?}", node.port),
-        });
-        (name, primary)
-    }
-
     /// The index of a primary and of its (first) replica.
     pub fn primary_and_replica(&self) -> (usize, usize) {
         let replica = (0..self.nodes.len())
-            .find(|&i| self.role(&self.nodes[i]).0 == "slave")
+            .find(|&i| self.nodes[i].role().0 == "slave")
             .expect("a replica");
-        let primary_port = self.role(&self.nodes[replica]).1.expect("its primary");
+        let primary_port = self.nodes[replica].role().1.expect("its primary");
         let primary = self
             .nodes
             .iter()
@@ -495,19 +506,25 @@ impl RedisSentinel {
     pub fn wait_for_master(&self, port: u16) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            let addr: redis::RedisResult<std::collections::HashMap<String, String>> =
-                self.sentinel_cmd(&["SENTINEL", "MASTER", Self::MASTER]);
-            let named = addr.as_ref().ok().and_then(|m| m.get("port"));
-            if named.is_some_and(|p| *p == port.to_string()) {
+            let named = self.master_port();
+            if named == Some(port) {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "sentinel never named port {port} as primary ({addr:?}); log:\n{}",
+                "sentinel never named port {port} as primary ({named:?}); log:\n{}",
                 self.log()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The port of the primary the Sentinel's master entry names now, if it answers.
+    pub fn master_port(&self) -> Option<u16> {
+        let master: std::collections::HashMap<String, String> = self
+            .sentinel_cmd(&["SENTINEL", "MASTER", Self::MASTER])
+            .ok()?;
+        master.get("port")?.parse().ok()
     }
 
     /// Forces a failover to the replica and waits until the Sentinel names it, it has taken
@@ -538,8 +555,7 @@ impl RedisSentinel {
             .cmd(&["REPLICAOF", "127.0.0.1", &self.replica.port.to_string()]);
         for (server, wanted) in [(&self.replica, "master"), (&self.primary, "slave")] {
             loop {
-                let role: Vec<Value> = server.cmd(&["ROLE"]);
-                if matches!(role.first(), Some(Value::BulkString(r)) if r == wanted.as_bytes()) {
+                if server.role().0 == wanted {
                     break;
                 }
                 assert!(
