@@ -1630,7 +1630,7 @@ impl FileConfig {
 
         let idempotency = self.idempotency.into_config()?;
         let redis_password = match std::env::var(REDIS_PASSWORD_ENV) {
-            Ok(password) => Some(password).filter(|p| !p.is_empty()),
+            Ok(password) => redis_password(password)?,
             Err(std::env::VarError::NotPresent) => None,
             Err(std::env::VarError::NotUnicode(_)) => {
                 return Err(invalid(REDIS_PASSWORD_ENV, "is not valid UTF-8"));
@@ -2107,15 +2107,6 @@ impl FileRedis {
                 plain.get_or_insert(field);
             }
         }
-        // Checked as written; the password from the environment goes in afterwards, replacing
-        // any the file gives (as the admin token's variable wins over admin.token).
-        let urls: Vec<String> = match password {
-            Some(password) => urls
-                .iter()
-                .map(|url| with_password(url, password))
-                .collect(),
-            None => urls,
-        };
         // One transport for every node: a seed list that mixes TLS and plain text would let
         // some connections go out unencrypted.
         if plain.is_some() && urls.iter().any(|url| uses_tls(url)) {
@@ -2207,6 +2198,16 @@ impl FileRedis {
                 ),
             ));
         }
+        // Checked as written (the Sentinel URLs' credentials among them); the password from the
+        // environment goes in afterwards, replacing any the file gives, as the admin token's
+        // variable wins over admin.token.
+        let urls: Vec<String> = match password {
+            Some(password) => urls
+                .iter()
+                .map(|url| with_password(url, password))
+                .collect(),
+            None => urls,
+        };
         Ok(RedisConfig {
             urls,
             topology,
@@ -2515,6 +2516,21 @@ fn check_redis_url(url: &str) -> Result<bool, String> {
         "not a valid Redis URL (use redis[s]://[user[:password]@]host[:port][/db])".to_owned()
     })?;
     Ok(false)
+}
+
+/// The value of [`REDIS_PASSWORD_ENV`]: `None` when empty (a manifest that declares the variable
+/// with no value uses the URLs as written). One that ends in a line break is refused: a Secret
+/// made from a file usually carries the file's last newline, and Redis would refuse it as a
+/// wrong password only once idemgate runs, after `--check` passed.
+fn redis_password(value: String) -> Result<Option<String>, ConfigError> {
+    if value.ends_with(['\n', '\r']) {
+        return Err(invalid(
+            REDIS_PASSWORD_ENV,
+            "ends in a line break (a Secret made from a file keeps the file's last newline; \
+             create it with --from-literal, or strip the newline)",
+        ));
+    }
+    Ok(Some(value).filter(|v| !v.is_empty()))
 }
 
 /// `url` (a checked store URL) with `password`, percent-encoded, as its password, replacing
@@ -4732,6 +4748,36 @@ routes:
             redis.urls,
             ["redis://:s3cret@a:7000", "redis://:s3cret@b:7000"]
         );
+        // Sentinel URLs are checked as written: a later URL that gives no credentials takes
+        // the first's, with the password from the environment as without it.
+        let yaml = format!(
+            "{MINIMAL}store:\n  backend: redis\n  redis:\n    urls: \
+             [\"redis+sentinel://idemgate@s1/m\", \"redis+sentinel://s2/m\"]\n"
+        );
+        let file: FileConfig = serde_yaml::from_str(&yaml).expect("yaml");
+        let redis = file
+            .store
+            .into_config(Some("s3cret"))
+            .expect("sentinel store");
+        assert_eq!(
+            redis.redis.expect("redis block").urls,
+            [
+                "redis+sentinel://idemgate:s3cret@s1/m",
+                "redis+sentinel://:s3cret@s2/m"
+            ]
+        );
+        // The variable's value: empty is unset; a trailing line break (a Secret made from a
+        // file) is refused, naming the variable.
+        assert_eq!(redis_password(String::new()).expect("empty"), None);
+        assert_eq!(
+            redis_password("pw".into()).expect("pw").as_deref(),
+            Some("pw")
+        );
+        for bad in ["pw\n", "pw\r\n"] {
+            let err = redis_password(bad.into()).expect_err(bad);
+            assert_eq!(err.field(), Some(REDIS_PASSWORD_ENV), "{err}");
+            assert!(err.to_string().contains("line break"), "{err}");
+        }
     }
 
     #[test]

@@ -601,11 +601,35 @@ async fn whether_redis_may_evict_records_is_read_from_every_server() {
     let _: () = cluster.nodes[2].cmd(&["CONFIG", "SET", "maxmemory-policy", "volatile-ttl"]);
     assert!(store.check_eviction().await);
     assert_eq!(store.may_evict(), 1, "one primary of three may evict");
-    // That primary dies: a reading without it is not the Cluster's, and the last one stands.
-    cluster.nodes[2].kill();
-    for _ in 0..3 {
+    let _: () = cluster.nodes[2].cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    assert!(store.check_eviction().await);
+    assert_eq!(store.may_evict(), 0);
+    // A primary dies. redis-rs leaves a primary it holds no connection to out of the fan-out:
+    // a reading without it can tell that some primary may evict, not that none may.
+    cluster.nodes[1].kill();
+    let set = |policy: &str| {
+        let _: () = cluster.nodes[0].cmd(&["CONFIG", "SET", "maxmemory", "64mb"]);
+        let _: () = cluster.nodes[0].cmd(&["CONFIG", "SET", "maxmemory-policy", policy]);
+    };
+    set("allkeys-lru");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.may_evict() != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "a partial reading hid an evicting primary"
+        );
         assert!(store.check_eviction().await);
-        assert_eq!(store.may_evict(), 1, "a reading left the dead primary out");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    set("noeviction");
+    for _ in 0..10 {
+        assert!(store.check_eviction().await);
+        assert_eq!(
+            store.may_evict(),
+            1,
+            "a reading without the dead primary said none may evict"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
     let rights: Vec<&str> = common::redis::SCRIPT_RIGHTS

@@ -112,11 +112,9 @@ pub fn slot_primaries(reply: &Value) -> Option<usize> {
         let Some(Value::Array(primary)) = parts.get(2) else {
             return None;
         };
-        let host = primary.first().and_then(text_of)?;
-        let Some(Value::Int(port)) = primary.get(1) else {
-            return None;
-        };
-        primaries.insert((host, *port));
+        // By node id (the third field): the host may be `?` or missing, depending on
+        // `cluster-preferred-endpoint-type`.
+        primaries.insert(primary.get(2).and_then(text_of)?);
     }
     Some(primaries.len())
 }
@@ -246,7 +244,13 @@ mod tests {
 
     #[test]
     fn the_primaries_owning_slots_are_counted_once_each() {
-        let node = |port| Value::Array(vec![bulk("127.0.0.1"), Value::Int(port), bulk("id")]);
+        let node = |port: i64| {
+            Value::Array(vec![
+                bulk("127.0.0.1"),
+                Value::Int(port),
+                bulk(&format!("id-{port}")),
+            ])
+        };
         let range = |from, to, primary, replica| {
             Value::Array(vec![
                 Value::Int(from),

@@ -716,8 +716,8 @@ impl RedisStore {
     /// may (once per change of what it finds), and says when none may any longer. Returns
     /// false once the ACL user may not run `INFO` (on a Cluster: on some primary): that is said
     /// once, and asking again would only fill `ACL LOG` (a grant made later takes a restart).
-    /// A server that does not answer, or a Cluster reading that left out a primary owning
-    /// slots, leaves the last reading as it was.
+    /// A server that does not answer leaves the last reading as it was, and so does a Cluster
+    /// reading that left out a primary owning slots, unless it found one that may evict.
     pub async fn check_eviction(&self) -> bool {
         // On a Cluster, how many primaries the reading must cover.
         let mut primaries = None;
@@ -743,8 +743,11 @@ impl RedisStore {
             }
         };
         match reading {
+            // What a primary that did not answer has set is not known: a partial reading can
+            // tell that some server may evict, not that none may.
             eviction::Reading::Settings(settings)
-                if primaries.is_some_and(|primaries| settings.len() < primaries) =>
+                if primaries.is_some_and(|primaries| settings.len() < primaries)
+                    && eviction::evicting(&settings).is_none() =>
             {
                 tracing::debug!(
                     answered = settings.len(),

@@ -287,6 +287,11 @@ impl Proxy {
             // Relative paths in the config (the dead-letter file) land in the test's own
             // directory, never in the source tree.
             .current_dir(self._dir.path())
+            // Nothing of the caller's own environment reaches the proxy but what the test sets.
+            .env_remove("IDEMGATE_ADMIN_TOKEN")
+            .env_remove("IDEMGATE_REDIS_PASSWORD")
+            .env_remove("IDEMGATE_WORKER_ID")
+            .env_remove("IDEMGATE_LOG_FORMAT")
             .env("IDEMGATE_LOG", "info")
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::null())
