@@ -1185,6 +1185,75 @@ async fn a_redis_out_of_memory_is_a_full_store_not_an_outage() {
     );
 }
 
+/// A primary set to refuse writes without enough replicas (`min-replicas-to-write`, which the
+/// README suggests to narrow what a failover can lose) that has lost its replica refuses the
+/// scripts (NOREPLICAS; on Redis 6 wrapped in a script error, from the script's first write):
+/// that is the store being unavailable, not a broken script. Under
+/// `reject` nothing is forwarded, the circuit opens, and once the replica is back the circuit's
+/// probe finds the primary taking writes again and keys are served.
+#[tokio::test]
+async fn a_primary_without_the_replicas_it_requires_is_an_outage() {
+    let primary = RedisServer::start_with(&[
+        "--min-replicas-to-write",
+        "1",
+        "--min-replicas-max-lag",
+        "2",
+    ]);
+    let replica_of = primary.port.to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &replica_of]);
+    let backend = Backend::start().await;
+    let proxy = builder_to(&backend, primary.url()).start().await;
+    let until_served = |key: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(15);
+            loop {
+                let r = order(proxy, key).await;
+                if r.result() == Some("MISS") {
+                    return;
+                }
+                assert_eq!(
+                    r.result(),
+                    Some("UNAVAILABLE"),
+                    "{}\n{}",
+                    r.text(),
+                    proxy.log()
+                );
+                assert!(Instant::now() < deadline, "never served\n{}", proxy.log());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    until_served("with-a-replica").await;
+    drop(replica);
+    // The primary notices within its lag bound, then refuses writes.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while primary.try_cmd(&["SET", "probe", "x"]).is_ok() {
+        assert!(Instant::now() < deadline, "the primary kept taking writes");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let executed = backend.count();
+    for n in 0..5 {
+        let r = order(&proxy, &format!("without-a-replica-{n}")).await;
+        assert_eq!(
+            (r.status, r.result(), r.problem_type().as_str()),
+            (503, Some("UNAVAILABLE"), "store-unavailable"),
+            "{}\n{}",
+            r.text(),
+            proxy.log()
+        );
+    }
+    assert_eq!(backend.count(), executed, "nothing forwarded unprotected");
+    let m = proxy.metrics().await;
+    assert!(
+        metric(&m, "idemgate_store_circuit_opened_total") >= 1.0,
+        "NOREPLICAS is an outage: the circuit opens\n{m}"
+    );
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &replica_of]);
+    until_served("with-the-replica-back").await;
+    drop(replica);
+}
+
 /// A Redis connection that dies without a word (a dropped flow; a proxy on the way that keeps
 /// acknowledging and never answers) is replaced once a call on it times out with nothing
 /// answered since it went out: keyed requests are served again within a few timeouts. (redis-rs
