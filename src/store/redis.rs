@@ -2544,6 +2544,22 @@ mod tests {
             ("NOSCRIPT", "No matching script."),
             ("BUSY", "Redis is busy running a script."),
             ("LOADING", "Redis is loading the dataset in memory"),
+            ("NOREPLICAS", "Not enough good replicas to write."),
+            (
+                "MISCONF",
+                "Redis is configured to save RDB snapshots, but it's currently unable to persist",
+            ),
+            ("MASTERDOWN", "Link with MASTER is down and replica-serve-stale-data is set"),
+            ("CLUSTERDOWN", "The cluster is down"),
+            ("TRYAGAIN", "Multiple keys request during rehashing of slot"),
+            (
+                "ERR",
+                "Error running script (call to f_1): @user_script:8: -NOREPLICAS Not enough good replicas to write.",
+            ),
+            (
+                "ERR",
+                "Error running script (call to f_1): @user_script:8: -MISCONF Redis is configured to save RDB snapshots",
+            ),
             (
                 "NOPERM",
                 "this user has no permissions to run the 'evalsha' command",
