@@ -857,3 +857,101 @@ async fn a_redis_that_may_evict_records_is_warned_of() {
     let log = proxy.log_written().await;
     assert!(!log.contains("may evict"), "{log}");
 }
+
+/// A rolling restart, as a Deployment rollout does it, under steady keys and their retries:
+/// three replicas that lease their worker ids are replaced one by one by new pods (new names),
+/// each old one taken out of the rotation, then sent SIGTERM and drained. Every key runs once
+/// and its retry, sent to the next replica in the rotation, replays it; no execution id appears
+/// under two keys (the new pods lease ids of their own, or an old pod's once its lease ran out,
+/// after its last id); every old pod exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_under_load_runs_every_key_once() {
+    use std::sync::{Arc, Mutex};
+
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let urls = [redis.url()];
+    let mut old = Vec::new();
+    for pod in ["orders-old-a", "orders-old-b", "orders-old-c"] {
+        let proxy = leasing_proxy(&backend, &urls, pod).await;
+        leased_worker_id(&proxy).await;
+        old.push(proxy);
+    }
+    let rotation = Arc::new(Mutex::new(old.iter().map(|p| p.addr).collect::<Vec<_>>()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = tokio::spawn({
+        let (rotation, stop) = (rotation.clone(), stop.clone());
+        async move {
+            let mut sent = Vec::new();
+            let pick = |n: usize| {
+                let addrs = rotation.lock().unwrap();
+                addrs[n % addrs.len()]
+            };
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let key = format!("rollout-{n}");
+                let req = Request::post("/orders").key(&key).body("{}");
+                let first = req.send(pick(n)).await;
+                let retry = req.send(pick(n + 1)).await;
+                sent.push((key, first, retry));
+                n += 1;
+            }
+            sent
+        }
+    });
+
+    let mut new = Vec::new();
+    for (i, mut proxy) in old.into_iter().enumerate() {
+        let replacement = leasing_proxy(&backend, &urls, &format!("orders-new-{i}")).await;
+        leased_worker_id(&replacement).await;
+        {
+            let mut addrs = rotation.lock().unwrap();
+            addrs.retain(|a| *a != proxy.addr);
+            addrs.push(replacement.addr);
+        }
+        new.push(replacement);
+        // Endpoints take a moment to leave every client; then the pod is told to stop.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        proxy.signal("TERM");
+        let status = tokio::task::spawn_blocking(move || proxy.wait_exit(Duration::from_secs(30)))
+            .await
+            .expect("wait")
+            .expect("the old pod exits");
+        assert!(status.success(), "{status:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let sent = load.await.expect("load");
+
+    assert!(sent.len() >= 20, "only {} keys", sent.len());
+    for (key, first, retry) in &sent {
+        assert_eq!(
+            (first.result(), retry.result()),
+            (Some("MISS"), Some("HIT")),
+            "{key}: {} / {}",
+            first.text(),
+            retry.text()
+        );
+        assert_eq!(retry.body, first.body, "{key}");
+    }
+    let mut keys_of_id: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for e in backend.executions() {
+        let key = e
+            .headers
+            .iter()
+            .find(|(name, _)| name == "idempotency-key")
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .expect("a keyed execution");
+        keys_of_id
+            .entry(e.execution_id.expect("an execution id"))
+            .or_default()
+            .push(key);
+    }
+    let shared: Vec<_> = keys_of_id
+        .iter()
+        .filter(|(_, keys)| keys.len() > 1)
+        .collect();
+    assert!(shared.is_empty(), "one id, several executions: {shared:?}");
+    assert_eq!(backend.count(), sent.len(), "each key ran once");
+    eprintln!("{} keys and their retries through the rollout", sent.len());
+}
