@@ -2552,15 +2552,10 @@ fn with_password(url: &str, password: &str) -> String {
         }
         None => ("", authority),
     };
-    let mut encoded = String::with_capacity(password.len() * 3);
-    for byte in password.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-            encoded.push(char::from(byte));
-        } else {
-            encoded.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    format!("{scheme}://{user}:{encoded}@{hosts}{tail}")
+    format!(
+        "{scheme}://{user}:{}@{hosts}{tail}",
+        percent_encode(password)
+    )
 }
 
 /// Whether a `redis+sentinel://` URL names a database (`/<master>/<db>`), rather than take
@@ -2699,6 +2694,21 @@ fn sentinel_host(raw: &str) -> Option<(String, u16)> {
         Some(port) => port.parse::<u16>().ok().filter(|p| *p != 0)?,
     };
     Some((host.to_owned(), port))
+}
+
+/// `text` with every byte but the URL-unreserved ones (`A-Z a-z 0-9 - . _ ~`) written `%xx`:
+/// what [`percent_decode`] reads back.
+fn percent_encode(text: &str) -> String {
+    let mut encoded = String::with_capacity(text.len() * 3);
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            encoded.push(char::from(byte));
+        } else {
+            encoded.push('%');
+            encoded.extend(crate::key::hex_pair(byte).map(char::from));
+        }
+    }
+    encoded
 }
 
 /// Decodes `%XX` escapes; `None` for a malformed escape or a result that is not UTF-8.

@@ -86,14 +86,43 @@ pub fn read(reply: Value) -> Reading {
     }
 }
 
-/// The settings that may evict records, described in one line sorted by server (a Cluster's
-/// replies come in no fixed order), or `None` when none may: what a warning names, and what
-/// tells one reading's finding from the last.
-pub fn evicting(settings: &[Setting]) -> Option<String> {
-    let mut evicting: Vec<&Setting> = settings.iter().filter(|s| s.may_evict()).collect();
-    evicting.sort_by(|a, b| a.node.cmp(&b.node));
-    let lines: Vec<String> = evicting.iter().map(ToString::to_string).collect();
-    (!lines.is_empty()).then(|| lines.join("; "))
+/// What the readings so far found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Finding {
+    /// Not read yet, or `INFO` refused.
+    #[default]
+    Unknown,
+    /// No server may evict records.
+    Never,
+    /// Some may: the evicting settings in one line, sorted by server (a Cluster's replies come
+    /// in no fixed order), so that each change is told from the last.
+    May(String),
+}
+
+impl Finding {
+    /// `idemgate_store_redis_may_evict`: 1 some server may evict records, 0 none may, -1 not
+    /// known.
+    pub fn gauge(&self) -> i8 {
+        match self {
+            Finding::Unknown => -1,
+            Finding::Never => 0,
+            Finding::May(_) => 1,
+        }
+    }
+
+    /// What a reading of `settings` finds, on a Cluster whose slots `primaries` own (when
+    /// known); `None` keeps the last finding. A reading that left a primary out (redis-rs skips
+    /// one it holds no connection to) can tell that some server may evict, not that none may.
+    pub fn of(settings: &[Setting], primaries: Option<usize>) -> Option<Finding> {
+        let mut evicting: Vec<&Setting> = settings.iter().filter(|s| s.may_evict()).collect();
+        if evicting.is_empty() {
+            let partial = primaries.is_some_and(|primaries| settings.len() < primaries);
+            return (!partial).then_some(Finding::Never);
+        }
+        evicting.sort_by(|a, b| a.node.cmp(&b.node));
+        let lines: Vec<String> = evicting.iter().map(ToString::to_string).collect();
+        Some(Finding::May(lines.join("; ")))
+    }
 }
 
 /// How many primaries own slots in a `CLUSTER SLOTS` reply (each range names its primary
@@ -230,16 +259,30 @@ mod tests {
         let a = setting("10.0.0.1:7000", 100, "volatile-lru");
         let b = setting("10.0.0.2:7000", 0, "volatile-lru");
         let c = setting("10.0.0.3:7000", 200, "allkeys-lru");
-        let described = evicting(&[a.clone(), b.clone(), c.clone()]);
+        let described = Finding::of(&[a.clone(), b.clone(), c.clone()], None);
         assert_eq!(
-            described.as_deref(),
-            Some(
+            described,
+            Some(Finding::May(
                 "maxmemory-policy volatile-lru with maxmemory 100 on 10.0.0.1:7000; \
                  maxmemory-policy allkeys-lru with maxmemory 200 on 10.0.0.3:7000"
-            )
+                    .into()
+            ))
         );
-        assert_eq!(evicting(&[c, b.clone(), a]), described);
-        assert_eq!(evicting(&[b]), None);
+        assert_eq!(Finding::of(&[c, b.clone(), a.clone()], None), described);
+        assert_eq!(Finding::of(&[b.clone()], None), Some(Finding::Never));
+        // A reading that left primaries out tells an evicting one, never that none may.
+        assert_eq!(Finding::of(&[b.clone()], Some(3)), None);
+        assert!(matches!(Finding::of(&[a], Some(3)), Some(Finding::May(_))));
+        assert_eq!(Finding::of(&[b], Some(1)), Some(Finding::Never));
+        let gauges: Vec<i8> = [
+            Finding::Unknown,
+            Finding::Never,
+            Finding::May(String::new()),
+        ]
+        .iter()
+        .map(Finding::gauge)
+        .collect();
+        assert_eq!(gauges, [-1, 0, 1]);
     }
 
     #[test]

@@ -56,7 +56,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicI8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -210,11 +210,8 @@ pub struct RedisStore {
     /// On a Cluster, a probe key for each part of the slot space ([`CLUSTER_PARTS`]), so the
     /// circuit breaker probes the part whose circuit is open; empty otherwise.
     part_ping_keys: Box<[String]>,
-    /// What the last reading of Redis's eviction setting found ([`RedisStore::check_eviction`]):
-    /// 1 some server may evict records, 0 none may, -1 not known (not read yet, or refused).
-    may_evict: AtomicI8,
-    /// The evicting settings last warned of, so that each change warns once.
-    eviction_warned: parking_lot::Mutex<Option<String>>,
+    /// What the readings of Redis's eviction setting found ([`RedisStore::check_eviction`]).
+    eviction: parking_lot::Mutex<eviction::Finding>,
 }
 
 /// Parts of a Cluster's slot space the circuit breaker keeps a circuit for: 64 ranges of 256
@@ -706,8 +703,7 @@ impl RedisStore {
             },
             prefix: config.key_prefix.clone(),
             op_timeout,
-            may_evict: AtomicI8::new(-1),
-            eviction_warned: parking_lot::Mutex::new(None),
+            eviction: parking_lot::Mutex::default(),
         })
     }
 
@@ -720,18 +716,19 @@ impl RedisStore {
     /// reading that left out a primary owning slots, unless it found one that may evict.
     pub async fn check_eviction(&self) -> bool {
         // On a Cluster, how many primaries the reading must cover.
-        let mut primaries = None;
-        if self.settings.topology == RedisTopology::Cluster {
+        let primaries = if self.settings.topology == RedisTopology::Cluster {
             let mut slots = redis::cmd("CLUSTER");
             slots.arg("SLOTS");
             match self.send("cluster slots", Call::Command(&slots)).await {
-                Ok(reply) => primaries = eviction::slot_primaries(&reply),
+                Ok(reply) => eviction::slot_primaries(&reply),
                 Err(failure) => {
                     tracing::debug!(error = %failure.error, "redis eviction setting not read");
                     return true;
                 }
             }
-        }
+        } else {
+            None
+        };
         let mut info = redis::cmd("INFO");
         info.arg("memory");
         let reading = match self.send("info", Call::Command(&info)).await {
@@ -743,46 +740,34 @@ impl RedisStore {
             }
         };
         match reading {
-            // What a primary that did not answer has set is not known: a partial reading can
-            // tell that some server may evict, not that none may.
-            eviction::Reading::Settings(settings)
-                if primaries.is_some_and(|primaries| settings.len() < primaries)
-                    && eviction::evicting(&settings).is_none() =>
-            {
-                tracing::debug!(
-                    answered = settings.len(),
-                    primaries,
-                    "redis eviction setting not read on every primary; the last reading stands"
-                );
-                true
-            }
             eviction::Reading::Settings(settings) => {
-                let mut warned = self.eviction_warned.lock();
-                match eviction::evicting(&settings) {
-                    None => {
-                        self.may_evict.store(0, Ordering::Relaxed);
-                        if warned.take().is_some() {
-                            tracing::info!("redis no longer evicts records (maxmemory-policy noeviction, or no maxmemory)");
-                        }
-                    }
-                    Some(what) => {
-                        self.may_evict.store(1, Ordering::Relaxed);
-                        if warned.as_deref() != Some(&what) {
-                            tracing::warn!(
-                                setting = %what,
-                                "redis may evict records: every record has a ttl, so any \
-                                 maxmemory-policy but noeviction drops them under memory pressure, \
-                                 and a retry of a dropped key runs again; set maxmemory-policy \
-                                 noeviction"
-                            );
-                            *warned = Some(what);
-                        }
-                    }
+                let Some(found) = eviction::Finding::of(&settings, primaries) else {
+                    tracing::debug!(
+                        answered = settings.len(),
+                        primaries,
+                        "redis eviction setting not read on every primary; the last reading stands"
+                    );
+                    return true;
+                };
+                let mut last = self.eviction.lock();
+                match (&*last, &found) {
+                    (last, eviction::Finding::May(what)) if *last != found => tracing::warn!(
+                        setting = %what,
+                        "redis may evict records: every record has a ttl, so any \
+                         maxmemory-policy but noeviction drops them under memory pressure, \
+                         and a retry of a dropped key runs again; set maxmemory-policy \
+                         noeviction"
+                    ),
+                    (eviction::Finding::May(_), eviction::Finding::Never) => tracing::info!(
+                        "redis no longer evicts records (maxmemory-policy noeviction, or no maxmemory)"
+                    ),
+                    _ => {}
                 }
+                *last = found;
                 true
             }
             eviction::Reading::Denied(why) => {
-                self.may_evict.store(-1, Ordering::Relaxed);
+                *self.eviction.lock() = eviction::Finding::Unknown;
                 tracing::info!(
                     error = %why,
                     "cannot tell whether redis may evict records: the ACL user may not run \
@@ -800,7 +785,7 @@ impl RedisStore {
     /// What the last [`RedisStore::check_eviction`] found: 1 some server may evict records, 0
     /// none may, -1 not known.
     pub fn may_evict(&self) -> i8 {
-        self.may_evict.load(Ordering::Relaxed)
+        self.eviction.lock().gauge()
     }
 
     /// Connects (if not yet connected) and loads the scripts in force, so the first requests
