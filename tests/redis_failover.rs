@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,13 +14,12 @@ use common::faultproxy::FaultProxy;
 use common::redis::{until_replicated, RedisCluster, RedisSentinel, RedisServer};
 use common::{Backend, Proxy, ProxyBuilder, Request, Response};
 
-/// A proxy on `cluster` without the local cache, so every replay is read from Redis.
-async fn cluster_proxy(backend: &Backend, cluster: &RedisCluster) -> Proxy {
+/// A proxy on the Redis at `urls` without the local cache, so every replay is read from Redis.
+/// Settings of the `store.redis` block may follow (indented, as `  response_timeout: 1s`).
+fn uncached(backend: &Backend, urls: &[String]) -> ProxyBuilder {
     ProxyBuilder::new(backend)
-        .redis(&cluster.urls())
         .store("local_cache: {enabled: false}")
-        .start()
-        .await
+        .redis(urls)
 }
 
 async fn order(addr: SocketAddr, key: &str) -> Response {
@@ -55,19 +53,6 @@ async fn keys_and_retries(addr: SocketAddr, stop: Arc<AtomicBool>) -> Vec<(Strin
     sent
 }
 
-/// Panics unless the backend ran each execution id once, and returns how many ran.
-fn each_ran_once(backend: &Backend) -> usize {
-    let mut runs: HashMap<String, usize> = HashMap::new();
-    for e in backend.executions() {
-        *runs
-            .entry(e.execution_id.expect("every execution carries its id"))
-            .or_default() += 1;
-    }
-    let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(twice.is_empty(), "ran more than once: {twice:?}");
-    runs.len()
-}
-
 /// A planned failover (`CLUSTER FAILOVER` on a replica: its primary stops taking writes until
 /// the replica has them all, then hands over its slots) while keys and their retries keep
 /// coming: no client sees an error (redis-rs follows the slots to the new primary, and the
@@ -78,10 +63,8 @@ fn each_ran_once(backend: &Backend) -> usize {
 async fn a_planned_cluster_failover_is_invisible_to_clients() {
     let cluster = RedisCluster::start_with_replicas(3, 1, &[]);
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .redis(&cluster.urls())
+    let proxy = uncached(&backend, &cluster.urls())
         .store("  response_timeout: 1s")
-        .store("local_cache: {enabled: false}")
         .start()
         .await;
     let (primary, replica) = cluster.primary_and_replica();
@@ -132,7 +115,7 @@ async fn a_planned_cluster_failover_is_invisible_to_clients() {
 async fn a_cluster_resharding_under_load_loses_no_record() {
     let cluster = RedisCluster::start(3);
     let backend = Backend::start().await;
-    let proxy = cluster_proxy(&backend, &cluster).await;
+    let proxy = uncached(&backend, &cluster.urls()).start().await;
     let mut before = executed_before(&proxy).await;
     // redis-cli moves a node's slots lowest first: node 0 (slots 0-5460) gets a record in its
     // first 2000 slots, which are then moved (1000 at least).
@@ -154,31 +137,14 @@ async fn a_cluster_resharding_under_load_loses_no_record() {
         before.push(key);
     }
     let held_before = cluster.nodes[0].keys();
-    let moving = (lowest(&cluster.nodes[0]) + 1).max(1000).to_string();
+    let moving = usize::try_from(lowest(&cluster.nodes[0]) + 1)
+        .expect("a slot")
+        .max(1000);
 
     let stop = Arc::new(AtomicBool::new(false));
     let load = tokio::spawn(keys_and_retries(proxy.addr, stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let from: String = cluster.nodes[0].cmd(&["CLUSTER", "MYID"]);
-    let to: String = cluster.nodes[1].cmd(&["CLUSTER", "MYID"]);
-    let seed = format!("127.0.0.1:{}", cluster.nodes[0].port);
-    let reshard = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("redis-cli")
-            .args(["--cluster", "reshard", &seed])
-            .args(["--cluster-from", &from, "--cluster-to", &to])
-            .args(["--cluster-slots", &moving, "--cluster-yes"])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster reshard")
-    })
-    .await
-    .expect("reshard");
-    assert!(
-        reshard.status.success(),
-        "reshard failed:\n{}\n{}",
-        String::from_utf8_lossy(&reshard.stdout),
-        String::from_utf8_lossy(&reshard.stderr)
-    );
+    tokio::task::block_in_place(|| cluster.reshard(0, 1, moving));
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Ordering::SeqCst);
     let during = load.await.expect("load");
@@ -217,7 +183,7 @@ async fn each_ran_and_replays(
         assert_eq!(r.result(), Some("HIT"), "{key}: {} {}", r.status, r.text());
     }
     let executed = before.len() + during.len();
-    assert_eq!(each_ran_once(backend), executed);
+    assert_eq!(backend.assert_each_id_ran_once(), executed);
     assert_eq!(backend.count(), executed);
 }
 
@@ -305,7 +271,11 @@ async fn records_replay_once_the_replica_took_over(
         assert_eq!(again.result(), Some("HIT"), "{key}: {}", again.text());
     }
     let executed = before.len() + fresh_executed + 10;
-    assert_eq!(each_ran_once(backend), executed, "back after {back:?}");
+    assert_eq!(
+        backend.assert_each_id_ran_once(),
+        executed,
+        "back after {back:?}"
+    );
     assert_eq!(backend.count(), executed);
     eprintln!(
         "records replayed again {back:?} after the kill; {} refused meanwhile (median {median:?})",
@@ -319,7 +289,7 @@ async fn records_replay_once_the_replica_took_over(
 async fn a_dead_cluster_primary_s_records_replay_from_its_replica_once_it_takes_over() {
     let mut cluster = RedisCluster::start_with_replicas(3, 1, &[]);
     let backend = Backend::start().await;
-    let proxy = cluster_proxy(&backend, &cluster).await;
+    let proxy = uncached(&backend, &cluster.urls()).start().await;
     let (primary, replica) = cluster.primary_and_replica();
     let before = executed_before(&proxy).await;
     assert!(
@@ -341,11 +311,7 @@ async fn a_dead_cluster_primary_s_records_replay_from_its_replica_once_it_takes_
 async fn a_dead_sentinel_primary_s_records_replay_from_the_replica_it_promoted() {
     let mut sentinel = RedisSentinel::start();
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .redis(&[sentinel.url()])
-        .store("local_cache: {enabled: false}")
-        .start()
-        .await;
+    let proxy = uncached(&backend, &[sentinel.url()]).start().await;
     let before = executed_before(&proxy).await;
     until_replicated(&sentinel.primary, &sentinel.replica);
 
@@ -367,11 +333,7 @@ async fn a_single_server_address_moved_to_the_new_primary_is_followed() {
     let new = RedisServer::start_with(&["--replicaof", "127.0.0.1", &old.port.to_string()]);
     let address = FaultProxy::start(old.addr()).await;
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .redis(&[address.redis_url()])
-        .store("local_cache: {enabled: false}")
-        .start()
-        .await;
+    let proxy = uncached(&backend, &[address.redis_url()]).start().await;
     let before = executed_before(&proxy).await;
     until_replicated(&old, &new);
 
@@ -394,7 +356,7 @@ async fn a_single_server_address_moved_to_the_new_primary_is_followed() {
             proxy.log()
         );
     }
-    assert_eq!(each_ran_once(&backend), before.len() + 2);
+    assert_eq!(backend.assert_each_id_ran_once(), before.len() + 2);
     proxy
         .log_containing("redis answered as a replica; connecting afresh")
         .await;

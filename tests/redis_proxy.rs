@@ -934,24 +934,7 @@ async fn a_rolling_restart_under_load_runs_every_key_once() {
         );
         assert_eq!(retry.body, first.body, "{key}");
     }
-    let mut keys_of_id: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for e in backend.executions() {
-        let key = e
-            .headers
-            .iter()
-            .find(|(name, _)| name == "idempotency-key")
-            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-            .expect("a keyed execution");
-        keys_of_id
-            .entry(e.execution_id.expect("an execution id"))
-            .or_default()
-            .push(key);
-    }
-    let shared: Vec<_> = keys_of_id
-        .iter()
-        .filter(|(_, keys)| keys.len() > 1)
-        .collect();
-    assert!(shared.is_empty(), "one id, several executions: {shared:?}");
+    backend.assert_each_id_ran_once();
     assert_eq!(backend.count(), sent.len(), "each key ran once");
     eprintln!("{} keys and their retries through the rollout", sent.len());
 }

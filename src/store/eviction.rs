@@ -269,9 +269,12 @@ mod tests {
             ))
         );
         assert_eq!(Finding::of(&[c, b.clone(), a.clone()], None), described);
-        assert_eq!(Finding::of(&[b.clone()], None), Some(Finding::Never));
+        assert_eq!(
+            Finding::of(std::slice::from_ref(&b), None),
+            Some(Finding::Never)
+        );
         // A reading that left primaries out tells an evicting one, never that none may.
-        assert_eq!(Finding::of(&[b.clone()], Some(3)), None);
+        assert_eq!(Finding::of(std::slice::from_ref(&b), Some(3)), None);
         assert!(matches!(Finding::of(&[a], Some(3)), Some(Finding::May(_))));
         assert_eq!(Finding::of(&[b], Some(1)), Some(Finding::Never));
         let gauges: Vec<i8> = [

@@ -106,6 +106,32 @@ impl Backend {
         st.gates.entry(name.to_owned()).or_default().clone()
     }
 
+    /// Panics unless every execution id ran once (no key twice, no id under two keys), naming
+    /// the `Idempotency-Key`s under an id that ran more; returns how many ids ran.
+    pub fn assert_each_id_ran_once(&self) -> usize {
+        let mut keys_of_id: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        for e in self.executions() {
+            let key = e
+                .headers
+                .iter()
+                .find(|(name, _)| name == "idempotency-key")
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned());
+            keys_of_id
+                .entry(e.execution_id.expect("every execution carries its id"))
+                .or_default()
+                .push(key.unwrap_or_default());
+        }
+        let twice: Vec<_> = keys_of_id
+            .iter()
+            .filter(|(_, keys)| keys.len() > 1)
+            .collect();
+        assert!(
+            twice.is_empty(),
+            "ids that ran more than once (keys): {twice:?}"
+        );
+        keys_of_id.len()
+    }
+
     /// How many requests reached the backend.
     pub fn count(&self) -> usize {
         self.state.lock().unwrap().executions.len()

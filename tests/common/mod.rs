@@ -15,6 +15,20 @@ pub use backend::Backend;
 pub use client::{Request, Response};
 pub use proxy::{Proxy, ProxyBuilder};
 
+/// Runs a command (its input closed) and panics, with what it printed, unless it succeeds.
+pub fn run_ok(cmd: &mut std::process::Command) {
+    let out = cmd
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {cmd:?} (is it installed?): {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The value of the sample `name` (no labels) in a Prometheus text exposition.
 pub fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()

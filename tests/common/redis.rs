@@ -318,17 +318,8 @@ impl RedisCluster {
         for node in &nodes {
             create.arg(format!("127.0.0.1:{}", node.port));
         }
-        let out = create
-            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        create.args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"]);
+        super::run_ok(&mut create);
         let cluster = RedisCluster { nodes, replicas };
         cluster.wait_ok();
         cluster
@@ -386,6 +377,22 @@ impl RedisCluster {
             .position(|n| n.port == primary_port)
             .expect("the primary is one of the nodes");
         (primary, replica)
+    }
+
+    /// Moves `slots` slots from the primary at `from` to the one at `to` (`redis-cli --cluster
+    /// reshard`, which takes a node's lowest slots first), one slot and its records at a time.
+    pub fn reshard(&self, from: usize, to: usize, slots: usize) {
+        let id = |node: usize| -> String { self.nodes[node].cmd(&["CLUSTER", "MYID"]) };
+        let mut reshard = Command::new("redis-cli");
+        reshard
+            .args([
+                "--cluster",
+                "reshard",
+                &format!("127.0.0.1:{}", self.nodes[from].port),
+            ])
+            .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"]);
+        super::run_ok(&mut reshard);
     }
 
     /// Seed URLs, one per node.

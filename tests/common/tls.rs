@@ -16,17 +16,7 @@ pub struct Pki {
 }
 
 fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run openssl (is it installed?)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    super::run_ok(Command::new("openssl").args(args).current_dir(dir));
 }
 
 impl Pki {
@@ -404,17 +394,8 @@ impl TlsCluster {
         for node in &nodes {
             create.arg(format!("127.0.0.1:{}", node.port));
         }
-        let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --tls --cluster create failed:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        super::run_ok(&mut create);
         let deadline = Instant::now() + Duration::from_secs(10);
         for node in &nodes {
             loop {
