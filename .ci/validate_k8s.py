@@ -146,7 +146,14 @@ def check_consistency(docs):
         selector = spec.get("selector") or {}
         if doc["kind"] != "Job" and not labels_match(selector, labels):
             error(where, f"spec.selector {selector} does not select the pod template's labels {labels}")
-        check_pod(where, template.get("spec") or {}, configmaps, secrets)
+        # A StatefulSet's volumeClaimTemplates are volumes of its pods too.
+        claims = [(t.get("metadata") or {}).get("name") for t in spec.get("volumeClaimTemplates") or []]
+        check_pod(where, template.get("spec") or {}, configmaps, secrets, claims)
+        if doc["kind"] == "StatefulSet":
+            governing = spec.get("serviceName")
+            services = {n for (k, n) in by_kind if k == "Service"}
+            if governing and governing not in services:
+                error(where, f"serviceName {governing!r} is not a Service defined here")
 
     for kind in ("Service", "PodDisruptionBudget"):
         for file, doc in docs:
@@ -184,8 +191,12 @@ def check_target_port(where, port, pods):
                 error(where, f"targetPort {target!r} is not a named port of the selected pods")
 
 
-def check_pod(where, pod, configmaps, secrets):
+def check_pod(where, pod, configmaps, secrets, claims=()):
     volumes = {v.get("name"): v for v in pod.get("volumes") or []}
+    for claim in claims:
+        if claim in volumes:
+            error(where, f"volumeClaimTemplate {claim!r} is also a volume of the pod")
+    mountable = set(volumes) | set(claims)
     seen = set()
     for v in volumes.values():
         if "configMap" in v and v["configMap"].get("name") not in configmaps and not v["configMap"].get("optional"):
@@ -210,9 +221,9 @@ def check_pod(where, pod, configmaps, secrets):
                 if probe in container:
                     error(cwhere, f"{probe} is only allowed on sidecar init containers")
         for mount in container.get("volumeMounts") or []:
-            if mount.get("name") not in volumes:
+            if mount.get("name") not in mountable:
                 error(cwhere, f"volumeMount {mount.get('name')!r} names no volume of the pod")
-            elif "configMap" in volumes[mount["name"]] and mount.get("subPath"):
+            elif "configMap" in volumes.get(mount["name"], {}) and mount.get("subPath"):
                 error(cwhere, f"volumeMount {mount['name']!r} uses subPath: a subPath mount never "
                               "receives ConfigMap updates (mount the directory)")
         for env in container.get("env") or []:

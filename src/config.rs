@@ -380,6 +380,8 @@ pub struct RouteIdempotency {
     pub on_in_flight: OnInFlight,
     /// How long `on_in_flight: wait` waits for the original to finish.
     pub wait_timeout: Duration,
+    /// What becomes of a key whose request was sent and whose answer was lost.
+    pub on_outcome_unknown: OnOutcomeUnknown,
     /// Whether the request body is part of the fingerprint.
     pub fingerprint_body: bool,
     /// Headers whose values are part of the fingerprint (lower-case, sorted, unique).
@@ -417,6 +419,19 @@ pub enum OnInFlight {
     Reject,
     /// Wait up to `wait_timeout` for the original and replay it.
     Wait,
+}
+
+/// What becomes of a key whose request reached the backend without a complete answer coming
+/// back (a read timeout, a connection lost mid-answer): it may or may not have run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnOutcomeUnknown {
+    /// The claim is kept until its lock lapses; a retry after that runs the key again under the
+    /// same `X-Idempotency-Id`, which a backend with a unique index on it refuses.
+    Lapse,
+    /// Recorded at once as executed, not replayable: retries get 409 until the record's `ttl`
+    /// ends and the key never runs again (at most once, for backends that cannot deduplicate).
+    Settle,
 }
 
 /// The set of response statuses that are stored for replay (`cache_statuses`).
@@ -759,6 +774,7 @@ struct FileRouteIdempotency {
     lock_ttl: Scalar,
     on_in_flight: OnInFlight,
     wait_timeout: Scalar,
+    on_outcome_unknown: OnOutcomeUnknown,
     fingerprint: FileFingerprint,
     #[serde(deserialize_with = "scope_headers_list")]
     scope_headers: Vec<String>,
@@ -943,6 +959,7 @@ impl Default for FileRouteIdempotency {
             lock_ttl: Scalar::text("30s"),
             on_in_flight: OnInFlight::Reject,
             wait_timeout: Scalar::text("5s"),
+            on_outcome_unknown: OnOutcomeUnknown::Lapse,
             fingerprint: FileFingerprint::default(),
             scope_headers: vec!["Authorization".to_owned()],
             scope_required: false,
@@ -1009,40 +1026,41 @@ where
 /// A list that is present says what it lists: `scope_headers:` with every entry commented out
 /// is YAML null, and reading that as `[]` would silently drop what the default gives
 /// (principal scoping, `Set-Cookie` kept out of replays, the stored statuses, one method).
-/// `[]` says "none"; a key left out takes the default.
-fn explicit_list<'de, D, T>(deserializer: D, field: &str) -> Result<Vec<T>, D::Error>
+/// `[]` says what an empty list means for the field (`empty`: "none" for most, every method or
+/// every tenant for the lists that narrow); a key left out takes the default.
+fn explicit_list<'de, D, T>(deserializer: D, field: &str, empty: &str) -> Result<Vec<T>, D::Error>
 where
     D: Deserializer<'de>,
     T: Deserialize<'de>,
 {
     Option::<Vec<T>>::deserialize(deserializer)?.ok_or_else(|| {
         de::Error::custom(format_args!(
-            "{field}: an empty value: write [] for none, or leave the key out for its default"
+            "{field}: an empty value: write [] for {empty}, or leave the key out for its default"
         ))
     })
 }
 
 /// [`explicit_list`] for one field, named in its error (serde's path stops at the block).
 macro_rules! explicit_list_of {
-    ($($fn_name:ident => $field:literal),* $(,)?) => {$(
+    ($($fn_name:ident => $field:literal, $empty:literal);* $(;)?) => {$(
         fn $fn_name<'de, D, T>(deserializer: D) -> Result<Vec<T>, D::Error>
         where
             D: Deserializer<'de>,
             T: Deserialize<'de>,
         {
-            explicit_list(deserializer, $field)
+            explicit_list(deserializer, $field, $empty)
         }
     )*};
 }
 
 explicit_list_of! {
-    methods_list => "methods",
-    scope_headers_list => "scope_headers",
-    cache_statuses_list => "cache_statuses",
-    replay_exclude_headers_list => "replay_exclude_headers",
-    headers_list => "headers",
-    tenants_list => "tenants",
-    routes_list => "routes",
+    methods_list => "methods", "every method";
+    scope_headers_list => "scope_headers", "none";
+    cache_statuses_list => "cache_statuses", "none";
+    replay_exclude_headers_list => "replay_exclude_headers", "none";
+    headers_list => "headers", "none";
+    tenants_list => "tenants", "every tenant (a canary is stopped by removing it)";
+    routes_list => "routes", "none";
 }
 
 // === impl Scalar ===
@@ -2898,6 +2916,7 @@ impl FileRouteIdempotency {
             lock_ttl,
             on_in_flight: self.on_in_flight,
             wait_timeout,
+            on_outcome_unknown: self.on_outcome_unknown,
             fingerprint_body: self.fingerprint.body,
             fingerprint_headers,
             scope_headers,
@@ -3737,6 +3756,7 @@ routes:
                     lock_ttl: secs(30),
                     on_in_flight: OnInFlight::Reject,
                     wait_timeout: secs(5),
+                    on_outcome_unknown: OnOutcomeUnknown::Lapse,
                     fingerprint_body: true,
                     fingerprint_headers: vec![],
                     scope_headers: vec![header("authorization")],
@@ -3802,6 +3822,16 @@ routes:
         )
         .to_string();
         assert!(e.contains("routes[0]: methods: an empty value"), "{e}");
+        // Where `[]` narrows nothing, the message says so rather than "none".
+        assert!(e.contains("write [] for every method"), "{e}");
+        let e = load_err(&format!(
+            "store:\n  redis:\n    scripts: {{canary: {{version: v2, percent: 5, tenants: }}}}\n{MINIMAL}"
+        ))
+        .to_string();
+        assert!(
+            e.contains("tenants: an empty value: write [] for every tenant"),
+            "{e}"
+        );
         let e = load_err("upstreams: {a: {addrs: [\"127.0.0.1:1\"]}}\nroutes:\n").to_string();
         assert!(e.contains("routes: an empty value"), "{e}");
         // `[]` still says "none".
@@ -5018,6 +5048,19 @@ routes:
         let idem = config.routes[0].idempotency.as_ref().unwrap();
         assert_eq!(idem.on_in_flight, OnInFlight::Wait);
         assert_eq!(idem.wait_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn on_outcome_unknown_is_lapse_or_settle() {
+        let config = load(&with_route_idempotency("on_outcome_unknown: settle"));
+        let idem = config.routes[0].idempotency.as_ref().unwrap();
+        assert_eq!(idem.on_outcome_unknown, OnOutcomeUnknown::Settle);
+        let err = load_err(&with_route_idempotency("on_outcome_unknown: replay"));
+        let message = err.to_string();
+        assert!(
+            message.contains("replay") && message.contains("lapse") && message.contains("settle"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -262,7 +262,7 @@ fn raw_answer(problem: &Problem) -> Vec<u8> {
     let body = problem.body();
     let mut out = format!(
         "HTTP/1.1 {status} {reason}\r\ncontent-type: application/problem+json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n",
+         cache-control: no-store\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
     )
     .into_bytes();

@@ -44,6 +44,45 @@ pub struct Metrics {
     /// Connections closed because a request header came too slowly (`reason="timeout"`), was
     /// too large (`reason="too_large"`) or could not be parsed (`reason="malformed"`).
     pub headers_refused: IntCounterVec,
+    /// Requests that carried the idempotency key header but were forwarded without idempotency.
+    pub unprotected_keys: IntCounterVec,
+    /// Keys forwarded under a claim, by what became of them.
+    pub key_outcomes: IntCounterVec,
+}
+
+/// What became of a key whose request was forwarded under a claim: the label values of
+/// `idemgate_key_outcomes_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyOutcome {
+    /// Answered with a status the route stores: kept for replay.
+    Stored,
+    /// Ran, and recorded as executed but not replayable (too large, not relayable, still
+    /// streaming as its lock ran short): retries get 409.
+    NotReplayable,
+    /// Answered with a status the route does not store (5xx, 408, 429): released for a retry.
+    Released,
+    /// Nothing reached the backend: released.
+    Unreachable,
+    /// Sent, and no complete answer came back: the claim is kept until its lock lapses.
+    Unknown,
+    /// Sent, no complete answer, and recorded as executed (`on_outcome_unknown: settle`).
+    Settled,
+}
+
+impl KeyOutcome {
+    /// How many there are: each one's index is its discriminant.
+    const COUNT: usize = 6;
+
+    fn label(self) -> &'static str {
+        match self {
+            KeyOutcome::Stored => "stored",
+            KeyOutcome::NotReplayable => "not_replayable",
+            KeyOutcome::Released => "released",
+            KeyOutcome::Unreachable => "unreachable",
+            KeyOutcome::Unknown => "unknown",
+            KeyOutcome::Settled => "settled",
+        }
+    }
 }
 
 impl Metrics {
@@ -125,6 +164,26 @@ impl Metrics {
                 headers_refused.with_label_values(&[listener, reason]);
             }
         }
+        let unprotected_keys = IntCounterVec::new(
+            Opts::new(
+                "idemgate_unprotected_keys_total",
+                "Requests that carried the idempotency key header but were forwarded without \
+                 idempotency (a route without an idempotency block, a method the route does not \
+                 list, or default_upstream), by route",
+            ),
+            &["route"],
+        )
+        .expect("static metric definition");
+        let key_outcomes = IntCounterVec::new(
+            Opts::new(
+                "idemgate_key_outcomes_total",
+                "Keys forwarded under a claim, by route and what became of them: stored, \
+                 not_replayable, released, unreachable, unknown (answer lost, claim kept until \
+                 lock_ttl), settled (answer lost, recorded as executed)",
+            ),
+            &["route", "outcome"],
+        )
+        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -142,6 +201,8 @@ impl Metrics {
             Box::new(settled_streaming.clone()),
             Box::new(lock_renewals.clone()),
             Box::new(headers_refused.clone()),
+            Box::new(unprotected_keys.clone()),
+            Box::new(key_outcomes.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -157,6 +218,8 @@ impl Metrics {
             settled_streaming,
             lock_renewals,
             headers_refused,
+            unprotected_keys,
+            key_outcomes,
         }
     }
 
@@ -171,6 +234,10 @@ impl Metrics {
             children: results.iter().map(|_| OnceLock::new()).collect(),
             upstream_vec: self.upstream_duration.clone(),
             upstream: OnceLock::new(),
+            unprotected_vec: self.unprotected_keys.clone(),
+            unprotected: OnceLock::new(),
+            outcomes_vec: self.key_outcomes.clone(),
+            outcomes: Default::default(),
         }
     }
 
@@ -290,6 +357,10 @@ pub struct RouteHandles {
     children: Vec<OnceLock<(IntCounter, Histogram)>>,
     upstream_vec: HistogramVec,
     upstream: OnceLock<Histogram>,
+    unprotected_vec: IntCounterVec,
+    unprotected: OnceLock<IntCounter>,
+    outcomes_vec: IntCounterVec,
+    outcomes: [OnceLock<IntCounter>; KeyOutcome::COUNT],
 }
 
 impl RouteHandles {
@@ -314,6 +385,27 @@ impl RouteHandles {
         self.upstream
             .get_or_init(|| self.upstream_vec.with_label_values(&[self.route.as_str()]))
             .observe(seconds);
+    }
+
+    /// Counts a request of this route that carried the idempotency key header and was
+    /// forwarded without idempotency: a client that believes it is protected and is not.
+    pub fn count_unprotected_key(&self) {
+        self.unprotected
+            .get_or_init(|| {
+                self.unprotected_vec
+                    .with_label_values(&[self.route.as_str()])
+            })
+            .inc();
+    }
+
+    /// Counts what became of a key of this route forwarded under a claim.
+    pub fn count_key_outcome(&self, outcome: KeyOutcome) {
+        self.outcomes[outcome as usize]
+            .get_or_init(|| {
+                self.outcomes_vec
+                    .with_label_values(&[self.route.as_str(), outcome.label()])
+            })
+            .inc();
     }
 }
 

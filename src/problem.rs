@@ -114,8 +114,12 @@ pub enum Problem {
         /// When the lock has lapsed at the latest.
         retry_after: Duration,
     },
-    /// The request was sent but no complete answer came back; the key stays locked.
-    UpstreamOutcomeUnknown,
+    /// The request was sent but no complete answer came back: the key stays locked until its
+    /// lock lapses, or (`settled`, by `on_outcome_unknown: settle`) is recorded as executed.
+    UpstreamOutcomeUnknown {
+        /// Recorded as executed, not replayable: retries get 409, never a second execution.
+        settled: bool,
+    },
     /// A request forwarded without a claim (no key, or `on_unavailable: pass`) reached the
     /// backend (whole or in part) and no answer came back: it may have been executed, and no
     /// lock makes a retry safe.
@@ -165,7 +169,7 @@ impl Problem {
             Problem::NoRoute => 404,
             Problem::MethodCase => 400,
             Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => 502,
-            Problem::UpstreamOutcomeUnknown => 504,
+            Problem::UpstreamOutcomeUnknown { .. } => 504,
             Problem::UpstreamAnswerLost | Problem::UpstreamAnswerInvalid(_) => 502,
         }
     }
@@ -197,7 +201,7 @@ impl Problem {
             Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => {
                 "upstream-unreachable"
             }
-            Problem::UpstreamOutcomeUnknown => "upstream-outcome-unknown",
+            Problem::UpstreamOutcomeUnknown { .. } => "upstream-outcome-unknown",
             Problem::UpstreamAnswerLost => "upstream-answer-lost",
             Problem::UpstreamAnswerInvalid(_) => "upstream-answer-invalid",
         }
@@ -230,7 +234,7 @@ impl Problem {
             Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => {
                 "Backend unreachable"
             }
-            Problem::UpstreamOutcomeUnknown => "Backend outcome unknown",
+            Problem::UpstreamOutcomeUnknown { .. } => "Backend outcome unknown",
             Problem::UpstreamAnswerLost => "Backend answer lost",
             Problem::UpstreamAnswerInvalid(_) => "Backend answer not valid HTTP",
         }
@@ -278,9 +282,10 @@ impl Problem {
             Problem::FingerprintMismatch => "This key was first used with a different method, \
                 path, body or fingerprinted headers; use a new key for a new request."
                 .into(),
-            Problem::NotReplayable => "The request was executed, but its response was larger \
-                than the replay limit, still streaming when its lock was about to lapse, or not \
-                HTTP that could be relayed; it will not be executed again."
+            Problem::NotReplayable => "The request was executed (or may have been: its answer \
+                was lost), but its response was larger than the replay limit, still streaming \
+                when its lock was about to lapse, not HTTP that could be relayed, or lost; it \
+                will not be executed again."
                 .into(),
             Problem::StoreUnavailable => {
                 "The request was not forwarded because duplicates could not be detected.".into()
@@ -303,8 +308,13 @@ impl Problem {
                 request was not sent, but its key could not be released and stays locked until \
                 its lock expires: retry with the same key after Retry-After."
                 .into(),
-            Problem::UpstreamOutcomeUnknown => "The request was sent but the backend's answer \
-                was lost; retries with this key are refused until the lock expires."
+            Problem::UpstreamOutcomeUnknown { settled: false } => "The request was sent but the \
+                backend's answer was lost; retries with this key are refused until the lock \
+                expires."
+                .into(),
+            Problem::UpstreamOutcomeUnknown { settled: true } => "The request was sent but the \
+                backend's answer was lost; it is recorded as executed, so retries with this key \
+                get 409 and are not executed again."
                 .into(),
             Problem::UpstreamAnswerLost => "The request reached the backend but no answer came \
                 back; it may have been executed, and no idempotency lock guards a retry."
@@ -349,7 +359,7 @@ impl Problem {
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect
             | Problem::UpstreamConnectKeyLocked { .. }
-            | Problem::UpstreamOutcomeUnknown
+            | Problem::UpstreamOutcomeUnknown { .. }
             | Problem::UpstreamAnswerLost
             | Problem::UpstreamAnswerInvalid(_) => Outcome::Miss,
         }

@@ -26,10 +26,11 @@ use pingora::{Error, Result};
 
 use crate::budget::{BodyBudget, BodyPermit};
 use crate::config::{
-    Config, KeyMode, OnInFlight, OnUnavailable, Route, RouteIdempotency, RouteMatch,
+    Config, KeyMode, OnInFlight, OnOutcomeUnknown, OnUnavailable, Route, RouteIdempotency,
+    RouteMatch,
 };
 use crate::key;
-use crate::metrics::{Metrics, Pull, RouteHandles, StoreOpHandles};
+use crate::metrics::{KeyOutcome, Metrics, Pull, RouteHandles, StoreOpHandles};
 use crate::problem::{AnswerSettled, Outcome, Problem};
 use crate::store::retry::{CompletionRetrier, PendingCompletion, Refusal};
 use crate::store::{
@@ -904,7 +905,12 @@ impl Gate {
                 // Nothing was sent, so a retry may run the key: at once once it is released,
                 // or once the lock lapses when the store did not take the release.
                 let locked = match &claim {
-                    Some(c) => self.release(c).await,
+                    Some(c) => {
+                        ctx.gen
+                            .route_metrics(ctx.route)
+                            .count_key_outcome(KeyOutcome::Unreachable);
+                        self.release(c).await
+                    }
                     None => None,
                 };
                 let problem = match locked {
@@ -969,10 +975,17 @@ impl Gate {
                         Problem::UpstreamAnswerInvalid(settled)
                     }
                     _ => {
-                        tracing::warn!(error = %e, route = %route.name, "backend answer lost; claim kept until lock_ttl");
-                        unknown_outcome(claim.is_some())
+                        let problem = self.outcome_lost(claim.as_ref(), idem, 504).await;
+                        let kept = outcome_lost_kept(&problem);
+                        tracing::warn!(error = %e, route = %route.name, "backend answer lost; {kept}");
+                        problem
                     }
                 };
+                if claim.is_some() {
+                    ctx.gen
+                        .route_metrics(ctx.route)
+                        .count_key_outcome(lost_key_outcome(&problem));
+                }
                 return self.refuse_executed(session, problem, outcome).await;
             }
         };
@@ -1129,15 +1142,24 @@ impl Gate {
         }
 
         if let Err(e) = body_result {
+            let problem = match claim.as_ref() {
+                Some(_) if settled => Problem::UpstreamOutcomeUnknown { settled: true },
+                // Settled by the status the backend gave, which is all that is known of it.
+                c => self.outcome_lost(c, idem, status).await,
+            };
             let kept = if settled {
                 "already stored as executed, not replayable"
             } else {
-                "claim kept until lock_ttl"
+                outcome_lost_kept(&problem)
             };
             tracing::warn!(error = %e, route = %route.name, "backend answer cut off; {kept}");
+            if claim.is_some() {
+                ctx.gen
+                    .route_metrics(ctx.route)
+                    .count_key_outcome(lost_key_outcome(&problem));
+            }
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
-                let problem = unknown_outcome(claim.is_some());
                 return self.refuse_executed(session, problem, outcome).await;
             }
             // The client saw a partial response; closing is the only honest signal left.
@@ -1149,16 +1171,27 @@ impl Gate {
         }
         exchange.finish();
 
-        if let Some(claim) = claim.as_ref().filter(|_| !settled) {
-            if storable {
+        if let Some(claim) = claim.as_ref() {
+            let key_outcome = if settled {
+                KeyOutcome::NotReplayable
+            } else if storable {
                 let completion = match captured {
                     Some(body) if !too_large => Completion::Response(Arc::new(body.finish())),
                     _ => Completion::Unreplayable { status },
                 };
+                let kept = match completion {
+                    Completion::Response(_) => KeyOutcome::Stored,
+                    Completion::Unreplayable { .. } => KeyOutcome::NotReplayable,
+                };
                 self.complete(claim, completion).await;
+                kept
             } else {
                 self.release(claim).await;
-            }
+                KeyOutcome::Released
+            };
+            ctx.gen
+                .route_metrics(ctx.route)
+                .count_key_outcome(key_outcome);
         }
         out.finish(session).await;
         if out.gone {
@@ -1383,6 +1416,28 @@ impl Gate {
                 crate::warn_throttled!(%record, error = %e, "storing the response failed; retrying");
                 self.retrier.submit(pending());
             }
+        }
+    }
+
+    /// What becomes of a request that was sent and whose answer was lost, and the problem that
+    /// tells its client. Without a claim (forwarded unprotected by `on_unavailable: pass`)
+    /// nothing stops a retry. With one, the key stays locked until the lock lapses, after which
+    /// a retry runs it again under the same execution id; or, under `on_outcome_unknown:
+    /// settle`, it is recorded now as executed, not replayable, under `status` (the backend's
+    /// when its head came, else the client's 504), and never runs again.
+    async fn outcome_lost(
+        &self,
+        claim: Option<&Claim<'_>>,
+        idem: &RouteIdempotency,
+        status: u16,
+    ) -> Problem {
+        match claim {
+            None => Problem::UpstreamAnswerLost,
+            Some(c) if idem.on_outcome_unknown == OnOutcomeUnknown::Settle => {
+                self.complete(c, Completion::Unreplayable { status }).await;
+                Problem::UpstreamOutcomeUnknown { settled: true }
+            }
+            Some(_) => Problem::UpstreamOutcomeUnknown { settled: false },
         }
     }
 
@@ -1631,13 +1686,25 @@ fn mark_outcome(resp: &mut ResponseHeader, outcome: Outcome) -> Result<()> {
     Ok(())
 }
 
-/// The problem for a request sent whose answer was lost: with a claim the key stays locked;
-/// without one (forwarded unprotected by `on_unavailable: pass`) nothing stops a retry.
-fn unknown_outcome(claimed: bool) -> Problem {
-    if claimed {
-        Problem::UpstreamOutcomeUnknown
-    } else {
-        Problem::UpstreamAnswerLost
+/// What became of the key of a request refused after it was sent under a claim, for
+/// `idemgate_key_outcomes_total`.
+fn lost_key_outcome(problem: &Problem) -> KeyOutcome {
+    match problem {
+        Problem::UpstreamAnswerInvalid(AnswerSettled::Recorded) => KeyOutcome::NotReplayable,
+        Problem::UpstreamAnswerInvalid(_) => KeyOutcome::Released,
+        Problem::UpstreamOutcomeUnknown { settled: true } => KeyOutcome::Settled,
+        _ => KeyOutcome::Unknown,
+    }
+}
+
+/// What became of the key of a lost answer, for its log line.
+fn outcome_lost_kept(problem: &Problem) -> &'static str {
+    match problem {
+        Problem::UpstreamOutcomeUnknown { settled: true } => {
+            "recorded as executed, not replayable (on_outcome_unknown: settle)"
+        }
+        Problem::UpstreamOutcomeUnknown { settled: false } => "claim kept until lock_ttl",
+        _ => "no claim guards a retry",
     }
 }
 
@@ -1774,6 +1841,8 @@ async fn write_problem(
     let body = problem.body();
     let mut resp = ResponseHeader::build(problem.status(), Some(5))?;
     resp.insert_header(header::CONTENT_TYPE, "application/problem+json")?;
+    // An answer about this attempt, not about the resource: no cache may hand it to another.
+    resp.insert_header(header::CACHE_CONTROL, "no-store")?;
     resp.insert_header(header::CONTENT_LENGTH, body.len())?;
     if let Some(o) = outcome {
         resp.insert_header(RESULT_HEADER, o.as_str())?;
@@ -2031,6 +2100,9 @@ impl ProxyHttp for Gate {
             RouteMatch::Forward { route, upstream } => {
                 ctx.route = route;
                 ctx.upstream = Some(upstream);
+                if req.headers.contains_key(&gen.config.idempotency.key_header) {
+                    gen.route_metrics(route).count_unprotected_key();
+                }
                 if !has_host {
                     add_host(session, &gen.pools[upstream])?;
                 }
@@ -2044,6 +2116,13 @@ impl ProxyHttp for Gate {
                     add_host(session, &gen.pools[route.upstream])?;
                 }
                 let Some(idem) = route.idempotency.as_ref() else {
+                    if session
+                        .req_header()
+                        .headers
+                        .contains_key(&gen.config.idempotency.key_header)
+                    {
+                        gen.route_metrics(Some(i)).count_unprotected_key();
+                    }
                     return self.forward(session, ctx, route.upstream).await;
                 };
                 match self.handle_keyed(session, ctx, route, idem).await? {

@@ -303,6 +303,8 @@ async fn changed_payload_path_or_query_is_422() {
         assert_eq!(resp.status, 422, "{req:?}");
         assert_eq!(resp.result(), Some("MISMATCH"));
         assert_eq!(resp.problem_type(), "fingerprint-mismatch");
+        // About this attempt only: no cache may hand it to another request.
+        assert_eq!(resp.header("cache-control"), Some("no-store"));
     }
     assert_eq!(base().send(proxy.addr).await.result(), Some("HIT"));
     assert_eq!(backend.count(), 1);
@@ -488,6 +490,16 @@ async fn server_errors_release_the_key_and_the_retry_keeps_its_execution_id() {
         ids.iter().all(|id| *id == ids[0]),
         "same X-Idempotency-Id on every execution: {ids:?}"
     );
+    // What became of each execution's key, for an operator (the hit ran nothing).
+    let m = proxy.metrics().await;
+    for (outcome, n) in [
+        ("released", Some(2.0)),
+        ("stored", Some(1.0)),
+        ("unknown", None),
+    ] {
+        let name = format!("idemgate_key_outcomes_total{{outcome=\"{outcome}\",route=\"orders\"}}");
+        assert_eq!(common::metric(&m, &name), n, "{outcome}: {m}");
+    }
 }
 
 #[tokio::test]
@@ -667,6 +679,15 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
         .await;
     // Executes again after the lock lapsed, under the same execution id.
     assert_eq!(third.status, 504);
+    let m = proxy.metrics().await;
+    assert_eq!(
+        common::metric(
+            &m,
+            "idemgate_key_outcomes_total{outcome=\"unknown\",route=\"orders\"}"
+        ),
+        Some(2.0),
+        "{m}"
+    );
     let ids: Vec<_> = backend
         .executions()
         .into_iter()
@@ -674,6 +695,67 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
         .collect();
     assert_eq!(ids.len(), 2);
     assert_eq!(ids[0], ids[1]);
+}
+
+#[tokio::test]
+async fn a_lost_outcome_settled_is_never_executed_again() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("lock_ttl: 1500ms")
+        .idem("on_outcome_unknown: settle")
+        .upstream("connect_timeout: 100ms")
+        .upstream("write_timeout: 100ms")
+        .upstream("read_timeout: 400ms")
+        .start()
+        .await;
+    // The backend answers after the proxy's read timeout: outcome unknown, recorded at once.
+    let req = Request::post("/orders/slow/800").key("settled").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!((first.status, first.result()), (504, Some("MISS")));
+    assert_eq!(first.problem_type(), "upstream-outcome-unknown");
+    assert!(
+        first.text().contains("recorded as executed"),
+        "{}",
+        first.text()
+    );
+    // Refused as executed, before the lock would have lapsed and after: never run again.
+    for wait in [0, 1600] {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let retry = req.send(proxy.addr).await;
+        assert_eq!((retry.status, retry.result()), (409, Some("CONFLICT")));
+        assert_eq!(retry.problem_type(), "response-not-replayable");
+    }
+    assert_eq!(backend.count(), 1);
+    proxy.log_containing("on_outcome_unknown: settle").await;
+    let m = proxy.metrics().await;
+    let outcome = |o: &str| {
+        common::metric(
+            &m,
+            &format!("idemgate_key_outcomes_total{{outcome=\"{o}\",route=\"orders\"}}"),
+        )
+    };
+    assert_eq!(
+        (outcome("settled"), outcome("unknown")),
+        (Some(1.0), None),
+        "{m}"
+    );
+
+    // An answer cut off mid-body is settled the same way, under the status the backend gave.
+    let (addr, count) = cutting_backend(1).await;
+    let proxy = ProxyBuilder::at(addr)
+        .idem("on_outcome_unknown: settle")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("cut-settled").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.status, 504, "{}", first.text());
+    assert_eq!(first.problem_type(), "upstream-outcome-unknown");
+    let retry = req.send(proxy.addr).await;
+    assert_eq!(
+        (retry.status, retry.problem_type().as_str()),
+        (409, "response-not-replayable")
+    );
+    assert_eq!(count.load(Ordering::SeqCst), 1, "never executed twice");
 }
 
 /// A backend that announces a 100-byte body, sends `pieces` pieces of 10 bytes 100 ms apart and
@@ -810,6 +892,16 @@ async fn unreachable_backend_releases_the_key() {
         let name = format!("idemgate_upstream_duration_seconds_count{{route=\"{route}\"}}");
         assert_eq!(common::metric(&m, &name), Some(rounds), "{route}: {m}");
     }
+    // Keys only: the plain route's request had no claim.
+    assert_eq!(
+        common::metric(
+            &m,
+            "idemgate_key_outcomes_total{outcome=\"unreachable\",route=\"orders\"}"
+        ),
+        Some(2.0),
+        "{m}"
+    );
+    assert!(!m.contains("idemgate_key_outcomes_total{outcome=\"unreachable\",route=\"plain\"}"));
 }
 
 #[tokio::test]
@@ -832,6 +924,15 @@ async fn responses_over_the_limit_are_streamed_and_never_executed_twice() {
     assert_eq!(second.result(), Some("CONFLICT"));
     assert_eq!(second.problem_type(), "response-not-replayable");
     assert_eq!(backend.count(), 1);
+    let m = proxy.metrics().await;
+    assert_eq!(
+        common::metric(
+            &m,
+            "idemgate_key_outcomes_total{outcome=\"not_replayable\",route=\"orders\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
     // At the limit exactly, it is stored.
     let edge = Request::post("/orders/large/1024").key("edge").body("{}");
     edge.send(proxy.addr).await;
@@ -1012,6 +1113,23 @@ async fn routes_without_idempotency_forward_untouched() {
         .metrics_containing("idemgate_requests_total{result=\"REFUSED\",route=\"-\"} 1")
         .await;
     assert!(!m.contains("result=\"FORWARD\",route=\"-\"} 1"), "{m}");
+    // A key sent where nothing protects it is counted by route: a client that believes it is
+    // protected and is not (the plain route twice, the unlisted method once; the optional
+    // route's bypass carried no key, and its keyed requests were protected).
+    for (route, n) in [
+        ("plain", Some(2.0)),
+        ("orders", Some(1.0)),
+        ("optional", None),
+    ] {
+        assert_eq!(
+            common::metric(
+                &m,
+                &format!("idemgate_unprotected_keys_total{{route=\"{route}\"}}")
+            ),
+            n,
+            "{m}"
+        );
+    }
     // The log writer's losses are exported (none here).
     assert_eq!(
         common::metric(&m, "idemgate_log_lines_dropped_total"),

@@ -448,6 +448,7 @@ fn assert_raw_problem(raw: &[u8], status: u16, slug: &str) {
         text.contains("content-type: application/problem+json"),
         "{text}"
     );
+    assert!(text.contains("cache-control: no-store\r\n"), "{text}");
     assert!(text.contains(&format!("/problems/{slug}\"")), "{text}");
     // Exactly one answer: nothing of pingora's own went out beside it.
     assert_eq!(text.matches("HTTP/1.1 4").count(), 1, "{text}");
