@@ -1333,10 +1333,18 @@ impl Config {
             }
         }
         // Fail closed: a backend that decodes `%2F` (or `%5C`) into a separator before it
-        // routes (WSGI servers, nginx's `$uri`) runs `/orders%2F1` as `/orders/1`. Under that
-        // reading too, a path an idempotent route covers needs its key.
-        if let Some(decoded) = separators_decoded(path) {
-            let keyed = self.match_path(method, &route_path(&decoded));
+        // routes (WSGI servers, nginx's `$uri`) runs `/orders%2F1` as `/orders/1`; one that
+        // resolves the target as a URL reference (Node's `new URL(req.url, base)`, Python's
+        // `urlsplit`) reads `//x/orders` as host `x` and path `/orders`. Under those readings
+        // too, a path an idempotent route covers needs its key.
+        let decoded = separators_decoded(path);
+        let readings = [
+            decoded.as_deref(),
+            network_path(path),
+            decoded.as_deref().and_then(network_path),
+        ];
+        for reading in readings.into_iter().flatten() {
+            let keyed = self.match_path(method, &route_path(reading));
             if matches!(keyed, RouteMatch::Idempotent(_)) {
                 return keyed;
             }
@@ -1415,15 +1423,33 @@ pub(crate) fn prefix_matches(prefix: &str, path: &str) -> bool {
 }
 
 /// Whether `path` is `prefix` with a format suffix on its last segment (`/orders.json`,
-/// `/orders.`: a dot, then ASCII letters and digits only). Web frameworks route it to the
-/// handler of `/orders` (Rails, Django REST framework's format suffixes), so an idempotent
-/// `/orders` must not let it past without a key.
+/// `/orders.`: a dot, then ASCII letters and digits only), a trailing slash after it or not.
+/// Web frameworks route it to the handler of `/orders` (Rails, which drops a trailing slash
+/// first; Django REST framework's format suffixes, `\.[a-z0-9]+/?`), so an idempotent `/orders`
+/// must not let it past without a key.
 pub(crate) fn format_suffix_of(prefix: &str, path: &str) -> bool {
     !prefix.ends_with('/')
         && path
             .strip_prefix(prefix)
             .and_then(|rest| rest.strip_prefix('.'))
+            .map(|ext| ext.strip_suffix('/').unwrap_or(ext))
             .is_some_and(|ext| ext.bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
+/// The path of a request target that starts with two separators, read as a network-path
+/// reference (`//authority/path`) the way WHATWG URL parsers (for which `\` is a `/` too) and
+/// Python's `urlsplit` read it when resolving it against a base: what follows the authority
+/// (`/` when nothing does). `None` for any other target; no allocation.
+fn network_path(path: &str) -> Option<&str> {
+    let bytes = path.as_bytes();
+    let separator = |b: Option<&u8>| matches!(b, Some(b'/' | b'\\'));
+    if !separator(bytes.first()) || !separator(bytes.get(1)) {
+        return None;
+    }
+    // WHATWG skips any further separators before the authority.
+    let authority = path.trim_start_matches(['/', '\\']);
+    let rest = &authority[authority.find(['/', '\\']).unwrap_or(authority.len())..];
+    Some(if rest.is_empty() { "/" } else { rest })
 }
 
 /// `path` with every `%2F` and `%5C` (either case) decoded into `/`, when it has any.
@@ -5778,6 +5804,24 @@ routes:
             "/orders.",
             "/%6Frders.xml",
             "/orders%2F1.json",
+            // A format suffix with a trailing slash, however spelt.
+            "/orders.json/",
+            "/orders.json//",
+            "/orders.json/.",
+            "/orders.json/./",
+            "/orders%2Ejson/",
+            "/orders.json%2F",
+            "/orders.json%2f",
+            // A network-path reference: `x` the authority, `/orders` the path (WHATWG URL,
+            // Python's urlsplit), with a backslash, a port, a suffix or an escaped slash too.
+            "//x/orders",
+            "//127.0.0.1:8080/orders",
+            "//x//orders",
+            "///x/orders",
+            "/\\x/orders",
+            "\\\\x/orders/1",
+            "//x/orders.json",
+            "//x%2Forders",
         ] {
             assert_eq!(
                 config.match_route(&Method::POST, path),
@@ -5786,9 +5830,12 @@ routes:
             );
         }
         // Neither reading reaches it: a suffix is the last segment's, and an escaped slash
-        // that would climb out stays out.
+        // that would climb out stays out; a network-path reference's authority is not a path.
         for path in [
             "/orders.json/x",
+            "/orders.json/x/",
+            "//x/other",
+            "//x",
             "/orders.v2-x",
             "/ordersx%2F",
             "/orders%2F..%2Fx",

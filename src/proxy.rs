@@ -1224,6 +1224,14 @@ impl Gate {
             || headers.contains_key(header::TRANSFER_ENCODING)
             || (raw_length.is_some() && declared.is_none_or(|n| n > upstream::FORWARD_BODY_BYTES));
         if streamed {
+            // pingora re-frames a streamed body as chunked and would drop any other coding
+            // (`gzip, chunked` would reach the backend as plain bytes that are still gzip):
+            // refused, as nginx refuses a coding it does not know, and as keyed routes do.
+            if !tunnel && transfer_coded(headers) {
+                ctx.refused = true;
+                write_problem(session, &Problem::TransferCodingUnsupported, None).await?;
+                return Ok(true);
+            }
             // pingora streams the body: each of its reads waits request_body_timeout at most,
             // as idemgate's own reads do, instead of pingora's 60 s.
             if !tunnel {
@@ -1686,6 +1694,28 @@ fn mark_outcome(resp: &mut ResponseHeader, outcome: Outcome) -> Result<()> {
     Ok(())
 }
 
+/// Whether the request's `Connection` header names a header that must reach the backend:
+/// `Host` (without it an HTTP/1.1 request is invalid) or a forwarding header a load balancer
+/// set, which pingora refuses to drop. Stripped as hop-by-hop on one path and refused on the
+/// other, such a request would fare differently by how its body is framed; it is refused on
+/// every path, as not valid HTTP.
+fn nominates_protected(headers: &http::HeaderMap) -> bool {
+    const PROTECTED: [&[u8]; 4] = [
+        b"host",
+        b"x-forwarded-for",
+        b"x-forwarded-host",
+        b"x-forwarded-proto",
+    ];
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|token| {
+            token.starts_with(b":") || PROTECTED.iter().any(|p| token.eq_ignore_ascii_case(p))
+        })
+}
+
 /// What became of the key of a request refused after it was sent under a claim, for
 /// `idemgate_key_outcomes_total`.
 fn lost_key_outcome(problem: &Problem) -> KeyOutcome {
@@ -2083,7 +2113,10 @@ impl ProxyHttp for Gate {
         }
         // HTTP/1.1 requires Host (RFC 9112 §3.2: a server answers 400 without it).
         let has_host = req.headers.contains_key(header::HOST);
-        if !is_routable_target(req) || (req.version == http::Version::HTTP_11 && !has_host) {
+        if !is_routable_target(req)
+            || (req.version == http::Version::HTTP_11 && !has_host)
+            || nominates_protected(&req.headers)
+        {
             // No route is known, so no idempotency header; the connection closes, as the
             // problem's detail says for every request that is not valid HTTP.
             session.set_keepalive(None);

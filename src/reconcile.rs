@@ -462,7 +462,7 @@ fn held(record: Option<&Record>, letter: &Letter) -> Option<Verdict> {
     }
     match &record.state {
         RecordState::Completed(c) if *c != letter.completion => Some(Verdict::AnotherOutcome {
-            what: format!("the record holds another response ({})", status(c)),
+            what: format!("the record holds another response ({})", c.status()),
         }),
         RecordState::Completed(Completion::Unreplayable { .. }) => {
             Some(Verdict::StoredUnconfirmed {
@@ -503,7 +503,7 @@ fn held(record: Option<&Record>, letter: &Letter) -> Option<Verdict> {
 
 fn state(state: &RecordState) -> String {
     match state {
-        RecordState::Completed(c) => format!("completed, {}", status(c)),
+        RecordState::Completed(c) => format!("completed, {}", c.status()),
         RecordState::InFlight { lock_remaining } if lock_remaining.is_zero() => {
             "in flight, its lock lapsed".into()
         }
@@ -566,13 +566,6 @@ async fn restore(store: &dyn RecordStore, letter: &Letter, left: Duration) -> Ve
             "completing the record: {e} (it stays claimed for {}s, then a retry executes)",
             RESTORE_LOCK.as_secs()
         )),
-    }
-}
-
-fn status(completion: &Completion) -> u16 {
-    match completion {
-        Completion::Response(r) => r.status,
-        Completion::Unreplayable { status } => *status,
     }
 }
 

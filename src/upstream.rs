@@ -822,7 +822,7 @@ struct ParsedHead {
 fn final_status(resp: &httparse::Response<'_, '_>) -> Option<u16> {
     resp.reason
         .and(resp.code)
-        .filter(|c| (200..=999).contains(c))
+        .filter(|c| (200..=599).contains(c))
 }
 
 /// A head refused for `what`: [`UpstreamError::Invalid`] once a final status came (the request
@@ -856,6 +856,11 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         Err(_) => return Err(refuse("unparsable response head")),
     };
     let code = resp.code.unwrap_or(0);
+    // HTTP has no status above 599 (RFC 9110 §15): such a code has no class to say whether
+    // the request ran, so the answer is no answer, and the outcome unknown.
+    if code > 599 {
+        return Err(UpstreamError::Malformed("status code above 599"));
+    }
     let version = resp.version.unwrap_or(1);
     let reason = resp.reason.unwrap_or("");
     // Offsets into the head, so names and values can share one buffer once it is frozen.

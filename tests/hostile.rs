@@ -675,6 +675,71 @@ async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_w
     assert_eq!(r.result(), Some("MISS"), "{}", r.text());
     assert_eq!(backend.count(), 1);
     assert_eq!(backend.executions()[0].body, b"hello");
+
+    // Forwarded without a claim, the body is streamed and re-framed as chunked, which would
+    // drop the other coding: refused the same way (no idempotency header: no keyed route).
+    for coding in ["gzip, chunked", "chunked, chunked"] {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let request = format!(
+            "POST /plain HTTP/1.1\r\nHost: t\r\n\
+             Transfer-Encoding: {coding}\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        let r = common::client::read_response(&mut s, false).await.unwrap();
+        assert_eq!(r.status, 501, "{coding}: {}", r.text());
+        assert_eq!(r.problem_type(), "transfer-coding-unsupported");
+        assert_eq!(r.result(), None);
+    }
+    assert_eq!(backend.count(), 1, "never forwarded");
+}
+
+/// A `Connection` header that names `Host` or a forwarding header is refused on every path
+/// alike (400 `request-malformed`), keyed or not, whatever frames the body: pingora refuses to
+/// forward it, and idemgate's own client would strip `Host` and send invalid HTTP/1.1.
+#[tokio::test]
+async fn a_connection_header_naming_host_or_a_forwarding_header_is_refused() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    for (path, key, nominated, body) in [
+        (
+            "/orders",
+            "Idempotency-Key: n1\r\n",
+            "Host",
+            "Content-Length: 2\r\n\r\n{}",
+        ),
+        ("/plain", "", "Host", "Content-Length: 2\r\n\r\n{}"),
+        (
+            "/plain",
+            "",
+            "x-forwarded-for",
+            "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        ),
+        (
+            "/orders",
+            "Idempotency-Key: n2\r\n",
+            "X-Forwarded-Proto",
+            "Content-Length: 0\r\n\r\n",
+        ),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: t\r\n{key}Connection: keep-alive, {nominated}\r\n{body}"
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        let r = common::client::read_response(&mut s, false).await.unwrap();
+        assert_eq!(r.status, 400, "{path} {nominated}: {}", r.text());
+        assert_eq!(r.problem_type(), "request-malformed", "{path} {nominated}");
+    }
+    assert_eq!(backend.count(), 0, "never forwarded");
+    // Other nominations are hop-by-hop headers, dropped on the way.
+    let r = Request::post("/plain")
+        .header("Connection", "keep-alive, X-Hop")
+        .header("X-Hop", "1")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
 }
 
 #[tokio::test]

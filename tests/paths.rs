@@ -12,8 +12,15 @@ use common::{Backend, Proxy, ProxyBuilder, Request};
 /// Spellings of `/orders` that backends resolve to it: dot-segments (Kestrel, Tomcat), merged
 /// slashes and escaped unreserved characters (nginx, Go), path parameters (Tomcat, Jetty),
 /// escaped slashes decoded into separators (WSGI servers, nginx's `$uri`), format suffixes
-/// (Rails, Django REST framework).
-const BYPASSES: [&str; 18] = [
+/// (Rails, Django REST framework, with a trailing slash too), a target that starts with two
+/// slashes read as a network-path reference (Node's `new URL(req.url, base)`, Python's
+/// `urlsplit`: `//x/orders` is host `x`, path `/orders`).
+const BYPASSES: [&str; 23] = [
+    "/orders.json/",
+    "/orders.json%2F",
+    "//x/orders",
+    "//127.0.0.1:8080/orders",
+    "/\\x/orders",
     "/orders%2F1",
     "/%2Forders",
     "/orders%5c1",

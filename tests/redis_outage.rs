@@ -595,6 +595,22 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
     proxy
         .metrics_containing("idemgate_dead_letters_total 1")
         .await;
+    // The log line carries the whole ids too: what is left when the file went with its pod.
+    let logged = proxy
+        .log_containing("completion written to the dead-letter file")
+        .await;
+    let logged = logged
+        .lines()
+        .find(|l| l.contains("completion written to the dead-letter file"))
+        .unwrap_or_default();
+    for part in [
+        format!("record_id={}", line["record"].as_str().unwrap_or("?")),
+        format!("execution_id={}", id.as_deref().unwrap_or("?")),
+        "tenant=default".to_string(),
+        "status=201".to_string(),
+    ] {
+        assert!(logged.contains(&part), "{part} in {logged}");
+    }
 }
 
 #[tokio::test]

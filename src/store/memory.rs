@@ -542,10 +542,7 @@ impl RecordStore for MemoryStore {
         // request a second time; dropping the record would do the same at once. Keeping it as
         // Unreplayable costs no extra bytes and keeps the key spent: retries get a 409 instead
         // of a second execution.
-        let status = match &completion {
-            Completion::Response(response) => response.status,
-            Completion::Unreplayable { status } => *status,
-        };
+        let status = completion.status();
         match self.try_complete(key, owner, &Completion::Unreplayable { status }, 0, ttl) {
             Attempt::Done(outcome) => {
                 if outcome == WriteOutcome::Applied && extra > 0 {

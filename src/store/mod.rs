@@ -119,6 +119,14 @@ pub(crate) fn digest_word(digest: &Digest, index: usize) -> u64 {
 }
 
 impl Completion {
+    /// The status the backend answered with.
+    pub fn status(&self) -> u16 {
+        match self {
+            Completion::Response(response) => response.status,
+            Completion::Unreplayable { status } => *status,
+        }
+    }
+
     /// Bytes its stored response holds in memory (none for one not replayable).
     pub fn response_bytes(&self) -> usize {
         match self {

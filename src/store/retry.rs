@@ -943,9 +943,16 @@ impl DeadLetterFile {
         for (letter, line) in letters.iter().zip(&lines) {
             let record = crate::key::hash_label(&letter.job.key.hash);
             match &written {
+                // Whole ids, as the line in the file has them: where the file went with its
+                // pod before anyone read it, this log line is what is left to reconcile from
+                // (`GET /admin/record-ids/{tenant}/{record_id}`, the backend by execution id).
                 Ok(()) => tracing::error!(
                     path = %self.path.display(),
                     %record,
+                    tenant = %letter.job.key.tenant,
+                    record_id = %hex::encode(letter.job.key.hash),
+                    execution_id = letter.job.execution_id,
+                    status = letter.job.completion.status(),
                     reason = %letter.reason,
                     "completion written to the dead-letter file"
                 ),
