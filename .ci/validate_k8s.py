@@ -243,9 +243,13 @@ def check_pod(where, pod, configmaps, secrets, claims=()):
             for action in ("httpGet", "tcpSocket", "grpc"):
                 if action in probe:
                     port = probe[action].get("port")
-                    ok = port in named_ports(container) if isinstance(port, str) else port in numeric_ports(container)
+                    # A name is resolved against the container itself; a number is any port on
+                    # the pod's IP (an application reached only through its sidecar is probed
+                    # through the sidecar's port).
+                    pod_ports = set().union(*(numeric_ports(c) for c, _ in pod_containers(pod)))
+                    ok = port in named_ports(container) if isinstance(port, str) else port in pod_ports
                     if not ok:
-                        error(cwhere, f"{probe_name}.{action}.port {port!r} is not a port of this container")
+                        error(cwhere, f"{probe_name}.{action}.port {port!r} is not a port of this pod's containers")
         check_idemgate(cwhere, pod, container, volumes, configmaps)
 
 

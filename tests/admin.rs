@@ -671,3 +671,67 @@ async fn a_record_in_flight_is_purged_only_on_purpose() {
     assert_eq!(running.await.unwrap().status, 201);
     assert_eq!(backend.count(), 1);
 }
+
+/// Every `idemgate_…` name in `text`, histogram series (`_bucket`, `_count`, `_sum`) by their
+/// family's name.
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("idemgate_") {
+        let name: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        rest = &rest[at + name.len()..];
+        let family = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(&name);
+        names.insert(family.to_owned());
+    }
+    names
+}
+
+/// The example alerting rules name only metrics idemgate defines (a renamed metric would leave
+/// an alert that never fires), and each rule has an expression and a severity.
+#[test]
+fn the_example_alerts_name_only_metrics_idemgate_defines() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut source = String::new();
+    let mut dirs = vec![root.join("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("src") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                source.push_str(&std::fs::read_to_string(&path).expect("source"));
+            }
+        }
+    }
+    // Names as the code defines them: string literals.
+    let defined: std::collections::BTreeSet<String> = metric_names(&source)
+        .into_iter()
+        .filter(|n| source.contains(&format!("\"{n}\"")))
+        .collect();
+    let text = std::fs::read_to_string(root.join("examples/prometheus/idemgate-alerts.yaml"))
+        .expect("alerts file");
+    let used = metric_names(&text);
+    assert!(used.len() > 10, "{used:?}");
+    let unknown: Vec<_> = used.difference(&defined).collect();
+    assert!(unknown.is_empty(), "not defined by idemgate: {unknown:?}");
+
+    let rules: serde_yaml::Value = serde_yaml::from_str(&text).expect("YAML");
+    let rules = rules["groups"][0]["rules"]
+        .as_sequence()
+        .expect("groups[0].rules");
+    for rule in rules {
+        let name = rule["alert"].as_str().expect("alert name");
+        assert!(rule["expr"].as_str().is_some(), "{name}: expr");
+        let severity = rule["labels"]["severity"].as_str();
+        assert!(
+            matches!(severity, Some("page" | "ticket")),
+            "{name}: {severity:?}"
+        );
+    }
+}
