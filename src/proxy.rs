@@ -615,7 +615,10 @@ impl Gate {
             let answer = store.claim(&claim_req).await;
             let answered = self.observe_store(StoreOp::Claim, started, answer.is_err());
             let existing = match answer {
-                Ok(ClaimOutcome::Acquired { execution_id }) => {
+                Ok(ClaimOutcome::Acquired {
+                    execution_id,
+                    lapsed,
+                }) => {
                     // A re-claimed record keeps its earlier execution id, which the backend is
                     // sent. Renewals send this request again, and one that finds the record gone
                     // (purged, or lost in a failover) makes it afresh: with this id, not a new
@@ -628,6 +631,12 @@ impl Gate {
                         lock_deadline: started + idem.lock_ttl,
                         lapses_by: answered + idem.lock_ttl,
                     };
+                    // Taken over from an execution whose lock lapsed (its replica died, or lost
+                    // the store for longer than the lock): that one's outcome is unknown, and
+                    // under `settle` it is recorded as executed rather than run again.
+                    if lapsed && idem.on_outcome_unknown == OnOutcomeUnknown::Settle {
+                        return self.settle_lapsed(session, ctx, &claim).await.map(Some);
+                    }
                     let outcome = if degraded {
                         Outcome::Degraded
                     } else {
@@ -1447,6 +1456,31 @@ impl Gate {
             }
             Some(_) => Problem::UpstreamOutcomeUnknown { settled: false },
         }
+    }
+
+    /// Records a key taken over from a lapsed execution as executed, not replayable (under
+    /// `on_outcome_unknown: settle`), and answers the request that took it over as a retry of
+    /// such a key is answered from then on: 409 `response-not-replayable`.
+    async fn settle_lapsed(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        claim: &Claim<'_>,
+    ) -> Result<Handled> {
+        tracing::warn!(
+            record = %key::hash_label(&claim.req.key.hash),
+            execution_id = claim.execution_id,
+            "took over a key whose execution's lock lapsed, outcome unknown; recorded as executed, not replayable (on_outcome_unknown: settle)"
+        );
+        self.complete(claim, Completion::Unreplayable { status: 504 })
+            .await;
+        ctx.gen
+            .route_metrics(ctx.route)
+            .count_key_outcome(KeyOutcome::Settled);
+        let outcome = Outcome::Conflict;
+        ctx.outcome = Some(outcome);
+        self.refuse_executed(session, Problem::NotReplayable, outcome)
+            .await
     }
 
     /// Extends the claim's lock by claiming the record again as its owner, which the stores

@@ -530,8 +530,8 @@ async fn restore(store: &dyn RecordStore, letter: &Letter, left: Duration) -> Ve
         ttl: left,
     };
     match store.claim(&claim).await {
-        Ok(ClaimOutcome::Acquired { execution_id }) if execution_id == letter.execution_id => {}
-        Ok(ClaimOutcome::Acquired { execution_id }) => {
+        Ok(ClaimOutcome::Acquired { execution_id, .. }) if execution_id == letter.execution_id => {}
+        Ok(ClaimOutcome::Acquired { execution_id, .. }) => {
             // Re-created under another execution since it was read: not this line's record.
             // Give it back as it was found (free) rather than holding its lock.
             let released = match store.release(&letter.key, owner).await {

@@ -134,6 +134,7 @@ impl RecordStore for Nothing {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         Ok(ClaimOutcome::Acquired {
             execution_id: req.execution_id,
+            lapsed: false,
         })
     }
     async fn complete(

@@ -938,3 +938,76 @@ async fn a_rolling_restart_under_load_runs_every_key_once() {
     assert_eq!(backend.count(), sent.len(), "each key ran once");
     eprintln!("{} keys and their retries through the rollout", sent.len());
 }
+
+/// A replica that dies while its request runs cannot record anything: its lock lapses. Under
+/// `on_outcome_unknown: settle` the retry that takes the key over on another replica records it
+/// as executed (409 `response-not-replayable`) instead of running it again; under the default
+/// (`lapse`) it runs it again, under the same `X-Idempotency-Id`.
+#[tokio::test]
+async fn a_key_whose_replica_died_mid_request_is_settled_not_run_again() {
+    let redis = RedisServer::start();
+    for (mode, runs) in [("settle", 1), ("lapse", 2)] {
+        let backend = Backend::start().await;
+        let mut replicas = Vec::new();
+        for worker_id in [1, 2] {
+            let replica = ProxyBuilder::new(&backend)
+                .worker_id(worker_id)
+                .redis(&[redis.url()])
+                .idem("lock_ttl: 1500ms")
+                .idem(&format!("on_outcome_unknown: {mode}"))
+                .upstream("connect_timeout: 100ms")
+                .upstream("write_timeout: 100ms")
+                .upstream("read_timeout: 1s")
+                .start()
+                .await;
+            replicas.push(replica);
+        }
+        let survivor = replicas.pop().expect("two replicas");
+        let doomed = replicas.pop().expect("two replicas");
+        let key = format!("died-{mode}");
+        let req = Request::post("/orders/gate/died").key(&key).body("{}");
+        let first = req.spawn_send(doomed.addr);
+        backend.until_count(1).await;
+        // SIGKILL mid-request: nothing renews or settles the claim from now on.
+        drop(doomed);
+        let _ = first.await;
+        backend.open("died");
+        tokio::time::sleep(Duration::from_millis(1800)).await;
+
+        let retry = req.send(survivor.addr).await;
+        assert_eq!(backend.count(), runs, "{mode}: {}", retry.text());
+        if mode == "settle" {
+            assert_eq!(
+                (retry.status, retry.result()),
+                (409, Some("CONFLICT")),
+                "{}",
+                retry.text()
+            );
+            assert_eq!(retry.problem_type(), "response-not-replayable");
+            // Every later retry gets the same, on either replica.
+            let again = req.send(survivor.addr).await;
+            assert_eq!(again.problem_type(), "response-not-replayable");
+            survivor
+                .log_containing("took over a key whose execution's lock lapsed")
+                .await;
+            let m = survivor.metrics().await;
+            assert_eq!(
+                common::metric(
+                    &m,
+                    "idemgate_key_outcomes_total{outcome=\"settled\",route=\"orders\"}"
+                ),
+                Some(1.0),
+                "{m}"
+            );
+        } else {
+            assert_eq!((retry.status, retry.result()), (201, Some("MISS")));
+            let ids: Vec<_> = backend
+                .executions()
+                .into_iter()
+                .map(|e| e.execution_id)
+                .collect();
+            assert_eq!(ids[0], ids[1], "the same X-Idempotency-Id");
+        }
+        assert_eq!(backend.count(), runs, "{mode}");
+    }
+}

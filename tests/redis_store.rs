@@ -407,7 +407,8 @@ async fn restart_between_operations_reconnects() {
     assert_eq!(
         outcome,
         ClaimOutcome::Acquired {
-            execution_id: req.execution_id
+            execution_id: req.execution_id,
+            lapsed: false,
         }
     );
     // Twice, to be sure it was no accident of timing.
@@ -857,7 +858,8 @@ async fn a_repeated_write_is_recognised_and_a_lapsed_owner_fenced() {
     assert_eq!(
         store.claim(&first).await.expect("claim again"),
         ClaimOutcome::Acquired {
-            execution_id: first.execution_id
+            execution_id: first.execution_id,
+            lapsed: false,
         }
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -865,7 +867,8 @@ async fn a_repeated_write_is_recognised_and_a_lapsed_owner_fenced() {
     assert_eq!(
         store.claim(&second).await.expect("take over"),
         ClaimOutcome::Acquired {
-            execution_id: first.execution_id
+            execution_id: first.execution_id,
+            lapsed: true,
         }
     );
     // The lapsed first owner finishes late: fenced off, the second owner's record stands.

@@ -523,7 +523,10 @@ mod tests {
         };
         assert!(matches!(
             b.claim(&req).await,
-            Ok(ClaimOutcome::Acquired { execution_id: 7 })
+            Ok(ClaimOutcome::Acquired {
+                execution_id: 7,
+                ..
+            })
         ));
         b.inner().set(Fault::Down);
         for _ in 0..3 {
@@ -547,7 +550,10 @@ mod tests {
         b.inner().set(Fault::None);
         assert!(matches!(
             b.renew(&req).await,
-            Ok(ClaimOutcome::Acquired { execution_id: 7 })
+            Ok(ClaimOutcome::Acquired {
+                execution_id: 7,
+                ..
+            })
         ));
         assert_eq!(b.view().state(), CircuitState::Open, "a probe closes it");
         assert!(b.get(&key()).await.is_ok(), "the probe was due at once");

@@ -1263,7 +1263,7 @@ impl<S: RecordStore> CachedStore<S> {
         if let ClaimOutcome::Existing(record) = &outcome {
             self.keep_copy(&req.key, record, sent, mark);
         }
-        if let ClaimOutcome::Acquired { execution_id } = outcome {
+        if let ClaimOutcome::Acquired { execution_id, .. } = outcome {
             let now = Instant::now();
             let entry = Pending {
                 fingerprint: req.fingerprint,

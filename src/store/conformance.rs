@@ -76,7 +76,8 @@ pub async fn case_first_claim_acquires<S: RecordStore>(store: &Arc<S>) {
     assert_eq!(
         ok(store.claim(&req).await),
         ClaimOutcome::Acquired {
-            execution_id: req.execution_id
+            execution_id: req.execution_id,
+            lapsed: false,
         }
     );
     let record = ok(store.get(&key).await).expect("claimed record must exist");
@@ -248,7 +249,8 @@ pub async fn case_release_then_claim_keeps_execution_id<S: RecordStore>(store: &
     assert_eq!(
         ok(store.claim(&retry).await),
         ClaimOutcome::Acquired {
-            execution_id: first.execution_id
+            execution_id: first.execution_id,
+            lapsed: false,
         }
     );
     // The retry now owns it; the first owner is fenced off.
@@ -307,7 +309,8 @@ pub async fn case_lapsed_lock_is_taken_over_and_fenced<S: RecordStore>(store: &A
     assert_eq!(
         ok(store.claim(&second).await),
         ClaimOutcome::Acquired {
-            execution_id: first.execution_id
+            execution_id: first.execution_id,
+            lapsed: true,
         }
     );
     let late = Completion::Response(Arc::new(simple_response(200, b"lapsed owner")));
@@ -350,7 +353,8 @@ pub async fn case_owner_reclaim_renews_the_lock<S: RecordStore>(store: &Arc<S>) 
     assert_eq!(
         ok(store.claim(&renewal).await),
         ClaimOutcome::Acquired {
-            execution_id: first.execution_id
+            execution_id: first.execution_id,
+            lapsed: false,
         }
     );
     // Past the first lock's end, within the renewed one.
@@ -464,7 +468,8 @@ pub async fn case_record_expires_after_ttl<S: RecordStore>(store: &Arc<S>) {
         assert_eq!(
             ok(store.claim(&next).await),
             ClaimOutcome::Acquired {
-                execution_id: next.execution_id
+                execution_id: next.execution_id,
+                lapsed: false,
             }
         );
         assert_ne!(next.execution_id, old.execution_id);
@@ -492,7 +497,8 @@ pub async fn case_reclaim_extends_record_life<S: RecordStore>(store: &Arc<S>) {
     assert_eq!(
         ok(store.claim(&second).await),
         ClaimOutcome::Acquired {
-            execution_id: first.execution_id
+            execution_id: first.execution_id,
+            lapsed: false,
         }
     );
     // Past the first claim's expiry (sleeps only overrun), within the second's.
@@ -720,7 +726,8 @@ pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(sto
     assert_eq!(
         ok(store.claim(&renewal).await),
         ClaimOutcome::Acquired {
-            execution_id: kept_owner.execution_id
+            execution_id: kept_owner.execution_id,
+            lapsed: false,
         },
         "a lapsed owner nobody replaced may renew"
     );
@@ -732,7 +739,8 @@ pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(sto
     assert_eq!(
         ok(store.claim(&new_owner).await),
         ClaimOutcome::Acquired {
-            execution_id: old_owner.execution_id
+            execution_id: old_owner.execution_id,
+            lapsed: true,
         }
     );
     let late_renewal = ClaimRequest {
@@ -912,7 +920,8 @@ pub async fn case_delete_removes<S: RecordStore>(store: &Arc<S>) {
     assert_eq!(
         ok(store.claim(&next).await),
         ClaimOutcome::Acquired {
-            execution_id: next.execution_id
+            execution_id: next.execution_id,
+            lapsed: false,
         }
     );
     ok(store.complete(&key, next.owner, completion, TTL).await);
@@ -1042,13 +1051,15 @@ pub async fn case_tenants_are_distinct<S: RecordStore>(store: &Arc<S>) {
     assert_eq!(
         ok(store.claim(&acme_req).await),
         ClaimOutcome::Acquired {
-            execution_id: acme_req.execution_id
+            execution_id: acme_req.execution_id,
+            lapsed: false,
         }
     );
     assert_eq!(
         ok(store.claim(&globex_req).await),
         ClaimOutcome::Acquired {
-            execution_id: globex_req.execution_id
+            execution_id: globex_req.execution_id,
+            lapsed: false,
         }
     );
     // One tenant's owner token means nothing under the other tenant.
@@ -1115,7 +1126,7 @@ async fn race_to_claim<S: RecordStore>(store: &Arc<S>, key: &RecordKey) -> Race 
     for racer in racers {
         let (req, outcome) = joined(racer.await);
         match ok(outcome) {
-            ClaimOutcome::Acquired { execution_id } => winners.push((req, execution_id)),
+            ClaimOutcome::Acquired { execution_id, .. } => winners.push((req, execution_id)),
             ClaimOutcome::Existing(record) => losers.push((req, record)),
         }
     }

@@ -463,6 +463,7 @@ impl MemoryStore {
         self.records.fetch_add(1, Ordering::Relaxed);
         Attempt::Done(ClaimOutcome::Acquired {
             execution_id: req.execution_id,
+            lapsed: false,
         })
     }
 
@@ -703,12 +704,13 @@ impl Entry {
     /// by this very owner: a renewal) and the request is the same one, otherwise report it
     /// unchanged.
     fn claim_existing(&mut self, req: &ClaimRequest, now: Moment) -> ClaimOutcome {
-        let free = match self.state {
-            EntryState::Released => true,
+        let (free, lapsed) = match self.state {
+            EntryState::Released => (true, false),
             EntryState::InFlight { lock_until, owner } => {
-                now >= lock_until || owner == owner_words(req.owner)
+                let own = owner == owner_words(req.owner);
+                (now >= lock_until || own, !own)
             }
-            EntryState::Completed(_) => false,
+            EntryState::Completed(_) => (false, false),
         };
         // A different request under the same key must not take the record over: the caller
         // answers it 422 from the record it gets back.
@@ -723,6 +725,7 @@ impl Entry {
         self.expires_at = self.expires_at.max(now.after(req.ttl.max(req.lock_ttl)));
         ClaimOutcome::Acquired {
             execution_id: self.execution_id,
+            lapsed,
         }
     }
 
@@ -1191,7 +1194,8 @@ mod tests {
         assert_eq!(
             outcome,
             ClaimOutcome::Acquired {
-                execution_id: second.execution_id
+                execution_id: second.execution_id,
+                lapsed: false,
             }
         );
         let usage = store.usage().unwrap();

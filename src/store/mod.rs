@@ -173,6 +173,12 @@ pub enum ClaimOutcome {
     Acquired {
         /// The record's execution id (the request's own for a new record, the old one otherwise).
         execution_id: u64,
+        /// The claim took over a record in flight under another owner whose lock had lapsed:
+        /// that execution's outcome is unknown (its replica died, or lost the store for longer
+        /// than the lock). False for a new record, a released one and the owner's own renewal;
+        /// false too from a script version that does not say (the field is optional in the
+        /// Lua contract).
+        lapsed: bool,
     },
     /// Someone else created the record; nothing was changed.
     Existing(Record),

@@ -2117,9 +2117,11 @@ fn parse_claim(reply: Value) -> Result<ClaimOutcome, StoreError> {
     }
     let rest = items.split_off(1);
     match items.pop() {
-        Some(Value::Int(1)) => match rest.into_iter().next() {
-            Some(id) => Ok(ClaimOutcome::Acquired {
-                execution_id: execution_id(&id)?,
+        Some(Value::Int(1)) => match rest.split_first() {
+            Some((id, more)) => Ok(ClaimOutcome::Acquired {
+                execution_id: execution_id(id)?,
+                // Optional: a version that leaves it out never says so.
+                lapsed: matches!(more.first(), Some(Value::BulkString(b)) if b == b"l"),
             }),
             None => Err(StoreError::Corrupt(
                 "redis claim: acquired without an execution id".into(),
@@ -2310,8 +2312,22 @@ mod tests {
         let acquired = Value::Array(vec![Value::Int(1), bulk(b"42")]);
         assert_eq!(
             parse_claim(acquired).unwrap(),
-            ClaimOutcome::Acquired { execution_id: 42 }
+            ClaimOutcome::Acquired {
+                execution_id: 42,
+                lapsed: false
+            }
         );
+        // A lapsed takeover says so in an optional third element; anything else there is not it.
+        for (third, lapsed) in [(&b"l"[..], true), (b"x", false), (b"", false)] {
+            let reply = Value::Array(vec![Value::Int(1), bulk(b"42"), bulk(third)]);
+            assert_eq!(
+                parse_claim(reply).unwrap(),
+                ClaimOutcome::Acquired {
+                    execution_id: 42,
+                    lapsed
+                }
+            );
+        }
         let payload = codec::encode(&Completion::Unreplayable { status: 201 });
         let existing = Value::Array(vec![
             Value::Int(0),

@@ -1717,7 +1717,7 @@ mod tests {
         };
         assert!(matches!(
             store.claim(&other).await.unwrap(),
-            ClaimOutcome::Acquired { execution_id: id } if id == execution_id
+            ClaimOutcome::Acquired { execution_id: id, .. } if id == execution_id
         ));
         let stored = store.complete(&job.key, other.owner, job.completion.clone(), job.ttl);
         assert_eq!(stored.await.unwrap(), WriteOutcome::Applied);
