@@ -1499,10 +1499,12 @@ fn escaped_separator(s: &str) -> Option<usize> {
 /// listed in every case clients may send, or under a prefix that covers them.
 ///
 /// Borrows `path` unchanged, without allocating, when it has no `%`, no `;`, no `\\`, no `//`
-/// and no `/.`: the common case costs one scan. A path that does not start with `/` is returned as it
+/// and no `/.`: the common case costs one scan. A path that does not start with `/` (or `\`) is returned as it
 /// is (no prefix matches it).
 pub fn route_path(path: &str) -> Cow<'_, str> {
-    if !path.starts_with('/') || !may_need_normalising(path) {
+    // A leading `\\` only comes from a reading (a network-path reference's path after a
+    // backslash): a request target must start with `/`.
+    if !path.starts_with(['/', '\\']) || !may_need_normalising(path) {
         return Cow::Borrowed(path);
     }
     Cow::Owned(normalise_path(path))
@@ -5822,6 +5824,10 @@ routes:
             "\\\\x/orders/1",
             "//x/orders.json",
             "//x%2Forders",
+            // WHATWG reads a backslash as a slash in the path too.
+            "//x\\orders",
+            "/\\x\\orders",
+            "//x\\orders.json",
         ] {
             assert_eq!(
                 config.match_route(&Method::POST, path),

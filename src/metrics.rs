@@ -48,6 +48,8 @@ pub struct Metrics {
     pub unprotected_keys: IntCounterVec,
     /// Keys forwarded under a claim, by what became of them.
     pub key_outcomes: IntCounterVec,
+    /// Keys run again after taking over another execution's lapsed lock.
+    pub lapsed_takeovers: IntCounterVec,
 }
 
 /// What became of a key whose request was forwarded under a claim: the label values of
@@ -70,8 +72,8 @@ pub enum KeyOutcome {
 }
 
 impl KeyOutcome {
-    /// How many there are: each one's index is its discriminant.
-    const COUNT: usize = 6;
+    /// How many there are: each one's index is its discriminant, the last one's is the highest.
+    const COUNT: usize = KeyOutcome::Settled as usize + 1;
 
     fn label(self) -> &'static str {
         match self {
@@ -184,6 +186,17 @@ impl Metrics {
             &["route", "outcome"],
         )
         .expect("static metric definition");
+        let lapsed_takeovers = IntCounterVec::new(
+            Opts::new(
+                "idemgate_lapsed_takeovers_total",
+                "Keys run again after their claim took over another execution's lapsed lock (that \
+                 replica died, lost the store for longer than the lock, or never sent the \
+                 request): a double execution if the first ran and the backend does not \
+                 deduplicate by X-Idempotency-Id, by route",
+            ),
+            &["route"],
+        )
+        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -203,6 +216,7 @@ impl Metrics {
             Box::new(headers_refused.clone()),
             Box::new(unprotected_keys.clone()),
             Box::new(key_outcomes.clone()),
+            Box::new(lapsed_takeovers.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -220,6 +234,7 @@ impl Metrics {
             headers_refused,
             unprotected_keys,
             key_outcomes,
+            lapsed_takeovers,
         }
     }
 
@@ -238,6 +253,8 @@ impl Metrics {
             unprotected: OnceLock::new(),
             outcomes_vec: self.key_outcomes.clone(),
             outcomes: Default::default(),
+            lapsed_vec: self.lapsed_takeovers.clone(),
+            lapsed: OnceLock::new(),
         }
     }
 
@@ -361,6 +378,8 @@ pub struct RouteHandles {
     unprotected: OnceLock<IntCounter>,
     outcomes_vec: IntCounterVec,
     outcomes: [OnceLock<IntCounter>; KeyOutcome::COUNT],
+    lapsed_vec: IntCounterVec,
+    lapsed: OnceLock<IntCounter>,
 }
 
 impl RouteHandles {
@@ -395,6 +414,13 @@ impl RouteHandles {
                 self.unprotected_vec
                     .with_label_values(&[self.route.as_str()])
             })
+            .inc();
+    }
+
+    /// Counts a key of this route run again after taking over another execution's lapsed lock.
+    pub fn count_lapsed_takeover(&self) {
+        self.lapsed
+            .get_or_init(|| self.lapsed_vec.with_label_values(&[self.route.as_str()]))
             .inc();
     }
 

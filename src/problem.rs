@@ -313,8 +313,8 @@ impl Problem {
                 expires."
                 .into(),
             Problem::UpstreamOutcomeUnknown { settled: true } => "The request was sent but the \
-                backend's answer was lost; it is recorded as executed, so retries with this key \
-                get 409 and are not executed again."
+                backend's answer was lost; it is recorded as executed (once the store takes the \
+                write), so retries with this key get 409 and are not executed again."
                 .into(),
             Problem::UpstreamAnswerLost => "The request reached the backend but no answer came \
                 back; it may have been executed, and no idempotency lock guards a retry."

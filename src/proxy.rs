@@ -631,11 +631,20 @@ impl Gate {
                         lock_deadline: started + idem.lock_ttl,
                         lapses_by: answered + idem.lock_ttl,
                     };
-                    // Taken over from an execution whose lock lapsed (its replica died, or lost
-                    // the store for longer than the lock): that one's outcome is unknown, and
-                    // under `settle` it is recorded as executed rather than run again.
-                    if lapsed && idem.on_outcome_unknown == OnOutcomeUnknown::Settle {
-                        return self.settle_lapsed(session, ctx, &claim).await.map(Some);
+                    // Taken over from an execution whose lock lapsed: its replica died, or lost
+                    // the store for longer than the lock, or never sent the request (a claim that
+                    // timed out here but landed, a release the store did not take). The store
+                    // cannot tell these apart, so the key runs again, under the same execution
+                    // id, and an operator is told: if the first did run, the backend ran it
+                    // twice unless it deduplicates by that id.
+                    if lapsed {
+                        ctx.gen.route_metrics(ctx.route).count_lapsed_takeover();
+                        crate::warn_throttled!(
+                            record = %key::hash_label(&claim_req.key.hash),
+                            execution_id,
+                            route = %route.name,
+                            "took over a key whose earlier execution's lock lapsed, its outcome unknown; running it again under the same execution id"
+                        );
                     }
                     let outcome = if degraded {
                         Outcome::Degraded
@@ -1153,6 +1162,18 @@ impl Gate {
         if let Err(e) = body_result {
             let problem = match claim.as_ref() {
                 Some(_) if settled => Problem::UpstreamOutcomeUnknown { settled: true },
+                // Under `settle` the status the backend gave decides, as for a head that cannot
+                // be relayed: one the route does not store (a 503 cut off) says nothing ran,
+                // and releases the key rather than spending it.
+                Some(c)
+                    if idem.on_outcome_unknown == OnOutcomeUnknown::Settle
+                        && !idem.cache_statuses.contains(status) =>
+                {
+                    Problem::UpstreamAnswerInvalid(match self.release(c).await {
+                        None => AnswerSettled::Released,
+                        Some(retry_after) => AnswerSettled::Locked { retry_after },
+                    })
+                }
                 // Settled by the status the backend gave, which is all that is known of it.
                 c => self.outcome_lost(c, idem, status).await,
             };
@@ -1163,9 +1184,15 @@ impl Gate {
             };
             tracing::warn!(error = %e, route = %route.name, "backend answer cut off; {kept}");
             if claim.is_some() {
+                // Stored as not replayable while it streamed, before it was cut off.
+                let key_outcome = if settled {
+                    KeyOutcome::NotReplayable
+                } else {
+                    lost_key_outcome(&problem)
+                };
                 ctx.gen
                     .route_metrics(ctx.route)
-                    .count_key_outcome(lost_key_outcome(&problem));
+                    .count_key_outcome(key_outcome);
             }
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
@@ -1458,31 +1485,6 @@ impl Gate {
         }
     }
 
-    /// Records a key taken over from a lapsed execution as executed, not replayable (under
-    /// `on_outcome_unknown: settle`), and answers the request that took it over as a retry of
-    /// such a key is answered from then on: 409 `response-not-replayable`.
-    async fn settle_lapsed(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        claim: &Claim<'_>,
-    ) -> Result<Handled> {
-        tracing::warn!(
-            record = %key::hash_label(&claim.req.key.hash),
-            execution_id = claim.execution_id,
-            "took over a key whose execution's lock lapsed, outcome unknown; recorded as executed, not replayable (on_outcome_unknown: settle)"
-        );
-        self.complete(claim, Completion::Unreplayable { status: 504 })
-            .await;
-        ctx.gen
-            .route_metrics(ctx.route)
-            .count_key_outcome(KeyOutcome::Settled);
-        let outcome = Outcome::Conflict;
-        ctx.outcome = Some(outcome);
-        self.refuse_executed(session, Problem::NotReplayable, outcome)
-            .await
-    }
-
     /// Extends the claim's lock by claiming the record again as its owner, which the stores
     /// treat as a renewal.
     async fn renew(&self, claim: &mut Claim<'_>) -> Renewal {
@@ -1768,6 +1770,9 @@ fn outcome_lost_kept(problem: &Problem) -> &'static str {
             "recorded as executed, not replayable (on_outcome_unknown: settle)"
         }
         Problem::UpstreamOutcomeUnknown { settled: false } => "claim kept until lock_ttl",
+        Problem::UpstreamAnswerInvalid(_) => {
+            "a status the route does not store: released (on_outcome_unknown: settle)"
+        }
         _ => "no claim guards a retry",
     }
 }

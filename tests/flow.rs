@@ -741,7 +741,7 @@ async fn a_lost_outcome_settled_is_never_executed_again() {
     );
 
     // An answer cut off mid-body is settled the same way, under the status the backend gave.
-    let (addr, count) = cutting_backend(1).await;
+    let (addr, count) = cutting_backend(1, "201 Created").await;
     let proxy = ProxyBuilder::at(addr)
         .idem("on_outcome_unknown: settle")
         .start()
@@ -756,11 +756,29 @@ async fn a_lost_outcome_settled_is_never_executed_again() {
         (409, "response-not-replayable")
     );
     assert_eq!(count.load(Ordering::SeqCst), 1, "never executed twice");
+
+    // A status the route does not store, cut off: it said nothing ran, so the key is released
+    // (502, as for a head that cannot be relayed) and a retry runs it, not spent for its ttl.
+    let (addr, count) = cutting_backend(1, "503 Service Unavailable").await;
+    let proxy = ProxyBuilder::at(addr)
+        .idem("on_outcome_unknown: settle")
+        .start()
+        .await;
+    let req = Request::post("/orders").key("cut-503").body("{}");
+    let first = req.send(proxy.addr).await;
+    assert_eq!(first.status, 502, "{}", first.text());
+    assert_eq!(first.problem_type(), "upstream-answer-invalid");
+    let retry = req.send(proxy.addr).await;
+    assert_eq!(retry.status, 502, "{}", retry.text());
+    assert_eq!(count.load(Ordering::SeqCst), 2, "released, so run again");
 }
 
-/// A backend that announces a 100-byte body, sends `pieces` pieces of 10 bytes 100 ms apart and
-/// closes the connection; it counts the requests it reads.
-async fn cutting_backend(pieces: usize) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+/// A backend that answers `status`, announces a 100-byte body, sends `pieces` pieces of 10 bytes
+/// 100 ms apart and closes the connection; it counts the requests it reads.
+async fn cutting_backend(
+    pieces: usize,
+    status: &'static str,
+) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -793,9 +811,8 @@ async fn cutting_backend(pieces: usize) -> (std::net::SocketAddr, Arc<AtomicUsiz
                     }
                 }
                 counted.fetch_add(1, Ordering::SeqCst);
-                let _ = stream
-                    .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 100\r\n\r\n")
-                    .await;
+                let head = format!("HTTP/1.1 {status}\r\ncontent-length: 100\r\n\r\n");
+                let _ = stream.write_all(head.as_bytes()).await;
                 for _ in 0..pieces {
                     let _ = stream.write_all(b"0123456789").await;
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -809,7 +826,7 @@ async fn cutting_backend(pieces: usize) -> (std::net::SocketAddr, Arc<AtomicUsiz
 #[tokio::test]
 async fn a_response_cut_off_mid_body_keeps_the_claim() {
     // One piece: the proxy still holds the header back, so the client learns the truth (504).
-    let (addr, count) = cutting_backend(1).await;
+    let (addr, count) = cutting_backend(1, "201 Created").await;
     let proxy = ProxyBuilder::at(addr).start().await;
     let req = Request::post("/orders").key("cut-early").body("{}");
     let first = req.send(proxy.addr).await;
@@ -827,7 +844,7 @@ async fn a_response_cut_off_mid_body_keeps_the_claim() {
 
     // Two pieces: the header and the first piece already went out; the client's connection is
     // closed short of the announced length, and the outcome stays unknown (409) all the same.
-    let (addr, count) = cutting_backend(2).await;
+    let (addr, count) = cutting_backend(2, "201 Created").await;
     let proxy = ProxyBuilder::at(addr).start().await;
     let req = Request::post("/orders").key("cut-late").body("{}");
     let mut stream = tokio::net::TcpStream::connect(proxy.addr)

@@ -15,7 +15,9 @@ use common::{Backend, Proxy, ProxyBuilder, Request};
 /// (Rails, Django REST framework, with a trailing slash too), a target that starts with two
 /// slashes read as a network-path reference (Node's `new URL(req.url, base)`, Python's
 /// `urlsplit`: `//x/orders` is host `x`, path `/orders`).
-const BYPASSES: [&str; 23] = [
+const BYPASSES: [&str; 25] = [
+    "//x\\orders",
+    "/\\x\\orders",
     "/orders.json/",
     "/orders.json%2F",
     "//x/orders",

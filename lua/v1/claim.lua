@@ -12,9 +12,8 @@
 --   {1, execution_id, "l"}   (taken over from another owner whose lock lapsed)
 --       the caller now holds the claim; execution_id is the record's (old or new). The "l"
 --       says the record was in flight under another owner whose lock had lapsed: that
---       execution's outcome is unknown, and on_outcome_unknown: settle records it as executed
---       instead of running it again (optional in the contract: a version that leaves it out
---       makes such a takeover run the key again, as under lapse)
+--       execution's outcome is unknown, and the proxy logs and counts the takeover
+--       (optional in the contract: a version that leaves it out goes uncounted)
 --   {0, fingerprint, execution_id, state, lock_ms, payload}
 --   {0, fingerprint, execution_id, state, lock_ms, payload, life_ms}   (completed records)
 --       the record as it is, unchanged. state is "i" (in flight), "r" (released) or
