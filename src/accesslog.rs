@@ -85,6 +85,8 @@ pub struct AccessLine<'a> {
     pub duration: Duration,
     /// Short label of the record hash (never the key).
     pub record: Option<crate::key::HashLabel>,
+    /// The record's execution id (`X-Idempotency-Id`), once the request claimed or read it.
+    pub execution_id: Option<u64>,
     pub error: Option<&'a dyn std::fmt::Display>,
 }
 
@@ -107,6 +109,7 @@ pub fn log(line: &AccessLine<'_>) {
             status = line.status,
             duration_ms = %Millis(line.duration),
             record = line.record.map(tracing::field::display),
+            execution_id = line.execution_id,
             error = line.error.map(tracing::field::display),
         );
         return;
@@ -151,6 +154,12 @@ fn format(buf: &mut Vec<u8>, stamp: &mut Stamp, line: &AccessLine<'_>, json: boo
     if let Some(record) = line.record {
         f.key(buf, "record");
         f.symbol(buf, &record.hex());
+    }
+    // A string in JSON too: a Snowflake id is above the integers a JSON number keeps exactly
+    // in many readers (2^53).
+    if let Some(id) = line.execution_id {
+        f.key(buf, "execution_id");
+        f.symbol(buf, crate::upstream::itoa(id, &mut [0; 20]));
     }
     if let Some(error) = line.error {
         f.key(buf, "error");
@@ -316,6 +325,7 @@ mod tests {
             status: 201,
             duration: Duration::from_micros(1_336_492),
             record,
+            execution_id: record.map(|_| 386_369_419_159_617_536),
             error: None,
         }
     }
@@ -367,7 +377,7 @@ mod tests {
         let (_, rest) = text.split_once("Z  ").unwrap();
         assert_eq!(
             rest,
-            "INFO idemgate::access: method=POST path=\"/orders\" route=\"orders\" result=\"MISS\" status=201 duration_ms=1336.492 record=4141414141414141\n"
+            "INFO idemgate::access: method=POST path=\"/orders\" route=\"orders\" result=\"MISS\" status=201 duration_ms=1336.492 record=4141414141414141 execution_id=386369419159617536\n"
         );
     }
 

@@ -300,6 +300,10 @@ pub struct RequestCtx {
     /// Answered by idemgate itself with no idempotency result: counted as `REFUSED`.
     refused: bool,
     record_label: Option<key::HashLabel>,
+    /// The record's execution id (`X-Idempotency-Id`), once this request claimed the key or
+    /// read its record (a replay, a conflict), for the access line: an operator reconciling
+    /// with the backend finds the request by it.
+    execution_id: Option<u64>,
     /// Set once pingora's streaming path read the request body to its end (a body cut off is
     /// never marked so, though pingora counts it as done).
     body_ended: bool,
@@ -349,6 +353,7 @@ impl RequestCtx {
             status,
             duration: elapsed,
             record: self.record_label,
+            execution_id: self.execution_id,
             error,
         });
     }
@@ -624,6 +629,7 @@ impl Gate {
                     // (purged, or lost in a failover) makes it afresh: with this id, not a new
                     // one, so a retry after a release still carries the id the backend saw.
                     claim_req.execution_id = execution_id;
+                    ctx.execution_id = Some(execution_id);
                     let claim = Claim {
                         store,
                         req: &claim_req,
@@ -716,6 +722,7 @@ impl Gate {
             if existing.fingerprint != fingerprint {
                 return self.refuse(session, Problem::FingerprintMismatch).await;
             }
+            ctx.execution_id = Some(existing.execution_id);
             match existing.state {
                 RecordState::Completed(Completion::Response(stored)) => {
                     let Some(head) = replay_head(&stored, &idem.replay_exclude_headers) else {
@@ -2128,6 +2135,7 @@ impl ProxyHttp for Gate {
             outcome: None,
             refused: false,
             record_label: None,
+            execution_id: None,
             body_ended: false,
             logged: false,
             _guard: InFlightGuard::new(self.in_flight.clone()),

@@ -274,11 +274,12 @@ async fn json_logs_have_one_object_per_request_without_the_key() {
         .env("IDEMGATE_LOG_FORMAT", "json")
         .start()
         .await;
-    Request::post("/orders")
+    let answer = Request::post("/orders")
         .key("my-secret-key")
         .body("{}")
         .send(proxy.addr)
         .await;
+    assert_eq!(answer.status, 201);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     let line = loop {
         let log = proxy.log();
@@ -297,6 +298,10 @@ async fn json_logs_have_one_object_per_request_without_the_key() {
     assert_eq!(v["status"], 201);
     assert!(v["duration_ms"].as_f64().is_some());
     assert_eq!(v["record"].as_str().map(str::len), Some(16));
+    // The X-Idempotency-Id the backend got, as a string (above what JSON numbers keep exactly).
+    let id = backend.executions()[0].execution_id.clone();
+    assert!(id.is_some());
+    assert_eq!(v["execution_id"].as_str(), id.as_deref(), "{line}");
     assert!(!proxy.log().contains("my-secret-key"));
 }
 
