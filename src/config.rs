@@ -1576,7 +1576,7 @@ fn push_decoded(out: &mut String, segment: &str) {
         // `i` is at an ASCII `%`, so it is a char boundary.
         out.push_str(&segment[copied..i]);
         let byte = high << 4 | low;
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+        if is_unreserved(byte) {
             out.push(char::from(byte));
         } else {
             out.push('%');
@@ -2588,16 +2588,7 @@ fn with_password(url: &str, password: &str) -> String {
     };
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(end);
-    let (user, hosts) = match authority.rfind('@') {
-        Some(at) => {
-            let info = &authority[..at];
-            (
-                info.split_once(':').map_or(info, |(user, _)| user),
-                &authority[at + 1..],
-            )
-        }
-        None => ("", authority),
-    };
+    let (user, _, hosts) = split_userinfo(authority);
     format!(
         "{scheme}://{user}:{}@{hosts}{tail}",
         percent_encode(password)
@@ -2651,6 +2642,19 @@ fn check_cluster_seeds(urls: &[String], fields: &[String]) -> Result<(), ConfigE
     Ok(())
 }
 
+/// A URL authority's user, password and hosts as written (still percent-encoded):
+/// `user:pass@hosts`, `user@hosts`, `:pass@hosts` or `hosts` (user `""`, no password).
+fn split_userinfo(authority: &str) -> (&str, Option<&str>, &str) {
+    let Some(at) = authority.rfind('@') else {
+        return ("", None, authority);
+    };
+    let hosts = &authority[at + 1..];
+    match authority[..at].split_once(':') {
+        Some((user, pass)) => (user, Some(pass), hosts),
+        None => (&authority[..at], None, hosts),
+    }
+}
+
 /// Parses a `redis+sentinel://` URL (see [`SentinelUrl`]). Errors never echo the URL.
 pub fn parse_sentinel_url(url: &str) -> Result<SentinelUrl, String> {
     const SHAPE: &str =
@@ -2667,26 +2671,13 @@ pub fn parse_sentinel_url(url: &str) -> Result<SentinelUrl, String> {
         return Err(format!("query and fragment are not supported ({SHAPE})"));
     }
     let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let (userinfo, hosts) = match authority.rfind('@') {
-        Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
-        None => (None, authority),
+    let (user, pass, hosts) = split_userinfo(authority);
+    let decode = |part: &str| {
+        percent_decode(part)
+            .ok_or_else(|| format!("bad percent-encoding in the credentials ({SHAPE})"))
     };
-    let (username, password) = match userinfo {
-        None => (None, None),
-        Some(info) => {
-            let (user, pass) = match info.split_once(':') {
-                Some((user, pass)) => (user, Some(pass)),
-                None => (info, None),
-            };
-            let decode = |part: &str| {
-                percent_decode(part)
-                    .ok_or_else(|| format!("bad percent-encoding in the credentials ({SHAPE})"))
-            };
-            let user = (!user.is_empty()).then(|| decode(user)).transpose()?;
-            let pass = pass.filter(|p| !p.is_empty()).map(decode).transpose()?;
-            (user, pass)
-        }
-    };
+    let username = (!user.is_empty()).then(|| decode(user)).transpose()?;
+    let password = pass.filter(|p| !p.is_empty()).map(decode).transpose()?;
     let mut sentinels = Vec::new();
     for host in hosts.split(',') {
         sentinels
@@ -2742,12 +2733,18 @@ fn sentinel_host(raw: &str) -> Option<(String, u16)> {
     Some((host.to_owned(), port))
 }
 
-/// `text` with every byte but the URL-unreserved ones (`A-Z a-z 0-9 - . _ ~`) written `%xx`:
-/// what [`percent_decode`] reads back.
+/// Whether `byte` is URL-unreserved (RFC 3986 §2.3: `A-Z a-z 0-9 - . _ ~`), the same escaped
+/// or not.
+fn is_unreserved(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~')
+}
+
+/// `text` with every byte but the URL-unreserved ones written `%xx`: what [`percent_decode`]
+/// reads back.
 fn percent_encode(text: &str) -> String {
     let mut encoded = String::with_capacity(text.len() * 3);
     for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+        if is_unreserved(byte) {
             encoded.push(char::from(byte));
         } else {
             encoded.push('%');

@@ -409,19 +409,22 @@ impl RouteHandles {
     /// Counts a request of this route that carried the idempotency key header and was
     /// forwarded without idempotency: a client that believes it is protected and is not.
     pub fn count_unprotected_key(&self) {
-        self.unprotected
-            .get_or_init(|| {
-                self.unprotected_vec
-                    .with_label_values(&[self.route.as_str()])
-            })
+        self.route_counter(&self.unprotected, &self.unprotected_vec)
             .inc();
     }
 
     /// Counts a key of this route run again after taking over another execution's lapsed lock.
     pub fn count_lapsed_takeover(&self) {
-        self.lapsed
-            .get_or_init(|| self.lapsed_vec.with_label_values(&[self.route.as_str()]))
-            .inc();
+        self.route_counter(&self.lapsed, &self.lapsed_vec).inc();
+    }
+
+    /// This route's counter of `vec` (labelled by the route alone), resolved once into `cell`.
+    fn route_counter<'a>(
+        &self,
+        cell: &'a OnceLock<IntCounter>,
+        vec: &IntCounterVec,
+    ) -> &'a IntCounter {
+        cell.get_or_init(|| vec.with_label_values(&[self.route.as_str()]))
     }
 
     /// Counts what became of a key of this route forwarded under a claim.

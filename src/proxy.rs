@@ -358,6 +358,13 @@ impl RequestCtx {
         });
     }
 
+    /// Counts what became of this request's key, forwarded under a claim.
+    fn count_key_outcome(&self, outcome: KeyOutcome) {
+        self.gen
+            .route_metrics(self.route)
+            .count_key_outcome(outcome);
+    }
+
     /// `problem` answers the request itself, before anything was forwarded (its body stalled,
     /// broke or was too large: an `INVALID` request; the proxy had no room for it:
     /// `UNAVAILABLE`), on an idempotent route a bypassing one included. The backend's failures
@@ -931,9 +938,7 @@ impl Gate {
                 // or once the lock lapses when the store did not take the release.
                 let locked = match &claim {
                     Some(c) => {
-                        ctx.gen
-                            .route_metrics(ctx.route)
-                            .count_key_outcome(KeyOutcome::Unreachable);
+                        ctx.count_key_outcome(KeyOutcome::Unreachable);
                         self.release(c).await
                     }
                     None => None,
@@ -987,29 +992,19 @@ impl Gate {
                     // replayable: nothing of it can be replayed) or released. Kept until the
                     // lock lapsed, it would be executed again by a retry after that.
                     (&UpstreamError::Invalid { status, .. }, Some(c)) => {
-                        let settled = if idem.cache_statuses.contains(status) {
-                            self.complete(c, Completion::Unreplayable { status }).await;
-                            AnswerSettled::Recorded
-                        } else {
-                            match self.release(c).await {
-                                None => AnswerSettled::Released,
-                                Some(retry_after) => AnswerSettled::Locked { retry_after },
-                            }
-                        };
+                        let settled = self.settle_by_status(c, idem, status).await;
                         tracing::warn!(error = %e, route = %route.name, ?settled, "backend answer not relayable; the key settled by its status");
                         Problem::UpstreamAnswerInvalid(settled)
                     }
                     _ => {
-                        let problem = self.outcome_lost(claim.as_ref(), idem, 504).await;
-                        let kept = outcome_lost_kept(&problem);
+                        let problem = self.outcome_lost(claim.as_ref(), idem).await;
+                        let kept = what_became(claim.as_ref().map(|_| key_outcome(&problem)));
                         tracing::warn!(error = %e, route = %route.name, "backend answer lost; {kept}");
                         problem
                     }
                 };
                 if claim.is_some() {
-                    ctx.gen
-                        .route_metrics(ctx.route)
-                        .count_key_outcome(lost_key_outcome(&problem));
+                    ctx.count_key_outcome(key_outcome(&problem));
                 }
                 return self.refuse_executed(session, problem, outcome).await;
             }
@@ -1170,36 +1165,30 @@ impl Gate {
             let problem = match claim.as_ref() {
                 Some(_) if settled => Problem::UpstreamOutcomeUnknown { settled: true },
                 // Under `settle` the status the backend gave decides, as for a head that cannot
-                // be relayed: one the route does not store (a 503 cut off) says nothing ran,
-                // and releases the key rather than spending it.
-                Some(c)
-                    if idem.on_outcome_unknown == OnOutcomeUnknown::Settle
-                        && !idem.cache_statuses.contains(status) =>
-                {
-                    Problem::UpstreamAnswerInvalid(match self.release(c).await {
-                        None => AnswerSettled::Released,
-                        Some(retry_after) => AnswerSettled::Locked { retry_after },
-                    })
+                // be relayed: one the route stores is recorded as executed; one it does not (a
+                // 503 cut off) says nothing ran, and releases the key rather than spending it.
+                Some(c) if idem.on_outcome_unknown == OnOutcomeUnknown::Settle => {
+                    match self.settle_by_status(c, idem, status).await {
+                        AnswerSettled::Recorded => {
+                            Problem::UpstreamOutcomeUnknown { settled: true }
+                        }
+                        released => Problem::UpstreamAnswerInvalid(released),
+                    }
                 }
-                // Settled by the status the backend gave, which is all that is known of it.
-                c => self.outcome_lost(c, idem, status).await,
+                c => self.outcome_lost(c, idem).await,
             };
-            let kept = if settled {
-                "already stored as executed, not replayable"
-            } else {
-                outcome_lost_kept(&problem)
-            };
-            tracing::warn!(error = %e, route = %route.name, "backend answer cut off; {kept}");
-            if claim.is_some() {
-                // Stored as not replayable while it streamed, before it was cut off.
-                let key_outcome = if settled {
+            // Stored as not replayable while it streamed, before it was cut off.
+            let became = claim.as_ref().map(|_| {
+                if settled {
                     KeyOutcome::NotReplayable
                 } else {
-                    lost_key_outcome(&problem)
-                };
-                ctx.gen
-                    .route_metrics(ctx.route)
-                    .count_key_outcome(key_outcome);
+                    key_outcome(&problem)
+                }
+            });
+            let kept = what_became(became);
+            tracing::warn!(error = %e, route = %route.name, "backend answer cut off; {kept}");
+            if let Some(became) = became {
+                ctx.count_key_outcome(became);
             }
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
@@ -1232,9 +1221,7 @@ impl Gate {
                 self.release(claim).await;
                 KeyOutcome::Released
             };
-            ctx.gen
-                .route_metrics(ctx.route)
-                .count_key_outcome(key_outcome);
+            ctx.count_key_outcome(key_outcome);
         }
         out.finish(session).await;
         if out.gone {
@@ -1470,25 +1457,42 @@ impl Gate {
         }
     }
 
-    /// What becomes of a request that was sent and whose answer was lost, and the problem that
-    /// tells its client. Without a claim (forwarded unprotected by `on_unavailable: pass`)
-    /// nothing stops a retry. With one, the key stays locked until the lock lapses, after which
-    /// a retry runs it again under the same execution id; or, under `on_outcome_unknown:
-    /// settle`, it is recorded now as executed, not replayable, under `status` (the backend's
-    /// when its head came, else the client's 504), and never runs again.
-    async fn outcome_lost(
-        &self,
-        claim: Option<&Claim<'_>>,
-        idem: &RouteIdempotency,
-        status: u16,
-    ) -> Problem {
+    /// What becomes of a request that was sent and whose answer was lost before its status
+    /// came, and the problem that tells its client. Without a claim (forwarded unprotected by
+    /// `on_unavailable: pass`) nothing stops a retry. With one, the key stays locked until the
+    /// lock lapses, after which a retry runs it again under the same execution id; or, under
+    /// `on_outcome_unknown: settle`, it is recorded now as executed, not replayable, under the
+    /// client's 504, and never runs again.
+    async fn outcome_lost(&self, claim: Option<&Claim<'_>>, idem: &RouteIdempotency) -> Problem {
         match claim {
             None => Problem::UpstreamAnswerLost,
             Some(c) if idem.on_outcome_unknown == OnOutcomeUnknown::Settle => {
-                self.complete(c, Completion::Unreplayable { status }).await;
+                self.complete(c, Completion::Unreplayable { status: 504 })
+                    .await;
                 Problem::UpstreamOutcomeUnknown { settled: true }
             }
             Some(_) => Problem::UpstreamOutcomeUnknown { settled: false },
+        }
+    }
+
+    /// Settles a claim by the status of an answer that cannot be kept (not relayable, or cut
+    /// off under `settle`): a status the route stores says the request ran, and is recorded as
+    /// executed, not replayable; any other releases the key (or leaves it locked until its lock
+    /// lapses, when the store does not take the release).
+    async fn settle_by_status(
+        &self,
+        claim: &Claim<'_>,
+        idem: &RouteIdempotency,
+        status: u16,
+    ) -> AnswerSettled {
+        if idem.cache_statuses.contains(status) {
+            self.complete(claim, Completion::Unreplayable { status })
+                .await;
+            return AnswerSettled::Recorded;
+        }
+        match self.release(claim).await {
+            None => AnswerSettled::Released,
+            Some(retry_after) => AnswerSettled::Locked { retry_after },
         }
     }
 
@@ -1749,19 +1753,14 @@ fn nominates_protected(headers: &http::HeaderMap) -> bool {
         b"x-forwarded-host",
         b"x-forwarded-proto",
     ];
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii)
-        .any(|token| {
-            token.starts_with(b":") || PROTECTED.iter().any(|p| token.eq_ignore_ascii_case(p))
-        })
+    upstream::each_connection_token(headers.get_all(header::CONNECTION)).any(|token| {
+        token.starts_with(b":") || PROTECTED.iter().any(|p| token.eq_ignore_ascii_case(p))
+    })
 }
 
 /// What became of the key of a request refused after it was sent under a claim, for
-/// `idemgate_key_outcomes_total`.
-fn lost_key_outcome(problem: &Problem) -> KeyOutcome {
+/// `idemgate_key_outcomes_total` and its log line.
+fn key_outcome(problem: &Problem) -> KeyOutcome {
     match problem {
         Problem::UpstreamAnswerInvalid(AnswerSettled::Recorded) => KeyOutcome::NotReplayable,
         Problem::UpstreamAnswerInvalid(_) => KeyOutcome::Released,
@@ -1770,17 +1769,20 @@ fn lost_key_outcome(problem: &Problem) -> KeyOutcome {
     }
 }
 
-/// What became of the key of a lost answer, for its log line.
-fn outcome_lost_kept(problem: &Problem) -> &'static str {
-    match problem {
-        Problem::UpstreamOutcomeUnknown { settled: true } => {
+/// What became of the key of a lost or cut-off answer (`None`: there was no claim), for its
+/// log line.
+fn what_became(outcome: Option<KeyOutcome>) -> &'static str {
+    match outcome {
+        None => "no claim guards a retry",
+        Some(KeyOutcome::Unknown) => "claim kept until lock_ttl",
+        Some(KeyOutcome::Settled) => {
             "recorded as executed, not replayable (on_outcome_unknown: settle)"
         }
-        Problem::UpstreamOutcomeUnknown { settled: false } => "claim kept until lock_ttl",
-        Problem::UpstreamAnswerInvalid(_) => {
-            "a status the route does not store: released (on_outcome_unknown: settle)"
+        Some(KeyOutcome::NotReplayable) => "stored as executed, not replayable",
+        Some(KeyOutcome::Released | KeyOutcome::Unreachable) => {
+            "released: a status the route does not store (on_outcome_unknown: settle)"
         }
-        _ => "no claim guards a retry",
+        Some(KeyOutcome::Stored) => "stored",
     }
 }
 
@@ -2196,13 +2198,6 @@ impl ProxyHttp for Gate {
                     add_host(session, &gen.pools[route.upstream])?;
                 }
                 let Some(idem) = route.idempotency.as_ref() else {
-                    if session
-                        .req_header()
-                        .headers
-                        .contains_key(&gen.config.idempotency.key_header)
-                    {
-                        gen.route_metrics(Some(i)).count_unprotected_key();
-                    }
                     return self.forward(session, ctx, route.upstream).await;
                 };
                 match self.handle_keyed(session, ctx, route, idem).await? {

@@ -391,8 +391,15 @@ pub fn is_reserved(name: &[u8]) -> bool {
 
 /// Header names listed in `Connection` values (other than the usual `close` / `keep-alive`).
 pub fn connection_tokens<'a>(values: http::header::GetAll<'a, HeaderValue>) -> Vec<&'a [u8]> {
+    each_connection_token(values).collect()
+}
+
+/// [`connection_tokens`] one by one, without collecting them.
+pub fn each_connection_token<'a>(
+    values: http::header::GetAll<'a, HeaderValue>,
+) -> impl Iterator<Item = &'a [u8]> {
     values
-        .iter()
+        .into_iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
         .map(|t| t.trim_ascii())
         .filter(|t| {
@@ -400,7 +407,6 @@ pub fn connection_tokens<'a>(values: http::header::GetAll<'a, HeaderValue>) -> V
                 && !t.eq_ignore_ascii_case(b"close")
                 && !t.eq_ignore_ascii_case(b"keep-alive")
         })
-        .collect()
 }
 
 /// Tokens of a `Connection` compared one by one with each header; past this many,

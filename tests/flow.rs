@@ -497,8 +497,11 @@ async fn server_errors_release_the_key_and_the_retry_keeps_its_execution_id() {
         ("stored", Some(1.0)),
         ("unknown", None),
     ] {
-        let name = format!("idemgate_key_outcomes_total{{outcome=\"{outcome}\",route=\"orders\"}}");
-        assert_eq!(common::metric(&m, &name), n, "{outcome}: {m}");
+        assert_eq!(
+            common::key_outcome(&m, "orders", outcome),
+            n,
+            "{outcome}: {m}"
+        );
     }
 }
 
@@ -649,16 +652,23 @@ async fn completed_record_expires_after_ttl() {
     );
 }
 
-#[tokio::test]
-async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
-    let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
+/// A proxy whose backend answers `/orders/slow/800` after its read timeout (400 ms), with a
+/// 1.5 s lock, under `on_outcome_unknown: <policy>`.
+async fn losing_answers(backend: &Backend, policy: &str) -> Proxy {
+    ProxyBuilder::new(backend)
         .idem("lock_ttl: 1500ms")
+        .idem(&format!("on_outcome_unknown: {policy}"))
         .upstream("connect_timeout: 100ms")
         .upstream("write_timeout: 100ms")
         .upstream("read_timeout: 400ms")
         .start()
-        .await;
+        .await
+}
+
+#[tokio::test]
+async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
+    let backend = Backend::start().await;
+    let proxy = losing_answers(&backend, "lapse").await;
     // The backend answers after the proxy's read timeout: outcome unknown.
     let req = Request::post("/orders/slow/800").key("lost").body("{}");
     let first = req.send(proxy.addr).await;
@@ -681,10 +691,7 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
     assert_eq!(third.status, 504);
     let m = proxy.metrics().await;
     assert_eq!(
-        common::metric(
-            &m,
-            "idemgate_key_outcomes_total{outcome=\"unknown\",route=\"orders\"}"
-        ),
+        common::key_outcome(&m, "orders", "unknown"),
         Some(2.0),
         "{m}"
     );
@@ -700,14 +707,7 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
 #[tokio::test]
 async fn a_lost_outcome_settled_is_never_executed_again() {
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .idem("lock_ttl: 1500ms")
-        .idem("on_outcome_unknown: settle")
-        .upstream("connect_timeout: 100ms")
-        .upstream("write_timeout: 100ms")
-        .upstream("read_timeout: 400ms")
-        .start()
-        .await;
+    let proxy = losing_answers(&backend, "settle").await;
     // The backend answers after the proxy's read timeout: outcome unknown, recorded at once.
     let req = Request::post("/orders/slow/800").key("settled").body("{}");
     let first = req.send(proxy.addr).await;
@@ -728,12 +728,7 @@ async fn a_lost_outcome_settled_is_never_executed_again() {
     assert_eq!(backend.count(), 1);
     proxy.log_containing("on_outcome_unknown: settle").await;
     let m = proxy.metrics().await;
-    let outcome = |o: &str| {
-        common::metric(
-            &m,
-            &format!("idemgate_key_outcomes_total{{outcome=\"{o}\",route=\"orders\"}}"),
-        )
-    };
+    let outcome = |o: &str| common::key_outcome(&m, "orders", o);
     assert_eq!(
         (outcome("settled"), outcome("unknown")),
         (Some(1.0), None),
@@ -911,14 +906,11 @@ async fn unreachable_backend_releases_the_key() {
     }
     // Keys only: the plain route's request had no claim.
     assert_eq!(
-        common::metric(
-            &m,
-            "idemgate_key_outcomes_total{outcome=\"unreachable\",route=\"orders\"}"
-        ),
+        common::key_outcome(&m, "orders", "unreachable"),
         Some(2.0),
         "{m}"
     );
-    assert!(!m.contains("idemgate_key_outcomes_total{outcome=\"unreachable\",route=\"plain\"}"));
+    assert_eq!(common::key_outcome(&m, "plain", "unreachable"), None, "{m}");
 }
 
 #[tokio::test]
@@ -943,10 +935,7 @@ async fn responses_over_the_limit_are_streamed_and_never_executed_twice() {
     assert_eq!(backend.count(), 1);
     let m = proxy.metrics().await;
     assert_eq!(
-        common::metric(
-            &m,
-            "idemgate_key_outcomes_total{outcome=\"not_replayable\",route=\"orders\"}"
-        ),
+        common::key_outcome(&m, "orders", "not_replayable"),
         Some(1.0),
         "{m}"
     );

@@ -641,7 +641,7 @@ async fn connect_and_unparseable_requests_get_problem_json() {
 /// backend would take the coded bytes for the body. Chunked alone goes through.
 #[tokio::test]
 async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_wrong() {
-    use tokio::io::AsyncWriteExt;
+    use common::client::send_raw;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend).start().await;
     for coding in [
@@ -651,27 +651,23 @@ async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_w
         // Chunked twice: one layer would be left in what the backend takes for the body.
         "chunked, chunked",
     ] {
-        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
         let request = format!(
             "POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: coded\r\n\
              Transfer-Encoding: {coding}\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
         );
-        s.write_all(request.as_bytes()).await.unwrap();
-        let r = common::client::read_response(&mut s, false).await.unwrap();
+        let r = send_raw(proxy.addr, request.as_bytes()).await;
         assert_eq!(r.status, 501, "{coding}: {}", r.text());
         assert_eq!(r.problem_type(), "transfer-coding-unsupported");
         assert_eq!(r.result(), Some("INVALID"));
     }
     assert_eq!(backend.count(), 0, "never forwarded");
 
-    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(
+    let r = send_raw(
+        proxy.addr,
         b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: plain-chunked\r\n\
           Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     )
-    .await
-    .unwrap();
-    let r = common::client::read_response(&mut s, false).await.unwrap();
+    .await;
     assert_eq!(r.result(), Some("MISS"), "{}", r.text());
     assert_eq!(backend.count(), 1);
     assert_eq!(backend.executions()[0].body, b"hello");
@@ -679,13 +675,11 @@ async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_w
     // Forwarded without a claim, the body is streamed and re-framed as chunked, which would
     // drop the other coding: refused the same way (no idempotency header: no keyed route).
     for coding in ["gzip, chunked", "chunked, chunked"] {
-        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
         let request = format!(
             "POST /plain HTTP/1.1\r\nHost: t\r\n\
              Transfer-Encoding: {coding}\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
         );
-        s.write_all(request.as_bytes()).await.unwrap();
-        let r = common::client::read_response(&mut s, false).await.unwrap();
+        let r = send_raw(proxy.addr, request.as_bytes()).await;
         assert_eq!(r.status, 501, "{coding}: {}", r.text());
         assert_eq!(r.problem_type(), "transfer-coding-unsupported");
         assert_eq!(r.result(), None);
@@ -698,7 +692,6 @@ async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_w
 /// forward it, and idemgate's own client would strip `Host` and send invalid HTTP/1.1.
 #[tokio::test]
 async fn a_connection_header_naming_host_or_a_forwarding_header_is_refused() {
-    use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend).start().await;
     for (path, key, nominated, body) in [
@@ -722,12 +715,10 @@ async fn a_connection_header_naming_host_or_a_forwarding_header_is_refused() {
             "Content-Length: 0\r\n\r\n",
         ),
     ] {
-        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
         let request = format!(
             "POST {path} HTTP/1.1\r\nHost: t\r\n{key}Connection: keep-alive, {nominated}\r\n{body}"
         );
-        s.write_all(request.as_bytes()).await.unwrap();
-        let r = common::client::read_response(&mut s, false).await.unwrap();
+        let r = common::client::send_raw(proxy.addr, request.as_bytes()).await;
         assert_eq!(r.status, 400, "{path} {nominated}: {}", r.text());
         assert_eq!(r.problem_type(), "request-malformed", "{path} {nominated}");
     }

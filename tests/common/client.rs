@@ -223,6 +223,13 @@ pub async fn until_closed(s: &mut TcpStream) -> Vec<u8> {
     got
 }
 
+/// Sends `request`, bytes as they are, on a new connection to `addr` and reads one response.
+pub async fn send_raw(addr: SocketAddr, request: &[u8]) -> Response {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request).await.expect("send");
+    read_response(&mut stream, false).await.expect("response")
+}
+
 /// Reads one response (skipping 1xx) from `stream`.
 pub async fn read_response(stream: &mut TcpStream, head: bool) -> std::io::Result<Response> {
     let fut = async {

@@ -36,6 +36,14 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// `idemgate_key_outcomes_total` of `route` for `outcome` in a `/metrics` text.
+pub fn key_outcome(text: &str, route: &str, outcome: &str) -> Option<f64> {
+    metric(
+        text,
+        &format!("idemgate_key_outcomes_total{{outcome=\"{outcome}\",route=\"{route}\"}}"),
+    )
+}
+
 /// What a POST to `/orders` without a key gets: `INVALID` while the harness's `orders` route
 /// requires a key, `BYPASS` once an edit made it optional.
 pub async fn no_key_result(proxy: &Proxy) -> Option<String> {
