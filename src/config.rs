@@ -860,8 +860,9 @@ fn default_connect_timeout() -> Scalar {
     Scalar::text("2s")
 }
 
+// 2s + 5s + 13s = 20s: a keyed request on the default timeouts fits the default grace period.
 fn default_read_timeout() -> Scalar {
-    Scalar::text("20s")
+    Scalar::text("13s")
 }
 
 fn default_write_timeout() -> Scalar {
@@ -3722,7 +3723,7 @@ routes:
                 name: "orders".into(),
                 addrs: vec!["127.0.0.1:8080".into()],
                 connect_timeout: secs(2),
-                read_timeout: secs(20),
+                read_timeout: secs(13),
                 write_timeout: secs(5),
                 idle_timeout: secs(60),
             }]
@@ -4292,6 +4293,28 @@ routes:
         assert!(listed.contains("methods: [POST]"), "{listed}");
         assert!(!warned(&listed));
         assert!(!warned(&with_route_idempotency("key: optional")));
+    }
+
+    /// The defaults agree with each other: a keyed route on the default upstream timeouts fits
+    /// the default grace period, so a config that keeps them starts without a warning.
+    #[test]
+    fn the_default_timeouts_fit_the_default_grace_period() {
+        let slow = |w: &String| w.contains("longer than shutdown.grace_period");
+        let defaults = load(MINIMAL);
+        assert!(
+            !defaults.warnings().iter().any(slow),
+            "{:?}",
+            defaults.warnings()
+        );
+        let longer = load(&MINIMAL.replace(
+            "addrs: [\"127.0.0.1:8080\"]",
+            "addrs: [\"127.0.0.1:8080\"]\n    read_timeout: 14s",
+        ));
+        assert!(
+            longer.warnings().iter().any(slow),
+            "{:?}",
+            longer.warnings()
+        );
     }
 
     #[test]
@@ -5038,18 +5061,18 @@ routes:
 
     #[test]
     fn lock_ttl_must_outlast_the_upstream_timeouts() {
-        // Default connect 2s + write 5s + read 20s = 27s.
+        // Default connect 2s + write 5s + read 13s = 20s.
         let message = assert_field(
-            &with_route_idempotency("lock_ttl: 27s"),
+            &with_route_idempotency("lock_ttl: 20s"),
             "routes[0].idempotency.lock_ttl",
         );
-        assert!(message.contains("27s"), "{message}");
+        assert!(message.contains("20s"), "{message}");
         assert!(message.contains("write_timeout"), "{message}");
         assert!(message.contains("retry could execute again"), "{message}");
-        let config = load(&with_route_idempotency("lock_ttl: 27s1ms"));
+        let config = load(&with_route_idempotency("lock_ttl: 20s1ms"));
         assert_eq!(
             config.routes[0].idempotency.as_ref().unwrap().lock_ttl,
-            Duration::from_millis(27_001)
+            Duration::from_millis(20_001)
         );
         // A slower upstream needs a longer lock, whether it is slow to answer or to read.
         for slow in ["read_timeout: 1m", "write_timeout: 1m"] {

@@ -2316,6 +2316,18 @@ impl ProxyHttp for Gate {
             pingora::ErrorSource::Upstream if is_connect_failure(&e.etype) => {
                 Some(Problem::UpstreamConnect)
             }
+            // No answer came within read_timeout while the client's body was still on its way
+            // (pingora reads the answer while it streams the body): the backend holds an
+            // incomplete request, which it cannot have executed. The client is the one that is
+            // late, as when request_body_timeout cuts a stalled body off.
+            pingora::ErrorSource::Upstream
+                if e.etype == pingora::ErrorType::ReadTimedout
+                    && written.is_none()
+                    && !ctx.body_ended
+                    && !session.is_body_empty() =>
+            {
+                Some(Problem::RequestTimeout)
+            }
             pingora::ErrorSource::Upstream => Some(Problem::UpstreamAnswerLost),
             // The client left while the answer was on its way: nothing to say, and the
             // request keeps its outcome (it was forwarded).

@@ -68,6 +68,10 @@ pub struct ReloadStats {
     pub reloads: AtomicU64,
     /// Failed reload attempts.
     pub failures: AtomicU64,
+    /// How many settings read only at start-up differ between the file and what runs: a
+    /// restart is pending while this is above 0. Every pod that restarts from then on (an
+    /// eviction, a node drain) starts on the file's values, so replicas can drift apart.
+    pub restart_pending: AtomicU64,
 }
 
 /// How soon the poll tries content that was refused again. A refusal can come from outside the
@@ -185,6 +189,13 @@ impl Reloader {
                     Pull::Counter,
                     |s| s.failures.load(Ordering::Relaxed) as f64,
                 ),
+                (
+                    "idemgate_config_restart_pending",
+                    "Settings changed in the config file that take effect only after a restart \
+                     (0: the process runs what the file says)",
+                    Pull::Gauge,
+                    |s| s.restart_pending.load(Ordering::Relaxed) as f64,
+                ),
             ],
         );
         reloader
@@ -271,6 +282,10 @@ impl Reloader {
                 if !restart_only.is_empty() {
                     tracing::warn!(trigger, settings = ?restart_only, "these settings changed but only take effect after a restart; until then the running values stay");
                 }
+                // Against the running values, so a file edited back clears it.
+                self.stats
+                    .restart_pending
+                    .store(restart_only.len() as u64, Ordering::Relaxed);
                 warn_record_identity(&running.config, &generation.config);
                 for warning in generation.config.warnings() {
                     tracing::warn!("{warning}");

@@ -306,6 +306,52 @@ async fn a_body_that_never_ends_is_cut_off_by_the_read_timeout() {
     assert!(started.elapsed() < Duration::from_secs(3));
 }
 
+/// A streamed body that stalls for longer than the upstream's read_timeout (but less than
+/// request_body_timeout) is the client's delay, not a lost answer: the backend only ever held an
+/// incomplete request. 408, not 502 "it may have been executed".
+#[tokio::test]
+async fn a_streamed_body_that_outlasts_the_upstream_read_timeout_is_the_clients_408() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .top("request_body_timeout: 10s")
+        .upstream("read_timeout: 300ms")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /plain HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.status, 408, "{}", r.text());
+    assert_eq!(r.problem_type(), "request-timeout");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The backend never got a whole request (this test backend logs a broken body as empty).
+    let seen = backend.executions();
+    assert!(
+        seen.iter().all(|e| e.body.is_empty()),
+        "a whole body reached the backend"
+    );
+
+    // A whole body whose answer is late is the backend's: 502, it may have run.
+    let slow = ProxyBuilder::new(&backend)
+        .upstream("read_timeout: 300ms")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(slow.addr).await.unwrap();
+    s.write_all(
+        b"POST /plain/slow/1000 HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.problem_type(), "upstream-answer-lost");
+}
+
 /// A body trickled a byte at a time, each inside request_body_timeout, is cut off by
 /// request_body_total_timeout: on a keyed route and on a plain route (idemgate's own client
 /// reads both whole; a body pingora streams, a large upload, is timed read by read only).

@@ -361,6 +361,7 @@ async fn an_edit_of_restart_only_settings_is_reported_as_needing_a_restart() {
     proxy.log_containing("settings=[\"threads\"]").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(reloads(&proxy).await, before, "nothing was reloaded");
+    assert_eq!(restart_pending(&proxy).await, 1.0);
     // Taken as read: asked again, the same file is unchanged.
     let again: serde_json::Value = serde_json::from_slice(&reload(&proxy).await.body).unwrap();
     assert_eq!(again["result"], "unchanged", "{again}");
@@ -390,4 +391,19 @@ async fn an_edit_of_restart_only_settings_is_reported_as_needing_a_restart() {
     }
     wait_for_result(&proxy, "BYPASS", Duration::from_secs(5)).await;
     assert_eq!(reloads(&proxy).await, before + 1.0);
+    assert_eq!(restart_pending(&proxy).await, 1.0, "still pending");
+
+    // The file edited back to what runs: nothing is pending any more.
+    proxy.edit_config(Edit::Rename, |y| y.replacen("threads: 4", "threads: 1", 1));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while restart_pending(&proxy).await != 0.0 {
+        let _ = reload(&proxy).await;
+        assert!(Instant::now() < deadline, "still pending");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn restart_pending(proxy: &common::Proxy) -> f64 {
+    common::metric(&proxy.metrics().await, "idemgate_config_restart_pending")
+        .expect("idemgate_config_restart_pending is exported")
 }
