@@ -111,6 +111,9 @@ pub struct UpstreamConfig {
     pub write_timeout: Duration,
     /// How long an idle keep-alive connection stays in the pool.
     pub idle_timeout: Duration,
+    /// Most requests this process has out to the upstream at once (`None`: no limit); one
+    /// more is answered 503 `upstream-busy` without being forwarded.
+    pub max_in_flight: Option<usize>,
 }
 
 impl UpstreamConfig {
@@ -617,6 +620,7 @@ struct FileUpstream {
     write_timeout: Scalar,
     #[serde(default = "default_idle_timeout")]
     idle_timeout: Scalar,
+    max_in_flight: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -860,9 +864,10 @@ fn default_connect_timeout() -> Scalar {
     Scalar::text("2s")
 }
 
-// 2s + 5s + 13s = 20s: a keyed request on the default timeouts fits the default grace period.
+// 2s + 5s + 10s = 17s: a keyed request on the default timeouts fits the default grace period,
+// with time left to store its answer.
 fn default_read_timeout() -> Scalar {
-    Scalar::text("13s")
+    Scalar::text("10s")
 }
 
 fn default_write_timeout() -> Scalar {
@@ -1789,6 +1794,10 @@ impl FileUpstream {
             write_timeout: positive_duration(format!("{base}.write_timeout"), &self.write_timeout)?,
             // Zero is allowed: it means idle connections are not kept.
             idle_timeout: duration(format!("{base}.idle_timeout"), &self.idle_timeout)?,
+            max_in_flight: self
+                .max_in_flight
+                .map(|n| int_in_range(&format!("{base}.max_in_flight"), n, 1, 1_000_000))
+                .transpose()?,
             addrs: self.addrs,
             name,
         })
@@ -3723,9 +3732,10 @@ routes:
                 name: "orders".into(),
                 addrs: vec!["127.0.0.1:8080".into()],
                 connect_timeout: secs(2),
-                read_timeout: secs(13),
+                read_timeout: secs(10),
                 write_timeout: secs(5),
                 idle_timeout: secs(60),
+                max_in_flight: None,
             }]
         );
         assert_eq!(config.default_upstream, Some(0));
@@ -4298,6 +4308,23 @@ routes:
     /// The defaults agree with each other: a keyed route on the default upstream timeouts fits
     /// the default grace period, so a config that keeps them starts without a warning.
     #[test]
+    fn max_in_flight_is_a_positive_count() {
+        let with = |v: &str| {
+            MINIMAL.replace(
+                "addrs: [\"127.0.0.1:8080\"]",
+                &format!("addrs: [\"127.0.0.1:8080\"]\n    max_in_flight: {v}"),
+            )
+        };
+        assert_eq!(load(&with("64")).upstreams[0].max_in_flight, Some(64));
+        assert_eq!(load(MINIMAL).upstreams[0].max_in_flight, None);
+        for bad in ["0", "-1", "1000001"] {
+            assert_field(&with(bad), "upstreams.orders.max_in_flight");
+        }
+        let err = load_err(&with("lots")).to_string();
+        assert!(err.contains("upstreams.orders.max_in_flight"), "{err}");
+    }
+
+    #[test]
     fn the_default_timeouts_fit_the_default_grace_period() {
         let slow = |w: &String| w.contains("longer than shutdown.grace_period");
         let defaults = load(MINIMAL);
@@ -4308,7 +4335,7 @@ routes:
         );
         let longer = load(&MINIMAL.replace(
             "addrs: [\"127.0.0.1:8080\"]",
-            "addrs: [\"127.0.0.1:8080\"]\n    read_timeout: 14s",
+            "addrs: [\"127.0.0.1:8080\"]\n    read_timeout: 14s", // 2 + 5 + 14 > 20
         ));
         assert!(
             longer.warnings().iter().any(slow),
@@ -5061,18 +5088,18 @@ routes:
 
     #[test]
     fn lock_ttl_must_outlast_the_upstream_timeouts() {
-        // Default connect 2s + write 5s + read 13s = 20s.
+        // Default connect 2s + write 5s + read 10s = 17s.
         let message = assert_field(
-            &with_route_idempotency("lock_ttl: 20s"),
+            &with_route_idempotency("lock_ttl: 17s"),
             "routes[0].idempotency.lock_ttl",
         );
-        assert!(message.contains("20s"), "{message}");
+        assert!(message.contains("17s"), "{message}");
         assert!(message.contains("write_timeout"), "{message}");
         assert!(message.contains("retry could execute again"), "{message}");
-        let config = load(&with_route_idempotency("lock_ttl: 20s1ms"));
+        let config = load(&with_route_idempotency("lock_ttl: 17s1ms"));
         assert_eq!(
             config.routes[0].idempotency.as_ref().unwrap().lock_ttl,
-            Duration::from_millis(20_001)
+            Duration::from_millis(17_001)
         );
         // A slower upstream needs a longer lock, whether it is slow to answer or to read.
         for slow in ["read_timeout: 1m", "write_timeout: 1m"] {

@@ -9,12 +9,12 @@ use std::sync::{Arc, OnceLock};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, Metric, MetricFamily, MetricType};
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Latency buckets in seconds, from 100 µs to 2 min: each default timeout (a backend's
-/// `read_timeout`, 20 s; the request body's and the answer's 60 s) is a bucket's bound, so the
+/// `read_timeout`, 10 s; the request body's and the answer's 60 s) is a bucket's bound, so the
 /// requests they cut off are told apart from slow ones.
 const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -50,6 +50,10 @@ pub struct Metrics {
     pub key_outcomes: IntCounterVec,
     /// Keys run again after taking over another execution's lapsed lock.
     pub lapsed_takeovers: IntCounterVec,
+    /// Requests out to each upstream now (its `max_in_flight` caps it).
+    pub upstream_in_flight: IntGaugeVec,
+    /// Requests answered 503 `upstream-busy` because their upstream was at `max_in_flight`.
+    pub upstream_busy: IntCounterVec,
 }
 
 /// What became of a key whose request was forwarded under a claim: the label values of
@@ -197,6 +201,23 @@ impl Metrics {
             &["route"],
         )
         .expect("static metric definition");
+        let upstream_in_flight = IntGaugeVec::new(
+            Opts::new(
+                "idemgate_upstream_in_flight",
+                "Requests this process has out to the upstream now, by upstream",
+            ),
+            &["upstream"],
+        )
+        .expect("static metric definition");
+        let upstream_busy = IntCounterVec::new(
+            Opts::new(
+                "idemgate_upstream_busy_total",
+                "Requests answered 503 upstream-busy, not forwarded, because their upstream had \
+                 max_in_flight requests out, by upstream",
+            ),
+            &["upstream"],
+        )
+        .expect("static metric definition");
         let build_info = IntGauge::with_opts(
             Opts::new("idemgate_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -217,6 +238,8 @@ impl Metrics {
             Box::new(unprotected_keys.clone()),
             Box::new(key_outcomes.clone()),
             Box::new(lapsed_takeovers.clone()),
+            Box::new(upstream_in_flight.clone()),
+            Box::new(upstream_busy.clone()),
             Box::new(build_info),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -235,6 +258,8 @@ impl Metrics {
             unprotected_keys,
             key_outcomes,
             lapsed_takeovers,
+            upstream_in_flight,
+            upstream_busy,
         }
     }
 

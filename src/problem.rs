@@ -106,6 +106,9 @@ pub enum Problem {
     /// A standard method sent in another case (`post`): methods are case-sensitive, and a
     /// backend that folds case would execute it unprotected.
     MethodCase,
+    /// The upstream already had `max_in_flight` requests out from this process: nothing was
+    /// sent (a claim taken for it was released).
+    UpstreamBusy,
     /// The backend could not be reached; nothing was sent, the key was released.
     UpstreamConnect,
     /// The backend could not be reached and nothing was sent, but the key could not be
@@ -163,7 +166,7 @@ impl Problem {
             Problem::ConnectNotSupported => 405,
             Problem::InFlight { .. } | Problem::NotReplayable => 409,
             Problem::FingerprintMismatch => 422,
-            Problem::StoreUnavailable | Problem::StoreFull => 503,
+            Problem::StoreUnavailable | Problem::StoreFull | Problem::UpstreamBusy => 503,
             Problem::RequestBuffersFull => 503,
             Problem::StoreRecordUnreadable => 503,
             Problem::NoRoute => 404,
@@ -194,6 +197,7 @@ impl Problem {
             Problem::FingerprintMismatch => "fingerprint-mismatch",
             Problem::NotReplayable => "response-not-replayable",
             Problem::StoreUnavailable => "store-unavailable",
+            Problem::UpstreamBusy => "upstream-busy",
             Problem::StoreFull => "store-full",
             Problem::StoreRecordUnreadable => "store-record-unreadable",
             Problem::NoRoute => "no-route",
@@ -227,6 +231,7 @@ impl Problem {
             Problem::FingerprintMismatch => "Idempotency key reused with a different request",
             Problem::NotReplayable => "Stored response for this idempotency key is not replayable",
             Problem::StoreUnavailable => "Idempotency store unavailable",
+            Problem::UpstreamBusy => "Backend busy",
             Problem::StoreFull => "Idempotency store full",
             Problem::StoreRecordUnreadable => "Stored record for this idempotency key unreadable",
             Problem::NoRoute => "No route for this request",
@@ -301,6 +306,10 @@ impl Problem {
             Problem::MethodCase => "HTTP methods are case-sensitive; send the standard method \
                 in upper case."
                 .into(),
+            Problem::UpstreamBusy => "The backend already has as many requests in flight from \
+                this proxy as it may take; the request was not sent and may be retried with the \
+                same key after Retry-After."
+                .into(),
             Problem::UpstreamConnect => "The backend could not be reached; the request was not \
                 sent and may be retried with the same key."
                 .into(),
@@ -355,7 +364,8 @@ impl Problem {
             Problem::StoreUnavailable
             | Problem::StoreFull
             | Problem::StoreRecordUnreadable
-            | Problem::RequestBuffersFull => Outcome::Unavailable,
+            | Problem::RequestBuffersFull
+            | Problem::UpstreamBusy => Outcome::Unavailable,
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect
             | Problem::UpstreamConnectKeyLocked { .. }
@@ -376,7 +386,8 @@ impl Problem {
             Problem::StoreUnavailable
             | Problem::StoreFull
             | Problem::StoreRecordUnreadable
-            | Problem::RequestBuffersFull => Some(1),
+            | Problem::RequestBuffersFull
+            | Problem::UpstreamBusy => Some(1),
             _ => None,
         }
     }

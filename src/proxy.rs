@@ -116,7 +116,7 @@ impl Generation {
         let pools = config
             .upstreams
             .iter()
-            .map(UpstreamPool::new)
+            .map(|up| UpstreamPool::new(up, metrics))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         for (upstream, pool) in config.upstreams.iter().zip(&pools) {
             let addrs: Vec<_> = pool.backends.iter().map(|b| b.addr).collect();
@@ -178,10 +178,30 @@ pub struct UpstreamPool {
     /// HTTP/1.0 request that came without one.
     host: http::HeaderValue,
     next: AtomicUsize,
+    /// Requests out to this upstream now: the metric's child, named by the upstream, so the
+    /// count carries over from one config generation to the next.
+    in_flight: prometheus::IntGauge,
+    /// Requests refused for want of a slot.
+    busy: prometheus::IntCounter,
+    /// `max_in_flight`, as this generation's config says.
+    max_in_flight: Option<usize>,
+}
+
+/// One request out to an upstream, counted in its `idemgate_upstream_in_flight` until dropped
+/// (with the request's context, once its answer is relayed or it failed).
+pub struct InFlightSlot(prometheus::IntGauge);
+
+impl Drop for InFlightSlot {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl UpstreamPool {
-    fn new(up: &crate::config::UpstreamConfig) -> std::result::Result<Self, String> {
+    fn new(
+        up: &crate::config::UpstreamConfig,
+        metrics: &Metrics,
+    ) -> std::result::Result<Self, String> {
         use std::net::ToSocketAddrs;
         let mut peers = Vec::new();
         let mut backends = Vec::new();
@@ -220,7 +240,27 @@ impl UpstreamPool {
             backends,
             host,
             next: AtomicUsize::new(0),
+            in_flight: metrics.upstream_in_flight.with_label_values(&[&up.name]),
+            busy: metrics.upstream_busy.with_label_values(&[&up.name]),
+            max_in_flight: up.max_in_flight,
         })
+    }
+
+    /// A slot for one more request out to this upstream, or `None` (counted) when it already
+    /// has `max_in_flight` out. Counted first and checked after, so racing requests can only
+    /// be refused together, never let past the limit together. A lower limit set by a reload
+    /// lets nothing new out until the requests already out fall under it.
+    fn slot(&self) -> Option<InFlightSlot> {
+        self.in_flight.inc();
+        let slot = InFlightSlot(self.in_flight.clone());
+        match self.max_in_flight {
+            Some(max) if self.in_flight.get() > max as i64 => {
+                drop(slot);
+                self.busy.inc();
+                None
+            }
+            _ => Some(slot),
+        }
     }
 
     /// The index of the next address, round robin.
@@ -309,6 +349,9 @@ pub struct RequestCtx {
     body_ended: bool,
     /// Its access line and metrics were written ([`ProxyHttp::logging`]).
     logged: bool,
+    /// Its place among the requests out to its upstream, once it has one: held until the
+    /// request ends.
+    upstream_slot: Option<InFlightSlot>,
     _guard: InFlightGuard,
 }
 
@@ -899,6 +942,19 @@ impl Gate {
         // and metrics still count the execution it was.
         ctx.outcome = Some(outcome);
         let pool = &ctx.gen.pools[route.upstream];
+        // Only a request about to be sent takes a place: a replay, a 409 or a 422 never waits
+        // on the backend's load. Refused, it was not sent, so its claim is released.
+        let Some(slot) = pool.slot() else {
+            if let Some(c) = &claim {
+                self.release(c).await;
+            }
+            let outcome = Problem::UpstreamBusy.outcome();
+            ctx.outcome = Some(outcome);
+            return self
+                .refuse_executed(session, Problem::UpstreamBusy, outcome)
+                .await;
+        };
+        ctx.upstream_slot = Some(slot);
 
         let req = session.req_header();
         let had_body = !body.is_empty()
@@ -1241,6 +1297,13 @@ impl Gate {
         ctx: &mut RequestCtx,
         upstream_index: usize,
     ) -> Result<bool> {
+        let Some(slot) = ctx.gen.pools[upstream_index].slot() else {
+            ctx.refused = true;
+            ctx.refused_for_its_request(&Problem::UpstreamBusy);
+            write_problem(session, &Problem::UpstreamBusy, ctx.outcome).await?;
+            return Ok(true);
+        };
+        ctx.upstream_slot = Some(slot);
         let req = session.req_header();
         let headers = &req.headers;
         // A tunnel (an upgrade to WebSocket, say) carries a conversation, not a body: its reads
@@ -2138,6 +2201,7 @@ impl ProxyHttp for Gate {
             refused: false,
             record_label: None,
             execution_id: None,
+            upstream_slot: None,
             body_ended: false,
             logged: false,
             _guard: InFlightGuard::new(self.in_flight.clone()),

@@ -26,9 +26,14 @@ fn check_accepts_the_reference_config() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("is valid"));
-    // It shows the defaults, whose 20 s drain is shorter than its keyed routes may take.
+    // It shows the defaults: the orders route, on the default timeouts, fits the default 20 s
+    // drain; the payments route's slower backend does not, and is warned of.
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("warning: routes[orders]"), "{stderr}");
+    assert!(!stderr.contains("warning: routes[orders]"), "{stderr}");
+    assert!(
+        stderr.contains("warning: routes[payments]: its upstream payments may take 36s"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -1674,3 +1674,108 @@ async fn a_connection_is_not_reused_past_the_idle_time_the_backend_advertised() 
         "timeout=1 leaves no time to reuse it"
     );
 }
+
+/// `max_in_flight`: with the upstream's two places taken, a third request (keyed or not) gets
+/// 503 `upstream-busy` without reaching the backend, and its key is released, so its retry runs
+/// once a place is free; a replay of a stored key is answered whatever the backend's load. The
+/// count carries over a reload, and a streamed body holds its place until its answer.
+#[tokio::test]
+async fn an_upstream_at_max_in_flight_refuses_what_would_be_sent_and_still_replays() {
+    let backend = common::Backend::start().await;
+    let mut proxy = ProxyBuilder::new(&backend)
+        .upstream("max_in_flight: 2")
+        .start()
+        .await;
+    let in_flight =
+        |m: &str| common::metric(m, r#"idemgate_upstream_in_flight{upstream="orders"}"#);
+    let done = Request::post("/orders/x")
+        .key("done")
+        .json("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(done.status, 201, "{}", done.text());
+
+    let a = Request::post("/orders/gate/a")
+        .key("a")
+        .json("{}")
+        .spawn_send(proxy.addr);
+    let b = Request::post("/plain/gate/b")
+        .body("b")
+        .spawn_send(proxy.addr);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backend.count() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the two gated requests did not arrive"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(in_flight(&m), Some(2.0), "{m}");
+
+    let refused = Request::post("/orders/y")
+        .key("c")
+        .json("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert_eq!(refused.problem_type(), "upstream-busy");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.result(), Some("UNAVAILABLE"));
+    let plain = Request::post("/plain/z").body("z").send(proxy.addr).await;
+    assert_eq!(plain.status, 503, "{}", plain.text());
+    assert_eq!(plain.problem_type(), "upstream-busy");
+    assert_eq!(backend.count(), 3, "a refused request reached the backend");
+    let replay = Request::post("/orders/x")
+        .key("done")
+        .json("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
+
+    // A reload (here of the limit itself) keeps counting the requests already out.
+    proxy.edit_config(Edit::Rename, |y| {
+        y.replacen("max_in_flight: 2", "max_in_flight: 3", 1)
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let c = loop {
+        let c = Request::post("/plain/gate/c")
+            .body("c")
+            .spawn_send(proxy.addr);
+        while !c.is_finished() && backend.count() < 4 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if backend.count() == 4 {
+            break c;
+        }
+        assert_eq!(c.await.unwrap().problem_type(), "upstream-busy");
+        assert!(Instant::now() < deadline, "the new limit was not taken");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let fourth = Request::post("/plain/v").body("v").send(proxy.addr).await;
+    assert_eq!(fourth.problem_type(), "upstream-busy", "{}", fourth.text());
+
+    for gate in ["a", "b", "c"] {
+        backend.open(gate);
+    }
+    assert_eq!(a.await.unwrap().status, 201);
+    assert_eq!(b.await.unwrap().status, 201);
+    assert_eq!(c.await.unwrap().status, 201);
+    // Released when refused: the retry runs, once.
+    let retried = Request::post("/orders/y")
+        .key("c")
+        .json("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!((retried.status, retried.result()), (201, Some("MISS")));
+    // A streamed (chunked) body takes pingora's path, and gives its place back too.
+    let streamed = Request::post("/plain/s")
+        .body(vec![b's'; 1000])
+        .chunked(100);
+    assert_eq!(streamed.send(proxy.addr).await.status, 201);
+    // Three refusals above, and any of `c`'s tries before the reload was taken.
+    let m = proxy.metrics().await;
+    let busy = common::metric(&m, r#"idemgate_upstream_busy_total{upstream="orders"}"#);
+    assert!(busy.is_some_and(|n| n >= 3.0), "{m}");
+    assert_eq!(in_flight(&m), Some(0.0), "{m}");
+}
