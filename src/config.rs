@@ -140,6 +140,9 @@ pub struct GlobalIdempotency {
     pub worker_id: Option<u16>,
     /// How long a worker id leased from Redis stays held without renewal.
     pub worker_lease: Duration,
+    /// `Link: <docs_url>; rel="describedby"`, from `docs_url`: sent with every proxy-made
+    /// problem of an idempotent route, pointing clients at the API's own idempotency docs.
+    pub docs_link: Option<http::HeaderValue>,
 }
 
 /// The record store and what to do when it is unavailable.
@@ -375,6 +378,9 @@ impl Route {
 pub struct RouteIdempotency {
     /// Whether a request without a key is refused or bypasses protection.
     pub key: KeyMode,
+    /// Fewest characters a key may have (1..=255); a shorter one gets 400: a short key is
+    /// one another client may pick too.
+    pub min_key_length: usize,
     /// How long a completed response is replayed.
     pub ttl: Duration,
     /// How long an in-flight claim lives; longer than the upstream's connect + read timeouts.
@@ -631,6 +637,7 @@ struct FileIdempotency {
     default_tenant: String,
     worker_id: Option<i64>,
     worker_lease: Scalar,
+    docs_url: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -774,6 +781,7 @@ struct FileRoute {
 #[serde(deny_unknown_fields, default)]
 struct FileRouteIdempotency {
     key: KeyMode,
+    min_key_length: i64,
     ttl: Scalar,
     lock_ttl: Scalar,
     on_in_flight: OnInFlight,
@@ -905,6 +913,7 @@ impl Default for FileIdempotency {
             default_tenant: "default".to_owned(),
             worker_id: None,
             worker_lease: Scalar::text("30s"),
+            docs_url: None,
         }
     }
 }
@@ -961,6 +970,7 @@ impl Default for FileRouteIdempotency {
     fn default() -> Self {
         FileRouteIdempotency {
             key: KeyMode::Required,
+            min_key_length: 1,
             ttl: Scalar::text("24h"),
             lock_ttl: Scalar::text("30s"),
             on_in_flight: OnInFlight::Reject,
@@ -1219,6 +1229,15 @@ impl Config {
                      GET, HEAD, TRACE and OPTIONS too, which get 400 without one (a browser's \
                      CORS preflight, an OPTIONS request, never carries it); list the methods \
                      that change state, e.g. [POST, PUT, PATCH, DELETE]",
+                    route.name
+                ));
+            }
+            if idem.scope_headers.is_empty() {
+                warnings.push(format!(
+                    "routes[{}].idempotency.scope_headers is []: keys are not bound to a \
+                     principal, so any client of the tenant that knows (or guesses) a key gets \
+                     its stored response; keep it only for unguessable keys, and consider \
+                     min_key_length",
                     route.name
                 ));
             }
@@ -1840,7 +1859,9 @@ impl FileIdempotency {
                 ),
             ));
         }
+        let docs_link = self.docs_url.as_deref().map(docs_link).transpose()?;
         Ok(GlobalIdempotency {
+            docs_link,
             key_header,
             tenant_header,
             default_tenant: self.default_tenant,
@@ -2947,6 +2968,12 @@ impl FileRouteIdempotency {
 
         Ok(RouteIdempotency {
             key: self.key,
+            min_key_length: int_in_range(
+                &format!("{base}.min_key_length"),
+                self.min_key_length,
+                1,
+                crate::key::MAX_KEY_LEN as i64,
+            )?,
             ttl,
             lock_ttl,
             on_in_flight: self.on_in_flight,
@@ -2965,6 +2992,32 @@ impl FileRouteIdempotency {
 }
 
 // === Field validators ===
+
+/// The `Link` header value for `idempotency.docs_url`: an absolute `http`/`https` URL, which
+/// fits between `<` and `>` as written (no spaces, quotes, angle brackets or controls).
+fn docs_link(url: &str) -> Result<http::HeaderValue, ConfigError> {
+    let field = "idempotency.docs_url";
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|_| invalid(field, format!("{url:?} is not a URL")))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+        return Err(invalid(
+            field,
+            format!("{url:?} is not an absolute http:// or https:// URL"),
+        ));
+    }
+    if url
+        .bytes()
+        .any(|b| matches!(b, b'<' | b'>' | b'"' | b'\\') || !b.is_ascii_graphic())
+    {
+        return Err(invalid(
+            field,
+            format!("{url:?} holds a character a Link header cannot carry; percent-encode it"),
+        ));
+    }
+    http::HeaderValue::from_str(&format!("<{url}>; rel=\"describedby\""))
+        .map_err(|_| invalid(field, format!("{url:?} cannot be sent in a header")))
+}
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -3747,6 +3800,7 @@ routes:
                 default_tenant: "default".into(),
                 worker_id: None,
                 worker_lease: secs(30),
+                docs_link: None,
             }
         );
         assert_eq!(
@@ -3788,6 +3842,7 @@ routes:
                 upstream: 0,
                 idempotency: Some(RouteIdempotency {
                     key: KeyMode::Required,
+                    min_key_length: 1,
                     ttl: secs(24 * 3600),
                     lock_ttl: secs(30),
                     on_in_flight: OnInFlight::Reject,
@@ -4308,6 +4363,50 @@ routes:
     /// The defaults agree with each other: a keyed route on the default upstream timeouts fits
     /// the default grace period, so a config that keeps them starts without a warning.
     #[test]
+    fn min_key_length_is_within_the_key_length_limit() {
+        let idem = |line: &str| {
+            load(&with_route_idempotency(line)).routes[0]
+                .idempotency
+                .clone()
+        };
+        assert_eq!(
+            idem("min_key_length: 20").map(|i| i.min_key_length),
+            Some(20)
+        );
+        assert_eq!(idem("ttl: 24h").map(|i| i.min_key_length), Some(1));
+        for bad in ["0", "256", "-3"] {
+            assert_field(
+                &with_route_idempotency(&format!("min_key_length: {bad}")),
+                "routes[0].idempotency.min_key_length",
+            );
+        }
+    }
+
+    #[test]
+    fn docs_url_becomes_a_describedby_link() {
+        let with = |url: &str| format!("idempotency: {{docs_url: {url:?}}}\n{MINIMAL}");
+        assert_eq!(
+            load(&with("https://api.example.com/docs/idempotency#keys"))
+                .idempotency
+                .docs_link,
+            Some(http::HeaderValue::from_static(
+                "<https://api.example.com/docs/idempotency#keys>; rel=\"describedby\""
+            ))
+        );
+        assert_eq!(load(MINIMAL).idempotency.docs_link, None);
+        for bad in [
+            "/docs/idempotency",
+            "ftp://example.com/x",
+            "https://example.com/a b",
+            "https://example.com/a>b",
+            "not a url",
+            "",
+        ] {
+            assert_field(&with(bad), "idempotency.docs_url");
+        }
+    }
+
+    #[test]
     fn max_in_flight_is_a_positive_count() {
         let with = |v: &str| {
             MINIMAL.replace(
@@ -4342,6 +4441,19 @@ routes:
             "{:?}",
             longer.warnings()
         );
+    }
+
+    #[test]
+    fn a_keyed_route_without_scope_headers_is_warned_of() {
+        let warned = |idem: &str| {
+            load(&with_route_idempotency(idem))
+                .warnings()
+                .iter()
+                .any(|w| w.contains("scope_headers is []: keys are not bound to a principal"))
+        };
+        assert!(warned("scope_headers: []"));
+        assert!(!warned("scope_headers: [X-Account]"));
+        assert!(!warned("ttl: 24h"));
     }
 
     #[test]

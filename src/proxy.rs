@@ -408,6 +408,11 @@ impl RequestCtx {
             .count_key_outcome(outcome);
     }
 
+    /// The `Link` to the API's idempotency docs that this request's problems carry, if any.
+    fn docs(&self) -> Option<&http::HeaderValue> {
+        self.gen.config.idempotency.docs_link.as_ref()
+    }
+
     /// `problem` answers the request itself, before anything was forwarded (its body stalled,
     /// broke or was too large: an `INVALID` request; the proxy had no room for it:
     /// `UNAVAILABLE`), on an idempotent route a bypassing one included. The backend's failures
@@ -555,6 +560,14 @@ impl Gate {
 
         // Step 2: the key. A bad header is never treated as "no key".
         let key = match key::parse_key(req.headers.get_all(&config.idempotency.key_header)) {
+            Ok(Some(k)) if k.len() < idem.min_key_length => {
+                let detail = format!(
+                    "the idempotency key is {} characters long; this route needs at least {}",
+                    k.len(),
+                    idem.min_key_length
+                );
+                return self.refuse(session, Problem::KeyInvalid(detail)).await;
+            }
             Ok(Some(k)) => k,
             Ok(None) => match idem.key {
                 KeyMode::Required => return self.refuse(session, Problem::KeyMissing).await,
@@ -1300,7 +1313,7 @@ impl Gate {
         let Some(slot) = ctx.gen.pools[upstream_index].slot() else {
             ctx.refused = true;
             ctx.refused_for_its_request(&Problem::UpstreamBusy);
-            write_problem(session, &Problem::UpstreamBusy, ctx.outcome).await?;
+            write_problem(session, &Problem::UpstreamBusy, ctx.outcome, ctx.docs()).await?;
             return Ok(true);
         };
         ctx.upstream_slot = Some(slot);
@@ -1322,7 +1335,7 @@ impl Gate {
             // refused, as nginx refuses a coding it does not know, and as keyed routes do.
             if !tunnel && transfer_coded(headers) {
                 ctx.refused = true;
-                write_problem(session, &Problem::TransferCodingUnsupported, None).await?;
+                write_problem(session, &Problem::TransferCodingUnsupported, None, None).await?;
                 return Ok(true);
             }
             // pingora streams the body: each of its reads waits request_body_timeout at most,
@@ -1351,7 +1364,7 @@ impl Gate {
             Err(problem) => {
                 ctx.refused = true;
                 ctx.refused_for_its_request(&problem);
-                write_problem(session, &problem, ctx.outcome).await?;
+                write_problem(session, &problem, ctx.outcome, ctx.docs()).await?;
                 return Ok(true);
             }
         };
@@ -1382,7 +1395,8 @@ impl Gate {
                 Err(e) => {
                     gen.upstream_round(ctx.route, started);
                     crate::warn_throttled!(error = %e, route = label(ctx), "backend unreachable");
-                    write_problem(session, &Problem::UpstreamConnect, ctx.outcome).await?;
+                    write_problem(session, &Problem::UpstreamConnect, ctx.outcome, ctx.docs())
+                        .await?;
                     return Ok(true);
                 }
             };
@@ -1409,7 +1423,13 @@ impl Gate {
                 Err(e) => {
                     gen.upstream_round(ctx.route, started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
-                    write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;
+                    write_problem(
+                        session,
+                        &Problem::UpstreamAnswerLost,
+                        ctx.outcome,
+                        ctx.docs(),
+                    )
+                    .await?;
                     return Ok(true);
                 }
             }
@@ -1437,7 +1457,13 @@ impl Gate {
                     gen.upstream_round(ctx.route, started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
                     if out.header.is_some() {
-                        write_problem(session, &Problem::UpstreamAnswerLost, ctx.outcome).await?;
+                        write_problem(
+                            session,
+                            &Problem::UpstreamAnswerLost,
+                            ctx.outcome,
+                            ctx.docs(),
+                        )
+                        .await?;
                         return Ok(true);
                     }
                     session.set_keepalive(None);
@@ -1736,7 +1762,9 @@ impl Gate {
         // A client gone before the answer is out still had this outcome (its log line and
         // metrics say so); its connection is not used again. The answer is framed by its
         // length, so nothing written after the failure could make it look whole.
-        if write_problem(session, &problem, Some(outcome))
+        // Loaded again here (no request context): the running generation's docs link.
+        let docs = self.current.load().config.idempotency.docs_link.clone();
+        if write_problem(session, &problem, Some(outcome), docs.as_ref())
             .await
             .is_err()
         {
@@ -1978,6 +2006,7 @@ async fn write_problem(
     session: &mut Session,
     problem: &Problem,
     outcome: Option<Outcome>,
+    docs: Option<&http::HeaderValue>,
 ) -> Result<()> {
     let body = problem.body();
     let mut resp = ResponseHeader::build(problem.status(), Some(5))?;
@@ -1987,6 +2016,11 @@ async fn write_problem(
     resp.insert_header(header::CONTENT_LENGTH, body.len())?;
     if let Some(o) = outcome {
         resp.insert_header(RESULT_HEADER, o.as_str())?;
+        // An idempotent route's answer: where the API documents its keys (the IETF draft's
+        // alternative to a link in the body).
+        if let Some(link) = docs {
+            resp.insert_header(header::LINK, link.clone())?;
+        }
     }
     if let Some(secs) = problem.retry_after_secs() {
         resp.insert_header(header::RETRY_AFTER, secs)?;
@@ -2221,7 +2255,7 @@ impl ProxyHttp for Gate {
         if is_standard_method_in_other_case(&req.method) {
             let problem = Problem::MethodCase;
             ctx.outcome = Some(problem.outcome());
-            write_problem(session, &problem, ctx.outcome).await?;
+            write_problem(session, &problem, ctx.outcome, ctx.docs()).await?;
             return Ok(true);
         }
         // HTTP/1.1 requires Host (RFC 9112 §3.2: a server answers 400 without it).
@@ -2234,13 +2268,13 @@ impl ProxyHttp for Gate {
             // problem's detail says for every request that is not valid HTTP.
             session.set_keepalive(None);
             ctx.refused = true;
-            write_problem(session, &Problem::RequestMalformed, None).await?;
+            write_problem(session, &Problem::RequestMalformed, None, None).await?;
             return Ok(true);
         }
         match gen.config.match_route(&req.method, req.uri.path()) {
             RouteMatch::NoRoute => {
                 ctx.refused = true;
-                write_problem(session, &Problem::NoRoute, None).await?;
+                write_problem(session, &Problem::NoRoute, None, None).await?;
                 Ok(true)
             }
             RouteMatch::Forward { route, upstream } => {
@@ -2423,7 +2457,7 @@ impl ProxyHttp for Gate {
         let code = match (&problem, written) {
             (Some(p), None) => {
                 ctx.refused_for_its_request(p);
-                match write_problem(session, p, ctx.outcome).await {
+                match write_problem(session, p, ctx.outcome, ctx.docs()).await {
                     Ok(()) => p.status(),
                     Err(_) => 0,
                 }

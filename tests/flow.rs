@@ -127,6 +127,100 @@ async fn quoted_and_bare_keys_are_the_same_key() {
     assert_eq!(backend.count(), 1);
 }
 
+/// `min_key_length`: a key shorter than the route asks for is refused with 400 (its length said,
+/// never the key), never claimed or forwarded; one of that length runs, and the quoted form
+/// counts its decoded characters.
+#[tokio::test]
+async fn a_key_shorter_than_min_key_length_is_400_and_never_forwarded() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("min_key_length: 8")
+        .start()
+        .await;
+    for short in ["1234567", "\"1234567\""] {
+        let r = Request::post("/orders")
+            .key(short)
+            .body("{}")
+            .send(proxy.addr)
+            .await;
+        assert_eq!(
+            (r.status, r.result()),
+            (400, Some("INVALID")),
+            "{}",
+            r.text()
+        );
+        assert_eq!(r.problem_type(), "idempotency-key-invalid");
+        assert!(
+            r.text()
+                .contains("7 characters long; this route needs at least 8"),
+            "{}",
+            r.text()
+        );
+        assert!(
+            !r.text().contains("1234567"),
+            "the key is echoed: {}",
+            r.text()
+        );
+    }
+    assert_eq!(backend.count(), 0);
+    let ok = Request::post("/orders")
+        .key("\"12345678\"")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(
+        (ok.status, ok.result()),
+        (201, Some("MISS")),
+        "{}",
+        ok.text()
+    );
+    // Another route keeps the default: any key of one character or more.
+    let other = Request::post("/optional")
+        .key("k")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(other.result(), Some("MISS"), "{}", other.text());
+}
+
+/// `idempotency.docs_url`: every problem idemgate makes on an idempotent route links the API's
+/// idempotency docs (`Link: <…>; rel="describedby"`, as the IETF draft suggests for a missing
+/// key); backend answers and replays are left as they were.
+#[tokio::test]
+async fn problems_of_idempotent_routes_link_the_docs_url() {
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .global("docs_url: \"https://api.example.com/docs/idempotency\"")
+        .start()
+        .await;
+    let link = Some("<https://api.example.com/docs/idempotency>; rel=\"describedby\"");
+    let missing = Request::post("/orders").body("{}").send(proxy.addr).await;
+    assert_eq!(missing.problem_type(), "idempotency-key-missing");
+    assert_eq!(missing.header("link"), link);
+    let first = Request::post("/orders")
+        .key("d1")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!((first.status, first.header("link")), (201, None));
+    let changed = Request::post("/orders")
+        .key("d1")
+        .body("{\"x\":1}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(changed.problem_type(), "fingerprint-mismatch");
+    assert_eq!(changed.header("link"), link);
+    let replay = Request::post("/orders")
+        .key("d1")
+        .body("{}")
+        .send(proxy.addr)
+        .await;
+    assert_eq!(
+        (replay.result(), replay.header("link")),
+        (Some("HIT"), None)
+    );
+}
+
 #[tokio::test]
 async fn malformed_keys_and_tenants_are_400_and_never_forwarded() {
     let (backend, proxy) = setup().await;
