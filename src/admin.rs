@@ -789,6 +789,7 @@ fn config_json(c: &Config) -> serde_json::Value {
                 "name": u.name, "addrs": u.addrs,
                 "connect_timeout": secs(u.connect_timeout), "read_timeout": secs(u.read_timeout),
                 "write_timeout": secs(u.write_timeout), "idle_timeout": secs(u.idle_timeout),
+                "max_in_flight": u.max_in_flight,
             })
         })
         .collect();
@@ -799,9 +800,11 @@ fn config_json(c: &Config) -> serde_json::Value {
             let idem = r.idempotency.as_ref().map(|i| {
                 json!({
                     "key": format!("{:?}", i.key).to_lowercase(),
+                    "min_key_length": i.min_key_length,
                     "ttl": secs(i.ttl), "lock_ttl": secs(i.lock_ttl),
                     "on_in_flight": format!("{:?}", i.on_in_flight).to_lowercase(),
                     "wait_timeout": secs(i.wait_timeout),
+                    "on_outcome_unknown": format!("{:?}", i.on_outcome_unknown).to_lowercase(),
                     "fingerprint": { "body": i.fingerprint_body,
                         "headers": i.fingerprint_headers.iter().map(|h| h.as_str()).collect::<Vec<_>>() },
                     "scope_headers": i.scope_headers.iter().map(|h| h.as_str()).collect::<Vec<_>>(),
@@ -869,6 +872,7 @@ fn config_json(c: &Config) -> serde_json::Value {
             "default_tenant": c.idempotency.default_tenant,
             "worker_id": c.idempotency.worker_id,
             "worker_lease": secs(c.idempotency.worker_lease),
+            "docs_link": c.idempotency.docs_link.as_ref().and_then(|l| l.to_str().ok()),
         },
         "store": {
             "backend": format!("{:?}", c.store.backend).to_lowercase(),

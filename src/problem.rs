@@ -108,7 +108,11 @@ pub enum Problem {
     MethodCase,
     /// The upstream already had `max_in_flight` requests out from this process: nothing was
     /// sent (a claim taken for it was released).
-    UpstreamBusy,
+    UpstreamBusy {
+        /// When a retry may be sent: 1 s, or when the key's lock lapses if the store did not
+        /// take the release.
+        retry_after: Duration,
+    },
     /// The backend could not be reached; nothing was sent, the key was released.
     UpstreamConnect,
     /// The backend could not be reached and nothing was sent, but the key could not be
@@ -166,7 +170,7 @@ impl Problem {
             Problem::ConnectNotSupported => 405,
             Problem::InFlight { .. } | Problem::NotReplayable => 409,
             Problem::FingerprintMismatch => 422,
-            Problem::StoreUnavailable | Problem::StoreFull | Problem::UpstreamBusy => 503,
+            Problem::StoreUnavailable | Problem::StoreFull | Problem::UpstreamBusy { .. } => 503,
             Problem::RequestBuffersFull => 503,
             Problem::StoreRecordUnreadable => 503,
             Problem::NoRoute => 404,
@@ -197,7 +201,7 @@ impl Problem {
             Problem::FingerprintMismatch => "fingerprint-mismatch",
             Problem::NotReplayable => "response-not-replayable",
             Problem::StoreUnavailable => "store-unavailable",
-            Problem::UpstreamBusy => "upstream-busy",
+            Problem::UpstreamBusy { .. } => "upstream-busy",
             Problem::StoreFull => "store-full",
             Problem::StoreRecordUnreadable => "store-record-unreadable",
             Problem::NoRoute => "no-route",
@@ -231,7 +235,7 @@ impl Problem {
             Problem::FingerprintMismatch => "Idempotency key reused with a different request",
             Problem::NotReplayable => "Stored response for this idempotency key is not replayable",
             Problem::StoreUnavailable => "Idempotency store unavailable",
-            Problem::UpstreamBusy => "Backend busy",
+            Problem::UpstreamBusy { .. } => "Backend busy",
             Problem::StoreFull => "Idempotency store full",
             Problem::StoreRecordUnreadable => "Stored record for this idempotency key unreadable",
             Problem::NoRoute => "No route for this request",
@@ -306,10 +310,12 @@ impl Problem {
             Problem::MethodCase => "HTTP methods are case-sensitive; send the standard method \
                 in upper case."
                 .into(),
-            Problem::UpstreamBusy => "The backend already has as many requests in flight from \
+            Problem::UpstreamBusy { .. } => {
+                "The backend already has as many requests in flight from \
                 this proxy as it may take; the request was not sent and may be retried with the \
                 same key after Retry-After."
-                .into(),
+                    .into()
+            }
             Problem::UpstreamConnect => "The backend could not be reached; the request was not \
                 sent and may be retried with the same key."
                 .into(),
@@ -365,7 +371,7 @@ impl Problem {
             | Problem::StoreFull
             | Problem::StoreRecordUnreadable
             | Problem::RequestBuffersFull
-            | Problem::UpstreamBusy => Outcome::Unavailable,
+            | Problem::UpstreamBusy { .. } => Outcome::Unavailable,
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect
             | Problem::UpstreamConnectKeyLocked { .. }
@@ -379,6 +385,7 @@ impl Problem {
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
             Problem::InFlight { retry_after }
+            | Problem::UpstreamBusy { retry_after }
             | Problem::UpstreamConnectKeyLocked { retry_after }
             | Problem::UpstreamAnswerInvalid(AnswerSettled::Locked { retry_after }) => {
                 Some(retry_after.as_secs_f64().ceil().max(1.0) as u64)
@@ -386,8 +393,7 @@ impl Problem {
             Problem::StoreUnavailable
             | Problem::StoreFull
             | Problem::StoreRecordUnreadable
-            | Problem::RequestBuffersFull
-            | Problem::UpstreamBusy => Some(1),
+            | Problem::RequestBuffersFull => Some(1),
             _ => None,
         }
     }

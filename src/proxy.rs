@@ -958,13 +958,18 @@ impl Gate {
         // Only a request about to be sent takes a place: a replay, a 409 or a 422 never waits
         // on the backend's load. Refused, it was not sent, so its claim is released.
         let Some(slot) = pool.slot() else {
-            if let Some(c) = &claim {
-                self.release(c).await;
-            }
-            let outcome = Problem::UpstreamBusy.outcome();
-            ctx.outcome = Some(outcome);
+            // Not sent: the key is free again at once, or, when the store did not take the
+            // release, once its lock lapses, which the answer's Retry-After then says.
+            let locked = match &claim {
+                Some(c) => self.release(c).await,
+                None => None,
+            };
+            let busy = Problem::UpstreamBusy {
+                retry_after: locked.unwrap_or(Duration::from_secs(1)),
+            };
+            ctx.outcome = Some(busy.outcome());
             return self
-                .refuse_executed(session, Problem::UpstreamBusy, outcome)
+                .refuse_executed(session, busy, Outcome::Unavailable)
                 .await;
         };
         ctx.upstream_slot = Some(slot);
@@ -1002,6 +1007,7 @@ impl Gate {
             }
             Err(e) => {
                 ctx.gen.upstream_round(ctx.route, started);
+                ctx.upstream_slot = None;
                 crate::warn_throttled!(error = %e, route = %route.name, "backend unreachable; releasing the claim");
                 // Nothing was sent, so a retry may run the key: at once once it is released,
                 // or once the lock lapses when the store did not take the release.
@@ -1271,6 +1277,9 @@ impl Gate {
             ));
         }
         exchange.finish();
+        // The backend is done: its place is free before the store write and the client's
+        // last reads.
+        ctx.upstream_slot = None;
 
         if let Some(claim) = claim.as_ref() {
             let key_outcome = if settled {
@@ -1301,6 +1310,27 @@ impl Gate {
         Ok(Handled { outcome })
     }
 
+    /// Takes a place among the requests out to `upstream` for a request about to go out, held
+    /// in `ctx`; with none free answers 503 `upstream-busy` and returns `false`.
+    async fn take_place(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        upstream: usize,
+    ) -> Result<bool> {
+        if let Some(slot) = ctx.gen.pools[upstream].slot() {
+            ctx.upstream_slot = Some(slot);
+            return Ok(true);
+        }
+        let busy = Problem::UpstreamBusy {
+            retry_after: Duration::from_secs(1),
+        };
+        ctx.refused = true;
+        ctx.refused_for_its_request(&busy);
+        write_problem(session, &busy, ctx.outcome, ctx.docs()).await?;
+        Ok(false)
+    }
+
     /// Forwards a request that needs no idempotency bookkeeping over idemgate's own client, when
     /// it can: returns `Ok(false)` to leave the request to pingora's proxy path (an `Upgrade`,
     /// `Expect`, `CONNECT`, a chunked body or one over [`upstream::FORWARD_BODY_BYTES`]).
@@ -1310,13 +1340,6 @@ impl Gate {
         ctx: &mut RequestCtx,
         upstream_index: usize,
     ) -> Result<bool> {
-        let Some(slot) = ctx.gen.pools[upstream_index].slot() else {
-            ctx.refused = true;
-            ctx.refused_for_its_request(&Problem::UpstreamBusy);
-            write_problem(session, &Problem::UpstreamBusy, ctx.outcome, ctx.docs()).await?;
-            return Ok(true);
-        };
-        ctx.upstream_slot = Some(slot);
         let req = session.req_header();
         let headers = &req.headers;
         // A tunnel (an upgrade to WebSocket, say) carries a conversation, not a body: its reads
@@ -1343,7 +1366,11 @@ impl Gate {
             if !tunnel {
                 session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
             }
-            return Ok(false);
+            // pingora sends the head at once and the body as it comes: the request is out.
+            return self
+                .take_place(session, ctx, upstream_index)
+                .await
+                .map(|took| !took);
         }
         let gen = ctx.gen.clone();
         let pool = &gen.pools[upstream_index];
@@ -1354,7 +1381,10 @@ impl Gate {
         let mut held = self.bodies.permit();
         if !held.cover(declared.unwrap_or(0), config.max_buffered_request_bytes) {
             session.set_read_timeout(Some(config.request_body_timeout));
-            return Ok(false);
+            return self
+                .take_place(session, ctx, upstream_index)
+                .await
+                .map(|took| !took);
         }
         let body = match self
             .read_body(session, upstream::FORWARD_BODY_BYTES, config, held)
@@ -1368,6 +1398,11 @@ impl Gate {
                 return Ok(true);
             }
         };
+        // Only now, with the whole body in hand: a client trickling its body holds no place
+        // the backend could use.
+        if !self.take_place(session, ctx, upstream_index).await? {
+            return Ok(true);
+        }
         let req = session.req_header();
         let mut head = Vec::with_capacity(512);
         upstream::request_head(req, declared, &[], &mut head);
@@ -1394,6 +1429,7 @@ impl Gate {
                 Ok(x) => x,
                 Err(e) => {
                     gen.upstream_round(ctx.route, started);
+                    ctx.upstream_slot = None;
                     crate::warn_throttled!(error = %e, route = label(ctx), "backend unreachable");
                     write_problem(session, &Problem::UpstreamConnect, ctx.outcome, ctx.docs())
                         .await?;
@@ -1422,6 +1458,7 @@ impl Gate {
                 }
                 Err(e) => {
                     gen.upstream_round(ctx.route, started);
+                    ctx.upstream_slot = None;
                     tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
                     write_problem(
                         session,
@@ -1455,6 +1492,7 @@ impl Gate {
                 Ok(None) => break,
                 Err(e) => {
                     gen.upstream_round(ctx.route, started);
+                    ctx.upstream_slot = None;
                     tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
                     if out.header.is_some() {
                         write_problem(
@@ -1475,6 +1513,9 @@ impl Gate {
             }
         }
         gen.upstream_round(ctx.route, started);
+        // The backend is done with it (the rest of the answer, if any, is on its way to the
+        // client from idemgate's buffers).
+        ctx.upstream_slot = None;
         let gone = out.gone;
         if !gone {
             exchange.finish();
@@ -2415,14 +2456,18 @@ impl ProxyHttp for Gate {
                 Some(Problem::UpstreamConnect)
             }
             // No answer came within read_timeout while the client's body was still on its way
-            // (pingora reads the answer while it streams the body): the backend holds an
-            // incomplete request, which it cannot have executed. The client is the one that is
-            // late, as when request_body_timeout cuts a stalled body off.
+            // (pingora reads the answer while it streams the body, and restarts the wait with
+            // each piece it forwards): the client paused mid-body for longer than read_timeout.
+            // The backend holds an incomplete request, which it cannot have executed; the
+            // client is the one that is late, as when request_body_timeout cuts it off. Not a
+            // client that sent no body yet: one that waits for a `100 Continue` the backend
+            // never sent is not at fault.
             pingora::ErrorSource::Upstream
                 if e.etype == pingora::ErrorType::ReadTimedout
                     && written.is_none()
                     && !ctx.body_ended
-                    && !session.is_body_empty() =>
+                    && !session.is_body_empty()
+                    && session.body_bytes_read() > 0 =>
             {
                 Some(Problem::RequestTimeout)
             }

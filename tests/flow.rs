@@ -219,6 +219,14 @@ async fn problems_of_idempotent_routes_link_the_docs_url() {
         (replay.result(), replay.header("link")),
         (Some("HIT"), None)
     );
+    let view = Request::get("/admin/config").send(proxy.admin).await;
+    let v: serde_json::Value = serde_json::from_slice(&view.body).unwrap();
+    assert_eq!(v["idempotency"]["docs_link"].as_str(), link, "{v}");
+    assert_eq!(v["routes"][0]["idempotency"]["min_key_length"], 1, "{v}");
+    assert_eq!(
+        v["routes"][0]["idempotency"]["on_outcome_unknown"], "lapse",
+        "{v}"
+    );
 }
 
 #[tokio::test]

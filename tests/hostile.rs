@@ -350,6 +350,28 @@ async fn a_streamed_body_that_outlasts_the_upstream_read_timeout_is_the_clients_
     let r = common::client::read_response(&mut s, false).await.unwrap();
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.problem_type(), "upstream-answer-lost");
+
+    // Nor is a client that sent no body yet, waiting for a `100 Continue` the backend never
+    // sends: it did nothing wrong.
+    let silent =
+        common::rawbackend::RawBackend::start_head_only(vec![common::rawbackend::Step::Pause(
+            Duration::from_secs(30),
+        )])
+        .await;
+    let waiting = ProxyBuilder::at(silent.addr)
+        .top("request_body_timeout: 10s")
+        .upstream("read_timeout: 300ms")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(waiting.addr).await.unwrap();
+    s.write_all(
+        b"POST /plain HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let r = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.problem_type(), "upstream-answer-lost");
 }
 
 /// A body trickled a byte at a time, each inside request_body_timeout, is cut off by

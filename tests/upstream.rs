@@ -1694,6 +1694,13 @@ async fn an_upstream_at_max_in_flight_refuses_what_would_be_sent_and_still_repla
         .send(proxy.addr)
         .await;
     assert_eq!(done.status, 201, "{}", done.text());
+    // A client still sending its body holds no place: only a request going out does.
+    let mut trickling = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    trickling
+        .write_all(b"POST /plain/t HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nhalf-")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
 
     let a = Request::post("/orders/gate/a")
         .key("a")
@@ -1712,6 +1719,10 @@ async fn an_upstream_at_max_in_flight_refuses_what_would_be_sent_and_still_repla
     }
     let m = proxy.metrics().await;
     assert_eq!(in_flight(&m), Some(2.0), "{m}");
+    drop(trickling);
+    let view = Request::get("/admin/config").send(proxy.admin).await;
+    let v: serde_json::Value = serde_json::from_slice(&view.body).unwrap();
+    assert_eq!(v["upstreams"][0]["max_in_flight"], 2, "{v}");
 
     let refused = Request::post("/orders/y")
         .key("c")
