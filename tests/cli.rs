@@ -10,6 +10,29 @@ fn idemgate() -> Command {
     Command::new(env!("CARGO_BIN_EXE_idemgate"))
 }
 
+/// The README's "a first config" is one a new user can copy: `--check` passes it with no
+/// warning.
+#[test]
+fn check_accepts_the_readmes_first_config_without_a_warning() {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find("A first config:")
+        .expect("the README's first config");
+    let yaml = &readme[start..];
+    let yaml = &yaml[yaml.find("```yaml\n").expect("its YAML block") + 8..];
+    let yaml = &yaml[..yaml.find("```").expect("the end of its YAML block")];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let out = idemgate()
+        .args(["--config", path.to_str().unwrap(), "--check"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+}
+
 #[test]
 fn check_accepts_the_reference_config() {
     let out = idemgate()
