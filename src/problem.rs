@@ -126,6 +126,9 @@ pub enum Problem {
     UpstreamOutcomeUnknown {
         /// Recorded as executed, not replayable: retries get 409, never a second execution.
         settled: bool,
+        /// Not settled: when the key's lock has lapsed at the latest, so a retry can run
+        /// (`Retry-After`; before then a retry gets 409 `request-in-flight`).
+        retry_after: Option<Duration>,
     },
     /// A request forwarded without a claim (no key, or `on_unavailable: pass`) reached the
     /// backend (whole or in part) and no answer came back: it may have been executed, and no
@@ -323,14 +326,18 @@ impl Problem {
                 request was not sent, but its key could not be released and stays locked until \
                 its lock expires: retry with the same key after Retry-After."
                 .into(),
-            Problem::UpstreamOutcomeUnknown { settled: false } => "The request was sent but the \
+            Problem::UpstreamOutcomeUnknown { settled: false, .. } => {
+                "The request was sent but the \
                 backend's answer was lost; retries with this key are refused until the lock \
                 expires."
-                .into(),
-            Problem::UpstreamOutcomeUnknown { settled: true } => "The request was sent but the \
+                    .into()
+            }
+            Problem::UpstreamOutcomeUnknown { settled: true, .. } => {
+                "The request was sent but the \
                 backend's answer was lost; it is recorded as executed (once the store takes the \
                 write), so retries with this key get 409 and are not executed again."
-                .into(),
+                    .into()
+            }
             Problem::UpstreamAnswerLost => "The request reached the backend but no answer came \
                 back; it may have been executed, and no idempotency lock guards a retry."
                 .into(),
@@ -385,6 +392,10 @@ impl Problem {
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
             Problem::InFlight { retry_after }
+            | Problem::UpstreamOutcomeUnknown {
+                retry_after: Some(retry_after),
+                ..
+            }
             | Problem::UpstreamBusy { retry_after }
             | Problem::UpstreamConnectKeyLocked { retry_after }
             | Problem::UpstreamAnswerInvalid(AnswerSettled::Locked { retry_after }) => {

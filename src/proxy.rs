@@ -1238,15 +1238,19 @@ impl Gate {
 
         if let Err(e) = body_result {
             let problem = match claim.as_ref() {
-                Some(_) if settled => Problem::UpstreamOutcomeUnknown { settled: true },
+                Some(_) if settled => Problem::UpstreamOutcomeUnknown {
+                    settled: true,
+                    retry_after: None,
+                },
                 // Under `settle` the status the backend gave decides, as for a head that cannot
                 // be relayed: one the route stores is recorded as executed; one it does not (a
                 // 503 cut off) says nothing ran, and releases the key rather than spending it.
                 Some(c) if idem.on_outcome_unknown == OnOutcomeUnknown::Settle => {
                     match self.settle_by_status(c, idem, status).await {
-                        AnswerSettled::Recorded => {
-                            Problem::UpstreamOutcomeUnknown { settled: true }
-                        }
+                        AnswerSettled::Recorded => Problem::UpstreamOutcomeUnknown {
+                            settled: true,
+                            retry_after: None,
+                        },
                         released => Problem::UpstreamAnswerInvalid(released),
                     }
                 }
@@ -1599,9 +1603,16 @@ impl Gate {
             Some(c) if idem.on_outcome_unknown == OnOutcomeUnknown::Settle => {
                 self.complete(c, Completion::Unreplayable { status: 504 })
                     .await;
-                Problem::UpstreamOutcomeUnknown { settled: true }
+                Problem::UpstreamOutcomeUnknown {
+                    settled: true,
+                    retry_after: None,
+                }
             }
-            Some(_) => Problem::UpstreamOutcomeUnknown { settled: false },
+            // Kept until the lock lapses: the answer says when a retry can run.
+            Some(c) => Problem::UpstreamOutcomeUnknown {
+                settled: false,
+                retry_after: Some(c.lapses_by.saturating_duration_since(Instant::now())),
+            },
         }
     }
 
@@ -1896,7 +1907,7 @@ fn key_outcome(problem: &Problem) -> KeyOutcome {
     match problem {
         Problem::UpstreamAnswerInvalid(AnswerSettled::Recorded) => KeyOutcome::NotReplayable,
         Problem::UpstreamAnswerInvalid(_) => KeyOutcome::Released,
-        Problem::UpstreamOutcomeUnknown { settled: true } => KeyOutcome::Settled,
+        Problem::UpstreamOutcomeUnknown { settled: true, .. } => KeyOutcome::Settled,
         _ => KeyOutcome::Unknown,
     }
 }

@@ -733,5 +733,35 @@ fn the_example_alerts_name_only_metrics_idemgate_defines() {
             matches!(severity, Some("page" | "ticket")),
             "{name}: {severity:?}"
         );
+        // Every rule says where its runbook is, and that page has that section.
+        let url = rule["annotations"]["runbook_url"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: no runbook_url"));
+        let (page, anchor) = url.split_once('#').unwrap_or((url, ""));
+        let doc = std::fs::read_to_string(root.join(page))
+            .unwrap_or_else(|e| panic!("{name}: {page}: {e}"));
+        if !anchor.is_empty() {
+            let found = doc
+                .lines()
+                .filter_map(|l| l.strip_prefix('#'))
+                .map(|h| heading_anchor(h.trim_start_matches('#')))
+                .any(|a| a == anchor);
+            assert!(found, "{name}: no section #{anchor} in {page}");
+        }
     }
+}
+
+/// A Markdown heading's anchor as GitHub makes it: lower case, spaces to `-`, punctuation other
+/// than `-` and `_` dropped.
+fn heading_anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
 }

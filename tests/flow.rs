@@ -776,6 +776,16 @@ async fn lost_outcome_keeps_the_lock_until_lock_ttl() {
     let first = req.send(proxy.addr).await;
     assert_eq!((first.status, first.result()), (504, Some("MISS")));
     assert_eq!(first.problem_type(), "upstream-outcome-unknown");
+    // When the lock has lapsed at the latest (1.5 s from the claim, 0.4 s or more of it spent),
+    // in whole seconds rounded up: the earliest a retry can run.
+    let retry_after = first
+        .header("retry-after")
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(
+        matches!(retry_after, Some(1 | 2)),
+        "{:?}",
+        first.header("retry-after")
+    );
     let second = req.send(proxy.addr).await;
     assert_eq!(
         (second.status, second.result()),
@@ -820,6 +830,8 @@ async fn a_lost_outcome_settled_is_never_executed_again() {
         "{}",
         first.text()
     );
+    // Final: no retry will ever run it, so no Retry-After.
+    assert_eq!(first.header("retry-after"), None);
     // Refused as executed, before the lock would have lapsed and after: never run again.
     for wait in [0, 1600] {
         tokio::time::sleep(Duration::from_millis(wait)).await;
