@@ -1790,3 +1790,45 @@ async fn an_upstream_at_max_in_flight_refuses_what_would_be_sent_and_still_repla
     assert!(busy.is_some_and(|n| n >= 3.0), "{m}");
     assert_eq!(in_flight(&m), Some(0.0), "{m}");
 }
+
+/// An upgraded connection whose backend says nothing for `read_timeout` is closed, as nginx's
+/// `proxy_read_timeout` closes one: a route that carries WebSockets needs an upstream whose
+/// `read_timeout` outlasts the backend's quiet spells (or a backend that pings). Documented in
+/// docs/http.md; this test fails if that ever changes, so the docs can follow.
+#[tokio::test]
+async fn a_tunnel_whose_backend_is_quiet_for_read_timeout_is_closed() {
+    use tokio::io::AsyncReadExt;
+    let backend = RawBackend::start(vec![
+        send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+        Step::Pause(Duration::from_millis(900)),
+        send(b"hello"),
+    ])
+    .await;
+    let proxy = ProxyBuilder::at(backend.addr)
+        .upstream("read_timeout: 300ms")
+        .start()
+        .await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"GET /orders/ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 1024];
+        while !got.ends_with(b"hello") {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 101"), "{text}");
+    assert!(
+        !text.ends_with("hello"),
+        "the quiet tunnel was kept: {text}"
+    );
+}
