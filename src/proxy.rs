@@ -408,6 +408,15 @@ impl RequestCtx {
             .count_key_outcome(outcome);
     }
 
+    /// The backend round begun at `started` is over, answered or not: observed in the route's
+    /// upstream latency (a backend that fails every request must show there too), and the
+    /// request's place among those out to the upstream is free, before the store write and the
+    /// client's last reads.
+    fn backend_done(&mut self, started: Instant) {
+        self.gen.upstream_round(self.route, started);
+        self.upstream_slot = None;
+    }
+
     /// The `Link` to the API's idempotency docs that this request's problems carry, if any.
     fn docs(&self) -> Option<&http::HeaderValue> {
         self.gen.config.idempotency.docs_link.as_ref()
@@ -1006,8 +1015,7 @@ impl Gate {
                 x
             }
             Err(e) => {
-                ctx.gen.upstream_round(ctx.route, started);
-                ctx.upstream_slot = None;
+                ctx.backend_done(started);
                 crate::warn_throttled!(error = %e, route = %route.name, "backend unreachable; releasing the claim");
                 // Nothing was sent, so a retry may run the key: at once once it is released,
                 // or once the lock lapses when the store did not take the release.
@@ -1060,7 +1068,7 @@ impl Gate {
         let response = match head.and_then(|r| relayable(r, session.req_header())) {
             Ok(r) => r,
             Err(e) => {
-                ctx.gen.upstream_round(ctx.route, started);
+                ctx.backend_done(started);
                 let problem = match (&e, claim.as_ref()) {
                     // An answer that cannot be relayed still says the request ran, and its
                     // status decides as any answer's would: recorded (as executed, not
@@ -1221,7 +1229,7 @@ impl Gate {
                 Err(e) => break Err(e),
             }
         };
-        ctx.gen.upstream_round(ctx.route, started);
+        ctx.backend_done(started);
         match store_call.take() {
             // The outcome is stored before the client has the last bytes.
             Some(call) if settled => {
@@ -1281,9 +1289,6 @@ impl Gate {
             ));
         }
         exchange.finish();
-        // The backend is done: its place is free before the store write and the client's
-        // last reads.
-        ctx.upstream_slot = None;
 
         if let Some(claim) = claim.as_ref() {
             let key_outcome = if settled {
@@ -1432,8 +1437,7 @@ impl Gate {
             let mut exchange = match sent {
                 Ok(x) => x,
                 Err(e) => {
-                    gen.upstream_round(ctx.route, started);
-                    ctx.upstream_slot = None;
+                    ctx.backend_done(started);
                     crate::warn_throttled!(error = %e, route = label(ctx), "backend unreachable");
                     write_problem(session, &Problem::UpstreamConnect, ctx.outcome, ctx.docs())
                         .await?;
@@ -1461,8 +1465,7 @@ impl Gate {
                     continue
                 }
                 Err(e) => {
-                    gen.upstream_round(ctx.route, started);
-                    ctx.upstream_slot = None;
+                    ctx.backend_done(started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
                     write_problem(
                         session,
@@ -1495,8 +1498,7 @@ impl Gate {
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    gen.upstream_round(ctx.route, started);
-                    ctx.upstream_slot = None;
+                    ctx.backend_done(started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
                     if out.header.is_some() {
                         write_problem(
@@ -1516,10 +1518,9 @@ impl Gate {
                 }
             }
         }
-        gen.upstream_round(ctx.route, started);
         // The backend is done with it (the rest of the answer, if any, is on its way to the
         // client from idemgate's buffers).
-        ctx.upstream_slot = None;
+        ctx.backend_done(started);
         let gone = out.gone;
         if !gone {
             exchange.finish();
