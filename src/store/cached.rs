@@ -456,6 +456,18 @@ impl PendingClaims {
             .map(|(_, p)| p.deadline - now)
             .max()
     }
+
+    /// The live claims of `hash`: each one's shard purge count before it went out, and what
+    /// is left of it.
+    fn live(&self, hash: &Digest, now: Instant) -> Vec<(u64, Duration)> {
+        self.by_hash.get(hash).map_or_else(Vec::new, |claims| {
+            claims
+                .iter()
+                .filter(|(_, p)| p.deadline > now)
+                .map(|(_, p)| (p.purges, p.deadline - now))
+                .collect()
+        })
+    }
 }
 
 /// The waiters of [`RecordStore::wait_for_change`] by record hash, so the end of an execution
@@ -855,7 +867,21 @@ impl<S: RecordStore> CachedStore<S> {
         if *store_only {
             return None;
         }
-        self.pending.lock().longest_left(&key.hash, Instant::now())
+        let claims = self.pending.lock().live(&key.hash, Instant::now());
+        if claims.is_empty() {
+            return None;
+        }
+        // A claim whose key was purged since it went out holds nothing to wait on here, though
+        // its execution may still run: the purge came before this wait began (else the marks
+        // above differ), so the store is asked from now on, as after a purge during the wait.
+        let cache = self.shard(&key.hash).lock();
+        let left = claims
+            .iter()
+            .filter(|(since, _)| !cache.purged_since(&key.hash, *since))
+            .map(|&(_, left)| left)
+            .max();
+        *store_only = left.is_none();
+        left
     }
 
     fn cached(&self, key: &RecordKey) -> Option<Record> {
@@ -2275,6 +2301,43 @@ mod tests {
     ) -> tokio::task::JoinHandle<Result<Option<Record>, StoreError>> {
         let (store, key) = (store.clone(), key.clone());
         tokio::spawn(async move { store.wait_for_change(&key, timeout).await })
+    }
+
+    /// A key purged here while this replica's own claim on it still runs, before a wait on it
+    /// began: the wait asks the store (which has nothing) at once, rather than trusting the
+    /// claim and sleeping until its lock lapses. (The randomized test below met this when a
+    /// waiter's task first ran after the purge.)
+    #[tokio::test]
+    async fn a_wait_that_begins_after_a_purge_of_its_own_claim_asks_the_store() {
+        let shared = Arc::new(MemoryStore::new(1 << 20, 4));
+        let store = Arc::new(CachedStore::new(shared, options()).unwrap());
+        let req = ClaimRequest {
+            lock_ttl: Duration::from_secs(5),
+            ..claim("t", 41)
+        };
+        acquired(&store, &req).await;
+        assert!(store.delete(&req.key).await.unwrap());
+        let started = Instant::now();
+        let waited = tokio::time::timeout(
+            Duration::from_secs(3),
+            store.wait_for_change(&req.key, Duration::from_secs(10)),
+        )
+        .await
+        .expect("the wait trusted the purged claim and slept toward its lapse");
+        assert!(waited.unwrap().is_none());
+        assert!(started.elapsed() < Duration::from_secs(1));
+        // A claim that was not purged is still waited on here.
+        let other = ClaimRequest {
+            lock_ttl: Duration::from_secs(5),
+            ..claim("t", 42)
+        };
+        acquired(&store, &other).await;
+        let wait = spawn_wait(&store, &other.key, Duration::from_millis(300));
+        let record = wait.await.unwrap().unwrap();
+        assert!(
+            matches!(record.map(|r| r.state), Some(RecordState::InFlight { .. })),
+            "the wait ran out with the claim still in flight"
+        );
     }
 
     /// The waits under many interleavings: two replicas over one store, rounds of a claim on
