@@ -4360,8 +4360,6 @@ routes:
         assert!(!warned(&with_route_idempotency("key: optional")));
     }
 
-    /// The defaults agree with each other: a keyed route on the default upstream timeouts fits
-    /// the default grace period, so a config that keeps them starts without a warning.
     #[test]
     fn min_key_length_is_within_the_key_length_limit() {
         let idem = |line: &str| {
@@ -4423,6 +4421,8 @@ routes:
         assert!(err.contains("upstreams.orders.max_in_flight"), "{err}");
     }
 
+    /// The defaults agree with each other: a keyed route on the default upstream timeouts fits
+    /// the default grace period, so a config that keeps them starts without a warning.
     #[test]
     fn the_default_timeouts_fit_the_default_grace_period() {
         let slow = |w: &String| w.contains("longer than shutdown.grace_period");

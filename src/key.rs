@@ -30,6 +30,15 @@ pub enum KeyError {
         /// Length of the decoded key.
         len: usize,
     },
+    /// The key is shorter than the route's `min_key_length` (a route's rule, checked by the
+    /// proxy after [`parse_key`]).
+    #[error("the idempotency key is {len} characters long; this route needs at least {min}")]
+    TooShort {
+        /// Length of the decoded key.
+        len: usize,
+        /// The route's minimum.
+        min: usize,
+    },
     /// The key holds a character outside visible ASCII (space, control, DEL or non-ASCII).
     #[error("the idempotency key contains a character outside visible ASCII")]
     InvalidCharacter,

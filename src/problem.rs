@@ -122,14 +122,8 @@ pub enum Problem {
         retry_after: Duration,
     },
     /// The request was sent but no complete answer came back: the key stays locked until its
-    /// lock lapses, or (`settled`, by `on_outcome_unknown: settle`) is recorded as executed.
-    UpstreamOutcomeUnknown {
-        /// Recorded as executed, not replayable: retries get 409, never a second execution.
-        settled: bool,
-        /// Not settled: when the key's lock has lapsed at the latest, so a retry can run
-        /// (`Retry-After`; before then a retry gets 409 `request-in-flight`).
-        retry_after: Option<Duration>,
-    },
+    /// lock lapses, or (by `on_outcome_unknown: settle`) is recorded as executed.
+    UpstreamOutcomeUnknown(OutcomeKept),
     /// A request forwarded without a claim (no key, or `on_unavailable: pass`) reached the
     /// backend (whole or in part) and no answer came back: it may have been executed, and no
     /// lock makes a retry safe.
@@ -153,6 +147,21 @@ pub enum AnswerSettled {
         /// When the lock has lapsed at the latest.
         retry_after: Duration,
     },
+}
+
+/// What became of the claim of a request sent whose answer was lost
+/// ([`Problem::UpstreamOutcomeUnknown`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutcomeKept {
+    /// Locked until the lock lapses (`on_outcome_unknown: lapse`); a retry then runs it again.
+    Locked {
+        /// When the lock has lapsed at the latest (`Retry-After`; before then a retry gets
+        /// 409 `request-in-flight`).
+        retry_after: Duration,
+    },
+    /// Recorded as executed, not replayable (`settle`): retries get 409, never a second
+    /// execution.
+    Settled,
 }
 
 /// Base of every problem `type` URI.
@@ -179,7 +188,7 @@ impl Problem {
             Problem::NoRoute => 404,
             Problem::MethodCase => 400,
             Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => 502,
-            Problem::UpstreamOutcomeUnknown { .. } => 504,
+            Problem::UpstreamOutcomeUnknown(_) => 504,
             Problem::UpstreamAnswerLost | Problem::UpstreamAnswerInvalid(_) => 502,
         }
     }
@@ -212,7 +221,7 @@ impl Problem {
             Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => {
                 "upstream-unreachable"
             }
-            Problem::UpstreamOutcomeUnknown { .. } => "upstream-outcome-unknown",
+            Problem::UpstreamOutcomeUnknown(_) => "upstream-outcome-unknown",
             Problem::UpstreamAnswerLost => "upstream-answer-lost",
             Problem::UpstreamAnswerInvalid(_) => "upstream-answer-invalid",
         }
@@ -246,7 +255,7 @@ impl Problem {
             Problem::UpstreamConnect | Problem::UpstreamConnectKeyLocked { .. } => {
                 "Backend unreachable"
             }
-            Problem::UpstreamOutcomeUnknown { .. } => "Backend outcome unknown",
+            Problem::UpstreamOutcomeUnknown(_) => "Backend outcome unknown",
             Problem::UpstreamAnswerLost => "Backend answer lost",
             Problem::UpstreamAnswerInvalid(_) => "Backend answer not valid HTTP",
         }
@@ -326,13 +335,13 @@ impl Problem {
                 request was not sent, but its key could not be released and stays locked until \
                 its lock expires: retry with the same key after Retry-After."
                 .into(),
-            Problem::UpstreamOutcomeUnknown { settled: false, .. } => {
+            Problem::UpstreamOutcomeUnknown(OutcomeKept::Locked { .. }) => {
                 "The request was sent but the \
                 backend's answer was lost; retries with this key are refused until the lock \
                 expires."
                     .into()
             }
-            Problem::UpstreamOutcomeUnknown { settled: true, .. } => {
+            Problem::UpstreamOutcomeUnknown(OutcomeKept::Settled) => {
                 "The request was sent but the \
                 backend's answer was lost; it is recorded as executed (once the store takes the \
                 write), so retries with this key get 409 and are not executed again."
@@ -382,7 +391,7 @@ impl Problem {
             Problem::NoRoute | Problem::MethodCase => Outcome::Invalid,
             Problem::UpstreamConnect
             | Problem::UpstreamConnectKeyLocked { .. }
-            | Problem::UpstreamOutcomeUnknown { .. }
+            | Problem::UpstreamOutcomeUnknown(_)
             | Problem::UpstreamAnswerLost
             | Problem::UpstreamAnswerInvalid(_) => Outcome::Miss,
         }
@@ -392,10 +401,7 @@ impl Problem {
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self {
             Problem::InFlight { retry_after }
-            | Problem::UpstreamOutcomeUnknown {
-                retry_after: Some(retry_after),
-                ..
-            }
+            | Problem::UpstreamOutcomeUnknown(OutcomeKept::Locked { retry_after })
             | Problem::UpstreamBusy { retry_after }
             | Problem::UpstreamConnectKeyLocked { retry_after }
             | Problem::UpstreamAnswerInvalid(AnswerSettled::Locked { retry_after }) => {

@@ -31,7 +31,7 @@ use crate::config::{
 };
 use crate::key;
 use crate::metrics::{KeyOutcome, Metrics, Pull, RouteHandles, StoreOpHandles};
-use crate::problem::{AnswerSettled, Outcome, Problem};
+use crate::problem::{AnswerSettled, Outcome, OutcomeKept, Problem};
 use crate::store::retry::{CompletionRetrier, PendingCompletion, Refusal};
 use crate::store::{
     fallback_record, ClaimOutcome, ClaimRequest, Completion, OwnerToken, RecordKey, RecordState,
@@ -189,7 +189,7 @@ pub struct UpstreamPool {
 
 /// One request out to an upstream, counted in its `idemgate_upstream_in_flight` until dropped
 /// (with the request's context, once its answer is relayed or it failed).
-pub struct InFlightSlot(prometheus::IntGauge);
+struct InFlightSlot(prometheus::IntGauge);
 
 impl Drop for InFlightSlot {
     fn drop(&mut self) {
@@ -252,15 +252,15 @@ impl UpstreamPool {
     /// lets nothing new out until the requests already out fall under it.
     fn slot(&self) -> Option<InFlightSlot> {
         self.in_flight.inc();
-        let slot = InFlightSlot(self.in_flight.clone());
-        match self.max_in_flight {
-            Some(max) if self.in_flight.get() > max as i64 => {
-                drop(slot);
-                self.busy.inc();
-                None
-            }
-            _ => Some(slot),
+        if self
+            .max_in_flight
+            .is_some_and(|max| self.in_flight.get() > max as i64)
+        {
+            self.in_flight.dec();
+            self.busy.inc();
+            return None;
         }
+        Some(InFlightSlot(self.in_flight.clone()))
     }
 
     /// The index of the next address, round robin.
@@ -570,16 +570,17 @@ impl Gate {
         // Step 2: the key. A bad header is never treated as "no key".
         let key = match key::parse_key(req.headers.get_all(&config.idempotency.key_header)) {
             Ok(Some(k)) if k.len() < idem.min_key_length => {
-                let detail = format!(
-                    "the idempotency key is {} characters long; this route needs at least {}",
-                    k.len(),
-                    idem.min_key_length
-                );
-                return self.refuse(session, Problem::KeyInvalid(detail)).await;
+                let short = key::KeyError::TooShort {
+                    len: k.len(),
+                    min: idem.min_key_length,
+                };
+                return self
+                    .refuse(session, ctx, Problem::KeyInvalid(short.to_string()))
+                    .await;
             }
             Ok(Some(k)) => k,
             Ok(None) => match idem.key {
-                KeyMode::Required => return self.refuse(session, Problem::KeyMissing).await,
+                KeyMode::Required => return self.refuse(session, ctx, Problem::KeyMissing).await,
                 KeyMode::Optional => {
                     ctx.outcome = Some(Outcome::Bypass);
                     return Ok(None);
@@ -587,7 +588,7 @@ impl Gate {
             },
             Err(e) => {
                 return self
-                    .refuse(session, Problem::KeyInvalid(e.to_string()))
+                    .refuse(session, ctx, Problem::KeyInvalid(e.to_string()))
                     .await
             }
         };
@@ -599,14 +600,16 @@ impl Gate {
             Ok(Some(t)) => t.to_owned(),
             Err(e) => {
                 return self
-                    .refuse(session, Problem::TenantInvalid(e.to_string()))
+                    .refuse(session, ctx, Problem::TenantInvalid(e.to_string()))
                     .await
             }
         };
         if idem.scope_required && !key::has_scope(&req.headers, &idem.scope_headers) {
             let names = idem.scope_headers.iter().map(HeaderName::as_str);
             let names = names.collect::<Vec<_>>().join(" or ");
-            return self.refuse(session, Problem::ScopeMissing(names)).await;
+            return self
+                .refuse(session, ctx, Problem::ScopeMissing(names))
+                .await;
         }
         let hash = key::record_hash(&tenant, &req.headers, &idem.scope_headers, &key);
         ctx.record_label = Some(key::hash_label(&hash));
@@ -616,7 +619,7 @@ impl Gate {
         // lost on the way: the body is sent on with a length and no coding.
         if transfer_coded(&req.headers) {
             return self
-                .refuse(session, Problem::TransferCodingUnsupported)
+                .refuse(session, ctx, Problem::TransferCodingUnsupported)
                 .await;
         }
         let body = match self
@@ -629,7 +632,7 @@ impl Gate {
             .await
         {
             Ok(b) => b,
-            Err(p) => return self.refuse(session, p).await,
+            Err(p) => return self.refuse(session, ctx, p).await,
         };
         let req = session.req_header();
         // Headers `Connection` names are not forwarded: the fingerprint leaves them out too, so
@@ -677,7 +680,9 @@ impl Gate {
                 } else if record.fingerprint != claim_req.fingerprint {
                     // Released there (a 5xx during the outage): the store, back, knows
                     // nothing of it, but the key still runs only for the same request...
-                    return self.refuse(session, Problem::FingerprintMismatch).await;
+                    return self
+                        .refuse(session, ctx, Problem::FingerprintMismatch)
+                        .await;
                 } else {
                     // ...and under the id the backend already saw.
                     claim_req.execution_id = record.execution_id;
@@ -736,18 +741,20 @@ impl Gate {
                 }
                 Ok(ClaimOutcome::Existing(record)) => record,
                 Err(StoreError::Full { .. } | StoreError::OutOfMemory(_)) => {
-                    return self.refuse(session, Problem::StoreFull).await
+                    return self.refuse(session, ctx, Problem::StoreFull).await
                 }
                 // The store answered, but not in a way this proxy can use: a record it cannot
                 // read, or a script that fails. That is no outage, so the outage policy does not
                 // apply — executing could run the key twice.
                 Err(StoreError::Corrupt(e)) => {
                     crate::error_throttled!(error = %e, "record store answered with a record this proxy cannot read or a failing script; refused");
-                    return self.refuse(session, Problem::StoreRecordUnreadable).await;
+                    return self
+                        .refuse(session, ctx, Problem::StoreRecordUnreadable)
+                        .await;
                 }
                 Err(e) if seen_live => {
                     crate::warn_throttled!(error = %e, "record store failed on claim after the key was seen held by another request; not executing it unprotected");
-                    return self.refuse(session, Problem::StoreUnavailable).await;
+                    return self.refuse(session, ctx, Problem::StoreUnavailable).await;
                 }
                 Err(e) => {
                     crate::warn_throttled!(error = %e, "record store failed on claim");
@@ -755,14 +762,14 @@ impl Gate {
                     // lets through: a retry of it must not run beside it.
                     if let Some(retry_after) = self.store.own_claim(&claim_req.key) {
                         return self
-                            .refuse(session, Problem::InFlight { retry_after })
+                            .refuse(session, ctx, Problem::InFlight { retry_after })
                             .await;
                     }
                     // Nor must a retry of one that ended here since the cache was asked.
                     let Some(record) = self.store.local_copy(&claim_req.key) else {
                         match config.store.on_unavailable {
                             OnUnavailable::Reject => {
-                                return self.refuse(session, Problem::StoreUnavailable).await
+                                return self.refuse(session, ctx, Problem::StoreUnavailable).await
                             }
                             OnUnavailable::Pass => {
                                 return self
@@ -784,7 +791,11 @@ impl Gate {
                                     degraded = true;
                                     continue;
                                 }
-                                _ => return self.refuse(session, Problem::StoreUnavailable).await,
+                                _ => {
+                                    return self
+                                        .refuse(session, ctx, Problem::StoreUnavailable)
+                                        .await
+                                }
                             },
                         }
                     };
@@ -792,14 +803,18 @@ impl Gate {
                 }
             };
             if existing.fingerprint != fingerprint {
-                return self.refuse(session, Problem::FingerprintMismatch).await;
+                return self
+                    .refuse(session, ctx, Problem::FingerprintMismatch)
+                    .await;
             }
             ctx.execution_id = Some(existing.execution_id);
             match existing.state {
                 RecordState::Completed(Completion::Response(stored)) => {
                     let Some(head) = replay_head(&stored, &idem.replay_exclude_headers) else {
                         tracing::error!("stored response cannot be written as HTTP");
-                        return self.refuse(session, Problem::StoreRecordUnreadable).await;
+                        return self
+                            .refuse(session, ctx, Problem::StoreRecordUnreadable)
+                            .await;
                     };
                     // Set before the writes: a client gone mid-replay still counts as a hit.
                     ctx.outcome = Some(Outcome::Hit);
@@ -809,7 +824,7 @@ impl Gate {
                     }));
                 }
                 RecordState::Completed(Completion::Unreplayable { .. }) => {
-                    return self.refuse(session, Problem::NotReplayable).await
+                    return self.refuse(session, ctx, Problem::NotReplayable).await
                 }
                 RecordState::InFlight { lock_remaining } => {
                     seen_live = true;
@@ -818,14 +833,14 @@ impl Gate {
                         let problem = Problem::InFlight {
                             retry_after: lock_remaining,
                         };
-                        return self.refuse(session, problem).await;
+                        return self.refuse(session, ctx, problem).await;
                     }
                     let started = Instant::now();
                     let waited = store.wait_for_change(&claim_req.key, deadline - now).await;
                     self.observe_store(StoreOp::Wait, started, waited.is_err());
                     if let Err(e) = waited {
                         crate::warn_throttled!(error = %e, "record store failed while waiting");
-                        return self.refuse(session, Problem::StoreUnavailable).await;
+                        return self.refuse(session, ctx, Problem::StoreUnavailable).await;
                     }
                     // Claim again: the original completed (replay), released (execute) or is
                     // still running (wait more, or 409 at the deadline).
@@ -838,7 +853,7 @@ impl Gate {
                         let problem = Problem::InFlight {
                             retry_after: Duration::from_secs(1),
                         };
-                        return self.refuse(session, problem).await;
+                        return self.refuse(session, ctx, problem).await;
                     }
                 }
             }
@@ -976,10 +991,9 @@ impl Gate {
             let busy = Problem::UpstreamBusy {
                 retry_after: locked.unwrap_or(Duration::from_secs(1)),
             };
-            ctx.outcome = Some(busy.outcome());
-            return self
-                .refuse_executed(session, busy, Outcome::Unavailable)
-                .await;
+            let outcome = busy.outcome();
+            ctx.outcome = Some(outcome);
+            return self.refuse_executed(session, ctx, busy, outcome).await;
         };
         ctx.upstream_slot = Some(slot);
 
@@ -1030,7 +1044,7 @@ impl Gate {
                     Some(retry_after) => Problem::UpstreamConnectKeyLocked { retry_after },
                     None => Problem::UpstreamConnect,
                 };
-                return self.refuse_executed(session, problem, outcome).await;
+                return self.refuse_executed(session, ctx, problem, outcome).await;
             }
         };
 
@@ -1089,7 +1103,7 @@ impl Gate {
                 if claim.is_some() {
                     ctx.count_key_outcome(key_outcome(&problem));
                 }
-                return self.refuse_executed(session, problem, outcome).await;
+                return self.refuse_executed(session, ctx, problem, outcome).await;
             }
         };
         let status = response.status.as_u16();
@@ -1246,19 +1260,15 @@ impl Gate {
 
         if let Err(e) = body_result {
             let problem = match claim.as_ref() {
-                Some(_) if settled => Problem::UpstreamOutcomeUnknown {
-                    settled: true,
-                    retry_after: None,
-                },
+                Some(_) if settled => Problem::UpstreamOutcomeUnknown(OutcomeKept::Settled),
                 // Under `settle` the status the backend gave decides, as for a head that cannot
                 // be relayed: one the route stores is recorded as executed; one it does not (a
                 // 503 cut off) says nothing ran, and releases the key rather than spending it.
                 Some(c) if idem.on_outcome_unknown == OnOutcomeUnknown::Settle => {
                     match self.settle_by_status(c, idem, status).await {
-                        AnswerSettled::Recorded => Problem::UpstreamOutcomeUnknown {
-                            settled: true,
-                            retry_after: None,
-                        },
+                        AnswerSettled::Recorded => {
+                            Problem::UpstreamOutcomeUnknown(OutcomeKept::Settled)
+                        }
                         released => Problem::UpstreamAnswerInvalid(released),
                     }
                 }
@@ -1279,7 +1289,7 @@ impl Gate {
             }
             if out.header.is_some() {
                 // Nothing reached the client yet: it can still be told the truth.
-                return self.refuse_executed(session, problem, outcome).await;
+                return self.refuse_executed(session, ctx, problem, outcome).await;
             }
             // The client saw a partial response; closing is the only honest signal left.
             session.set_keepalive(None);
@@ -1319,27 +1329,6 @@ impl Gate {
         Ok(Handled { outcome })
     }
 
-    /// Takes a place among the requests out to `upstream` for a request about to go out, held
-    /// in `ctx`; with none free answers 503 `upstream-busy` and returns `false`.
-    async fn take_place(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        upstream: usize,
-    ) -> Result<bool> {
-        if let Some(slot) = ctx.gen.pools[upstream].slot() {
-            ctx.upstream_slot = Some(slot);
-            return Ok(true);
-        }
-        let busy = Problem::UpstreamBusy {
-            retry_after: Duration::from_secs(1),
-        };
-        ctx.refused = true;
-        ctx.refused_for_its_request(&busy);
-        write_problem(session, &busy, ctx.outcome, ctx.docs()).await?;
-        Ok(false)
-    }
-
     /// Forwards a request that needs no idempotency bookkeeping over idemgate's own client, when
     /// it can: returns `Ok(false)` to leave the request to pingora's proxy path (an `Upgrade`,
     /// `Expect`, `CONNECT`, a chunked body or one over [`upstream::FORWARD_BODY_BYTES`]).
@@ -1376,10 +1365,7 @@ impl Gate {
                 session.set_read_timeout(Some(ctx.gen.config.request_body_timeout));
             }
             // pingora sends the head at once and the body as it comes: the request is out.
-            return self
-                .take_place(session, ctx, upstream_index)
-                .await
-                .map(|took| !took);
+            return refused_busy(session, ctx, upstream_index).await;
         }
         let gen = ctx.gen.clone();
         let pool = &gen.pools[upstream_index];
@@ -1390,10 +1376,7 @@ impl Gate {
         let mut held = self.bodies.permit();
         if !held.cover(declared.unwrap_or(0), config.max_buffered_request_bytes) {
             session.set_read_timeout(Some(config.request_body_timeout));
-            return self
-                .take_place(session, ctx, upstream_index)
-                .await
-                .map(|took| !took);
+            return refused_busy(session, ctx, upstream_index).await;
         }
         let body = match self
             .read_body(session, upstream::FORWARD_BODY_BYTES, config, held)
@@ -1403,13 +1386,13 @@ impl Gate {
             Err(problem) => {
                 ctx.refused = true;
                 ctx.refused_for_its_request(&problem);
-                write_problem(session, &problem, ctx.outcome, ctx.docs()).await?;
+                answer(session, ctx, &problem).await?;
                 return Ok(true);
             }
         };
         // Only now, with the whole body in hand: a client trickling its body holds no place
         // the backend could use.
-        if !self.take_place(session, ctx, upstream_index).await? {
+        if refused_busy(session, ctx, upstream_index).await? {
             return Ok(true);
         }
         let req = session.req_header();
@@ -1439,8 +1422,7 @@ impl Gate {
                 Err(e) => {
                     ctx.backend_done(started);
                     crate::warn_throttled!(error = %e, route = label(ctx), "backend unreachable");
-                    write_problem(session, &Problem::UpstreamConnect, ctx.outcome, ctx.docs())
-                        .await?;
+                    answer(session, ctx, &Problem::UpstreamConnect).await?;
                     return Ok(true);
                 }
             };
@@ -1467,13 +1449,7 @@ impl Gate {
                 Err(e) => {
                     ctx.backend_done(started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer lost");
-                    write_problem(
-                        session,
-                        &Problem::UpstreamAnswerLost,
-                        ctx.outcome,
-                        ctx.docs(),
-                    )
-                    .await?;
+                    answer(session, ctx, &Problem::UpstreamAnswerLost).await?;
                     return Ok(true);
                 }
             }
@@ -1501,13 +1477,7 @@ impl Gate {
                     ctx.backend_done(started);
                     tracing::warn!(error = %e, route = label(ctx), "backend answer cut off");
                     if out.header.is_some() {
-                        write_problem(
-                            session,
-                            &Problem::UpstreamAnswerLost,
-                            ctx.outcome,
-                            ctx.docs(),
-                        )
-                        .await?;
+                        answer(session, ctx, &Problem::UpstreamAnswerLost).await?;
                         return Ok(true);
                     }
                     session.set_keepalive(None);
@@ -1604,16 +1574,12 @@ impl Gate {
             Some(c) if idem.on_outcome_unknown == OnOutcomeUnknown::Settle => {
                 self.complete(c, Completion::Unreplayable { status: 504 })
                     .await;
-                Problem::UpstreamOutcomeUnknown {
-                    settled: true,
-                    retry_after: None,
-                }
+                Problem::UpstreamOutcomeUnknown(OutcomeKept::Settled)
             }
             // Kept until the lock lapses: the answer says when a retry can run.
-            Some(c) => Problem::UpstreamOutcomeUnknown {
-                settled: false,
-                retry_after: Some(c.lapses_by.saturating_duration_since(Instant::now())),
-            },
+            Some(c) => Problem::UpstreamOutcomeUnknown(OutcomeKept::Locked {
+                retry_after: c.lapses_by.saturating_duration_since(Instant::now()),
+            }),
         }
     }
 
@@ -1797,9 +1763,14 @@ impl Gate {
     }
 
     /// Answers with a proxy-made problem; the request is not forwarded.
-    async fn refuse(&self, session: &mut Session, problem: Problem) -> Result<Option<Handled>> {
+    async fn refuse(
+        &self,
+        session: &mut Session,
+        ctx: &RequestCtx,
+        problem: Problem,
+    ) -> Result<Option<Handled>> {
         let outcome = problem.outcome();
-        self.refuse_executed(session, problem, outcome)
+        self.refuse_executed(session, ctx, problem, outcome)
             .await
             .map(Some)
     }
@@ -1809,15 +1780,14 @@ impl Gate {
     async fn refuse_executed(
         &self,
         session: &mut Session,
+        ctx: &RequestCtx,
         problem: Problem,
         outcome: Outcome,
     ) -> Result<Handled> {
         // A client gone before the answer is out still had this outcome (its log line and
         // metrics say so); its connection is not used again. The answer is framed by its
         // length, so nothing written after the failure could make it look whole.
-        // Loaded again here (no request context): the running generation's docs link.
-        let docs = self.current.load().config.idempotency.docs_link.clone();
-        if write_problem(session, &problem, Some(outcome), docs.as_ref())
+        if write_problem(session, &problem, Some(outcome), ctx.docs())
             .await
             .is_err()
         {
@@ -1908,7 +1878,7 @@ fn key_outcome(problem: &Problem) -> KeyOutcome {
     match problem {
         Problem::UpstreamAnswerInvalid(AnswerSettled::Recorded) => KeyOutcome::NotReplayable,
         Problem::UpstreamAnswerInvalid(_) => KeyOutcome::Released,
-        Problem::UpstreamOutcomeUnknown { settled: true, .. } => KeyOutcome::Settled,
+        Problem::UpstreamOutcomeUnknown(OutcomeKept::Settled) => KeyOutcome::Settled,
         _ => KeyOutcome::Unknown,
     }
 }
@@ -2052,6 +2022,32 @@ fn declared_length(headers: &http::HeaderMap) -> Option<usize> {
         }
     }
     declared
+}
+
+/// [`write_problem`] with the request's own outcome and docs link.
+async fn answer(session: &mut Session, ctx: &RequestCtx, problem: &Problem) -> Result<()> {
+    write_problem(session, problem, ctx.outcome, ctx.docs()).await
+}
+
+/// Takes a place among the requests out to `upstream` for a forwarded request about to go
+/// out, held in `ctx`. With none free, answers 503 `upstream-busy` and returns `true` (the
+/// request is answered), as [`Gate::forward`] returns.
+async fn refused_busy(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    upstream: usize,
+) -> Result<bool> {
+    if let Some(slot) = ctx.gen.pools[upstream].slot() {
+        ctx.upstream_slot = Some(slot);
+        return Ok(false);
+    }
+    let busy = Problem::UpstreamBusy {
+        retry_after: Duration::from_secs(1),
+    };
+    ctx.refused = true;
+    ctx.refused_for_its_request(&busy);
+    answer(session, ctx, &busy).await?;
+    Ok(true)
 }
 
 /// Writes `problem` as problem+json, with `X-Idempotent-Result` when on an idempotent route.
@@ -2308,7 +2304,7 @@ impl ProxyHttp for Gate {
         if is_standard_method_in_other_case(&req.method) {
             let problem = Problem::MethodCase;
             ctx.outcome = Some(problem.outcome());
-            write_problem(session, &problem, ctx.outcome, ctx.docs()).await?;
+            answer(session, ctx, &problem).await?;
             return Ok(true);
         }
         // HTTP/1.1 requires Host (RFC 9112 §3.2: a server answers 400 without it).
@@ -2478,7 +2474,6 @@ impl ProxyHttp for Gate {
                 if e.etype == pingora::ErrorType::ReadTimedout
                     && written.is_none()
                     && !ctx.body_ended
-                    && !session.is_body_empty()
                     && session.body_bytes_read() > 0 =>
             {
                 Some(Problem::RequestTimeout)
@@ -2514,7 +2509,7 @@ impl ProxyHttp for Gate {
         let code = match (&problem, written) {
             (Some(p), None) => {
                 ctx.refused_for_its_request(p);
-                match write_problem(session, p, ctx.outcome, ctx.docs()).await {
+                match answer(session, ctx, p).await {
                     Ok(()) => p.status(),
                     Err(_) => 0,
                 }

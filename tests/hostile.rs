@@ -311,21 +311,20 @@ async fn a_body_that_never_ends_is_cut_off_by_the_read_timeout() {
 /// incomplete request. 408, not 502 "it may have been executed".
 #[tokio::test]
 async fn a_streamed_body_that_outlasts_the_upstream_read_timeout_is_the_clients_408() {
-    use tokio::io::AsyncWriteExt;
+    use common::client::send_raw;
+    use common::rawbackend::{RawBackend, Step};
     let backend = Backend::start().await;
     let proxy = ProxyBuilder::new(&backend)
         .top("request_body_timeout: 10s")
         .upstream("read_timeout: 300ms")
         .start()
         .await;
-    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(
+    let started = std::time::Instant::now();
+    let r = send_raw(
+        proxy.addr,
         b"POST /plain HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
     )
-    .await
-    .unwrap();
-    let started = std::time::Instant::now();
-    let r = common::client::read_response(&mut s, false).await.unwrap();
+    .await;
     assert_eq!(r.status, 408, "{}", r.text());
     assert_eq!(r.problem_type(), "request-timeout");
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -337,39 +336,27 @@ async fn a_streamed_body_that_outlasts_the_upstream_read_timeout_is_the_clients_
     );
 
     // A whole body whose answer is late is the backend's: 502, it may have run.
-    let slow = ProxyBuilder::new(&backend)
-        .upstream("read_timeout: 300ms")
-        .start()
-        .await;
-    let mut s = tokio::net::TcpStream::connect(slow.addr).await.unwrap();
-    s.write_all(
+    let r = send_raw(
+        proxy.addr,
         b"POST /plain/slow/1000 HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     )
-    .await
-    .unwrap();
-    let r = common::client::read_response(&mut s, false).await.unwrap();
+    .await;
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.problem_type(), "upstream-answer-lost");
 
     // Nor is a client that sent no body yet, waiting for a `100 Continue` the backend never
     // sends: it did nothing wrong.
-    let silent =
-        common::rawbackend::RawBackend::start_head_only(vec![common::rawbackend::Step::Pause(
-            Duration::from_secs(30),
-        )])
-        .await;
+    let silent = RawBackend::start_head_only(vec![Step::Pause(Duration::from_secs(30))]).await;
     let waiting = ProxyBuilder::at(silent.addr)
         .top("request_body_timeout: 10s")
         .upstream("read_timeout: 300ms")
         .start()
         .await;
-    let mut s = tokio::net::TcpStream::connect(waiting.addr).await.unwrap();
-    s.write_all(
+    let r = send_raw(
+        waiting.addr,
         b"POST /plain HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n",
     )
-    .await
-    .unwrap();
-    let r = common::client::read_response(&mut s, false).await.unwrap();
+    .await;
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.problem_type(), "upstream-answer-lost");
 }

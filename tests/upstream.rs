@@ -549,6 +549,21 @@ async fn a_safe_request_sent_again_goes_on_a_new_connection_not_another_pooled_o
 
 #[tokio::test]
 async fn an_upgraded_connection_may_stay_quiet_longer_than_request_body_timeout() {
+    // The client says nothing for three request_body_timeouts; the backend speaks after them.
+    let (text, ended) =
+        read_through_quiet_tunnel(|at| ProxyBuilder::at(at).top("request_body_timeout: 300ms"))
+            .await;
+    assert!(ended, "no answer");
+    assert!(text.starts_with("HTTP/1.1 101"), "{text}");
+    assert!(text.ends_with("hello"), "the tunnel was cut: {text}");
+}
+
+/// What a client reads (within 5 s, or until the connection ends: `true`) through a tunnel
+/// whose backend answers `101`, says nothing for 900 ms, then sends `hello`, via the proxy
+/// `proxy` builds in front of it.
+async fn read_through_quiet_tunnel(
+    proxy: impl FnOnce(std::net::SocketAddr) -> ProxyBuilder,
+) -> (String, bool) {
     use tokio::io::AsyncReadExt;
     let backend = RawBackend::start(vec![
         send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
@@ -556,17 +571,13 @@ async fn an_upgraded_connection_may_stay_quiet_longer_than_request_body_timeout(
         send(b"hello"),
     ])
     .await;
-    let proxy = ProxyBuilder::at(backend.addr)
-        .top("request_body_timeout: 300ms")
-        .start()
-        .await;
+    let proxy = proxy(backend.addr).start().await;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     s.write_all(
         b"GET /plain/ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
     )
     .await
     .unwrap();
-    // The client says nothing for three request_body_timeouts; the backend speaks after them.
     let mut got = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(5), async {
         let mut buf = [0u8; 1024];
@@ -578,10 +589,7 @@ async fn an_upgraded_connection_may_stay_quiet_longer_than_request_body_timeout(
         }
     })
     .await;
-    assert!(read.is_ok(), "no answer");
-    let text = String::from_utf8_lossy(&got);
-    assert!(text.starts_with("HTTP/1.1 101"), "{text}");
-    assert!(text.ends_with("hello"), "the tunnel was cut: {text}");
+    (String::from_utf8_lossy(&got).into_owned(), read.is_ok())
 }
 
 /// A client that breaks off an upgraded connection (a reset) ends a tunnel, not a request with
@@ -1807,35 +1815,8 @@ async fn an_upstream_at_max_in_flight_refuses_what_would_be_sent_and_still_repla
 /// docs/http.md; this test fails if that ever changes, so the docs can follow.
 #[tokio::test]
 async fn a_tunnel_whose_backend_is_quiet_for_read_timeout_is_closed() {
-    use tokio::io::AsyncReadExt;
-    let backend = RawBackend::start(vec![
-        send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
-        Step::Pause(Duration::from_millis(900)),
-        send(b"hello"),
-    ])
-    .await;
-    let proxy = ProxyBuilder::at(backend.addr)
-        .upstream("read_timeout: 300ms")
-        .start()
-        .await;
-    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(
-        b"GET /orders/ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
-    )
-    .await
-    .unwrap();
-    let mut got = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        let mut buf = [0u8; 1024];
-        while !got.ends_with(b"hello") {
-            match s.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-            }
-        }
-    })
-    .await;
-    let text = String::from_utf8_lossy(&got);
+    let (text, _) =
+        read_through_quiet_tunnel(|at| ProxyBuilder::at(at).upstream("read_timeout: 300ms")).await;
     assert!(text.starts_with("HTTP/1.1 101"), "{text}");
     assert!(
         !text.ends_with("hello"),
