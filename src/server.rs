@@ -497,6 +497,15 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
              be only in the log (store.completion_retry.dead_letter_path)"
         ),
     }
+    // Unlike idemgate_dead_letters_total, this survives a restart: the letters stay in the
+    // file until it is renamed aside to be reconciled.
+    let dead_letter_path = r.dead_letter_path.clone();
+    metrics.pull_gauge(
+        "idemgate_dead_letter_file_bytes",
+        "Size of the dead-letter file under its configured path (0 when absent or empty, -1 when \
+         it cannot be read): above 0 until it is renamed aside and reconciled, across restarts",
+        move || dead_letter_file_bytes(&dead_letter_path),
+    );
 
     let generation = Generation::new(config, &metrics).map_err(StartError::Config)?;
     let current = Arc::new(ArcSwap::from_pointee(generation));
@@ -1084,6 +1093,16 @@ fn register_worker_id_metrics(metrics: &Metrics, ids: &Arc<WorkerIds>) {
             ),
         ],
     );
+}
+
+/// The dead-letter file's size for `idemgate_dead_letter_file_bytes`, read at each scrape:
+/// 0 when there is no file (renamed aside, or not written yet), -1 when it cannot be read.
+fn dead_letter_file_bytes(path: &std::path::Path) -> f64 {
+    match std::fs::metadata(path) {
+        Ok(meta) => meta.len() as f64,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0.0,
+        Err(_) => -1.0,
+    }
 }
 
 fn register_store_metrics(metrics: &Metrics, retrier: &CompletionRetrier) {

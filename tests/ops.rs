@@ -186,6 +186,33 @@ async fn a_dead_letter_file_is_private_and_an_exposed_one_is_reported_at_start()
     assert!(line.contains("644"), "{line}");
 }
 
+/// Dead letters a run before this one wrote still show once the process has restarted (its
+/// counters start at 0 again), until the file is renamed aside to be reconciled.
+#[tokio::test]
+async fn the_dead_letter_file_size_is_a_gauge_that_outlives_a_restart() {
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("dead.jsonl");
+    let earlier = "{\"reason\":\"written by the run before\"}\n";
+    std::fs::write(&path, earlier).expect("file");
+    let proxy = ProxyBuilder::new(&backend)
+        .store(&format!(
+            "completion_retry: {{ dead_letter_path: \"{}\" }}",
+            path.display()
+        ))
+        .start()
+        .await;
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_dead_letters_total"), Some(0.0));
+    assert_eq!(
+        metric(&m, "idemgate_dead_letter_file_bytes"),
+        Some(earlier.len() as f64)
+    );
+    std::fs::rename(&path, dir.path().join("dead.jsonl.rotated")).expect("rotate");
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "idemgate_dead_letter_file_bytes"), Some(0.0));
+}
+
 #[tokio::test]
 async fn a_dead_letter_file_that_cannot_be_opened_is_reported_at_start() {
     let backend = Backend::start().await;
