@@ -1287,8 +1287,9 @@ fn exit_when_drained(
 ) {
     // A little before the end, while the log still has time to reach its file and the
     // dead-letter file time to take what waits.
-    let deadline =
-        std::time::Instant::now() + grace_period.saturating_sub(Duration::from_millis(250));
+    let signalled = std::time::Instant::now();
+    let deadline = signalled + grace_period.saturating_sub(Duration::from_millis(250));
+    let requests_at_signal = in_flight.get();
     let mut told = false;
     // Let the listeners close and requests already accepted reach the proxy first.
     std::thread::sleep(Duration::from_millis(200));
@@ -1327,7 +1328,15 @@ fn exit_when_drained(
                     // `run`'s end is under way (pingora stopped first): it exits.
                     return;
                 }
-                tracing::info!("drained; exiting");
+                let stats = retrier.stats();
+                tracing::info!(
+                    drained_in_ms = signalled.elapsed().as_millis() as u64,
+                    requests_at_signal,
+                    dead_letters = stats.dead_lettered.load(Ordering::Relaxed),
+                    dead_letters_not_written =
+                        stats.dead_letter_write_failures.load(Ordering::Relaxed),
+                    "drained; exiting"
+                );
                 on_exit();
                 std::process::exit(0);
             }
