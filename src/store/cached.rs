@@ -119,18 +119,17 @@ struct Cache {
     copy_resets: u64,
 }
 
-/// The entry of `key` kept for its completion by execution `execution_id` while its write is
-/// retried (`Held::Unstored`); another entry of the record (a later execution's, or a copy) is
-/// not that write's to settle.
+/// The entry of `key` kept for the completion of `owner`'s claim while its write is retried
+/// (`Held::Unstored`); another entry of the record (a later execution's, even under the same
+/// execution id after a takeover, or a copy) is not that write's to settle.
 fn unstored_entry<'a>(
     cache: &'a mut Cache,
     key: &RecordKey,
-    execution_id: u64,
+    owner: OwnerToken,
 ) -> Option<&'a mut CacheEntry> {
     cache.map.get_mut(&key.hash).filter(|e| {
-        matches!(e.held, Held::Unstored { .. })
+        matches!(e.held, Held::Unstored { owner: o, .. } if o == Owner::of(owner))
             && e.tenant == key.tenant
-            && e.execution_id == execution_id
     })
 }
 
@@ -166,7 +165,9 @@ impl Cache {
                 return true;
             }
             match self.map.entry(hash) {
-                Entry::Occupied(e) if e.get().seq == seq && e.get().held == Held::GivenUp => {
+                Entry::Occupied(e)
+                    if e.get().seq == seq && matches!(e.get().held, Held::GivenUp { .. }) =>
+                {
                     self.bytes -= e.remove().size;
                     gone += 1;
                     false
@@ -248,10 +249,10 @@ enum Origin {
     /// Not kept across a purge of its shard or a drop of every copy: the write may have landed
     /// before a purge that the drop stands for.
     Stored(Mark),
-    /// Completed here, and the store failed to take the write (it is retried in the
-    /// background): not kept across a purge of its shard. A drop of every copy leaves it, since
-    /// it is the only trace of the completion until the write lands.
-    Unstored(Mark),
+    /// Completed here by `owner`'s claim, and the store failed to take the write (it is
+    /// retried in the background): not kept across a purge of its shard. A drop of every copy
+    /// leaves it, since it is the only trace of the completion until the write lands.
+    Unstored { mark: Mark, owner: OwnerToken },
     /// Read completed from the store: not kept across a purge of its shard or a drop of every
     /// copy.
     Copy(Mark),
@@ -264,15 +265,27 @@ enum Held {
     /// of it may be missed while the purge channel is down, so
     /// [`CachedStore::forget_copies`] drops it.
     Copy,
-    /// Completed here, the write still being retried: kept by a drop of every copy, so a retry
-    /// here replays it instead of executing again, until the retrier stores it
-    /// ([`CachedStore::completion_stored`]). `copy_resets` is its shard's count from before
-    /// the first write went out.
-    Unstored { copy_resets: u64 },
-    /// Completed here, and dead-lettered without knowing whether the store took it
-    /// ([`CachedStore::completion_given_up`]): kept as `Unstored` is, until the store is found
-    /// to hold this very completion ([`CachedStore::check_given_up`]).
-    GivenUp,
+    /// Completed here by `owner`'s claim, the write still being retried: kept by a drop of
+    /// every copy, so a retry here replays it instead of executing again, until the retrier
+    /// stores it ([`CachedStore::completion_stored`]). `copy_resets` is its shard's count from
+    /// before the first write went out.
+    Unstored { copy_resets: u64, owner: Owner },
+    /// Completed here by `owner`'s claim, and dead-lettered without knowing whether the store
+    /// took it ([`CachedStore::completion_given_up`]): kept as `Unstored` is, until the store
+    /// is found to hold this very completion ([`CachedStore::check_given_up`]).
+    GivenUp { owner: Owner },
+}
+
+/// The owner token of the claim an entry's completion ended, which tells the entry of one
+/// execution from that of a takeover after its lock lapsed (same record, same execution id).
+/// Two halves, so an entry keeps the 8-byte alignment a `u128` would double.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owner([u64; 2]);
+
+impl Owner {
+    fn of(token: OwnerToken) -> Self {
+        Owner([(token.0 >> 64) as u64, token.0 as u64])
+    }
 }
 
 /// What an entry costs beyond its response and tenant: its map slot (twice, for the slack a hash
@@ -928,7 +941,7 @@ impl<S: RecordStore> CachedStore<S> {
         // not hold is kept whatever its size (a shard's budget is 1/64 of the cache, 1 MiB by
         // default, less than the largest replayable response): it may be the only trace of its
         // answer, and copies make room for it.
-        let unstored = matches!(origin, Origin::Unstored(_));
+        let unstored = matches!(origin, Origin::Unstored { .. });
         // One clock read for the whole insertion: it runs on every completion and copy.
         let now = Instant::now();
         if (size > budget && !unstored) || expires_at <= now {
@@ -942,9 +955,10 @@ impl<S: RecordStore> CachedStore<S> {
         // Checked under the lock the counts change under, so a purge either came before (and
         // the entry is not kept) or comes after (and finds it).
         let (held, unchanged) = match origin {
-            Origin::Unstored(mark) => (
+            Origin::Unstored { mark, owner } => (
                 Held::Unstored {
                     copy_resets: mark.copy_resets,
+                    owner: Owner::of(owner),
                 },
                 // Only a purge of this record takes the trace: one of another record of the
                 // shard meanwhile has nothing to do with it, and dropping the only trace of an
@@ -1041,19 +1055,23 @@ impl<S: RecordStore> CachedStore<S> {
     }
 
     /// What the completion retrier tells this cache: a completion that lost its key is dropped
-    /// ([`CachedStore::forget`]), one a retry stored becomes a copy that a missed purge can
+    /// ([`CachedStore::completion_taken_over`]), one a retry stored becomes a copy that a missed purge can
     /// take ([`CachedStore::completion_stored`]), one given up on without knowing whether the
     /// store took it stays until the store is found to hold it
     /// ([`CachedStore::completion_given_up`]), and one whose record is gone is kept as such
     /// ([`CachedStore::keep_lost`]).
     pub fn retry_hooks(self: &Arc<Self>) -> super::retry::LocalHooks {
-        let (forget, stored, given_up, lost) =
+        let (taken_over, stored, given_up, lost) =
             (self.clone(), self.clone(), self.clone(), self.clone());
         super::retry::LocalHooks {
-            forget: Arc::new(move |key: &RecordKey| forget.forget(key)),
-            stored: Arc::new(move |key: &RecordKey, id: u64| stored.completion_stored(key, id)),
-            given_up: Arc::new(move |key: &RecordKey, id: u64| {
-                given_up.completion_given_up(key, id)
+            taken_over: Arc::new(move |key: &RecordKey, owner: OwnerToken| {
+                taken_over.completion_taken_over(key, owner)
+            }),
+            stored: Arc::new(move |key: &RecordKey, owner: OwnerToken| {
+                stored.completion_stored(key, owner)
+            }),
+            given_up: Arc::new(move |key: &RecordKey, owner: OwnerToken| {
+                given_up.completion_given_up(key, owner)
             }),
             lost: Arc::new(move |job: &super::retry::PendingCompletion| lost.keep_lost(job)),
         }
@@ -1092,23 +1110,27 @@ impl<S: RecordStore> CachedStore<S> {
         };
         let mark = self.mark(&job.key.hash);
         let expires_at = Instant::now() + job.ttl;
-        if self.remember(&job.key, record, expires_at, Origin::Unstored(mark)) {
-            self.completion_given_up(&job.key, job.execution_id);
+        let origin = Origin::Unstored {
+            mark,
+            owner: job.owner,
+        };
+        if self.remember(&job.key, record, expires_at, origin) {
+            self.completion_given_up(&job.key, job.owner);
         }
     }
 
-    /// The store took this replica's completion of `key` (execution `execution_id`) on a retry,
+    /// The store took this replica's completion of `key` (by `owner`'s claim) on a retry,
     /// after its first write failed: the entry kept meanwhile is from now on a copy of a stored
     /// record, which [`CachedStore::forget_copies`] drops. It goes at once instead when every
     /// copy was dropped since the first write went out: the write may have landed before a
     /// purge that drop stood for (a retry here then reads the record from the store).
-    pub fn completion_stored(&self, key: &RecordKey, execution_id: u64) {
+    pub fn completion_stored(&self, key: &RecordKey, owner: OwnerToken) {
         let mut cache = self.shard(&key.hash).lock();
         let resets = cache.copy_resets;
-        let Some(entry) = unstored_entry(&mut cache, key, execution_id) else {
+        let Some(entry) = unstored_entry(&mut cache, key, owner) else {
             return;
         };
-        let Held::Unstored { copy_resets } = entry.held else {
+        let Held::Unstored { copy_resets, .. } = entry.held else {
             return;
         };
         if copy_resets == resets {
@@ -1118,17 +1140,40 @@ impl<S: RecordStore> CachedStore<S> {
         }
     }
 
-    /// The retrier dead-lettered this replica's completion of `key` (execution `execution_id`)
+    /// The retrier dead-lettered this replica's completion of `key` (by `owner`'s claim)
     /// without knowing whether the store took it: nothing will report it stored now. The entry
     /// is neither dropped nor made a copy, as either would let a retry here execute the key
     /// again whenever the store does not hold the completion (the write never landed, and the
     /// lock has lapsed or soon will), while this replica knows the answer. It stays until the
     /// store is found to hold it ([`CachedStore::check_given_up`]), a purge reaches it, or its
     /// ttl ends.
-    pub fn completion_given_up(&self, key: &RecordKey, execution_id: u64) {
+    pub fn completion_given_up(&self, key: &RecordKey, owner: OwnerToken) {
         let mut cache = self.shard(&key.hash).lock();
-        if let Some(entry) = unstored_entry(&mut cache, key, execution_id) {
-            entry.held = Held::GivenUp;
+        if let Some(entry) = unstored_entry(&mut cache, key, owner) {
+            entry.held = Held::GivenUp {
+                owner: Owner::of(owner),
+            };
+        }
+    }
+
+    /// The store refused this replica's completion of `key` (by `owner`'s claim) because a
+    /// newer execution holds the key (its lock lapsed and was taken over): the entry kept for
+    /// it while its write was retried goes, so a retry here reads the store and replays the
+    /// newer answer, as every other replica does. Only that entry: the newer execution may be
+    /// this replica's too, its claim still running or its answer kept here while its own
+    /// write is retried, the only trace of it. Nor is it a purge: the record stands, and this
+    /// replica's claims on it still count as held.
+    pub fn completion_taken_over(&self, key: &RecordKey, owner: OwnerToken) {
+        let mut cache = self.shard(&key.hash).lock();
+        let own = cache.map.get(&key.hash).is_some_and(|e| {
+            e.tenant == key.tenant
+                && matches!(e.held, Held::Unstored { owner: o, .. } | Held::GivenUp { owner: o }
+                    if o == Owner::of(owner))
+        });
+        if own {
+            if let Some(e) = cache.map.remove(&key.hash) {
+                cache.bytes -= e.size;
+            }
         }
     }
 
@@ -1180,7 +1225,7 @@ impl<S: RecordStore> CachedStore<S> {
                     .map
                     .iter()
                     // An expired one answers nothing any longer; eviction takes it.
-                    .filter(|(_, e)| e.held == Held::GivenUp && e.expires_at > now)
+                    .filter(|(_, e)| matches!(e.held, Held::GivenUp { .. }) && e.expires_at > now)
                     .map(|(hash, e)| {
                         let key = RecordKey {
                             tenant: e.tenant.clone(),
@@ -1206,7 +1251,9 @@ impl<S: RecordStore> CachedStore<S> {
             let mut cache = self.shard(&key.hash).lock();
             // Still the entry that was read for (not purged meanwhile, nor cached anew).
             let same = cache.map.get(&key.hash).is_some_and(|e| {
-                e.held == Held::GivenUp && e.tenant == key.tenant && e.completion == completion
+                matches!(e.held, Held::GivenUp { .. })
+                    && e.tenant == key.tenant
+                    && e.completion == completion
             });
             if same {
                 if let Some(e) = cache.map.remove(&key.hash) {
@@ -1348,10 +1395,13 @@ impl<S: RecordStore> RecordStore for CachedStore<S> {
             // Counted from the claim: a purge of the record while it ran (forced, or of a
             // lock that lapsed) made the key claimable afresh, and a trace kept here would
             // replay this answer for its ttl instead.
-            Err(_) => Some(Origin::Unstored(Mark {
-                purges: pending.map_or(mark.purges, |p| p.purges),
-                ..mark
-            })),
+            Err(_) => Some(Origin::Unstored {
+                mark: Mark {
+                    purges: pending.map_or(mark.purges, |p| p.purges),
+                    ..mark
+                },
+                owner,
+            }),
             Ok(WriteOutcome::NotOwner) => None,
         };
         if !matches!(written, Ok(WriteOutcome::Applied)) {
@@ -1707,7 +1757,7 @@ mod tests {
         // The retrier gives the first ones up (dead-lettered): the next count evicts them,
         // oldest first, down to the bound.
         for req in &unstored[..10] {
-            store.completion_given_up(&req.key, req.execution_id);
+            store.completion_given_up(&req.key, req.owner);
         }
         tokio::time::sleep(Duration::from_millis(OVERFULL_RECOUNT_MS + 20)).await;
         assert!(store.claim(&claim("t", 102)).await.is_ok(), "taken again");
@@ -1729,7 +1779,7 @@ mod tests {
         // Stored at last: copies, which the next count evicts to the budget.
         store.inner().set(Fault::None);
         for req in &unstored {
-            store.completion_stored(&req.key, req.execution_id);
+            store.completion_stored(&req.key, req.owner);
         }
         tokio::time::sleep(Duration::from_millis(OVERFULL_RECOUNT_MS + 20)).await;
         assert!(store.claim(&claim("t", 103)).await.is_ok());
@@ -2923,6 +2973,89 @@ mod tests {
         assert!(a.cached(&req.key).is_none());
     }
 
+    /// The body of a replayed 201, or a panic naming what came instead.
+    fn replayed_body(outcome: Result<ClaimOutcome, StoreError>) -> Vec<u8> {
+        match outcome {
+            Ok(ClaimOutcome::Existing(Record {
+                state: RecordState::Completed(Completion::Response(r)),
+                ..
+            })) => r.body().to_vec(),
+            other => panic!("not a replay: {other:?}"),
+        }
+    }
+
+    /// A completion refused because a newer execution took its key over (its lock lapsed)
+    /// drops its own entry here and nothing else. When the newer execution is this replica's,
+    /// its claim still counts as held here and, once its own write fails, its answer is kept
+    /// and replayed with the store down. (Taken for a purge, the refusal dropped both, and a
+    /// retry here with the store down again ran the key a third time under `pass`.)
+    #[tokio::test]
+    async fn a_taken_over_completion_drops_only_its_own_entry() {
+        use crate::store::retry::{CompletionRetrier, Refusal, RetryOptions};
+        let (shared, a, b) = two_replicas();
+        let a = Arc::new(a);
+        let dir = tempfile::tempdir().unwrap();
+        let options = RetryOptions {
+            base_delay: Duration::from_millis(5),
+            max_delay: Duration::from_millis(20),
+            dead_letter_path: dir.path().join("dead.jsonl"),
+            ..RetryOptions::default()
+        };
+        let (retrier, worker) = CompletionRetrier::new(shared.clone(), a.retry_hooks(), options);
+        tokio::spawn(worker);
+        let lapsing = |n: u8| ClaimRequest {
+            lock_ttl: Duration::from_millis(1),
+            ..claim("t", n)
+        };
+
+        // E1's lock lapses and E2, a retry, takes the key over on this same replica.
+        let e1 = lapsing(27);
+        a.claim(&e1).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let e2 = retry_of(&claim("t", 27));
+        let taken = a.claim(&e2).await.unwrap();
+        assert!(matches!(taken, ClaimOutcome::Acquired { .. }), "{taken:?}");
+        // E1's answer comes while E2 runs: refused, and settled as taken over.
+        let written = a.complete(&e1.key, e1.owner, response(b"first"), e1.ttl);
+        assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
+        let first = job_of(&e1, b"first", Duration::ZERO);
+        assert_eq!(
+            retrier.refused(first.clone(), a.as_ref()).await,
+            Refusal::TakenOver
+        );
+        assert!(
+            a.own_claim(&e2.key).is_some(),
+            "E2's claim no longer counts as held here"
+        );
+        // E2's write fails: its answer is kept here, the only trace of it...
+        shared.set(Fault::CompleteFails);
+        let written = a.complete(&e2.key, e2.owner, response(b"second"), e2.ttl);
+        assert!(written.await.is_err());
+        shared.set(Fault::None);
+        assert!(a.cached(&e2.key).is_some(), "E2's answer was not kept");
+        // ...and stays through another refusal of E1's.
+        assert_eq!(retrier.refused(first, a.as_ref()).await, Refusal::TakenOver);
+        shared.set(Fault::Down);
+        assert_eq!(replayed_body(a.claim(&retry_of(&e2)).await), b"second");
+        shared.set(Fault::None);
+
+        // The newer execution is another replica's: E1's own entry here goes, and this
+        // replica replays what the store holds, as every other one does.
+        let e1 = lapsing(28);
+        executed_unstored(&a, &shared, &e1, b"first").await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        executed(&b, &retry_of(&e1), b"second").await;
+        retrier.submit(job_of(&e1, b"first", Duration::ZERO));
+        for _ in 0..200 {
+            if retrier.pending() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(retrier.stats().fenced.load(Ordering::Relaxed), 1);
+        assert_eq!(replayed_body(a.claim(&retry_of(&e1)).await), b"second");
+    }
+
     #[tokio::test]
     async fn a_completion_given_up_on_stays_until_the_store_is_found_to_hold_it() {
         use crate::store::retry::{CompletionRetrier, RetryOptions};
@@ -2997,7 +3130,7 @@ mod tests {
         let a = Arc::new(a);
         let req = claim("t", 24);
         executed_unstored(&a, &shared, &req, b"x").await;
-        a.completion_given_up(&req.key, req.execution_id);
+        a.completion_given_up(&req.key, req.owner);
         shared.set(Fault::GetStalls);
         let before = shared.calls.load(Ordering::Relaxed);
         let first = tokio::spawn({
@@ -3039,7 +3172,7 @@ mod tests {
         let (shared, a, b) = two_replicas();
         let req = claim("t", 23);
         executed_unstored(&a, &shared, &req, b"mine").await;
-        a.completion_given_up(&req.key, req.execution_id);
+        a.completion_given_up(&req.key, req.owner);
         // The record is lost, and B executes the key anew.
         assert!(shared.delete(&req.key).await.unwrap());
         executed(&b, &retry_of(&req), b"theirs").await;
@@ -3063,12 +3196,12 @@ mod tests {
         // The purge channel comes back while the write is retried: the entry stays.
         assert_eq!(a.forget_copies(), 0);
         // Another execution's write of the record says nothing about this one.
-        a.completion_stored(&req.key, req.execution_id + 1);
+        a.completion_stored(&req.key, OwnerToken(req.owner.0 + 1));
         assert!(a.cached(&req.key).is_some());
         assert_eq!(a.forget_copies(), 0);
         // The retry lands. It may have landed before a purge the drop stood for: the entry
         // goes at once, and the store answers.
-        a.completion_stored(&req.key, req.execution_id);
+        a.completion_stored(&req.key, req.owner);
         assert!(a.cached(&req.key).is_none(), "kept across a missed purge");
         let calls = shared.calls.load(Ordering::Relaxed);
         assert!(matches!(

@@ -46,13 +46,13 @@ pub fn parse_digest(hex_digits: &str) -> Option<Digest> {
 }
 
 /// Drops this replica's local copy of a record (its local cache entry), when it keeps one: on a
-/// purge announced by any replica, and when a completion lost its key to a newer execution.
+/// purge announced by any replica.
 pub type ForgetLocal = Arc<dyn Fn(&RecordKey) + Send + Sync>;
 
-/// Tells this replica's local cache that the store took its completion of a record (by
-/// execution id) after the first write failed: the entry kept meanwhile is a copy of a stored
-/// record from then on.
-pub type StoredLocal = Arc<dyn Fn(&RecordKey, u64) + Send + Sync>;
+/// Tells this replica's local cache what became of its completion of a record whose first
+/// write failed, by the owner token of the claim it completes (not the execution id, which a
+/// takeover of a lapsed lock keeps): the store took it, it was given up on, or it lost the key.
+pub type StoredLocal = Arc<dyn Fn(&RecordKey, OwnerToken) + Send + Sync>;
 
 /// Identifies one record: the tenant (kept readable for key naming and admin) and the scoped hash.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -57,8 +57,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{
-    Completion, Digest, ForgetLocal, OwnerToken, Record, RecordKey, RecordState, RecordStore,
-    StoreError, StoredLocal, WriteOutcome,
+    Completion, Digest, OwnerToken, Record, RecordKey, RecordState, RecordStore, StoreError,
+    StoredLocal, WriteOutcome,
 };
 
 /// Retry settings.
@@ -181,12 +181,14 @@ impl RetryStats {
 /// What the retrier tells the local cache in front of the store (nothing without one).
 #[derive(Clone)]
 pub struct LocalHooks {
-    /// Drops the local entry of a record whose completion lost to a newer execution.
-    pub forget: ForgetLocal,
-    /// The store took the completion of this record and execution id: the local entry kept
+    /// The completion of this record by this claim lost the key to a newer execution: its
+    /// local entry goes, so this replica replays what the store holds. Only its own: the
+    /// newer execution may be this replica's too, its entry the only trace of its answer.
+    pub taken_over: StoredLocal,
+    /// The store took the completion of this record by this claim: the local entry kept
     /// while the write was retried is now a copy of a stored record.
     pub stored: StoredLocal,
-    /// The completion of this record and execution id was dead-lettered without knowing
+    /// The completion of this record by this claim was dead-lettered without knowing
     /// whether the store took it (the queue was full, or the last attempt failed): no retry
     /// will report it stored, so whether the local entry is a copy is for the cache to find out
     /// ([`crate::store::cached::CachedStore::completion_given_up`]).
@@ -205,9 +207,9 @@ impl LocalHooks {
     /// Hooks for a store with no local cache in front.
     pub fn none() -> Self {
         LocalHooks {
-            forget: Arc::new(|_: &RecordKey| {}),
-            stored: Arc::new(|_: &RecordKey, _: u64| {}),
-            given_up: Arc::new(|_: &RecordKey, _: u64| {}),
+            taken_over: Arc::new(|_: &RecordKey, _: OwnerToken| {}),
+            stored: Arc::new(|_: &RecordKey, _: OwnerToken| {}),
+            given_up: Arc::new(|_: &RecordKey, _: OwnerToken| {}),
             lost: Arc::new(|_: &PendingCompletion| {}),
         }
     }
@@ -525,7 +527,7 @@ fn give_up(
     attempts: u32,
     reason: &str,
 ) {
-    (local.given_up)(&job.key, job.execution_id);
+    (local.given_up)(&job.key, job.owner);
     dead.settle(job, attempts, reason, InStore::Unknown);
 }
 
@@ -566,13 +568,13 @@ fn settle_refused(
             execution_id,
             ..
         })) if !final_refusal && *c == job.completion && execution_id == job.execution_id => {
-            (local.stored)(&job.key, job.execution_id);
+            (local.stored)(&job.key, job.owner);
             Refusal::Landed
         }
         // Another execution holds the key now: the store keeps it, and this replica replays
         // what the store holds, like every other replica.
         Ok(Some(_)) => {
-            (local.forget)(&job.key);
+            (local.taken_over)(&job.key, job.owner);
             dead.settle(job, attempts, "lock taken over", InStore::No);
             Refusal::TakenOver
         }
@@ -666,7 +668,7 @@ async fn run(
                 Written::Applied => {
                     // Before the pending count drops: whoever waits for the retries to settle
                     // finds the local cache told.
-                    (local.stored)(&job.key, job.execution_id);
+                    (local.stored)(&job.key, job.owner);
                     stats.recovered.fetch_add(1, Ordering::Relaxed);
                     stats.pending.fetch_sub(1, Ordering::AcqRel);
                     tracing::info!(attempt = attempt + 1, "stored a completion on retry");
@@ -1241,8 +1243,8 @@ mod tests {
         LocalHooks::none()
     }
 
-    /// What the retrier reported stored: (record, execution id).
-    type Noted = Arc<Mutex<Vec<(RecordKey, u64)>>>;
+    /// What the retrier reported stored: (record, owner of the claim completed).
+    type Noted = Arc<Mutex<Vec<(RecordKey, OwnerToken)>>>;
 
     /// Hooks that note what the retrier reports stored.
     fn noting_stored() -> (LocalHooks, Noted) {
@@ -1250,7 +1252,9 @@ mod tests {
         let hooks = LocalHooks {
             stored: {
                 let noted = noted.clone();
-                Arc::new(move |key: &RecordKey, id: u64| noted.lock().push((key.clone(), id)))
+                Arc::new(move |key: &RecordKey, owner: OwnerToken| {
+                    noted.lock().push((key.clone(), owner))
+                })
             },
             ..LocalHooks::none()
         };
@@ -1283,7 +1287,7 @@ mod tests {
         settle(&retrier).await;
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
         // The local cache hears of it: its entry is now a copy of a stored record.
-        assert_eq!(*stored.lock(), vec![(job.key.clone(), 42)]);
+        assert_eq!(*stored.lock(), vec![(job.key.clone(), job.owner)]);
         let record = store.get(&job.key).await.unwrap().unwrap();
         assert_eq!(record.state, RecordState::Completed(job.completion));
         assert!(!dir.path().join("dead.jsonl").exists());
@@ -1410,7 +1414,7 @@ mod tests {
         settle(&retrier).await;
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 1);
         assert!(!dir.path().join("dead.jsonl").exists());
-        assert_eq!(*stored.lock(), vec![(job.key, 42)]);
+        assert_eq!(*stored.lock(), vec![(job.key, job.owner)]);
     }
 
     /// A completion the store takes only after 1.5 s down, far longer than three attempts
