@@ -872,7 +872,10 @@ fn config_json(c: &Config) -> serde_json::Value {
             "default_tenant": c.idempotency.default_tenant,
             "worker_id": c.idempotency.worker_id,
             "worker_lease": secs(c.idempotency.worker_lease),
-            "docs_link": c.idempotency.docs_link.as_ref().and_then(|l| l.to_str().ok()),
+            // The config key's value: the URL inside `<...>` of the Link header made from it.
+            "docs_url": c.idempotency.docs_link.as_ref()
+                .and_then(|l| l.to_str().ok()?.strip_prefix('<')?.split_once('>'))
+                .map(|(url, _)| url),
         },
         "store": {
             "backend": format!("{:?}", c.store.backend).to_lowercase(),

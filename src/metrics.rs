@@ -76,8 +76,15 @@ pub enum KeyOutcome {
 }
 
 impl KeyOutcome {
-    /// How many there are: each one's index is its discriminant, the last one's is the highest.
-    const COUNT: usize = KeyOutcome::Settled as usize + 1;
+    /// Every one, each at the index of its discriminant.
+    const ALL: [KeyOutcome; 6] = [
+        KeyOutcome::Stored,
+        KeyOutcome::NotReplayable,
+        KeyOutcome::Released,
+        KeyOutcome::Unreachable,
+        KeyOutcome::Unknown,
+        KeyOutcome::Settled,
+    ];
 
     fn label(self) -> &'static str {
         match self {
@@ -266,6 +273,10 @@ impl Metrics {
     /// Resolves the per-route children once (per config), so the request path does no label
     /// hashing: `results` are the `result` label values, indexed as the caller indexes them.
     pub fn route_handles(&self, route: &str, results: &'static [&'static str]) -> RouteHandles {
+        for result in results {
+            // Exported at 0 from now on; the request path resolves it again with its histogram.
+            self.requests.with_label_values(&[route, result]);
+        }
         RouteHandles {
             route: route.to_owned(),
             results,
@@ -274,12 +285,12 @@ impl Metrics {
             children: results.iter().map(|_| OnceLock::new()).collect(),
             upstream_vec: self.upstream_duration.clone(),
             upstream: OnceLock::new(),
-            unprotected_vec: self.unprotected_keys.clone(),
-            unprotected: OnceLock::new(),
-            outcomes_vec: self.key_outcomes.clone(),
-            outcomes: Default::default(),
-            lapsed_vec: self.lapsed_takeovers.clone(),
-            lapsed: OnceLock::new(),
+            unprotected: self.unprotected_keys.with_label_values(&[route]),
+            outcomes: KeyOutcome::ALL.map(|outcome| {
+                self.key_outcomes
+                    .with_label_values(&[route, outcome.label()])
+            }),
+            lapsed: self.lapsed_takeovers.with_label_values(&[route]),
         }
     }
 
@@ -388,9 +399,10 @@ pub enum Pull {
 /// One metric of [`Metrics::pull_from`]: name, help, type, and how to read it from the owner.
 pub type PulledMetric<T> = (&'static str, &'static str, Pull, fn(&T) -> f64);
 
-/// Metric children of one route.
-/// Children are created on first use, so only (route, result) pairs that happened are exported,
-/// and resolved once, so the request path does no label hashing after that.
+/// Metric children of one route, resolved once, so the request path does no label hashing.
+/// Every counter is exported from the start, at 0: an alert on `increase()` sees a first event
+/// only as a step from an earlier sample, and a series born at 1 has none. Histograms are
+/// created on first use, so only (route, result) pairs that happened export their buckets.
 pub struct RouteHandles {
     route: String,
     results: &'static [&'static str],
@@ -399,12 +411,9 @@ pub struct RouteHandles {
     children: Vec<OnceLock<(IntCounter, Histogram)>>,
     upstream_vec: HistogramVec,
     upstream: OnceLock<Histogram>,
-    unprotected_vec: IntCounterVec,
-    unprotected: OnceLock<IntCounter>,
-    outcomes_vec: IntCounterVec,
-    outcomes: [OnceLock<IntCounter>; KeyOutcome::COUNT],
-    lapsed_vec: IntCounterVec,
-    lapsed: OnceLock<IntCounter>,
+    unprotected: IntCounter,
+    outcomes: [IntCounter; KeyOutcome::ALL.len()],
+    lapsed: IntCounter,
 }
 
 impl RouteHandles {
@@ -434,32 +443,17 @@ impl RouteHandles {
     /// Counts a request of this route that carried the idempotency key header and was
     /// forwarded without idempotency: a client that believes it is protected and is not.
     pub fn count_unprotected_key(&self) {
-        self.route_counter(&self.unprotected, &self.unprotected_vec)
-            .inc();
+        self.unprotected.inc();
     }
 
     /// Counts a key of this route run again after taking over another execution's lapsed lock.
     pub fn count_lapsed_takeover(&self) {
-        self.route_counter(&self.lapsed, &self.lapsed_vec).inc();
-    }
-
-    /// This route's counter of `vec` (labelled by the route alone), resolved once into `cell`.
-    fn route_counter<'a>(
-        &self,
-        cell: &'a OnceLock<IntCounter>,
-        vec: &IntCounterVec,
-    ) -> &'a IntCounter {
-        cell.get_or_init(|| vec.with_label_values(&[self.route.as_str()]))
+        self.lapsed.inc();
     }
 
     /// Counts what became of a key of this route forwarded under a claim.
     pub fn count_key_outcome(&self, outcome: KeyOutcome) {
-        self.outcomes[outcome as usize]
-            .get_or_init(|| {
-                self.outcomes_vec
-                    .with_label_values(&[self.route.as_str(), outcome.label()])
-            })
-            .inc();
+        self.outcomes[outcome as usize].inc();
     }
 }
 

@@ -339,6 +339,7 @@ fn register_script_metrics(metrics: &Metrics, redis: &Arc<RedisStore>) {
             ("idemgate_script_reload_failures_total", "Script changes refused (unreadable, or Redis would not load them); the old scripts stay", Pull::Counter, |s| s.script_reload_failures() as f64),
             ("idemgate_redis_tls_reloads_total", "Changed store.redis.tls files taken into use without a restart", Pull::Counter, |s| s.tls_reloads() as f64),
             ("idemgate_redis_tls_reload_failures_total", "Changed store.redis.tls files refused (unreadable, or no PEM); the previous files stay", Pull::Counter, |s| s.tls_reload_failures() as f64),
+            ("idemgate_store_unanswered_claims_released_total", "Claims whose answer never came (their request was answered 503) that reached Redis after all and were released, so the retry runs rather than meet 409 until lock_ttl", Pull::Counter, |s| s.unanswered_claims_released() as f64),
             ("idemgate_store_redis_may_evict", "1 while Redis may evict records (maxmemory with a maxmemory-policy other than noeviction, on some primary), 0 while it may not, -1 not known (not read yet, or INFO refused)", Pull::Gauge, |s| f64::from(s.may_evict())),
         ],
     );
@@ -697,6 +698,12 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         }
     }
     if let Some(store) = stack.redis {
+        server.add_service(background_service(
+            "unanswered redis claims",
+            UnansweredClaims {
+                store: store.clone(),
+            },
+        ));
         server.add_service(background_service("redis warm-up", RedisWarmup { store }));
     }
     if let Some(reloader) = script_reloader {
@@ -964,6 +971,20 @@ struct RedisWarmup {
 
 /// Keeps the worker id leased (see [`crate::worker_lease`]).
 struct WorkerLeaseService(Lease);
+
+/// Releases the claims whose answer never came and that reached Redis after all (see
+/// [`RedisStore::release_unanswered_claims`]).
+struct UnansweredClaims {
+    store: Arc<RedisStore>,
+}
+
+#[async_trait]
+impl BackgroundService for UnansweredClaims {
+    async fn start(&self, _shutdown: ShutdownWatch) {
+        // Runs through the drain: a claim made then may time out too.
+        self.store.release_unanswered_claims().await;
+    }
+}
 
 #[async_trait]
 impl BackgroundService for WorkerLeaseService {

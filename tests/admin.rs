@@ -751,6 +751,70 @@ fn the_example_alerts_name_only_metrics_idemgate_defines() {
     }
 }
 
+/// Every counter an alert rule takes `increase()` or `rate()` of is exported from the start by a
+/// proxy on Redis that has served nothing yet, with each label value the rule selects (and a
+/// route label for each route): Prometheus sees a first event only as a step from an earlier
+/// sample, so a series born at its first event (at 1) would never fire the rule for it.
+#[tokio::test]
+async fn every_counter_the_alerts_watch_is_exported_before_its_first_event() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    // No worker id in the config: it is leased from Redis, as in production.
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&[redis.url()])
+        .no_worker_id()
+        .start()
+        .await;
+    let metrics = proxy
+        .metrics_containing("idemgate_worker_lease_lost_total")
+        .await;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("examples/prometheus/idemgate-alerts.yaml"))
+        .expect("alerts file");
+    let mut checked = 0;
+    for function in ["increase(", "rate("] {
+        for (at, _) in text.match_indices(function) {
+            let rest = &text[at + function.len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            // The label values the selector needs: `l="v"` one, `l=~"a|b"` each of them.
+            let mut needed = vec![String::new()];
+            if let Some(selector) = rest[name.len()..].strip_prefix('{') {
+                let selector = &selector[..selector.find('}').expect("closing brace")];
+                for matcher in selector.split(',') {
+                    if let Some((label, values)) = matcher.split_once("=~") {
+                        needed = values
+                            .trim_matches('"')
+                            .split('|')
+                            .map(|v| format!("{}=\"{v}\"", label.trim()))
+                            .collect();
+                    } else if let Some((label, value)) = matcher.split_once('=') {
+                        if !label.ends_with('!') {
+                            needed = vec![format!("{}={value}", label.trim())];
+                        }
+                    }
+                }
+            }
+            for label in needed {
+                let found = metrics.lines().any(|line| {
+                    line.strip_prefix(name.as_str())
+                        .is_some_and(|rest| rest.starts_with(['{', ' ']))
+                        && line.contains(&label)
+                        && (line.contains("route=\"orders\"") || !line.contains("route="))
+                });
+                assert!(
+                    found,
+                    "{name} with {label:?} is not exported yet:\n{metrics}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 15, "{checked}");
+}
+
 /// A Markdown heading's anchor as GitHub makes it: lower case, spaces to `-`, punctuation other
 /// than `-` and `_` dropped.
 fn heading_anchor(heading: &str) -> String {

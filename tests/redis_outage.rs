@@ -2223,3 +2223,62 @@ async fn a_purge_spares_a_claim_whose_lock_lapsed_unless_forced() {
     assert_eq!(redis.cmd::<i64>(&["EXISTS", &records[0]]), 0, "removed");
     running.abort();
 }
+
+/// A claim that reaches Redis only after its timeout (a slow network here; a stalled Redis, a
+/// long command or a paused VM in production) leaves its request answered 503
+/// `store-unavailable` with `Retry-After: 1`, and takes the key for nobody once Redis runs it:
+/// idemgate releases it, so the retry the 503 asked for runs, instead of getting 409 until
+/// `lock_ttl` and then taking the lock over as though an answer had been lost (which pages).
+#[tokio::test]
+async fn a_claim_that_reaches_redis_after_its_timeout_is_released_for_the_retry() {
+    let redis = RedisServer::start();
+    let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let backend = Backend::start().await;
+    let proxy = builder_to(&backend, link.redis_url()).start().await;
+    let order = |key: &str| Request::post("/orders").key(key).body("{}");
+    // Every worker thread's connection made (the held claim must go out on one, not wait
+    // for a connection's handshake).
+    for n in 0..8 {
+        let warm = order(&format!("warm-{n}")).send(proxy.addr).await;
+        assert_eq!(warm.result(), Some("MISS"));
+    }
+    // The claim reaches Redis only once the partition heals, after it timed out.
+    link.set(Fault::Hold);
+    let stalled = order("stalled").send(proxy.addr).await;
+    assert_eq!(stalled.status, 503, "{}", stalled.text());
+    assert_eq!(stalled.problem_type(), "store-unavailable");
+    assert_eq!(stalled.header("retry-after"), Some("1"));
+    assert_eq!(backend.count(), 8, "the stalled request was never sent");
+    link.set(Fault::Pass);
+    // Another request meanwhile: the connection that went silent is given up for a new one,
+    // and the claim held on it reaches Redis.
+    assert_eq!(order("other").send(proxy.addr).await.result(), Some("MISS"));
+    // The client waits as Retry-After says.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(redis.keys().len(), 10, "the late claim never reached redis");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let retry = loop {
+        let retry = order("stalled").send(proxy.addr).await;
+        if retry.status == 201 || Instant::now() > deadline {
+            break retry;
+        }
+        // 503 while the store is still out; 409 until the late claim is released.
+        assert!(matches!(retry.status, 409 | 503), "{}", retry.text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (retry.status, retry.result()),
+        (201, Some("MISS")),
+        "{}",
+        retry.text()
+    );
+    assert_eq!(backend.count(), 10);
+    let m = proxy.metrics().await;
+    let takeovers = "idemgate_lapsed_takeovers_total{route=\"orders\"}";
+    assert_eq!(common::metric(&m, takeovers), Some(0.0), "{m}");
+    assert_eq!(
+        common::metric(&m, "idemgate_store_unanswered_claims_released_total"),
+        Some(1.0),
+        "{m}"
+    );
+}

@@ -212,6 +212,37 @@ pub struct RedisStore {
     part_ping_keys: Box<[String]>,
     /// What the readings of Redis's eviction setting found ([`RedisStore::check_eviction`]).
     eviction: parking_lot::Mutex<eviction::Finding>,
+    /// Claims whose answer never came, for [`RedisStore::release_unanswered_claims`].
+    unanswered_tx: tokio::sync::mpsc::Sender<Unanswered>,
+    unanswered_rx: parking_lot::Mutex<Option<tokio::sync::mpsc::Receiver<Unanswered>>>,
+    unanswered_released: AtomicU64,
+}
+
+/// A claim whose answer never came (it timed out, or its connection was lost): it may still
+/// reach Redis and take the key for nobody ([`RedisStore::release_unanswered_claims`]).
+struct Unanswered {
+    key: RecordKey,
+    owner: OwnerToken,
+    /// When the lock it may have taken lapses by itself at the latest: nothing to release after.
+    until: tokio::time::Instant,
+    /// The next try.
+    due: tokio::time::Instant,
+    tries: u32,
+}
+
+/// Unanswered claims waiting to be released, at most (a few claims time out before the circuit
+/// opens, and an open circuit sends none). One past it is left to lapse by itself.
+const UNANSWERED_CAPACITY: usize = 1024;
+
+/// The pause before the next try to release an unanswered claim: often for the first seconds,
+/// when a stalled Redis usually comes back (and the 503's `Retry-After: 1` brings the retry),
+/// then once a second until the lock would have lapsed.
+fn unanswered_pause(tries: u32) -> Duration {
+    if tries < 12 {
+        Duration::from_millis(250)
+    } else {
+        Duration::from_secs(1)
+    }
 }
 
 /// Parts of a Cluster's slot space the circuit breaker keeps a circuit for: 64 ranges of 256
@@ -680,6 +711,7 @@ impl RedisStore {
         let (active, canary) = find_sources(&config.scripts)?;
         let version_stats = StatsRegistry::default();
         let set = ScriptSet::new(&config.scripts, active, canary, None, &version_stats);
+        let (unanswered_tx, unanswered_rx) = tokio::sync::mpsc::channel(UNANSWERED_CAPACITY);
         Ok(RedisStore {
             backend: ArcSwap::from_pointee(backend),
             settings: config.clone(),
@@ -704,7 +736,98 @@ impl RedisStore {
             prefix: config.key_prefix.clone(),
             op_timeout,
             eviction: parking_lot::Mutex::default(),
+            unanswered_tx,
+            unanswered_rx: parking_lot::Mutex::new(Some(unanswered_rx)),
+            unanswered_released: AtomicU64::new(0),
         })
+    }
+
+    /// Releases the claims whose answer never came, each until it is released or the lock it
+    /// may have taken would have lapsed anyway. Runs for the life of the process (a second call
+    /// returns at once).
+    ///
+    /// A claim that timed out here may still sit in a socket buffer, or in a Redis that stalled
+    /// (a long command, a fork, a paused VM), and take the key once Redis runs it: for nobody,
+    /// since its request was answered 503 and went on. Left alone, the retry the 503 asked for
+    /// would get 409 `request-in-flight` until `lock_ttl`, then take over the lapsed lock as
+    /// though an answer had been lost (counted in `idemgate_lapsed_takeovers_total`, which
+    /// pages). The release goes by owner token, so it changes nothing unless that very claim
+    /// holds the key: one that never arrives, or arrives once a retry holds the key or its
+    /// record is complete, is left as it is. It is tried again and again, since the claim may
+    /// reach Redis after an earlier try (which goes on another connection).
+    pub async fn release_unanswered_claims(&self) {
+        let Some(mut rx) = self.unanswered_rx.lock().take() else {
+            return;
+        };
+        let mut waiting: Vec<Unanswered> = Vec::new();
+        loop {
+            let next = waiting.iter().map(|c| c.due).min();
+            let due = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                claim = rx.recv() => match claim {
+                    Some(claim) => waiting.push(claim),
+                    None => return,
+                },
+                () = due => {
+                    let now = tokio::time::Instant::now();
+                    let (due, later): (Vec<_>, Vec<_>) =
+                        waiting.drain(..).partition(|c| c.due <= now);
+                    waiting = later;
+                    let tries = due.into_iter().map(|c| async move {
+                        let released = self.release(&c.key, c.owner).await;
+                        (c, released)
+                    });
+                    for (mut claim, released) in futures_util::future::join_all(tries).await {
+                        let now = tokio::time::Instant::now();
+                        match released {
+                            Ok(WriteOutcome::Applied) => {
+                                self.unanswered_released.fetch_add(1, Ordering::Relaxed);
+                                tracing::info!(
+                                    record = %key::hash_label(&claim.key.hash),
+                                    "a claim whose answer never came reached redis after all; \
+                                     released, so the retry its 503 asked for runs"
+                                );
+                            }
+                            _ if now >= claim.until => {}
+                            _ => {
+                                claim.tries += 1;
+                                claim.due = now + unanswered_pause(claim.tries);
+                                waiting.push(claim);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claims whose answer never came, found holding their key once Redis ran them, and
+    /// released ([`RedisStore::release_unanswered_claims`]).
+    pub fn unanswered_claims_released(&self) -> u64 {
+        self.unanswered_released.load(Ordering::Relaxed)
+    }
+
+    /// Hands a claim whose answer never came to [`RedisStore::release_unanswered_claims`].
+    fn note_unanswered(&self, req: &ClaimRequest) {
+        let now = tokio::time::Instant::now();
+        let claim = Unanswered {
+            key: req.key.clone(),
+            owner: req.owner,
+            until: now + req.lock_ttl,
+            due: now + unanswered_pause(0),
+            tries: 0,
+        };
+        if self.unanswered_tx.try_send(claim).is_err() {
+            crate::warn_throttled!(
+                "too many unanswered claims waiting to be released; should this one reach \
+                 redis, its key stays locked until lock_ttl"
+            );
+        }
     }
 
     /// Reads whether Redis may evict records (see [`eviction`]): `INFO memory` on the server
@@ -1441,9 +1564,9 @@ impl Noted {
     }
 }
 
-#[async_trait]
-impl RecordStore for RedisStore {
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+impl RedisStore {
+    /// One claim, or one renewal (the same script, by the lock's owner).
+    async fn claim_or_renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let owner = owner_arg(req.owner);
         let mut digits = [[0u8; 20]; 3];
         let [id, lock, life] = &mut digits;
@@ -1468,6 +1591,23 @@ impl RecordStore for RedisStore {
             *lock_remaining = (*lock_remaining).min(req.lock_ttl);
         }
         Ok(outcome)
+    }
+}
+
+#[async_trait]
+impl RecordStore for RedisStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let claimed = self.claim_or_renew(req).await;
+        if let Err(StoreError::Unavailable(_)) = &claimed {
+            self.note_unanswered(req);
+        }
+        claimed
+    }
+
+    /// The same call as a claim, whose failure is not handed on to be released: the execution
+    /// it renews the lock of is still running.
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_or_renew(req).await
     }
 
     async fn complete(
