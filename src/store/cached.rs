@@ -278,13 +278,15 @@ enum Held {
 
 /// The owner token of the claim an entry's completion ended, which tells the entry of one
 /// execution from that of a takeover after its lock lapsed (same record, same execution id).
-/// Two halves, so an entry keeps the 8-byte alignment a `u128` would double.
+/// 32 of the token's random bits, so [`Held`] stays 16 bytes and every entry as large as it
+/// was (the local cache's memory bound counts slots): two claims of one record, around one
+/// takeover, share them once in 2^32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Owner([u64; 2]);
+struct Owner(u32);
 
 impl Owner {
     fn of(token: OwnerToken) -> Self {
-        Owner([(token.0 >> 64) as u64, token.0 as u64])
+        Owner(token.0 as u32)
     }
 }
 
