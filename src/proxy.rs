@@ -2320,6 +2320,16 @@ impl ProxyHttp for Gate {
             write_problem(session, &Problem::RequestMalformed, None, None).await?;
             return Ok(true);
         }
+        // A request with a chunked body is its connection's last. idemgate's HTTP/1 parser
+        // takes a bare LF inside a chunk extension as part of the extension; a front end that
+        // ends the line there frames the body otherwise, and the bytes it sends after what it
+        // takes for the body's end would be read here as a request of their own: a smuggled
+        // one, with any tenant and principal it names. Bytes after the body, in the same read
+        // or a later one, are never read as a request.
+        if req.headers.contains_key(header::TRANSFER_ENCODING) {
+            session.set_keepalive(None);
+        }
+        let req = session.req_header();
         match gen.config.match_route(&req.method, req.uri.path()) {
             RouteMatch::NoRoute => {
                 ctx.refused = true;

@@ -1193,6 +1193,55 @@ async fn a_streamed_body_cut_off_by_the_client_is_a_400() {
     proxy.log_containing("result=\"INVALID\"").await;
 }
 
+/// A request with a chunked body is the last of its connection. idemgate's HTTP/1 parser takes
+/// a bare LF inside a chunk extension as part of the extension; a front end that ends the line
+/// there frames the body otherwise, so what it sends after the body (here a keyed POST naming
+/// another tenant and principal, while the first request runs) is no request of the client's,
+/// and is never read as one, whichever path the first request took (found by a black-box
+/// probe: both ran, and the front end got two answers for one request).
+#[tokio::test]
+async fn nothing_after_a_chunked_body_is_read_as_a_request() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend).start().await;
+    let hidden = b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: smuggled\r\n\
+                   X-Tenant-ID: victim\r\nAuthorization: Bearer victim\r\n\
+                   Content-Length: 2\r\n\r\nSS";
+    // Keyed (idemgate's own client: the hidden request comes while the first one runs) and
+    // pass-through (pingora's streamed path: it comes after the answer).
+    for (n, (path, before_answer)) in [("/orders/slow/300", true), ("/plain", false)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let outer = format!(
+            "POST {path} HTTP/1.1\r\nHost: t\r\nIdempotency-Key: outer-{n}\r\n\
+             Transfer-Encoding: chunked\r\n\r\n9;a\nPPPPP\r\nQQ\r\n100\r\n\r\n0\r\n\r\n"
+        );
+        s.write_all(outer.as_bytes()).await.unwrap();
+        if before_answer {
+            backend.until_count(n + 1).await;
+            s.write_all(hidden).await.unwrap();
+        }
+        let first = common::client::read_response(&mut s, false).await.unwrap();
+        assert!(first.status < 300, "{path}: {}", first.text());
+        assert_eq!(first.header("connection"), Some("close"), "{path}");
+        if !before_answer {
+            let _ = s.write_all(hidden).await;
+        }
+        let rest = until_closed(&mut s).await;
+        let rest = String::from_utf8_lossy(&rest);
+        assert!(!rest.contains("HTTP/1.1"), "{path}: {rest}");
+        assert_eq!(backend.count(), n + 1, "{path}: the hidden request ran");
+    }
+    // A chunked request is served as before, on a connection of its own.
+    let chunked = Request::post("/orders")
+        .key("plain-chunked")
+        .body("{}")
+        .chunked(1);
+    assert_eq!(chunked.send(proxy.addr).await.result(), Some("MISS"));
+}
+
 /// A keyed request whose chunked body breaks its framing gets its 400 and the connection
 /// closes: pingora counts such a body as read, but what follows it on the connection is no
 /// request of the client's (a front proxy that framed the body otherwise would have it
