@@ -64,6 +64,9 @@ pub struct Generation {
     pub pools: Vec<UpstreamPool>,
     /// Metric children per route, same order, then one for requests matching no route.
     route_metrics: Vec<RouteHandles>,
+    /// The headers that decide a request's record (the key and tenant headers, every route's
+    /// scope headers): a `Connection` header naming one is refused ([`nominates_protected`]).
+    scoping_headers: Vec<HeaderName>,
 }
 
 /// `result` label values, indexed by [`result_index`]; `REFUSED` is a request idemgate answered
@@ -135,10 +138,22 @@ impl Generation {
             .chain(std::iter::once("-"))
             .map(|name| metrics.route_handles(name, &RESULT_LABELS))
             .collect();
+        let mut scoping_headers = vec![
+            config.idempotency.key_header.clone(),
+            config.idempotency.tenant_header.clone(),
+        ];
+        for route in &config.routes {
+            if let Some(idem) = &route.idempotency {
+                scoping_headers.extend(idem.scope_headers.iter().cloned());
+            }
+        }
+        scoping_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        scoping_headers.dedup();
         Ok(Generation {
             config,
             pools,
             route_metrics,
+            scoping_headers,
         })
     }
 
@@ -1859,8 +1874,10 @@ fn mark_outcome(resp: &mut ResponseHeader, outcome: Outcome) -> Result<()> {
 /// `Host` (without it an HTTP/1.1 request is invalid) or a forwarding header a load balancer
 /// set, which pingora refuses to drop. Stripped as hop-by-hop on one path and refused on the
 /// other, such a request would fare differently by how its body is framed; it is refused on
-/// every path, as not valid HTTP.
-fn nominates_protected(headers: &http::HeaderMap) -> bool {
+/// every path, as not valid HTTP. So is one naming a header of `scoping` (the key, tenant and
+/// scope headers): its record would be chosen by a value the backend never sees, and an
+/// answer made without the principal stored under the principal's record.
+fn nominates_protected(headers: &http::HeaderMap, scoping: &[HeaderName]) -> bool {
     const PROTECTED: [&[u8]; 4] = [
         b"host",
         b"x-forwarded-for",
@@ -1868,7 +1885,11 @@ fn nominates_protected(headers: &http::HeaderMap) -> bool {
         b"x-forwarded-proto",
     ];
     upstream::each_connection_token(headers.get_all(header::CONNECTION)).any(|token| {
-        token.starts_with(b":") || PROTECTED.iter().any(|p| token.eq_ignore_ascii_case(p))
+        token.starts_with(b":")
+            || PROTECTED.iter().any(|p| token.eq_ignore_ascii_case(p))
+            || scoping
+                .iter()
+                .any(|h| token.eq_ignore_ascii_case(h.as_str().as_bytes()))
     })
 }
 
@@ -2311,7 +2332,7 @@ impl ProxyHttp for Gate {
         let has_host = req.headers.contains_key(header::HOST);
         if !is_routable_target(req)
             || (req.version == http::Version::HTTP_11 && !has_host)
-            || nominates_protected(&req.headers)
+            || nominates_protected(&req.headers, &gen.scoping_headers)
         {
             // No route is known, so no idempotency header; the connection closes, as the
             // problem's detail says for every request that is not valid HTTP.

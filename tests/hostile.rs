@@ -744,7 +744,9 @@ async fn a_keyed_body_under_a_coding_other_than_chunked_is_refused_not_decoded_w
 
 /// A `Connection` header that names `Host` or a forwarding header is refused on every path
 /// alike (400 `request-malformed`), keyed or not, whatever frames the body: pingora refuses to
-/// forward it, and idemgate's own client would strip `Host` and send invalid HTTP/1.1.
+/// forward it, and idemgate's own client would strip `Host` and send invalid HTTP/1.1. So is
+/// one naming the key, tenant or a scope header (found by a black-box probe: the record was
+/// chosen by a principal the backend never saw).
 #[tokio::test]
 async fn a_connection_header_naming_host_or_a_forwarding_header_is_refused() {
     let backend = Backend::start().await;
@@ -768,6 +770,26 @@ async fn a_connection_header_naming_host_or_a_forwarding_header_is_refused() {
             "Idempotency-Key: n2\r\n",
             "X-Forwarded-Proto",
             "Content-Length: 0\r\n\r\n",
+        ),
+        // The headers that decide the record: its scope, tenant and key. Stripped, the record
+        // would be chosen by values the backend never saw.
+        (
+            "/orders",
+            "Idempotency-Key: n3\r\nAuthorization: Bearer a\r\n",
+            "authorization",
+            "Content-Length: 2\r\n\r\n{}",
+        ),
+        (
+            "/orders",
+            "Idempotency-Key: n4\r\nX-Tenant-ID: t9\r\n",
+            "X-Tenant-ID",
+            "Content-Length: 2\r\n\r\n{}",
+        ),
+        (
+            "/orders",
+            "Idempotency-Key: n5\r\n",
+            "Idempotency-Key",
+            "Content-Length: 2\r\n\r\n{}",
         ),
     ] {
         let request = format!(
