@@ -5,7 +5,7 @@
 //! conversion turns them into the public [`Config`] the rest of the proxy reads. Loading is a
 //! pure function of the text, so the file watcher can validate an edit before swapping it in.
 //! Every validation error names the offending field by its path, e.g.
-//! `routes[1].idempotency.ttl: invalid duration "3 parsecs" (use e.g. 250ms, 30s, 5m, 24h)`.
+//! `routes[1].idempotency.ttl: invalid duration "3 parsecs" (whole numbers with a unit, e.g. 250ms, 1500ms, 30s, 5m, 24h)`.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -503,7 +503,11 @@ pub enum ConfigError {
 // These structs mirror the YAML one to one. Scalars whose syntax we own (durations, byte sizes,
 // status entries) stay raw here so the validating conversion can report them by field path.
 
-const DURATION_HINT: &str = "use e.g. 250ms, 30s, 5m, 24h";
+const DURATION_HINT: &str = "whole numbers with a unit, e.g. 250ms, 1500ms, 30s, 5m, 24h";
+
+/// The longest duration any setting takes: a year and a day. A longer one is a slip (a `d` for
+/// an `s`), and it would only ever be capped somewhere on the way.
+const MAX_DURATION: Duration = Duration::from_secs(366 * 86_400);
 const BYTES_HINT: &str = "use e.g. 1048576, 512KiB, 256MiB, 1GiB";
 const STATUS_HINT: &str =
     "use a class (2xx, 3xx, 4xx, 5xx), an exact code (201) or a quoted exclusion (\"!429\")";
@@ -2090,7 +2094,12 @@ impl FileStore {
                 1,
                 1000,
             )?,
-            open_for: positive_duration("store.circuit_breaker.open_for".into(), &b.open_for)?,
+            open_for: at_most(
+                "store.circuit_breaker.open_for",
+                positive_duration("store.circuit_breaker.open_for".into(), &b.open_for)?,
+                Duration::from_secs(600),
+                "an open circuit refuses every keyed request that long, however short the blip",
+            )?,
         };
         let r = &self.completion_retry;
         let base_delay =
@@ -2288,13 +2297,20 @@ impl FileRedis {
         Ok(RedisConfig {
             urls,
             topology,
-            connect_timeout: positive_duration(
-                "store.redis.connect_timeout".into(),
-                &self.connect_timeout,
+            connect_timeout: at_most(
+                "store.redis.connect_timeout",
+                positive_duration("store.redis.connect_timeout".into(), &self.connect_timeout)?,
+                Duration::from_secs(60),
+                "every keyed request may wait that long for a Redis that does not answer",
             )?,
-            response_timeout: positive_duration(
-                "store.redis.response_timeout".into(),
-                &self.response_timeout,
+            response_timeout: at_most(
+                "store.redis.response_timeout",
+                positive_duration(
+                    "store.redis.response_timeout".into(),
+                    &self.response_timeout,
+                )?,
+                Duration::from_secs(60),
+                "every keyed request may wait twice that long for a Redis that does not answer",
             )?,
             key_prefix: self.key_prefix,
             scripts: self.scripts.into_config()?,
@@ -3271,7 +3287,31 @@ fn parse_duration(raw: &Scalar) -> Result<Duration, String> {
     if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
         return Err(unit_required());
     }
-    parse_duration_text(text).ok_or_else(|| format!("invalid duration {raw} ({DURATION_HINT})"))
+    let value = parse_duration_text(text)
+        .ok_or_else(|| format!("invalid duration {raw} ({DURATION_HINT})"))?;
+    if value > MAX_DURATION {
+        return Err(format!(
+            "invalid duration {raw}: at most {}",
+            fmt_duration(MAX_DURATION)
+        ));
+    }
+    Ok(value)
+}
+
+/// `value` of `field`, refused past `max` with `why`.
+fn at_most(
+    field: &str,
+    value: Duration,
+    max: Duration,
+    why: &str,
+) -> Result<Duration, ConfigError> {
+    if value > max {
+        return Err(invalid(
+            field.to_owned(),
+            format!("must be at most {} ({why})", fmt_duration(max)),
+        ));
+    }
+    Ok(value)
 }
 
 fn parse_duration_text(text: &str) -> Option<Duration> {
@@ -5171,7 +5211,7 @@ routes:
         );
         assert_eq!(
             message,
-            "routes[0].idempotency.ttl: invalid duration \"3 parsecs\" (use e.g. 250ms, 30s, 5m, 24h)"
+            "routes[0].idempotency.ttl: invalid duration \"3 parsecs\" (whole numbers with a unit, e.g. 250ms, 1500ms, 30s, 5m, 24h)"
         );
         let message = assert_field(
             &with_route_idempotency("ttl: 0h"),
@@ -5590,7 +5630,7 @@ routes:
         let err = parse_duration(&Scalar::Int(30)).unwrap_err();
         assert_eq!(
             err,
-            "invalid duration 30: a unit is required (use e.g. 250ms, 30s, 5m, 24h)"
+            "invalid duration 30: a unit is required (whole numbers with a unit, e.g. 250ms, 1500ms, 30s, 5m, 24h)"
         );
         assert!(parse_duration(&Scalar::Float(1.5))
             .unwrap_err()
@@ -5599,6 +5639,40 @@ routes:
             .unwrap_err()
             .contains("unit is required"));
         assert!(parse_duration(&text("18446744073709551615d")).is_err());
+        // A year and a day at most.
+        assert_eq!(parse_duration(&text("366d")), Ok(secs(366 * 86_400)));
+        assert_eq!(
+            parse_duration(&text("367d")).unwrap_err(),
+            "invalid duration \"367d\": at most 366d"
+        );
+    }
+
+    /// The settings whose long values would stall every keyed request are bounded, with why.
+    #[test]
+    fn blocking_store_settings_are_bounded() {
+        for (yaml, field, max) in [
+            (
+                "store: {circuit_breaker: {open_for: 11m}}",
+                "store.circuit_breaker.open_for",
+                "10m",
+            ),
+            (
+                "store: {backend: redis, redis: {url: \"redis://h\", connect_timeout: 61s}}",
+                "store.redis.connect_timeout",
+                "1m",
+            ),
+            (
+                "store: {backend: redis, redis: {url: \"redis://h\", response_timeout: 2m}}",
+                "store.redis.response_timeout",
+                "1m",
+            ),
+        ] {
+            let err = load_err(&format!("{yaml}\n{MINIMAL}")).to_string();
+            assert!(
+                err.contains(field) && err.contains(&format!("must be at most {max}")),
+                "{yaml}: {err}"
+            );
+        }
     }
 
     #[test]
