@@ -1829,8 +1829,8 @@ impl FileUpstream {
 
 impl FileIdempotency {
     fn into_config(self) -> Result<GlobalIdempotency, ConfigError> {
-        let key_header = header_name("idempotency.key_header".into(), &self.key_header)?;
-        let tenant_header = header_name("idempotency.tenant_header".into(), &self.tenant_header)?;
+        let key_header = record_header("idempotency.key_header".into(), &self.key_header)?;
+        let tenant_header = record_header("idempotency.tenant_header".into(), &self.tenant_header)?;
         if key_header == tenant_header {
             return Err(invalid(
                 "idempotency.tenant_header",
@@ -2956,6 +2956,9 @@ impl FileRouteIdempotency {
             &self.fingerprint.headers,
         )?;
         let scope_headers = header_list(&format!("{base}.scope_headers"), &self.scope_headers)?;
+        for (j, name) in self.scope_headers.iter().enumerate() {
+            record_header(format!("{base}.scope_headers[{j}]"), name)?;
+        }
         if self.scope_required && scope_headers.is_empty() {
             return Err(invalid(
                 format!("{base}.scope_required"),
@@ -3240,6 +3243,24 @@ fn header_name(field: String, raw: &str) -> Result<HeaderName, ConfigError> {
     // `from_bytes` lower-cases, which is how the proxy compares names.
     HeaderName::from_bytes(raw.as_bytes())
         .map_err(|_| invalid(field, format!("invalid header name {raw:?}")))
+}
+
+/// A header that names a request's record (the key, tenant or a scope header): one the request
+/// carries for itself, not one HTTP or idemgate gives a meaning of its own (its framing, its
+/// connection, `Host`, the execution id idemgate writes). `key_header: Content-Length` would
+/// make every body's length its key.
+fn record_header(field: String, raw: &str) -> Result<HeaderName, ConfigError> {
+    let name = header_name(field.clone(), raw)?;
+    if name == http::header::HOST || crate::upstream::is_reserved(name.as_str().as_bytes()) {
+        return Err(invalid(
+            field,
+            format!(
+                "{name} is a header of HTTP's or idemgate's own (framing, connection, Host, the \
+                 execution id): name one the client sends for this"
+            ),
+        ));
+    }
+    Ok(name)
 }
 
 /// Header lists are sorted and deduplicated: scope and fingerprint headers feed hashes, and
@@ -4356,6 +4377,23 @@ routes:
         assert_field(
             &format!("idempotency: {{tenant_header: idempotency-KEY}}\n{MINIMAL}"),
             "idempotency.tenant_header",
+        );
+        for (key, bad) in [
+            ("key_header", "Content-Length"),
+            ("key_header", "Host"),
+            ("tenant_header", "Transfer-Encoding"),
+            ("tenant_header", "X-Idempotency-Id"),
+            ("key_header", "Connection"),
+        ] {
+            let message = assert_field(
+                &format!("idempotency: {{{key}: {bad}}}\n{MINIMAL}"),
+                &format!("idempotency.{key}"),
+            );
+            assert!(message.contains("of HTTP's or idemgate's own"), "{message}");
+        }
+        assert_field(
+            &with_route_idempotency("scope_headers: [Authorization, Expect]"),
+            "routes[0].idempotency.scope_headers[1]",
         );
         let config = load(&format!(
             "idempotency: {{key_header: X-Request-Key, tenant_header: X-Org}}\n{MINIMAL}"
