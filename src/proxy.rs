@@ -851,7 +851,28 @@ impl Gate {
                         return self.refuse(session, ctx, problem).await;
                     }
                     let started = Instant::now();
-                    let waited = store.wait_for_change(&claim_req.key, deadline - now).await;
+                    // A waiter whose client leaves gives up its turn: its request was never
+                    // sent, and running it once the original is released would execute it for
+                    // nobody (a payment its client gave up on, perhaps telling its user so). Its
+                    // whole body is read, so anything on the connection now is the client
+                    // closing it, or bytes past its request, which end it too.
+                    let waited = tokio::select! {
+                        waited = store.wait_for_change(&claim_req.key, deadline - now) => waited,
+                        _ = session.read_body_or_idle(true) => {
+                            ctx.outcome = Some(Outcome::Conflict);
+                            session.set_keepalive(None);
+                            tracing::info!(
+                                route = %route.name,
+                                "client left while waiting for the first request with its key; \
+                                 its request was never sent"
+                            );
+                            return Err(Error::explain(
+                                pingora::ErrorType::ConnectionClosed,
+                                "client left while waiting",
+                            )
+                            .into_down());
+                        }
+                    };
                     self.observe_store(StoreOp::Wait, started, waited.is_err());
                     if let Err(e) = waited {
                         crate::warn_throttled!(error = %e, "record store failed while waiting");

@@ -541,6 +541,39 @@ async fn twenty_concurrent_duplicates_execute_once_wait_mode() {
     assert!(responses.windows(2).all(|w| w[0].body == w[1].body));
 }
 
+/// A waiter whose client leaves gives up its turn: once the original is released, its request
+/// is not run for nobody (found by a black-box probe: it ran 10 s after its client had gone).
+#[tokio::test]
+async fn a_waiter_whose_client_left_never_runs() {
+    use tokio::io::AsyncWriteExt;
+    let backend = Backend::start().await;
+    let proxy = ProxyBuilder::new(&backend)
+        .idem("on_in_flight: wait")
+        .idem("wait_timeout: 10s")
+        .start()
+        .await;
+    // The original runs until the test lets it answer, then fails: its key is released.
+    let req = Request::post("/orders/gate/left/status/503")
+        .key("left")
+        .body("{}");
+    let first = req.spawn_send(proxy.addr);
+    backend.until_count(1).await;
+    let mut waiter = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    waiter.write_all(&req.to_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(waiter);
+    proxy
+        .log_containing("client left while waiting for the first request with its key")
+        .await;
+    backend.open("left");
+    assert_eq!(first.await.unwrap().status, 503);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(backend.count(), 1, "the request of a client that left ran");
+    // The key is free for the client's own retry.
+    assert_eq!(req.send(proxy.addr).await.status, 503);
+    assert_eq!(backend.count(), 2);
+}
+
 #[tokio::test]
 async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
     let backend = Backend::start().await;

@@ -1320,11 +1320,12 @@ async fn a_short_redis_stall_keeps_the_connection() {
             .collect()
     };
     let before = clients();
-    // Held 400 ms: the claim sent meanwhile times out (200 ms), answered by nothing.
+    // Held 400 ms: the claim sent meanwhile times out (200 ms), answered by nothing, and the
+    // stall ends before the release of that claim is first tried (500 ms after it failed).
     link.set(Fault::Hold);
     let held = order(&proxy, "during").await;
     assert_eq!(held.status, 503, "{}", held.text());
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     link.set(Fault::Pass);
     until_redis_answers_within(&proxy, Duration::from_secs(5)).await;
     // Every connection open before the stall still serves. (The claim that timed out is

@@ -234,14 +234,16 @@ struct Unanswered {
 /// opens, and an open circuit sends none). One past it is left to lapse by itself.
 const UNANSWERED_CAPACITY: usize = 1024;
 
-/// The pause before the next try to release an unanswered claim: often for the first seconds,
-/// when a stalled Redis usually comes back (and the 503's `Retry-After: 1` brings the retry),
-/// then once a second until the lock would have lapsed.
+/// The pause before the next try to release an unanswered claim: half a second before the
+/// first (a try while Redis is still stalled goes on the connection that went silent, and
+/// costs it: a stall that short keeps its connection otherwise), then often for the first
+/// seconds, when a stalled Redis usually comes back (and the 503's `Retry-After: 1` brings the
+/// retry), then once a second until the lock would have lapsed.
 fn unanswered_pause(tries: u32) -> Duration {
-    if tries < 12 {
-        Duration::from_millis(250)
-    } else {
-        Duration::from_secs(1)
+    match tries {
+        0 => Duration::from_millis(500),
+        1..12 => Duration::from_millis(250),
+        _ => Duration::from_secs(1),
     }
 }
 
