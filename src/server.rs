@@ -130,16 +130,8 @@ impl StoreStack {
                         return;
                     };
                     let cache = cache.clone();
-                    runtime.spawn(async move {
-                        let stored = cache.check_given_up().await;
-                        if stored > 0 {
-                            tracing::info!(
-                                stored,
-                                "dead-lettered completions found in redis after all; their \
-                                 local entries now follow redis"
-                            );
-                        }
-                    });
+                    // It logs what it finds.
+                    runtime.spawn(async move { cache.check_given_up().await });
                 })
             }
             None => Arc::new(|| {}),
@@ -697,6 +689,12 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             ));
         }
     }
+    if let (Some(cache), Some(_)) = (stack.cache.clone(), &stack.redis) {
+        server.add_service(background_service(
+            "given-up completions",
+            GivenUpRecheck { cache },
+        ));
+    }
     if let Some(store) = stack.redis {
         server.add_service(background_service(
             "unanswered redis claims",
@@ -971,6 +969,23 @@ struct RedisWarmup {
 
 /// Keeps the worker id leased (see [`crate::worker_lease`]).
 struct WorkerLeaseService(Lease);
+
+/// How often the completions given up on are checked against Redis, besides when it comes
+/// back (see [`crate::store::cached::CachedStore::recheck_given_up_every`]). Each check reads
+/// one record per such completion, and there are few (an outage's worth at most).
+const GIVEN_UP_RECHECK: Duration = Duration::from_secs(30);
+
+/// Checks the completions given up on every [`GIVEN_UP_RECHECK`].
+struct GivenUpRecheck {
+    cache: Arc<LocalCache>,
+}
+
+#[async_trait]
+impl BackgroundService for GivenUpRecheck {
+    async fn start(&self, _shutdown: ShutdownWatch) {
+        self.cache.recheck_given_up_every(GIVEN_UP_RECHECK).await;
+    }
+}
 
 /// Releases the claims whose answer never came and that reached Redis after all (see
 /// [`RedisStore::release_unanswered_claims`]).

@@ -133,6 +133,15 @@ fn unstored_entry<'a>(
     })
 }
 
+/// What a check of the completions given up on dropped ([`CachedStore::check_given_up`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GivenUpCheck {
+    /// The store holds this very completion: its write landed after all.
+    pub landed: usize,
+    /// The store holds another execution's completion: the key ran again elsewhere.
+    pub replaced: usize,
+}
+
 /// Purges a shard remembers by record ([`Cache::recent_purges`]).
 const RECENT_PURGES: usize = 64;
 
@@ -1185,9 +1194,40 @@ impl<S: RecordStore> CachedStore<S> {
     /// elsewhere; the store's answer is what every other replica replays). A retry here then
     /// reads it from the store, where a purge takes it, as it would anywhere else. One the
     /// store does not hold completed (or that cannot be read) stays: it is the only trace of
-    /// its answer. Returns how many went. Called when the purge channel is
-    /// subscribed again, when Redis is back and purges may have been missed.
-    pub async fn check_given_up(&self) -> usize {
+    /// its answer. Returns what went, and says so in the log. Called when the purge channel is
+    /// subscribed again, when Redis is back and purges may have been missed, and every so often
+    /// ([`CachedStore::recheck_given_up_every`]).
+    pub async fn check_given_up(&self) -> GivenUpCheck {
+        let found = self.check_given_up_all().await;
+        if found.landed > 0 {
+            tracing::info!(
+                landed = found.landed,
+                "dead-lettered completions found in redis after all (their writes landed); their \
+                 local entries now follow redis"
+            );
+        }
+        if found.replaced > 0 {
+            tracing::warn!(
+                replaced = found.replaced,
+                "dead-lettered completions whose keys ran again elsewhere (redis holds another \
+                 execution's answer); their local entries now follow redis"
+            );
+        }
+        found
+    }
+
+    /// Checks the completions given up on every `period` ([`CachedStore::check_given_up`]),
+    /// for the life of the process. Besides when Redis comes back: the key of one whose record
+    /// was lost may run again on another replica at any time after, and this replica would
+    /// replay its own answer for the record's whole ttl while every other replays the new one.
+    pub async fn recheck_given_up_every(&self, period: Duration) {
+        loop {
+            tokio::time::sleep(period).await;
+            self.check_given_up().await;
+        }
+    }
+
+    async fn check_given_up_all(&self) -> GivenUpCheck {
         // One at a time. One asked for meanwhile (the channel subscribed again: the store may
         // answer now what it failed to before) makes the running one go round once more.
         self.recheck_given_up.store(true, Ordering::Release);
@@ -1197,7 +1237,7 @@ impl<S: RecordStore> CachedStore<S> {
                 self.0.store(false, Ordering::Release);
             }
         }
-        let mut dropped = 0;
+        let mut dropped = GivenUpCheck::default();
         loop {
             if self.checking_given_up.swap(true, Ordering::AcqRel) {
                 return dropped;
@@ -1205,7 +1245,9 @@ impl<S: RecordStore> CachedStore<S> {
             {
                 let _done = Done(&self.checking_given_up);
                 while self.recheck_given_up.swap(false, Ordering::AcqRel) {
-                    dropped += self.check_given_up_once().await;
+                    let found = self.check_given_up_once().await;
+                    dropped.landed += found.landed;
+                    dropped.replaced += found.replaced;
                 }
             }
             // One asked for between the last round and the flag's clearing found a check
@@ -1216,7 +1258,7 @@ impl<S: RecordStore> CachedStore<S> {
         }
     }
 
-    async fn check_given_up_once(&self) -> usize {
+    async fn check_given_up_once(&self) -> GivenUpCheck {
         let now = Instant::now();
         let given_up: Vec<(RecordKey, Completion)> = self
             .cache
@@ -1238,18 +1280,15 @@ impl<S: RecordStore> CachedStore<S> {
                     .collect::<Vec<_>>()
             })
             .collect();
-        let mut dropped = 0;
+        let mut dropped = GivenUpCheck::default();
         for (key, completion) in given_up {
-            let stored = matches!(
-                self.inner.get(&key).await,
+            let landed = match self.inner.get(&key).await {
                 Ok(Some(Record {
-                    state: RecordState::Completed(_),
+                    state: RecordState::Completed(stored),
                     ..
-                }))
-            );
-            if !stored {
-                continue;
-            }
+                })) => stored == completion,
+                _ => continue,
+            };
             let mut cache = self.shard(&key.hash).lock();
             // Still the entry that was read for (not purged meanwhile, nor cached anew).
             let same = cache.map.get(&key.hash).is_some_and(|e| {
@@ -1260,7 +1299,11 @@ impl<S: RecordStore> CachedStore<S> {
             if same {
                 if let Some(e) = cache.map.remove(&key.hash) {
                     cache.bytes -= e.size;
-                    dropped += 1;
+                    if landed {
+                        dropped.landed += 1;
+                    } else {
+                        dropped.replaced += 1;
+                    }
                 }
             }
         }
@@ -3099,7 +3142,13 @@ mod tests {
         assert_eq!(a.forget_copies(), 0);
         assert!(a.cached(&landed.key).is_some() && a.cached(&lost.key).is_some());
         // ...until the store is found to hold it.
-        assert_eq!(a.check_given_up().await, 1);
+        assert_eq!(
+            a.check_given_up().await,
+            GivenUpCheck {
+                landed: 1,
+                replaced: 0
+            }
+        );
         assert!(
             a.cached(&landed.key).is_none(),
             "kept apart from the store that holds it"
@@ -3120,7 +3169,7 @@ mod tests {
             calls + 1,
             "from the cache"
         );
-        assert_eq!(a.check_given_up().await, 0);
+        assert_eq!(a.check_given_up().await, GivenUpCheck::default());
         assert!(a.cached(&lost.key).is_some());
     }
 
@@ -3145,7 +3194,7 @@ mod tests {
         let second = tokio::time::timeout(Duration::from_secs(2), a.check_given_up()).await;
         assert_eq!(
             second.ok(),
-            Some(0),
+            Some(GivenUpCheck::default()),
             "the second check waited for the store"
         );
         assert_eq!(
@@ -3154,7 +3203,11 @@ mod tests {
             "the second check asked the store nothing"
         );
         shared.set(Fault::None);
-        assert_eq!(first.await.unwrap(), 0, "the store lacks it: kept");
+        assert_eq!(
+            first.await.unwrap(),
+            GivenUpCheck::default(),
+            "the store lacks it: kept"
+        );
         assert_eq!(
             shared.calls.load(Ordering::Relaxed),
             before + 2,
@@ -3178,16 +3231,41 @@ mod tests {
         // The record is lost, and B executes the key anew.
         assert!(shared.delete(&req.key).await.unwrap());
         executed(&b, &retry_of(&req), b"theirs").await;
-        assert_eq!(a.check_given_up().await, 1);
-        let replay = a.claim(&retry_of(&req)).await.unwrap();
-        let ClaimOutcome::Existing(Record {
-            state: RecordState::Completed(Completion::Response(r)),
-            ..
-        }) = replay
-        else {
-            panic!("{replay:?}");
-        };
-        assert_eq!(r.body(), b"theirs");
+        assert_eq!(
+            a.check_given_up().await,
+            GivenUpCheck {
+                landed: 0,
+                replaced: 1
+            }
+        );
+        assert_eq!(replayed_body(a.claim(&retry_of(&req)).await), b"theirs");
+    }
+
+    /// Given-up entries are checked again every so often, not only when Redis comes back: a key
+    /// whose record was lost may run again on another replica at any time after, with Redis up
+    /// all along, and this replica then follows the store within a period rather than replay
+    /// its own answer for the record's whole ttl (found by an operator probe: 24 h).
+    #[tokio::test]
+    async fn given_up_entries_are_checked_again_while_they_last() {
+        let (shared, a, b) = two_replicas();
+        let a = Arc::new(a);
+        let req = claim("t", 29);
+        executed_unstored(&a, &shared, &req, b"mine").await;
+        a.completion_given_up(&req.key, req.owner);
+        assert!(shared.delete(&req.key).await.unwrap());
+        tokio::spawn({
+            let a = a.clone();
+            async move { a.recheck_given_up_every(Duration::from_millis(20)).await }
+        });
+        // Checked and kept while the store lacks it: the only trace of its answer.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(replayed_body(a.claim(&retry_of(&req)).await), b"mine");
+        executed(&b, &retry_of(&req), b"theirs").await;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while replayed_body(a.claim(&retry_of(&req)).await) != b"theirs" {
+            assert!(Instant::now() < deadline, "still replaying its own answer");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     #[tokio::test]
