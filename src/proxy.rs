@@ -940,11 +940,14 @@ impl Gate {
             return Err(Problem::RequestBuffersFull);
         }
         if expects_continue {
-            // The key and tenant were valid: invite the body now.
-            session
-                .write_continue_response()
-                .await
-                .map_err(|_| Problem::RequestBodyUnreadable)?;
+            // The key and tenant were valid: invite the body now. pingora takes any answer
+            // written before the body is read, the interim `100 Continue` too, for one that
+            // leaves the body unread, and would close the connection after the final answer:
+            // not for this one, whose body is read whole below.
+            session.set_close_on_response_before_downstream_finish(false);
+            let invited = session.write_continue_response().await;
+            session.set_close_on_response_before_downstream_finish(true);
+            invited.map_err(|_| Problem::RequestBodyUnreadable)?;
         }
         // Every read below is bounded here; pingora's own read timeout (60 s unless set) would
         // cut a longer request_body_timeout short with a read error, so it only backs this up.

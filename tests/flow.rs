@@ -1188,6 +1188,17 @@ async fn expect_continue_is_answered_and_not_forwarded() {
     let e = &backend.executions()[0];
     assert!(e.headers.iter().all(|(n, _)| n != "expect"));
     assert_eq!(e.body, b"{}");
+    // The connection is kept, as for any request whose body was read whole (libcurl sends
+    // `Expect` on larger bodies: a keyed route must not cost such clients a connection each).
+    assert_eq!(r.header("connection"), Some("keep-alive"));
+    s.write_all(
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: cont\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n{}",
+    )
+    .await
+    .unwrap();
+    let replay = common::client::read_response(&mut s, false).await.unwrap();
+    assert_eq!((replay.status, replay.result()), (201, Some("HIT")));
+    assert_eq!(replay.header("connection"), Some("keep-alive"));
 }
 
 #[tokio::test]
