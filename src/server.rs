@@ -711,14 +711,25 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         ));
     }
 
-    tracing::info!(
-        %listen,
-        admin = %admin_listen,
-        worker_id = ids.worker_id(),
-        worker_id_source = ids.source().as_str(),
-        version = env!("CARGO_PKG_VERSION"),
-        "idemgate starting"
-    );
+    if ids.source() == WorkerIdSource::Lease {
+        // The id to use is known once leased: its own line says which.
+        tracing::info!(
+            %listen,
+            admin = %admin_listen,
+            worker_id_source = ids.source().as_str(),
+            version = env!("CARGO_PKG_VERSION"),
+            "idemgate starting"
+        );
+    } else {
+        tracing::info!(
+            %listen,
+            admin = %admin_listen,
+            worker_id = ids.worker_id(),
+            worker_id_source = ids.source().as_str(),
+            version = env!("CARGO_PKG_VERSION"),
+            "idemgate starting"
+        );
+    }
     server.run(RunArgs {
         shutdown_signal: Box::new(Signals {
             in_flight,
