@@ -1049,7 +1049,14 @@ impl Gate {
             None => &[],
         };
         let mut head = Vec::with_capacity(512);
-        upstream::request_head(req, had_body.then_some(body.len()), extra, &mut head);
+        let scoping = &ctx.gen.scoping_headers;
+        upstream::request_head(
+            req,
+            had_body.then_some(body.len()),
+            extra,
+            scoping,
+            &mut head,
+        );
         let head_request = req.method == http::Method::HEAD;
 
         let started = Instant::now();
@@ -1436,7 +1443,7 @@ impl Gate {
         }
         let req = session.req_header();
         let mut head = Vec::with_capacity(512);
-        upstream::request_head(req, declared, &[], &mut head);
+        upstream::request_head(req, declared, &[], &gen.scoping_headers, &mut head);
         let method = req.method.clone();
         let head_request = method == http::Method::HEAD;
         // A request that changes nothing may go again on a new connection if a pooled one was
@@ -2420,15 +2427,21 @@ impl ProxyHttp for Gate {
         &self,
         _session: &mut Session,
         upstream_request: &mut RequestHeader,
-        _ctx: &mut Self::CTX,
+        ctx: &mut Self::CTX,
     ) -> Result<()> {
         upstream_request.remove_header(EXECUTION_ID_HEADER);
         // pingora removes hop-by-hop headers and writes its own framing, but passes the same
-        // names spelt with `_` for `-`, which CGI-style backends read as the real ones.
+        // names spelt with `_` for `-`, which CGI-style backends read as the real ones; so are
+        // the headers that chose the record (a tenant the backend would read otherwise).
+        let scoping = &ctx.gen.scoping_headers;
         let spoofed: Vec<HeaderName> = upstream_request
             .headers
             .keys()
-            .filter(|n| n.as_str().contains('_') && upstream::is_reserved(n.as_str().as_bytes()))
+            .filter(|n| {
+                let name = n.as_str().as_bytes();
+                n.as_str().contains('_')
+                    && (upstream::is_reserved(name) || upstream::spells_one_of(name, scoping))
+            })
             .cloned()
             .collect();
         for name in spoofed {

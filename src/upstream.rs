@@ -323,10 +323,15 @@ async fn connect(backend: &Backend) -> Result<TcpStream, UpstreamError> {
 /// Writes the request line and headers of `req` for the backend: hop-by-hop headers, headers
 /// named by `Connection`, `Expect` and the client's framing are left out, `Content-Length` is
 /// written for `body_len`, then `extra` headers. Header names keep the client's spelling.
+///
+/// `scoping` are the headers that choose a request's record (key, tenant, scope): spelt with
+/// `_` for `-` they are left out too, as CGI-style backends read them as the real ones, and
+/// could be told another tenant than the one the record was chosen under.
 pub fn request_head(
     req: &RequestHeader,
     body_len: Option<usize>,
     extra: &[(&str, &[u8])],
+    scoping: &[http::HeaderName],
     buf: &mut Vec<u8>,
 ) {
     buf.extend_from_slice(req.method.as_str().as_bytes());
@@ -339,7 +344,7 @@ pub fn request_head(
             pingora::http::HeaderNameVariant::Case(n) => n.as_slice(),
             pingora::http::HeaderNameVariant::Titled(n) => n.as_bytes(),
         };
-        let skip = is_reserved(name) || named.names(name);
+        let skip = is_reserved(name) || named.names(name) || spells_one_of(name, scoping);
         if !skip {
             buf.extend_from_slice(name);
             buf.extend_from_slice(b": ");
@@ -379,14 +384,27 @@ pub fn target_authority(target: &[u8]) -> Option<&[u8]> {
 /// `X-Idempotency-Id`, so a client could otherwise still choose the execution id, or send a
 /// second framing header, under the other spelling.
 pub fn is_reserved(name: &[u8]) -> bool {
-    let same = |h: &str| {
-        name.len() == h.len()
-            && name
-                .iter()
-                .zip(h.as_bytes())
-                .all(|(&a, &b)| a.eq_ignore_ascii_case(&b) || (a == b'_' && b == b'-'))
-    };
-    HOP_BY_HOP.iter().chain(WRITTEN_HERE).any(|h| same(h))
+    HOP_BY_HOP
+        .iter()
+        .chain(WRITTEN_HERE)
+        .any(|h| spelt_as(name, h))
+}
+
+/// Whether `name` is `h`, ignoring case, with `_` for any `-`.
+fn spelt_as(name: &[u8], h: &str) -> bool {
+    name.len() == h.len()
+        && name
+            .iter()
+            .zip(h.as_bytes())
+            .all(|(&a, &b)| a.eq_ignore_ascii_case(&b) || (a == b'_' && b == b'-'))
+}
+
+/// Whether `name` is one of `headers` spelt with `_` for some `-` (not the header itself).
+pub fn spells_one_of(name: &[u8], headers: &[http::HeaderName]) -> bool {
+    name.contains(&b'_')
+        && headers.iter().any(|h| {
+            spelt_as(name, h.as_str()) && !name.eq_ignore_ascii_case(h.as_str().as_bytes())
+        })
 }
 
 /// Header names listed in `Connection` values (other than the usual `close` / `keep-alive`).
@@ -1561,7 +1579,7 @@ mod tests {
         req.append_header("Content-Length", "99").unwrap();
         req.append_header("X-Request-ID", "r1").unwrap();
         let mut buf = Vec::new();
-        request_head(&req, Some(2), &[("x-idempotency-id", b"42")], &mut buf);
+        request_head(&req, Some(2), &[("x-idempotency-id", b"42")], &[], &mut buf);
         assert_eq!(
             String::from_utf8(buf).unwrap(),
             "POST /orders?x=1 HTTP/1.1\r\nHost: shop\r\nX-Request-ID: r1\r\nContent-Length: 2\r\nx-idempotency-id: 42\r\n\r\n"

@@ -749,6 +749,51 @@ async fn a_client_cannot_choose_the_execution_id_the_backend_sees() {
     }
 }
 
+/// The headers that chose a request's record (tenant, scope, key) spelt with `_` for `-` are
+/// not forwarded, on idemgate's own client or pingora's streaming path: a CGI-style backend
+/// reads `X_Tenant_ID` as `X-Tenant-ID`, and would act for another tenant than the one the
+/// record was chosen under (found by a black-box probe). The real headers still go.
+#[tokio::test]
+async fn the_record_choosing_headers_cannot_be_spoofed_with_underscores() {
+    let (backend, proxy) = setup().await;
+    let spoofing = |r: Request| {
+        r.header("X-Tenant-ID", "shop-a")
+            .header("X_Tenant_ID", "shop-b")
+            .header("Authorization", "Bearer a")
+            .header("authorization_", "x")
+            .header("Idempotency_Key", "other")
+            .body("{}")
+    };
+    let keyed = spoofing(Request::post("/orders").key("under"))
+        .send(proxy.addr)
+        .await;
+    assert_eq!(keyed.result(), Some("MISS"));
+    spoofing(Request::post("/plain")).send(proxy.addr).await;
+    spoofing(Request::post("/plain"))
+        .chunked(1)
+        .send(proxy.addr)
+        .await;
+    let ex = backend.executions();
+    assert_eq!(ex.len(), 3);
+    for e in &ex {
+        let names: Vec<&str> = e.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert!(
+            !names.iter().any(|n| n.eq_ignore_ascii_case("x_tenant_id")
+                || n.eq_ignore_ascii_case("idempotency_key")),
+            "{} {names:?}",
+            e.path
+        );
+        assert!(
+            names.iter().any(|n| n.eq_ignore_ascii_case("x-tenant-id")),
+            "{names:?}"
+        );
+        // Not a spelling of Authorization: it goes as it came.
+        assert!(names
+            .iter()
+            .any(|n| n.eq_ignore_ascii_case("authorization_")));
+    }
+}
+
 #[tokio::test]
 async fn a_replayed_no_content_answer_has_no_content_length() {
     let (backend, proxy) = setup().await;
