@@ -230,8 +230,9 @@ struct Unanswered {
     tries: u32,
 }
 
-/// Unanswered claims waiting to be released, at most (a few claims time out before the circuit
-/// opens, and an open circuit sends none). One past it is left to lapse by itself.
+/// Unanswered claims waiting to be released, at most, in the queue and again among those being
+/// tried (a few claims time out before the circuit opens, and an open circuit sends none). One
+/// past it is left to lapse by itself.
 const UNANSWERED_CAPACITY: usize = 1024;
 
 /// The pause before the next try to release an unanswered claim: half a second before the
@@ -772,7 +773,11 @@ impl RedisStore {
             };
             tokio::select! {
                 claim = rx.recv() => match claim {
-                    Some(claim) => waiting.push(claim),
+                    Some(claim) if waiting.len() < UNANSWERED_CAPACITY => waiting.push(claim),
+                    Some(_) => crate::warn_throttled!(
+                        "too many unanswered claims waiting to be released; should this one \
+                         reach redis, its key stays locked until lock_ttl"
+                    ),
                     None => return,
                 },
                 () = due => {
