@@ -860,6 +860,8 @@ impl Gate {
                         waited = store.wait_for_change(&claim_req.key, deadline - now) => waited,
                         _ = session.read_body_or_idle(true) => {
                             ctx.outcome = Some(Outcome::Conflict);
+                            // Its body was read whole: the client left, its request was sound.
+                            ctx.body_ended = true;
                             session.set_keepalive(None);
                             tracing::info!(
                                 route = %route.name,

@@ -565,6 +565,12 @@ async fn a_waiter_whose_client_left_never_runs() {
     proxy
         .log_containing("client left while waiting for the first request with its key")
         .await;
+    // Counted as what it was, a duplicate of a request in flight, not as a bad request.
+    let m = proxy
+        .metrics_containing("idemgate_requests_total{result=\"CONFLICT\",route=\"orders\"} 1")
+        .await;
+    let invalid = "idemgate_requests_total{result=\"INVALID\",route=\"orders\"}";
+    assert_eq!(common::metric(&m, invalid), Some(0.0), "{m}");
     backend.open("left");
     assert_eq!(first.await.unwrap().status, 503);
     tokio::time::sleep(Duration::from_millis(300)).await;
