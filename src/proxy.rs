@@ -359,8 +359,9 @@ pub struct RequestCtx {
     /// read its record (a replay, a conflict), for the access line: an operator reconciling
     /// with the backend finds the request by it.
     execution_id: Option<u64>,
-    /// Set once pingora's streaming path read the request body to its end (a body cut off is
-    /// never marked so, though pingora counts it as done).
+    /// Set once the request body was read to its end, by idemgate itself or on pingora's
+    /// streaming path (a body cut off is never marked so, though pingora counts it as done): a
+    /// client that leaves after that left a sound request.
     body_ended: bool,
     /// Its access line and metrics were written ([`ProxyHttp::logging`]).
     logged: bool,
@@ -646,7 +647,10 @@ impl Gate {
             )
             .await
         {
-            Ok(b) => b,
+            Ok(b) => {
+                ctx.body_ended = true;
+                b
+            }
             Err(p) => return self.refuse(session, ctx, p).await,
         };
         let req = session.req_header();
@@ -860,8 +864,6 @@ impl Gate {
                         waited = store.wait_for_change(&claim_req.key, deadline - now) => waited,
                         _ = session.read_body_or_idle(true) => {
                             ctx.outcome = Some(Outcome::Conflict);
-                            // Its body was read whole: the client left, its request was sound.
-                            ctx.body_ended = true;
                             session.set_keepalive(None);
                             tracing::info!(
                                 route = %route.name,
@@ -1430,7 +1432,10 @@ impl Gate {
             .read_body(session, upstream::FORWARD_BODY_BYTES, config, held)
             .await
         {
-            Ok(body) => body,
+            Ok(body) => {
+                ctx.body_ended = true;
+                body
+            }
             Err(problem) => {
                 ctx.refused = true;
                 ctx.refused_for_its_request(&problem);
@@ -2435,14 +2440,11 @@ impl ProxyHttp for Gate {
         // pingora removes hop-by-hop headers and writes its own framing, but passes the same
         // names spelt with `_` for `-`, which CGI-style backends read as the real ones; so are
         // the headers that chose the record (a tenant the backend would read otherwise).
-        let scoping = &ctx.gen.scoping_headers;
         let spoofed: Vec<HeaderName> = upstream_request
             .headers
             .keys()
             .filter(|n| {
-                let name = n.as_str().as_bytes();
-                n.as_str().contains('_')
-                    && (upstream::is_reserved(name) || upstream::spells_one_of(name, scoping))
+                upstream::is_underscore_spoof(n.as_str().as_bytes(), &ctx.gen.scoping_headers)
             })
             .cloned()
             .collect();

@@ -344,7 +344,7 @@ pub fn request_head(
             pingora::http::HeaderNameVariant::Case(n) => n.as_slice(),
             pingora::http::HeaderNameVariant::Titled(n) => n.as_bytes(),
         };
-        let skip = is_reserved(name) || named.names(name) || spells_one_of(name, scoping);
+        let skip = is_reserved(name) || named.names(name) || is_underscore_spoof(name, scoping);
         if !skip {
             buf.extend_from_slice(name);
             buf.extend_from_slice(b": ");
@@ -399,12 +399,15 @@ fn spelt_as(name: &[u8], h: &str) -> bool {
             .all(|(&a, &b)| a.eq_ignore_ascii_case(&b) || (a == b'_' && b == b'-'))
 }
 
-/// Whether `name` is one of `headers` spelt with `_` for some `-` (not the header itself).
-pub fn spells_one_of(name: &[u8], headers: &[http::HeaderName]) -> bool {
+/// Whether `name` spells, with `_` for some `-`, a header the client may not pass ([`is_reserved`])
+/// or one of `scoping` (the headers that chose the record), without being that header itself:
+/// what CGI-style backends would read as the real one.
+pub fn is_underscore_spoof(name: &[u8], scoping: &[http::HeaderName]) -> bool {
     name.contains(&b'_')
-        && headers.iter().any(|h| {
-            spelt_as(name, h.as_str()) && !name.eq_ignore_ascii_case(h.as_str().as_bytes())
-        })
+        && (is_reserved(name)
+            || scoping.iter().any(|h| {
+                spelt_as(name, h.as_str()) && !name.eq_ignore_ascii_case(h.as_str().as_bytes())
+            }))
 }
 
 /// Header names listed in `Connection` values (other than the usual `close` / `keep-alive`).
