@@ -119,17 +119,20 @@ struct Cache {
     copy_resets: u64,
 }
 
-/// The entry of `key` kept for the completion of `owner`'s claim while its write is retried
-/// (`Held::Unstored`); another entry of the record (a later execution's, even under the same
-/// execution id after a takeover, or a copy) is not that write's to settle.
-fn unstored_entry<'a>(
+/// The entry of `key` kept for the completion of `owner`'s claim, whose write is retried or
+/// was given up on (`Held::Unstored`, `Held::GivenUp`); another entry of the record (a later
+/// execution's, even under the same execution id after a takeover, or a copy) is not that
+/// completion's to settle.
+fn own_entry<'a>(
     cache: &'a mut Cache,
     key: &RecordKey,
     owner: OwnerToken,
 ) -> Option<&'a mut CacheEntry> {
+    let owner = Owner::of(owner);
     cache.map.get_mut(&key.hash).filter(|e| {
-        matches!(e.held, Held::Unstored { owner: o, .. } if o == Owner::of(owner))
-            && e.tenant == key.tenant
+        e.tenant == key.tenant
+            && matches!(e.held, Held::Unstored { owner: o, .. } | Held::GivenUp { owner: o }
+                if o == owner)
     })
 }
 
@@ -140,6 +143,13 @@ pub struct GivenUpCheck {
     pub landed: usize,
     /// The store holds another execution's completion: the key ran again elsewhere.
     pub replaced: usize,
+}
+
+impl std::ops::AddAssign for GivenUpCheck {
+    fn add_assign(&mut self, other: Self) {
+        self.landed += other.landed;
+        self.replaced += other.replaced;
+    }
 }
 
 /// Purges a shard remembers by record ([`Cache::recent_purges`]).
@@ -1138,7 +1148,7 @@ impl<S: RecordStore> CachedStore<S> {
     pub fn completion_stored(&self, key: &RecordKey, owner: OwnerToken) {
         let mut cache = self.shard(&key.hash).lock();
         let resets = cache.copy_resets;
-        let Some(entry) = unstored_entry(&mut cache, key, owner) else {
+        let Some(entry) = own_entry(&mut cache, key, owner) else {
             return;
         };
         let Held::Unstored { copy_resets, .. } = entry.held else {
@@ -1160,7 +1170,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// ttl ends.
     pub fn completion_given_up(&self, key: &RecordKey, owner: OwnerToken) {
         let mut cache = self.shard(&key.hash).lock();
-        if let Some(entry) = unstored_entry(&mut cache, key, owner) {
+        if let Some(entry) = own_entry(&mut cache, key, owner) {
             entry.held = Held::GivenUp {
                 owner: Owner::of(owner),
             };
@@ -1176,12 +1186,7 @@ impl<S: RecordStore> CachedStore<S> {
     /// replica's claims on it still count as held.
     pub fn completion_taken_over(&self, key: &RecordKey, owner: OwnerToken) {
         let mut cache = self.shard(&key.hash).lock();
-        let own = cache.map.get(&key.hash).is_some_and(|e| {
-            e.tenant == key.tenant
-                && matches!(e.held, Held::Unstored { owner: o, .. } | Held::GivenUp { owner: o }
-                    if o == Owner::of(owner))
-        });
-        if own {
+        if own_entry(&mut cache, key, owner).is_some() {
             if let Some(e) = cache.map.remove(&key.hash) {
                 cache.bytes -= e.size;
             }
@@ -1245,9 +1250,7 @@ impl<S: RecordStore> CachedStore<S> {
             {
                 let _done = Done(&self.checking_given_up);
                 while self.recheck_given_up.swap(false, Ordering::AcqRel) {
-                    let found = self.check_given_up_once().await;
-                    dropped.landed += found.landed;
-                    dropped.replaced += found.replaced;
+                    dropped += self.check_given_up_once().await;
                 }
             }
             // One asked for between the last round and the flag's clearing found a check
