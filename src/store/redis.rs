@@ -56,7 +56,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -213,8 +213,10 @@ pub struct RedisStore {
     /// What the readings of Redis's eviction setting found ([`RedisStore::check_eviction`]).
     eviction: parking_lot::Mutex<eviction::Finding>,
     /// Claims whose answer never came, for [`RedisStore::release_unanswered_claims`].
-    unanswered_tx: tokio::sync::mpsc::Sender<Unanswered>,
-    unanswered_rx: parking_lot::Mutex<Option<tokio::sync::mpsc::Receiver<Unanswered>>>,
+    unanswered_tx: tokio::sync::mpsc::UnboundedSender<Unanswered>,
+    unanswered_rx: parking_lot::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<Unanswered>>>,
+    /// Of those, how many are handed over and not settled yet (at most [`UNANSWERED_CAPACITY`]).
+    unanswered_pending: AtomicUsize,
     unanswered_released: AtomicU64,
 }
 
@@ -230,9 +232,8 @@ struct Unanswered {
     tries: u32,
 }
 
-/// Unanswered claims waiting to be released, at most, in the queue and again among those being
-/// tried (a few claims time out before the circuit opens, and an open circuit sends none). One
-/// past it is left to lapse by itself.
+/// Unanswered claims waiting to be released, at most (a few claims time out before the circuit
+/// opens, and an open circuit sends none). One past it is left to lapse by itself.
 const UNANSWERED_CAPACITY: usize = 1024;
 
 /// The pause before the next try to release an unanswered claim: half a second before the
@@ -715,7 +716,7 @@ impl RedisStore {
         let (active, canary) = find_sources(&config.scripts)?;
         let version_stats = StatsRegistry::default();
         let set = ScriptSet::new(&config.scripts, active, canary, None, &version_stats);
-        let (unanswered_tx, unanswered_rx) = tokio::sync::mpsc::channel(UNANSWERED_CAPACITY);
+        let (unanswered_tx, unanswered_rx) = tokio::sync::mpsc::unbounded_channel();
         Ok(RedisStore {
             backend: ArcSwap::from_pointee(backend),
             settings: config.clone(),
@@ -742,6 +743,7 @@ impl RedisStore {
             eviction: parking_lot::Mutex::default(),
             unanswered_tx,
             unanswered_rx: parking_lot::Mutex::new(Some(unanswered_rx)),
+            unanswered_pending: AtomicUsize::new(0),
             unanswered_released: AtomicU64::new(0),
         })
     }
@@ -774,11 +776,7 @@ impl RedisStore {
             };
             tokio::select! {
                 claim = rx.recv() => match claim {
-                    Some(claim) if waiting.len() < UNANSWERED_CAPACITY => waiting.push(claim),
-                    Some(_) => crate::warn_throttled!(
-                        "too many unanswered claims waiting to be released; should this one \
-                         reach redis, its key stays locked until lock_ttl"
-                    ),
+                    Some(claim) => waiting.push(claim),
                     None => return,
                 },
                 () = due => {
@@ -801,13 +799,16 @@ impl RedisStore {
                                      released, so the retry its 503 asked for runs"
                                 );
                             }
-                            _ if now >= claim.until => {}
-                            _ => {
+                            _ if now < claim.until => {
                                 claim.tries += 1;
                                 claim.due = now + unanswered_pause(claim.tries);
                                 waiting.push(claim);
+                                continue;
                             }
+                            // Its lock, if it took one, has lapsed by now.
+                            _ => {}
                         }
+                        self.unanswered_pending.fetch_sub(1, Ordering::Relaxed);
                     }
                 }
             }
@@ -830,11 +831,17 @@ impl RedisStore {
             due: now + unanswered_pause(0),
             tries: 0,
         };
-        if self.unanswered_tx.try_send(claim).is_err() {
+        if self.unanswered_pending.fetch_add(1, Ordering::Relaxed) >= UNANSWERED_CAPACITY {
+            self.unanswered_pending.fetch_sub(1, Ordering::Relaxed);
             crate::warn_throttled!(
                 "too many unanswered claims waiting to be released; should this one reach \
                  redis, its key stays locked until lock_ttl"
             );
+            return;
+        }
+        if self.unanswered_tx.send(claim).is_err() {
+            // Its worker is gone (the process is stopping).
+            self.unanswered_pending.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
