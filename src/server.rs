@@ -654,7 +654,7 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     ));
     server.add_service(background_service(
         "completion retries",
-        RetryWorker(Mutex::new(Some(Box::pin(retry_worker)))),
+        UntilExit::new(retry_worker),
     ));
     server.add_service(background_service(
         "config watcher",
@@ -689,18 +689,18 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             ));
         }
     }
-    if let (Some(cache), Some(_)) = (stack.cache.clone(), &stack.redis) {
+    if let Some(cache) = stack.cache.clone() {
         server.add_service(background_service(
             "given-up completions",
-            GivenUpRecheck { cache },
+            UntilExit::new(async move { cache.recheck_given_up_every(GIVEN_UP_RECHECK).await }),
         ));
     }
     if let Some(store) = stack.redis {
+        let releases = store.clone();
         server.add_service(background_service(
             "unanswered redis claims",
-            UnansweredClaims {
-                store: store.clone(),
-            },
+            // Runs through the drain: a claim made then may time out too.
+            UntilExit::new(async move { releases.release_unanswered_claims().await }),
         ));
         server.add_service(background_service("redis warm-up", RedisWarmup { store }));
     }
@@ -711,25 +711,15 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
         ));
     }
 
-    if ids.source() == WorkerIdSource::Lease {
-        // The id to use is known once leased: its own line says which.
-        tracing::info!(
-            %listen,
-            admin = %admin_listen,
-            worker_id_source = ids.source().as_str(),
-            version = env!("CARGO_PKG_VERSION"),
-            "idemgate starting"
-        );
-    } else {
-        tracing::info!(
-            %listen,
-            admin = %admin_listen,
-            worker_id = ids.worker_id(),
-            worker_id_source = ids.source().as_str(),
-            version = env!("CARGO_PKG_VERSION"),
-            "idemgate starting"
-        );
-    }
+    tracing::info!(
+        %listen,
+        admin = %admin_listen,
+        // A leased id is known once leased: its own line says which.
+        worker_id = (ids.source() != WorkerIdSource::Lease).then(|| ids.worker_id()),
+        worker_id_source = ids.source().as_str(),
+        version = env!("CARGO_PKG_VERSION"),
+        "idemgate starting"
+    );
     server.run(RunArgs {
         shutdown_signal: Box::new(Signals {
             in_flight,
@@ -956,12 +946,24 @@ impl BackgroundService for Sweeper {
     }
 }
 
-/// Runs the completion retrier's worker. It is not stopped by shutdown: the drain waits for the
-/// queue to empty (or the grace period to end).
-struct RetryWorker(Mutex<Option<Pin<Box<dyn Future<Output = ()> + Send>>>>);
+/// How often the completions given up on are checked against Redis, besides when it comes
+/// back (see [`crate::store::cached::CachedStore::recheck_given_up_every`]). Each check reads
+/// one record per such completion, and there are few (an outage's worth at most).
+const GIVEN_UP_RECHECK: Duration = Duration::from_secs(30);
+
+/// Runs a task for the life of the process, through the drain: shutdown does not stop it (the
+/// completion retrier's worker, whose queue the drain waits for, and store upkeep that requests
+/// still running then need).
+struct UntilExit(Mutex<Option<Pin<Box<dyn Future<Output = ()> + Send>>>>);
+
+impl UntilExit {
+    fn new(task: impl Future<Output = ()> + Send + 'static) -> Self {
+        UntilExit(Mutex::new(Some(Box::pin(task))))
+    }
+}
 
 #[async_trait]
-impl BackgroundService for RetryWorker {
+impl BackgroundService for UntilExit {
     async fn start(&self, _shutdown: ShutdownWatch) {
         let worker = self.0.lock().ok().and_then(|mut w| w.take());
         if let Some(worker) = worker {
@@ -980,37 +982,6 @@ struct RedisWarmup {
 
 /// Keeps the worker id leased (see [`crate::worker_lease`]).
 struct WorkerLeaseService(Lease);
-
-/// How often the completions given up on are checked against Redis, besides when it comes
-/// back (see [`crate::store::cached::CachedStore::recheck_given_up_every`]). Each check reads
-/// one record per such completion, and there are few (an outage's worth at most).
-const GIVEN_UP_RECHECK: Duration = Duration::from_secs(30);
-
-/// Checks the completions given up on every [`GIVEN_UP_RECHECK`].
-struct GivenUpRecheck {
-    cache: Arc<LocalCache>,
-}
-
-#[async_trait]
-impl BackgroundService for GivenUpRecheck {
-    async fn start(&self, _shutdown: ShutdownWatch) {
-        self.cache.recheck_given_up_every(GIVEN_UP_RECHECK).await;
-    }
-}
-
-/// Releases the claims whose answer never came and that reached Redis after all (see
-/// [`RedisStore::release_unanswered_claims`]).
-struct UnansweredClaims {
-    store: Arc<RedisStore>,
-}
-
-#[async_trait]
-impl BackgroundService for UnansweredClaims {
-    async fn start(&self, _shutdown: ShutdownWatch) {
-        // Runs through the drain: a claim made then may time out too.
-        self.store.release_unanswered_claims().await;
-    }
-}
 
 #[async_trait]
 impl BackgroundService for WorkerLeaseService {
