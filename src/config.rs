@@ -2094,9 +2094,9 @@ impl FileStore {
                 1,
                 1000,
             )?,
-            open_for: at_most(
+            open_for: bounded_duration(
                 "store.circuit_breaker.open_for",
-                positive_duration("store.circuit_breaker.open_for".into(), &b.open_for)?,
+                &b.open_for,
                 Duration::from_secs(600),
                 "an open circuit refuses every keyed request that long, however short the blip",
             )?,
@@ -2297,18 +2297,15 @@ impl FileRedis {
         Ok(RedisConfig {
             urls,
             topology,
-            connect_timeout: at_most(
+            connect_timeout: bounded_duration(
                 "store.redis.connect_timeout",
-                positive_duration("store.redis.connect_timeout".into(), &self.connect_timeout)?,
+                &self.connect_timeout,
                 Duration::from_secs(60),
                 "every keyed request may wait that long for a Redis that does not answer",
             )?,
-            response_timeout: at_most(
+            response_timeout: bounded_duration(
                 "store.redis.response_timeout",
-                positive_duration(
-                    "store.redis.response_timeout".into(),
-                    &self.response_timeout,
-                )?,
+                &self.response_timeout,
                 Duration::from_secs(60),
                 "every keyed request may wait twice that long for a Redis that does not answer",
             )?,
@@ -2955,10 +2952,11 @@ impl FileRouteIdempotency {
             &format!("{base}.fingerprint.headers"),
             &self.fingerprint.headers,
         )?;
-        let scope_headers = header_list(&format!("{base}.scope_headers"), &self.scope_headers)?;
-        for (j, name) in self.scope_headers.iter().enumerate() {
-            record_header(format!("{base}.scope_headers[{j}]"), name)?;
-        }
+        let scope_headers = names_list(
+            &format!("{base}.scope_headers"),
+            &self.scope_headers,
+            record_header,
+        )?;
         if self.scope_required && scope_headers.is_empty() {
             return Err(invalid(
                 format!("{base}.scope_required"),
@@ -3266,10 +3264,19 @@ fn record_header(field: String, raw: &str) -> Result<HeaderName, ConfigError> {
 /// Header lists are sorted and deduplicated: scope and fingerprint headers feed hashes, and
 /// reordering the list in an edit must not turn every stored key into a new one.
 fn header_list(field: &str, raw: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
+    names_list(field, raw, header_name)
+}
+
+/// [`header_list`] with each name read by `name` (e.g. [`record_header`]).
+fn names_list(
+    field: &str,
+    raw: &[String],
+    name: fn(String, &str) -> Result<HeaderName, ConfigError>,
+) -> Result<Vec<HeaderName>, ConfigError> {
     let mut names = raw
         .iter()
         .enumerate()
-        .map(|(j, name)| header_name(format!("{field}[{j}]"), name))
+        .map(|(j, raw)| name(format!("{field}[{j}]"), raw))
         .collect::<Result<Vec<_>, _>>()?;
     names.sort_by(|a, b| a.as_str().cmp(b.as_str()));
     names.dedup();
@@ -3319,13 +3326,14 @@ fn parse_duration(raw: &Scalar) -> Result<Duration, String> {
     Ok(value)
 }
 
-/// `value` of `field`, refused past `max` with `why`.
-fn at_most(
+/// [`positive_duration`] of `field`, refused past `max` with `why`.
+fn bounded_duration(
     field: &str,
-    value: Duration,
+    raw: &Scalar,
     max: Duration,
     why: &str,
 ) -> Result<Duration, ConfigError> {
+    let value = positive_duration(field.to_owned(), raw)?;
     if value > max {
         return Err(invalid(
             field.to_owned(),
