@@ -456,11 +456,7 @@ async fn tenants_and_principals_are_isolated() {
 /// Twenty concurrent sends of one keyed POST to `path`, under `on_in_flight: wait`.
 async fn waiting_duplicates(path: &str) -> (Backend, Vec<common::Response>) {
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .idem("on_in_flight: wait")
-        .idem("wait_timeout: 10s")
-        .start()
-        .await;
+    let proxy = ProxyBuilder::new(&backend).waiting("10s").start().await;
     let req = Request::post(path).key("dup").json(r#"{"pay":100}"#);
     let tasks: Vec<_> = (0..20).map(|_| req.spawn_send(proxy.addr)).collect();
     let mut out = Vec::new();
@@ -547,11 +543,7 @@ async fn twenty_concurrent_duplicates_execute_once_wait_mode() {
 async fn a_waiter_whose_client_left_never_runs() {
     use tokio::io::AsyncWriteExt;
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .idem("on_in_flight: wait")
-        .idem("wait_timeout: 10s")
-        .start()
-        .await;
+    let proxy = ProxyBuilder::new(&backend).waiting("10s").start().await;
     // The original runs until the test lets it answer, then fails: its key is released.
     let req = Request::post("/orders/gate/left/status/503")
         .key("left")
@@ -583,11 +575,7 @@ async fn a_waiter_whose_client_left_never_runs() {
 #[tokio::test]
 async fn wait_mode_gives_409_when_the_original_outlasts_wait_timeout() {
     let backend = Backend::start().await;
-    let proxy = ProxyBuilder::new(&backend)
-        .idem("on_in_flight: wait")
-        .idem("wait_timeout: 200ms")
-        .start()
-        .await;
+    let proxy = ProxyBuilder::new(&backend).waiting("200ms").start().await;
     // The original runs until the test lets it answer.
     let req = Request::post("/orders/gate/slow-wait")
         .key("slow-wait")
@@ -1869,8 +1857,7 @@ async fn a_waiter_never_runs_a_key_whose_original_ended_unknown_or_unreplayable(
         .upstream("write_timeout: 300ms")
         .upstream("read_timeout: 400ms")
         .idem("lock_ttl: 5s")
-        .idem("on_in_flight: wait")
-        .idem("wait_timeout: 2s")
+        .waiting("2s")
         .idem("max_response_bytes: 1KiB")
         .start()
         .await;

@@ -148,6 +148,14 @@ async fn readyz_answers_in_time_while_redis_hangs_under_a_permissive_policy() {
     assert!(!log.contains("after a restart"), "{log}");
 }
 
+/// A proxy that writes its dead letters to `path`.
+fn dead_letters_to(backend: &Backend, path: &std::path::Path) -> ProxyBuilder {
+    ProxyBuilder::new(backend).store(&format!(
+        "completion_retry: {{ dead_letter_path: \"{}\" }}",
+        path.display()
+    ))
+}
+
 /// The dead-letter file holds whole responses: created for this user only, and one others can
 /// read is reported at start.
 #[tokio::test]
@@ -159,16 +167,8 @@ async fn a_dead_letter_file_is_private_and_an_exposed_one_is_reported_at_start()
     unsafe { libc::umask(0o022) };
     let backend = Backend::start().await;
     let dir = tempfile::tempdir().expect("dir");
-    let start_on = |path: &std::path::Path| {
-        ProxyBuilder::new(&backend)
-            .store(&format!(
-                "completion_retry: {{ dead_letter_path: \"{}\" }}",
-                path.display()
-            ))
-            .start()
-    };
     let fresh = dir.path().join("fresh.jsonl");
-    let proxy = start_on(&fresh).await;
+    let proxy = dead_letters_to(&backend, &fresh).start().await;
     assert_eq!(no_key_result(&proxy).await.as_deref(), Some("INVALID"));
     let mode = std::fs::metadata(&fresh)
         .expect("created at start")
@@ -181,7 +181,7 @@ async fn a_dead_letter_file_is_private_and_an_exposed_one_is_reported_at_start()
     let exposed = dir.path().join("exposed.jsonl");
     std::fs::write(&exposed, "").expect("file");
     std::fs::set_permissions(&exposed, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-    let proxy = start_on(&exposed).await;
+    let proxy = dead_letters_to(&backend, &exposed).start().await;
     let line = proxy.log_containing("can be read by other users").await;
     assert!(line.contains("644"), "{line}");
 }
@@ -195,13 +195,7 @@ async fn the_dead_letter_file_size_is_a_gauge_that_outlives_a_restart() {
     let path = dir.path().join("dead.jsonl");
     let earlier = "{\"reason\":\"written by the run before\"}\n";
     std::fs::write(&path, earlier).expect("file");
-    let proxy = ProxyBuilder::new(&backend)
-        .store(&format!(
-            "completion_retry: {{ dead_letter_path: \"{}\" }}",
-            path.display()
-        ))
-        .start()
-        .await;
+    let proxy = dead_letters_to(&backend, &path).start().await;
     let m = proxy.metrics().await;
     assert_eq!(metric(&m, "idemgate_dead_letters_total"), Some(0.0));
     assert_eq!(
@@ -218,13 +212,7 @@ async fn a_dead_letter_file_that_cannot_be_opened_is_reported_at_start() {
     let backend = Backend::start().await;
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("no-such-dir").join("dead.jsonl");
-    let proxy = ProxyBuilder::new(&backend)
-        .store(&format!(
-            "completion_retry: {{ dead_letter_path: \"{}\" }}",
-            path.display()
-        ))
-        .start()
-        .await;
+    let proxy = dead_letters_to(&backend, &path).start().await;
     let line = proxy
         .log_containing("the dead-letter file cannot be opened")
         .await;

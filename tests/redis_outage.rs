@@ -405,8 +405,7 @@ async fn a_waiter_on_another_replica(
             .redis(&[redis.url()])
             .scripts(scripts.path(), "vw")
             .store("on_unavailable: pass")
-            .idem("on_in_flight: wait")
-            .idem(&format!("wait_timeout: {wait_timeout}"))
+            .waiting(wait_timeout)
             .start()
     };
     let (one, other) = (replica(1).await, replica(2).await);
@@ -2244,16 +2243,15 @@ async fn a_claim_that_reaches_redis_after_its_timeout_is_released_for_the_retry(
     let link = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
     let backend = Backend::start().await;
     let proxy = builder_to(&backend, link.redis_url()).start().await;
-    let order = |key: &str| Request::post("/orders").key(key).body("{}");
     // Every worker thread's connection made (the held claim must go out on one, not wait
     // for a connection's handshake).
     for n in 0..8 {
-        let warm = order(&format!("warm-{n}")).send(proxy.addr).await;
+        let warm = order(&proxy, &format!("warm-{n}")).await;
         assert_eq!(warm.result(), Some("MISS"));
     }
     // The claim reaches Redis only once the partition heals, after it timed out.
     link.set(Fault::Hold);
-    let stalled = order("stalled").send(proxy.addr).await;
+    let stalled = order(&proxy, "stalled").await;
     assert_eq!(stalled.status, 503, "{}", stalled.text());
     assert_eq!(stalled.problem_type(), "store-unavailable");
     assert_eq!(stalled.header("retry-after"), Some("1"));
@@ -2261,13 +2259,13 @@ async fn a_claim_that_reaches_redis_after_its_timeout_is_released_for_the_retry(
     link.set(Fault::Pass);
     // Another request meanwhile: the connection that went silent is given up for a new one,
     // and the claim held on it reaches Redis.
-    assert_eq!(order("other").send(proxy.addr).await.result(), Some("MISS"));
+    assert_eq!(order(&proxy, "other").await.result(), Some("MISS"));
     // The client waits as Retry-After says.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(redis.keys().len(), 10, "the late claim never reached redis");
     let deadline = Instant::now() + Duration::from_secs(5);
     let retry = loop {
-        let retry = order("stalled").send(proxy.addr).await;
+        let retry = order(&proxy, "stalled").await;
         if retry.status == 201 || Instant::now() > deadline {
             break retry;
         }

@@ -803,7 +803,7 @@ fn builder(
         .env("IDEMGATE_LOG", "warn");
     // One instance waits for an in-flight original instead of answering 409 at once.
     if instance == INSTANCES - 1 {
-        b.idem("on_in_flight: wait").idem("wait_timeout: 2s")
+        b.waiting("2s")
     } else {
         b
     }

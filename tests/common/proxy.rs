@@ -112,6 +112,12 @@ impl ProxyBuilder {
         self.idempotency.push(line.to_string());
         self
     }
+    /// The `orders` route waits for an in-flight original (`on_in_flight: wait`) up to
+    /// `wait_timeout` (`"2s"`).
+    pub fn waiting(self, wait_timeout: &str) -> Self {
+        self.idem("on_in_flight: wait")
+            .idem(&format!("wait_timeout: {wait_timeout}"))
+    }
     /// A line (`key: value`) added to the top-level `idempotency` block.
     pub fn global(mut self, line: &str) -> Self {
         self.global_idempotency.push(line.to_string());
