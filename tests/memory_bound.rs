@@ -137,6 +137,9 @@ impl RecordStore for Nothing {
             lapsed: false,
         })
     }
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim(req).await
+    }
     async fn complete(
         &self,
         _: &RecordKey,

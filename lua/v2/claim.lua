@@ -10,6 +10,8 @@
 -- ARGV[3]  execution id to keep if the record is created (decimal u64)
 -- ARGV[4]  lock ttl, milliseconds (decimal integer >= 1, no sign or leading zeros)
 -- ARGV[5]  record ttl, milliseconds (likewise)
+-- ARGV[6]  optional: "renew" when the owner is renewing the lock of an execution still
+--          running (see Transition)
 --
 -- Reply:
 --   {1, execution_id}
@@ -32,6 +34,12 @@
 --     (or held by this same owner: a retry)  -> in flight under ARGV[2], execution id kept,
 --                                              only when the fingerprint matches
 --   anything else                           -> unchanged
+--   A renewal (ARGV[6] "renew") takes only a lock this owner holds, lapsed or not: a record
+--   it released, or that another owner holds, is answered unchanged. Its renewal may reach
+--   Redis after the release it raced (given up on, or sent on a connection that was then
+--   replaced), and must not lock the key again for nobody. An absent record is created as
+--   by a claim: the execution is still running. (Optional in the contract: a version that
+--   ignores ARGV[6] renews as a claim does.)
 --   A created or re-claimed record lives at least max(record ttl, lock ttl) from now; a
 --   re-claim never shortens it. Lock lapse is judged by this server's clock (TIME).
 --
@@ -87,7 +95,12 @@ local lock_left = 0
 if s == 'i' then
   lock_left = math.max(0, (tonumber(l) or 0) - now)
 end
-local free = s == 'r' or (s == 'i' and (lock_left == 0 or o == owner))
+local free
+if ARGV[6] == 'renew' then
+  free = s == 'i' and o == owner
+else
+  free = s == 'r' or (s == 'i' and (lock_left == 0 or o == owner))
+end
 if not (free and f == fingerprint) then
   if s == 'c' then
     return {0, f, x, s, 0, p or '', redis.call('PTTL', key)}

@@ -57,6 +57,7 @@ where
     case_concurrent_claims_of_a_released_record_have_one_winner(&make().await).await;
     case_concurrent_claims_of_a_lapsed_lock_have_one_winner(&make().await).await;
     case_lapsed_owner_cannot_renew_after_a_takeover(&make().await).await;
+    case_a_renewal_takes_back_only_its_own_lock(&make().await).await;
     case_wait_returns_when_the_record_is_deleted(&make().await).await;
     case_wait_returns_when_the_record_expires(&make().await).await;
     case_complete_after_own_release_is_refused(&make().await).await;
@@ -724,7 +725,7 @@ pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(sto
         ..kept_owner.clone()
     };
     assert_eq!(
-        ok(store.claim(&renewal).await),
+        ok(store.renew(&renewal).await),
         ClaimOutcome::Acquired {
             execution_id: kept_owner.execution_id,
             lapsed: false,
@@ -747,8 +748,11 @@ pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(sto
         execution_id: rand::random(),
         ..old_owner.clone()
     };
-    let record = existing(ok(store.claim(&late_renewal).await));
+    let record = existing(ok(store.renew(&late_renewal).await));
     assert_eq!(record.execution_id, old_owner.execution_id);
+    assert_in_flight(&record, LONG_LOCK);
+    // A re-sent claim is fenced the same way.
+    let record = existing(ok(store.claim(&late_renewal).await));
     assert_in_flight(&record, LONG_LOCK);
     // Still the new owner's: the old one cannot write, the new one can.
     assert_eq!(
@@ -771,6 +775,79 @@ pub async fn case_lapsed_owner_cannot_renew_after_a_takeover<S: RecordStore>(sto
         b"renewed late",
     )
     .await;
+}
+
+/// A renewal takes only a lock its owner holds (or an absent record, as a claim would): one
+/// that reaches the store after its owner released the key, or after the owner completed it,
+/// or after another owner took the key over and let that lock lapse too, changes nothing. A
+/// claim by the same owner would have taken the first and the last.
+pub async fn case_a_renewal_takes_back_only_its_own_lock<S: RecordStore>(store: &Arc<S>) {
+    // Released by its owner: the late renewal leaves it released, and the retry runs.
+    let released = fresh_key();
+    let owner = request(&released, fingerprint(1));
+    ok(store.claim(&owner).await);
+    assert_eq!(
+        ok(store.release(&released, owner.owner).await),
+        WriteOutcome::Applied
+    );
+    let record = existing(ok(store.renew(&owner).await));
+    assert_eq!(
+        record.state,
+        RecordState::Released,
+        "a late renewal locked the key again"
+    );
+    let retry = request(&released, fingerprint(1));
+    assert_eq!(
+        ok(store.claim(&retry).await),
+        ClaimOutcome::Acquired {
+            execution_id: owner.execution_id,
+            lapsed: false,
+        }
+    );
+
+    // Completed by its owner: unchanged.
+    let completed = fresh_key();
+    let owner = request(&completed, fingerprint(1));
+    ok(store.claim(&owner).await);
+    let answer = Completion::Response(Arc::new(simple_response(201, b"done")));
+    ok(store
+        .complete(&completed, owner.owner, answer.clone(), TTL)
+        .await);
+    let record = existing(ok(store.renew(&owner).await));
+    assert_eq!(record.state, RecordState::Completed(answer));
+
+    // Taken over, and that lock lapsed too: still not this owner's to take back.
+    let taken = fresh_key();
+    let first = lapsing(&taken, fingerprint(1));
+    ok(store.claim(&first).await);
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
+    let second = lapsing(&taken, fingerprint(1));
+    assert!(matches!(
+        ok(store.claim(&second).await),
+        ClaimOutcome::Acquired { lapsed: true, .. }
+    ));
+    tokio::time::sleep(LOCK_TTL + Duration::from_millis(150)).await;
+    let record = existing(ok(store.renew(&first).await));
+    assert!(
+        matches!(record.state, RecordState::InFlight { .. }),
+        "{record:?}"
+    );
+    assert_eq!(
+        ok(store.release(&taken, second.owner).await),
+        WriteOutcome::Applied,
+        "the renewal took the second owner's lapsed lock"
+    );
+
+    // Absent (a record gone while its execution runs): created, as a claim would.
+    let absent = fresh_key();
+    let owner = request(&absent, fingerprint(1));
+    assert_eq!(
+        ok(store.renew(&owner).await),
+        ClaimOutcome::Acquired {
+            execution_id: owner.execution_id,
+            lapsed: false,
+        }
+    );
 }
 
 /// `wait_for_change` returns promptly, with nothing, when the record is deleted mid-wait.

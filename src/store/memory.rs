@@ -438,8 +438,9 @@ impl MemoryStore {
         }
     }
 
-    /// One locked claim attempt: acts on an existing record, or inserts a new one if it fits.
-    fn try_claim(&self, req: &ClaimRequest) -> Attempt<ClaimOutcome> {
+    /// One locked claim attempt (or renewal: see [`RecordStore::renew`]): acts on an existing
+    /// record, or inserts a new one if it fits.
+    fn try_claim(&self, req: &ClaimRequest, renewing: bool) -> Attempt<ClaimOutcome> {
         let mut map = self.shard(&req.key).lock();
         let now = self.now();
         // One lookup for a live record; an absent one (a first execution) costs the lookup and
@@ -447,7 +448,7 @@ impl MemoryStore {
         let view: &dyn KeyView = &req.key;
         match map.get_mut(view) {
             Some(entry) if !entry.expired(now) => {
-                return Attempt::Done(entry.claim_existing(req, now));
+                return Attempt::Done(entry.claim_existing(req, now, renewing));
             }
             Some(_) => self.collect(&mut map, view),
             None => {}
@@ -500,24 +501,37 @@ impl MemoryStore {
         entry.wake();
         Attempt::Done(WriteOutcome::Applied)
     }
-}
 
-#[async_trait]
-impl RecordStore for MemoryStore {
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        if let Attempt::Done(outcome) = self.try_claim(req) {
+    /// A claim, or a renewal (see [`RecordStore::renew`]), making room once if it does not fit.
+    fn claim_or_renew(
+        &self,
+        req: &ClaimRequest,
+        renewing: bool,
+    ) -> Result<ClaimOutcome, StoreError> {
+        if let Attempt::Done(outcome) = self.try_claim(req, renewing) {
             return Ok(outcome);
         }
         // No lock is held here, so sweeping every shard cannot deadlock with this one. The
         // retry re-reads the record: someone may have created it meanwhile.
         self.sweep_for_room();
-        match self.try_claim(req) {
+        match self.try_claim(req, renewing) {
             Attempt::Done(outcome) => Ok(outcome),
             Attempt::NeedRoom => Err(StoreError::Full {
                 used: self.used.load(Ordering::Relaxed),
                 capacity: self.capacity,
             }),
         }
+    }
+}
+
+#[async_trait]
+impl RecordStore for MemoryStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_or_renew(req, false)
+    }
+
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_or_renew(req, true)
     }
 
     async fn complete(
@@ -701,14 +715,14 @@ impl Entry {
     }
 
     /// Claim on a live record: take it over if it is free (released, its lock lapsed, or held
-    /// by this very owner: a renewal) and the request is the same one, otherwise report it
-    /// unchanged.
-    fn claim_existing(&mut self, req: &ClaimRequest, now: Moment) -> ClaimOutcome {
+    /// by this very owner: a re-send) and the request is the same one, otherwise report it
+    /// unchanged. A renewal takes only a lock this owner holds.
+    fn claim_existing(&mut self, req: &ClaimRequest, now: Moment, renewing: bool) -> ClaimOutcome {
         let (free, lapsed) = match self.state {
-            EntryState::Released => (true, false),
+            EntryState::Released => (!renewing, false),
             EntryState::InFlight { lock_until, owner } => {
                 let own = owner == owner_words(req.owner);
-                (now >= lock_until || own, !own)
+                (own || (now >= lock_until && !renewing), !own)
             }
             EntryState::Completed(_) => (false, false),
         };

@@ -244,14 +244,15 @@ pub trait RecordStore: Send + Sync + 'static {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError>;
 
     /// Claims the record again as its owner, to keep the lock of an execution that is still
-    /// running: the same call as [`RecordStore::claim`]. A layer that stops calling a failing
-    /// store (the circuit breaker) still sends renewals: past the lock's deadline, the first
-    /// renewal to reach the store again takes the lapsed lock back, and held back by an open
-    /// circuit it would leave a retry elsewhere up to `open_for` to take the key over beside
-    /// the running execution.
-    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.claim(req).await
-    }
+    /// running: [`RecordStore::claim`], except that it takes only a lock this owner holds
+    /// (lapsed or not) or an absent record. A record it released, completed, or another owner
+    /// holds is answered unchanged, lapsed lock or not: a renewal may reach the store after
+    /// the release it raced, and must not lock the key again for nobody. A layer that stops
+    /// calling a failing store (the circuit breaker) still sends renewals: past the lock's
+    /// deadline, the first renewal to reach the store again takes the lapsed lock back, and
+    /// held back by an open circuit it would leave a retry elsewhere up to `open_for` to take
+    /// the key over beside the running execution.
+    async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError>;
 
     /// How many parts the store's keys are spread over that can fail apart from each other (a
     /// Redis Cluster's slot ranges), so the circuit breaker keeps one circuit per part: one

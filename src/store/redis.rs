@@ -1580,20 +1580,27 @@ impl Noted {
 }
 
 impl RedisStore {
-    /// One claim, or one renewal (the same script, by the lock's owner).
-    async fn claim_or_renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+    /// One claim, or one renewal: the same script, told by a sixth argument to take only a
+    /// lock this owner holds (see `lua/v2/claim.lua`).
+    async fn claim_or_renew(
+        &self,
+        req: &ClaimRequest,
+        renewing: bool,
+    ) -> Result<ClaimOutcome, StoreError> {
         let owner = owner_arg(req.owner);
         let mut digits = [[0u8; 20]; 3];
         let [id, lock, life] = &mut digits;
-        let args: [&[u8]; 5] = [
+        let args: [&[u8]; 6] = [
             &req.fingerprint[..],
             owner.as_bytes(),
             itoa(req.execution_id, id),
             itoa(millis(req.lock_ttl), lock),
             itoa(millis(req.ttl), life),
+            b"renew",
         ];
+        let args = if renewing { &args[..] } else { &args[..5] };
         let mut outcome = self
-            .run(ScriptOp::Claim, &req.key, &args, parse_claim)
+            .run(ScriptOp::Claim, &req.key, args, parse_claim)
             .await?;
         // Redis's clock stepped back makes a lock look longer than any is taken for (see the
         // module docs). A lock taken under another `lock_ttl` (a config rolling out) shows at
@@ -1612,17 +1619,17 @@ impl RedisStore {
 #[async_trait]
 impl RecordStore for RedisStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let claimed = self.claim_or_renew(req).await;
+        let claimed = self.claim_or_renew(req, false).await;
         if let Err(StoreError::Unavailable(_)) = &claimed {
             self.note_unanswered(req);
         }
         claimed
     }
 
-    /// The same call as a claim, whose failure is not handed on to be released: the execution
-    /// it renews the lock of is still running.
+    /// The claim script in its renewal mode, whose failure is not handed on to be released:
+    /// the execution it renews the lock of is still running.
     async fn renew(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.claim_or_renew(req).await
+        self.claim_or_renew(req, true).await
     }
 
     async fn complete(
