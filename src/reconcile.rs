@@ -18,7 +18,9 @@
 //!   executions may have happened; that needs a person (refund, cancel).
 //! - `executing`: a request holds the record's lock right now. Run again once it is done.
 //! - `missing`: the record is absent, or released or in flight with its lock lapsed under this
-//!   execution and fingerprint, so a retry would execute the key again. With `--apply` the
+//!   execution and fingerprint, so a retry would execute the key again (in flight, it may be
+//!   the claim of a request that took the key over and lost its outcome too: said so). With
+//!   `--apply` the
 //!   response is written back — claimed with the line's fingerprint and execution id, then
 //!   completed for what is left of its `ttl` counted from when the line was written — so retries
 //!   replay it: `restored`.
@@ -91,9 +93,15 @@ pub enum Verdict {
     /// A request holds the record's lock now.
     Executing,
     /// The store lacks it; `--apply` was not given.
-    Missing,
+    Missing {
+        /// The record is in flight under the line's execution id, its lock lapsed.
+        over_lapsed: bool,
+    },
     /// Written back (`--apply`).
-    Restored,
+    Restored {
+        /// Over a claim under the line's execution id whose lock had lapsed.
+        over_lapsed: bool,
+    },
     /// Its `ttl` has passed.
     Expired,
     /// The line, or its record, could not be read or restored.
@@ -116,10 +124,16 @@ impl fmt::Display for Verdict {
             Verdict::Executing => f.write_str(
                 "executing: a request holds the record's lock now; run again once it is done",
             ),
-            Verdict::Missing => f.write_str(
-                "missing: a retry would execute again; --apply writes this response back",
-            ),
-            Verdict::Restored => f.write_str("restored: retries now replay this response"),
+            Verdict::Missing { over_lapsed } => {
+                f.write_str(
+                    "missing: a retry would execute again; --apply writes this response back",
+                )?;
+                lapsed_caveat(f, *over_lapsed)
+            }
+            Verdict::Restored { over_lapsed } => {
+                f.write_str("restored: retries now replay this response")?;
+                lapsed_caveat(f, *over_lapsed)
+            }
             Verdict::Expired => f.write_str(
                 "expired: its ttl has passed (the key may have been used again since); nothing \
                  to restore",
@@ -127,6 +141,22 @@ impl fmt::Display for Verdict {
             Verdict::Failed(why) => write!(f, "failed: {why}"),
         }
     }
+}
+
+/// What a claim in flight under the line's execution id, its lock lapsed, cannot tell: whose it
+/// is. Usually the line's own (its execution's lock lapsed while the completion was retried);
+/// but a request that took the key over meanwhile keeps the id, and if its outcome was lost too
+/// the backend ran the key twice, which no record shows.
+fn lapsed_caveat(f: &mut fmt::Formatter<'_>, over_lapsed: bool) -> fmt::Result {
+    if !over_lapsed {
+        return Ok(());
+    }
+    f.write_str(
+        " (the record was in flight under this execution id, its lock lapsed: this line's own \
+         claim, or that of a request that took the key over and lost its outcome too; if the \
+         log shows a lapsed takeover of this record (the first 16 hex digits of its hash), \
+         check the backend for a double execution)",
+    )
 }
 
 /// Counts of each verdict over a file.
@@ -162,8 +192,8 @@ impl Tally {
             Verdict::StoredUnconfirmed { .. } => &mut self.unconfirmed,
             Verdict::AnotherOutcome { .. } => &mut self.another_outcome,
             Verdict::Executing => &mut self.executing,
-            Verdict::Missing => &mut self.missing,
-            Verdict::Restored => &mut self.restored,
+            Verdict::Missing { .. } => &mut self.missing,
+            Verdict::Restored { .. } => &mut self.restored,
             Verdict::Expired => &mut self.expired,
             Verdict::Failed(_) => &mut self.failed,
         };
@@ -383,7 +413,7 @@ async fn reconcile_lines(
         let again = taken_over
             && matches!(
                 verdict,
-                Verdict::Restored | Verdict::Expired | Verdict::Missing
+                Verdict::Restored { .. } | Verdict::Expired | Verdict::Missing { .. }
             );
         if again {
             tally.executed_again += 1;
@@ -438,11 +468,14 @@ async fn judge(store: &dyn RecordStore, letter: &Letter, apply: bool, now_ms: u6
     if reused {
         return Verdict::Expired;
     }
+    let over_lapsed = record
+        .as_ref()
+        .is_some_and(|r| matches!(r.state, RecordState::InFlight { .. }));
     match held(record.as_ref(), letter) {
         Some(verdict) => verdict,
         None if left.is_zero() => Verdict::Expired,
-        None if !apply => Verdict::Missing,
-        None => restore(store, letter, left).await,
+        None if !apply => Verdict::Missing { over_lapsed },
+        None => restore(store, letter, left, over_lapsed).await,
     }
 }
 
@@ -513,8 +546,14 @@ fn state(state: &RecordState) -> String {
 }
 
 /// Claims the record with the line's fingerprint and execution id, then completes it with the
-/// line's response for `left`. A record that changed since it was read is left alone.
-async fn restore(store: &dyn RecordStore, letter: &Letter, left: Duration) -> Verdict {
+/// line's response for `left`. A record that changed since it was read is left alone;
+/// `over_lapsed` says it was read in flight, its lock lapsed.
+async fn restore(
+    store: &dyn RecordStore,
+    letter: &Letter,
+    left: Duration,
+    over_lapsed: bool,
+) -> Verdict {
     let Some(fingerprint) = letter.fingerprint else {
         return Verdict::Failed(
             "cannot restore: the line has no fingerprint (written by an older idemgate)".into(),
@@ -558,7 +597,7 @@ async fn restore(store: &dyn RecordStore, letter: &Letter, left: Duration) -> Ve
         .complete(&letter.key, owner, letter.completion.clone(), left)
         .await
     {
-        Ok(WriteOutcome::Applied) => Verdict::Restored,
+        Ok(WriteOutcome::Applied) => Verdict::Restored { over_lapsed },
         Ok(WriteOutcome::NotOwner) => {
             Verdict::Failed("the record was taken over while being restored; left alone".into())
         }
@@ -1037,6 +1076,14 @@ mod tests {
                 .unwrap_or_else(|| panic!("no line {n}:\n{out}"));
             assert!(found.contains(says), "line {n}: {found}");
         }
+        // The lapsed claim may be a takeover's that lost its outcome too: said, on it alone.
+        let caveat = "in flight under this execution id, its lock lapsed";
+        let said = |out: &str, n: usize| {
+            out.lines()
+                .find(|l| l.starts_with(&format!("line {n}: ")))
+                .is_some_and(|l| l.contains(caveat))
+        };
+        assert!(said(&out, 7) && !said(&out, 6), "{out}");
         // Nothing was written without --apply.
         assert_eq!(store.get(&absent.key).await.unwrap(), None);
 
@@ -1050,6 +1097,7 @@ mod tests {
             },
             "{out}"
         );
+        assert!(said(&out, 7) && !said(&out, 6), "{out}");
         for job in [&absent, &lapsed] {
             let record = store.get(&job.key).await.unwrap().expect("restored");
             assert_eq!(record.state, RecordState::Completed(job.completion.clone()));
@@ -1434,7 +1482,7 @@ mod tests {
         )
         .await;
         tokio::time::sleep(Duration::from_millis(40)).await;
-        let verdict = restore(store.as_ref(), &letter_read, Duration::from_secs(60)).await;
+        let verdict = restore(store.as_ref(), &letter_read, Duration::from_secs(60), false).await;
         assert!(
             matches!(&verdict, Verdict::AnotherOutcome { what } if what.contains("execution 5")),
             "{verdict}"
