@@ -8,7 +8,8 @@
 2. Consistency checks the schemas cannot express: selectors that select, references to
    ConfigMaps/Secrets/volumes/ports that exist, `restartPolicy` values, and idemgate's own
    settings against the pod that runs it (probe port = admin port, drain budget within
-   terminationGracePeriodSeconds, ConfigMap mounted as a directory, writable dead-letter dir).
+   terminationGracePeriodSeconds, ConfigMap mounted as a directory, writable dead-letter dir;
+   a `--reconcile` Job's file beside the config's dead_letter_path, on a StatefulSet's claim).
 
 Usage: validate_k8s.py [-k VERSION]... FILE...
 """
@@ -137,6 +138,12 @@ def check_consistency(docs):
     configmaps = {n: d for (k, n), (_, d) in by_kind.items() if k == "ConfigMap"}
     secrets = {n: d for (k, n), (_, d) in by_kind.items() if k == "Secret"}
     workloads = [(f, d) for f, d in docs if d.get("kind") in WORKLOAD_KINDS]
+    # The PersistentVolumeClaims StatefulSets make: <template>-<statefulset>-<ordinal>.
+    statefulset_claims = [
+        f"{(t.get('metadata') or {}).get('name')}-{d['metadata']['name']}"
+        for _, d in workloads if d.get("kind") == "StatefulSet"
+        for t in (d.get("spec") or {}).get("volumeClaimTemplates") or []
+    ]
 
     for file, doc in workloads:
         where = f"{file} {ident(doc)}"
@@ -148,7 +155,7 @@ def check_consistency(docs):
             error(where, f"spec.selector {selector} does not select the pod template's labels {labels}")
         # A StatefulSet's volumeClaimTemplates are volumes of its pods too.
         claims = [(t.get("metadata") or {}).get("name") for t in spec.get("volumeClaimTemplates") or []]
-        check_pod(where, template.get("spec") or {}, configmaps, secrets, claims)
+        check_pod(where, template.get("spec") or {}, configmaps, secrets, claims, statefulset_claims)
         if doc["kind"] == "StatefulSet":
             governing = spec.get("serviceName")
             services = {n for (k, n) in by_kind if k == "Service"}
@@ -191,7 +198,7 @@ def check_target_port(where, port, pods):
                 error(where, f"targetPort {target!r} is not a named port of the selected pods")
 
 
-def check_pod(where, pod, configmaps, secrets, claims=()):
+def check_pod(where, pod, configmaps, secrets, claims=(), statefulset_claims=()):
     volumes = {v.get("name"): v for v in pod.get("volumes") or []}
     for claim in claims:
         if claim in volumes:
@@ -250,20 +257,44 @@ def check_pod(where, pod, configmaps, secrets, claims=()):
                     ok = port in named_ports(container) if isinstance(port, str) else port in pod_ports
                     if not ok:
                         error(cwhere, f"{probe_name}.{action}.port {port!r} is not a port of this pod's containers")
-        check_idemgate(cwhere, pod, container, volumes, configmaps)
+        check_idemgate(cwhere, pod, container, volumes, configmaps, statefulset_claims)
 
 
-def container_config_path(container):
+def container_option(container, names):
+    """The value of the first of `names` (`--name VALUE` or `--name=VALUE`) in the argv."""
     argv = list(container.get("command") or []) + list(container.get("args") or [])
     for i, arg in enumerate(argv):
-        if arg in ("--config", "-c") and i + 1 < len(argv):
+        if arg in names and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
+        for name in names:
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
     return None
 
 
-def check_idemgate(where, pod, container, volumes, configmaps):
+def container_config_path(container):
+    return container_option(container, ("--config", "-c"))
+
+
+def check_reconcile(where, container, config, dead_letters, volumes, claims):
+    """An `idemgate --reconcile FILE` run: FILE on a mounted volume, where the config's proxy
+    writes its dead letters, and a claim that is one of a StatefulSet defined here."""
+    dead = ((config.get("store") or {}).get("completion_retry") or {}).get(
+        "dead_letter_path", "idemgate-dead-letter.jsonl")
+    if os.path.dirname(dead_letters) != os.path.dirname(dead):
+        error(where, f"--reconcile {dead_letters} is not beside the config's dead_letter_path {dead}")
+    mount = next((m for m in container.get("volumeMounts") or []
+                  if (os.path.dirname(dead_letters) + "/").startswith(m["mountPath"].rstrip("/") + "/")), None)
+    if mount is None:
+        error(where, f"--reconcile {dead_letters} is on no volume: it would read the image's file system")
+        return
+    claim = (volumes.get(mount.get("name"), {}).get("persistentVolumeClaim") or {}).get("claimName")
+    if claim is not None and not any(re.fullmatch(re.escape(c) + r"-\d+", claim) for c in claims):
+        error(where, f"claimName {claim!r} is no replica's claim of a StatefulSet here "
+                     f"({', '.join(c + '-<N>' for c in claims) or 'none'})")
+
+
+def check_idemgate(where, pod, container, volumes, configmaps, statefulset_claims=()):
     """idemgate's config against the pod that runs it."""
     if "idemgate" not in str(container.get("image", "")):
         return
@@ -283,6 +314,11 @@ def check_idemgate(where, pod, container, volumes, configmaps):
         error(where, f"ConfigMap {volume['configMap'].get('name')!r} has no key {file!r}")
         return
     config = yaml.safe_load(text) or {}
+    dead_letters = container_option(container, ("--reconcile",))
+    if dead_letters is not None:
+        # A one-shot command: it listens on nothing, and never drains or leases a worker id.
+        check_reconcile(where, container, config, dead_letters, volumes, statefulset_claims)
+        return
 
     def port_of(addr):
         return int(str(addr).rpartition(":")[2])
