@@ -359,6 +359,9 @@ pub struct CachedStore<S> {
     checking_given_up: AtomicBool,
     /// Asked for while a check ran: the running one goes round once more.
     recheck_given_up: AtomicBool,
+    /// Set when a completion is given up on; cleared by a check that finds none in the cache,
+    /// so the periodic check does not scan a cache that holds none.
+    may_hold_given_up: AtomicBool,
     /// Whether the cache held over [`OVERFULL_FACTOR`] times its capacity when last counted,
     /// and when that was (milliseconds since `born`); see [`CachedStore::overfull`].
     overfull: AtomicBool,
@@ -704,6 +707,7 @@ impl<S: RecordStore> CachedStore<S> {
             stats: Arc::default(),
             checking_given_up: AtomicBool::new(false),
             recheck_given_up: AtomicBool::new(false),
+            may_hold_given_up: AtomicBool::new(false),
             overfull: AtomicBool::new(false),
             overfull_counted_ms: AtomicU64::new(0),
             born: Instant::now(),
@@ -1174,6 +1178,7 @@ impl<S: RecordStore> CachedStore<S> {
             entry.held = Held::GivenUp {
                 owner: Owner::of(owner),
             };
+            self.may_hold_given_up.store(true, Ordering::Release);
         }
     }
 
@@ -1262,6 +1267,10 @@ impl<S: RecordStore> CachedStore<S> {
     }
 
     async fn check_given_up_once(&self) -> GivenUpCheck {
+        // Cleared before the scan: one given up on during it sets it again.
+        if !self.may_hold_given_up.swap(false, Ordering::AcqRel) {
+            return GivenUpCheck::default();
+        }
         let now = Instant::now();
         let given_up: Vec<(RecordKey, Completion)> = self
             .cache
@@ -1283,6 +1292,10 @@ impl<S: RecordStore> CachedStore<S> {
                     .collect::<Vec<_>>()
             })
             .collect();
+        if !given_up.is_empty() {
+            // Those the store does not hold stay; the next check finds out which.
+            self.may_hold_given_up.store(true, Ordering::Release);
+        }
         let mut dropped = GivenUpCheck::default();
         for (key, completion) in given_up {
             let landed = match self.inner.get(&key).await {
@@ -3269,6 +3282,27 @@ mod tests {
             assert!(Instant::now() < deadline, "still replaying its own answer");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    #[tokio::test]
+    async fn a_completion_given_up_after_a_check_that_found_none_is_checked() {
+        let (shared, a, b) = two_replicas();
+        // Nothing given up: the check finds nothing (and skips the scan from then on).
+        assert_eq!(a.check_given_up().await, GivenUpCheck::default());
+        assert_eq!(a.check_given_up().await, GivenUpCheck::default());
+        let req = claim("t", 31);
+        executed_unstored(&a, &shared, &req, b"mine").await;
+        a.completion_given_up(&req.key, req.owner);
+        assert!(shared.delete(&req.key).await.unwrap());
+        executed(&b, &retry_of(&req), b"theirs").await;
+        assert_eq!(
+            a.check_given_up().await,
+            GivenUpCheck {
+                landed: 0,
+                replaced: 1
+            }
+        );
+        assert_eq!(replayed_body(a.claim(&retry_of(&req)).await), b"theirs");
     }
 
     #[tokio::test]
