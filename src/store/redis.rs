@@ -1451,6 +1451,12 @@ impl RedisStore {
                 Err(err) if worth_resending(&err) => {
                     tracing::debug!(op, error = %err, "redis connection lost; sending again");
                     backend.on_error(&err, used.as_ref().map(|(h, at)| (h, *at)), self.op_timeout);
+                    if is_redirect(&err) {
+                        // The Cluster client's own retries ran out while its slot map and
+                        // connections were being repaired (a node restarted at the address a
+                        // redirect names); a moment lets the repair finish.
+                        tokio::time::sleep(Duration::from_millis(CLUSTER_RETRY_WAIT_MS.1)).await;
+                    }
                     let held = backend.conn().await?;
                     used = Some((held.clone(), Instant::now()));
                     call.send_on(&held).await
@@ -2149,9 +2155,26 @@ fn millis(duration: Duration) -> u64 {
 
 /// Whether a failed call should go out once more on a fresh connection: the connection was
 /// dead, or the server turned out to be a demoted primary (the Sentinel backend then looks the
-/// new one up). Neither case executed the script, and the scripts tolerate a repeat anyway.
+/// new one up), or a Cluster redirect came back to the caller. None of these executed the
+/// script, and the scripts tolerate a repeat anyway.
 fn worth_resending(err: &RedisError) -> bool {
-    err.is_connection_dropped() || err.is_connection_refusal() || is_read_only(err)
+    err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || is_read_only(err)
+        || is_redirect(err)
+}
+
+/// A Cluster redirect (`MOVED`, `ASK`) or `TRYAGAIN` that reached the caller: the Cluster client
+/// follows these itself, and hands one on only once its retries ran out, as when the node a
+/// redirect names restarted and its old connection failed. The cluster may well be healthy:
+/// sent once more, the call is no outage.
+fn is_redirect(err: &RedisError) -> bool {
+    matches!(
+        err.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::Moved | ServerErrorKind::Ask | ServerErrorKind::TryAgain
+        )
+    )
 }
 
 /// Whether a SCRIPT LOAD was refused by the server (which then answered).
@@ -2372,6 +2395,37 @@ mod tests {
 
     fn bulk(bytes: &[u8]) -> Value {
         Value::BulkString(bytes.to_vec())
+    }
+
+    /// The error a reply of `text` (RESP, one line) makes.
+    fn reply_error(text: &str) -> RedisError {
+        let reply = redis::parse_redis_value(format!("-{text}\r\n").as_bytes()).unwrap();
+        reply.extract_error().unwrap_err()
+    }
+
+    /// A redirect the Cluster client gave up following (`Moved: 10860 127.0.0.1:27002` came
+    /// back when the node it names had restarted) is sent once more, not taken for an outage;
+    /// other server errors are answers.
+    #[test]
+    fn a_redirect_handed_back_by_the_cluster_client_is_sent_again() {
+        for text in [
+            "MOVED 10860 127.0.0.1:27002",
+            "ASK 3999 10.0.0.2:6379",
+            "TRYAGAIN x",
+        ] {
+            let err = reply_error(text);
+            assert!(is_redirect(&err) && worth_resending(&err), "{text}: {err}");
+        }
+        for text in [
+            "CLUSTERDOWN The cluster is down",
+            "OOM no",
+            "ERR x",
+            "NOSCRIPT x",
+        ] {
+            let err = reply_error(text);
+            assert!(!worth_resending(&err), "{text}: {err}");
+        }
+        assert!(worth_resending(&reply_error("READONLY You can't write")));
     }
 
     /// The slot Redis gives a key: CRC16 (XMODEM) of its hash tag, or of the whole key (the
