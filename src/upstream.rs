@@ -877,6 +877,10 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     let final_status = final_status(&resp);
     let refuse = |what| refusal(final_status, what);
     let head_len = match status {
+        // A head that came whole in one read is held to the same bound as one still coming.
+        Ok(httparse::Status::Complete(n)) if n > MAX_RESPONSE_HEAD_BYTES => {
+            return Err(refuse("response head too large"))
+        }
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => return Err(refuse("too many response headers")),
@@ -917,6 +921,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut transfer_encoding = false;
+    // A `Transfer-Encoding` line that lists no coding (`Transfer-Encoding: `, `,`).
+    let mut empty_coding_line = false;
     // `close` anywhere wins over `keep-alive` anywhere, in any order, on any line; an HTTP/1.0
     // answer is closed unless it asks to stay open.
     let (mut saw_close, mut saw_keep_alive) = (false, false);
@@ -945,11 +951,17 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
                 length = Some(parsed);
             }
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-            transfer_encoding = true;
             // Only the last coding of the list the lines make together decides whether the
-            // body is chunked; a line listing nothing (an empty value) changes nothing.
-            if let Some(last) = codings(value).last() {
-                chunked = last.eq_ignore_ascii_case(b"chunked");
+            // body is chunked. A line listing nothing (an empty value) changes nothing: on its
+            // own it is no transfer coding, and `Content-Length` frames the body (read as one,
+            // it would have the body end only at a close, and a complete answer wait out
+            // `read_timeout`).
+            match codings(value).last() {
+                Some(last) => {
+                    transfer_encoding = true;
+                    chunked = last.eq_ignore_ascii_case(b"chunked");
+                }
+                None => empty_coding_line = true,
             }
         } else if name.eq_ignore_ascii_case(b"keep-alive") {
             // The shortest, if it says more than one.
@@ -1025,8 +1037,10 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
     };
     let close = saw_close || (version == 0 && !saw_keep_alive);
     // A body both chunked and length-framed was framed two ways, and an HTTP/1.0 answer has no
-    // transfer codings (RFC 9112 §6.1): either way, do not trust the connection after it.
-    let keep_alive = !(close || transfer_encoding && (length.is_some() || version == 0));
+    // transfer codings (RFC 9112 §6.1): either way, do not trust the connection after it. Nor
+    // after an empty `Transfer-Encoding` line, which another reader may frame otherwise.
+    let keep_alive =
+        !(close || empty_coding_line || transfer_encoding && (length.is_some() || version == 0));
     Ok(Some(ParsedHead {
         advertised_idle,
         declares_body: transfer_encoding || length.is_some_and(|l| l > 0),

@@ -224,6 +224,45 @@ async fn a_chunked_coding_list_with_an_empty_item_reaches_the_client_framed_as_i
     assert_eq!(again.result(), Some("HIT"));
 }
 
+/// A `Transfer-Encoding` line that lists no coding is no transfer coding: `Content-Length`
+/// frames the body, so a complete answer is relayed and stored at once (read as a coding, the
+/// body would end only at a close: the client waited out `read_timeout` for a 504, and the key
+/// stayed locked). The line is not passed on, and the connection is not used again.
+#[tokio::test]
+async fn a_transfer_encoding_that_lists_nothing_leaves_the_length_to_frame_the_body() {
+    for (line, key) in [
+        (&b"Transfer-Encoding: "[..], "te-empty"),
+        (b"Transfer-Encoding: ,", "te-comma"),
+    ] {
+        let mut answer = b"HTTP/1.1 201 Created\r\n".to_vec();
+        answer.extend_from_slice(line);
+        answer.extend_from_slice(b"\r\nContent-Length: 2\r\n\r\nok");
+        // The backend keeps the connection open after it.
+        let backend = RawBackend::start(vec![Step::Send(answer)]).await;
+        let proxy = proxy(&backend).await;
+        let (first, again) = twice(&proxy, key).await;
+        for r in [&first, &again] {
+            assert_eq!(
+                (r.status, &r.body[..]),
+                (201, &b"ok"[..]),
+                "{key}: {}",
+                r.text()
+            );
+            assert!(r.headers_named("transfer-encoding").is_empty(), "{r:?}");
+        }
+        assert_eq!(
+            (first.result(), again.result()),
+            (Some("MISS"), Some("HIT"))
+        );
+        order(&format!("{key}-2")).send(proxy.addr).await;
+        assert_eq!(
+            backend.connections(),
+            2,
+            "{key}: the connection was used again"
+        );
+    }
+}
+
 #[tokio::test]
 async fn informational_answers_are_skipped_and_never_stored() {
     let backend = RawBackend::start(vec![send(
@@ -979,6 +1018,26 @@ async fn a_malformed_answer_is_settled_only_when_a_final_status_came() {
         );
         assert_eq!(backend.count(), 1, "never executed twice");
     }
+
+    // 70 KB of head sent whole, in one write: refused as well, settled by its status.
+    let mut whole = b"HTTP/1.1 201 Created\r\n".to_vec();
+    for i in 0..70 {
+        whole.extend_from_slice(format!("X-Field-{i}: {}\r\n", "v".repeat(1000)).as_bytes());
+    }
+    whole.extend_from_slice(b"Content-Length: 2\r\n\r\n{}");
+    let backend = RawBackend::start(vec![Step::Send(whole)]).await;
+    let whole_proxy = proxy(&backend).await;
+    let first = order("whole-huge-head").send(whole_proxy.addr).await;
+    assert_eq!(first.status, 502, "{}", first.text());
+    assert_eq!(first.problem_type(), "upstream-answer-invalid");
+    let retry = order("whole-huge-head").send(whole_proxy.addr).await;
+    assert_eq!(
+        retry.problem_type(),
+        "response-not-replayable",
+        "{}",
+        retry.text()
+    );
+    assert_eq!(backend.count(), 1, "never executed twice");
 
     // 70 KB of head with no end yet, then the rest: past 64 KiB unfinished, it is refused.
     let mut huge = b"HTTP/1.1 201 Created\r\n".to_vec();
