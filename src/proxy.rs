@@ -538,6 +538,12 @@ impl Gate {
         retrier: CompletionRetrier,
     ) -> Self {
         let store_ops = ["claim", "complete", "release", "wait"].map(|op| metrics.store_op(op));
+        metrics.pull_counter(
+            "idemgate_upstream_stray_bytes_total",
+            "Pooled backend connections dropped because the backend had sent bytes after a \
+             complete answer (a backend writing past its answers' framing)",
+            || crate::upstream::stray_bytes_drops() as f64,
+        );
         let bodies = Arc::new(BodyBudget::default());
         metrics.pull_from(
             &bodies,

@@ -26,6 +26,7 @@ use std::future::{poll_fn, Future};
 use std::io;
 use std::net::SocketAddr;
 use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -199,6 +200,15 @@ thread_local! {
     static POOL: RefCell<Pool> = RefCell::new(Pool::default());
 }
 
+/// Pooled connections dropped because the backend had sent bytes nobody asked for on them.
+static STRAY_BYTES_DROPS: AtomicU64 = AtomicU64::new(0);
+
+/// Pooled connections found holding bytes nobody asked for, and dropped, since the start
+/// (`idemgate_upstream_stray_bytes_total`).
+pub fn stray_bytes_drops() -> u64 {
+    STRAY_BYTES_DROPS.load(Ordering::Relaxed)
+}
+
 /// The newest idle connection to `backend` that is still open, if any. `now` is a recent
 /// instant (when the request goes out): the pool reads no clock of its own.
 fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
@@ -206,14 +216,49 @@ fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
         let mut pool = pool.borrow_mut();
         let idle = &mut pool.by_addr.get_mut(&backend.addr)?.idle;
         while let Some(conn) = idle.pop_back() {
-            if now.saturating_duration_since(conn.since) < conn.limit.min(backend.idle_timeout)
-                && still_open(&conn.stream)
-            {
+            if now.saturating_duration_since(conn.since) >= conn.limit.min(backend.idle_timeout) {
+                continue;
+            }
+            if still_open(&conn.stream) {
                 return Some(conn.stream);
+            }
+            if holds_bytes(&conn.stream) {
+                stray_bytes_found(backend.addr);
             }
         }
         None
     })
+}
+
+/// Whether a connection that polled readable holds bytes (rather than the end of the stream a
+/// backend closing an idle connection leaves, which is usual). Asked only of those.
+fn holds_bytes(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: a one-byte buffer of our own; MSG_PEEK leaves the byte where it is.
+    let read = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    read > 0
+}
+
+/// A backend sent bytes after a complete answer (a body after a 204, 304 or an answer to
+/// HEAD, or past its `Content-Length`): the connection was dropped before another request went
+/// out on it. Bytes that come a moment later than this check would be read as the next
+/// request's answer, so such a backend is a danger to every client: said and counted.
+fn stray_bytes_found(addr: SocketAddr) {
+    STRAY_BYTES_DROPS.fetch_add(1, Ordering::Relaxed);
+    crate::warn_throttled!(
+        backend = %addr,
+        "a pooled backend connection held bytes sent after a complete answer; dropped. The \
+         backend writes past its answers' framing, and such bytes arriving later would be read \
+         as another request's answer: fix the backend, or set the upstream's idle_timeout to 0s"
+    );
 }
 
 /// A pooled connection is usable when it has nothing to read: a backend that closed it (or

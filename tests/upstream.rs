@@ -430,6 +430,38 @@ async fn keep_alive_connections_are_reused_for_keyed_and_forwarded_requests() {
     );
 }
 
+/// A backend that writes after a complete answer (here a body after a 204, in a second write):
+/// the pooled connection holding those bytes is dropped before another request goes out on it,
+/// so the next request gets its own answer, and the drop is counted (an idle close is not).
+#[tokio::test]
+async fn a_pooled_connection_holding_bytes_after_an_answer_is_dropped_and_counted() {
+    let backend = RawBackend::start(vec![
+        send(b"HTTP/1.1 204 No Content\r\n\r\n"),
+        Step::Pause(Duration::from_millis(20)),
+        send(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nFORGED"),
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    let stray = |text: &str| common::metric(text, "idemgate_upstream_stray_bytes_total");
+    assert_eq!(stray(&proxy.metrics().await), Some(0.0));
+    let first = order("stray-1").send(proxy.addr).await;
+    assert_eq!(first.status, 204, "{}", first.text());
+    // The stray bytes are in by now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = order("stray-2").send(proxy.addr).await;
+    assert_eq!(
+        (second.status, second.result()),
+        (204, Some("MISS")),
+        "another request's bytes were taken for this answer: {}",
+        second.text()
+    );
+    assert_eq!(backend.connections(), 2);
+    assert_eq!(stray(&proxy.metrics().await), Some(1.0));
+    proxy
+        .log_containing("held bytes sent after a complete answer")
+        .await;
+}
+
 #[tokio::test]
 async fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
     // The backend answers, then closes the idle connection 100 ms later (its keep-alive timeout).
@@ -448,6 +480,12 @@ async fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
     }
     assert_eq!(backend.count(), 3);
     assert_eq!(backend.connections(), 3);
+    // A close is no stray bytes.
+    let metrics = proxy.metrics().await;
+    assert_eq!(
+        common::metric(&metrics, "idemgate_upstream_stray_bytes_total"),
+        Some(0.0)
+    );
 }
 
 /// Each connection answers its first request and ends on the second without answering (`end`:
