@@ -80,7 +80,7 @@ const WRITTEN_HERE: &[&str] = &[
 ];
 
 /// Headers of a response that belong to its connection, not to the response.
-const RESPONSE_HOP_BY_HOP: &[&str] = &[
+pub const RESPONSE_HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
     "proxy-connection",

@@ -707,6 +707,56 @@ async fn a_client_that_breaks_off_a_tunnel_leaves_its_101() {
     assert!(!log.contains("cannot send again"), "{log}");
 }
 
+/// A chunked upload takes pingora's streaming path; its answers are held to what idemgate's own
+/// client relays: no header the backend's `Connection` names, no hop-by-hop header, no status
+/// above 599, no `101` to a request that asked for no upgrade.
+#[tokio::test]
+async fn a_streamed_request_gets_the_answer_the_own_client_would_relay() {
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Secret\r\nX-Secret: s\r\n\
+          Keep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTrailer: X-T\r\n\
+          Upgrade: h2c\r\nTE: trailers\r\nX-Kept: k\r\nContent-Length: 2\r\n\r\nok",
+    )])
+    .await;
+    let first = proxy(&backend).await;
+    let streamed = Request::post("/plain/x").body("{}").chunked(1);
+    let r = streamed.send(first.addr).await;
+    assert_eq!((r.status, &r.body[..]), (200, &b"ok"[..]), "{}", r.text());
+    assert_eq!(r.header("x-kept"), Some("k"));
+    for gone in [
+        "x-secret",
+        "keep-alive",
+        "proxy-connection",
+        "trailer",
+        "upgrade",
+        "te",
+    ] {
+        assert!(
+            r.headers_named(gone).is_empty(),
+            "{gone} relayed: {:?}",
+            r.headers
+        );
+    }
+
+    for (answer, what) in [
+        (
+            &b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"[..],
+            "101",
+        ),
+        (b"HTTP/1.1 600 Weird\r\nContent-Length: 2\r\n\r\nok", "600"),
+    ] {
+        let backend = RawBackend::start(vec![send(answer)]).await;
+        let proxy = proxy(&backend).await;
+        let r = Request::post("/plain/x")
+            .body("{}")
+            .chunked(1)
+            .send(proxy.addr)
+            .await;
+        assert_eq!(r.status, 502, "{what}: {}", r.text());
+        assert_eq!(r.problem_type(), "upstream-answer-lost", "{what}");
+    }
+}
+
 #[tokio::test]
 async fn forwarded_requests_keep_header_spelling_and_drop_hop_by_hop_headers() {
     let backend = RawBackend::start(vec![send(
