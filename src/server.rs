@@ -28,6 +28,8 @@ use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::eviction;
 use crate::store::purge::PurgeBus;
+use crate::store::redis::Restarts;
+use crate::store::restarts;
 use crate::store::retry::{CompletionRetrier, LetterStore, LocalHooks, RetryOptions};
 use crate::store::{ForgetLocal, MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 use crate::worker_lease::{Lease, WorkerIdSource, WorkerIds};
@@ -109,21 +111,18 @@ struct StoreStack {
 type LocalCache = CachedStore<Arc<Breaker<Arc<RedisStore>>>>;
 
 impl StoreStack {
-    /// Drops every copy of a record this replica read from Redis, when the purge channel is
-    /// subscribed again (nothing without a local cache); then, Redis being back, drops the
-    /// completions given up on that it holds after all.
-    fn forget_copies(&self) -> Arc<dyn Fn() + Send + Sync> {
+    /// Drops every copy of a record this replica read from Redis (nothing without a local
+    /// cache), saying `why` in the log: the purge channel was subscribed again, or a Redis
+    /// server restarted or was replaced; then, Redis being back, drops the completions given
+    /// up on that it holds after all.
+    fn forget_copies(&self, why: &'static str) -> Arc<dyn Fn() + Send + Sync> {
         match &self.cache {
             Some(cache) => {
                 let cache = cache.clone();
                 Arc::new(move || {
                     let dropped = cache.forget_copies();
                     if dropped > 0 {
-                        tracing::info!(
-                            dropped,
-                            "purge channel subscribed again; dropped the local copies of records \
-                             read from redis, as purges may have been missed"
-                        );
+                        tracing::info!(dropped, "{why}");
                     }
                     // Called by the purge listener, on its runtime.
                     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -671,7 +670,10 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
     }
     if let Some(bus) = stack.purge.clone() {
         let on_purge = stack.forget_local();
-        let on_subscribed = stack.forget_copies();
+        let on_subscribed = stack.forget_copies(
+            "purge channel subscribed again; dropped the local copies of records read from \
+             redis, as purges may have been missed",
+        );
         server.add_service(background_service(
             "purge listener",
             PurgeListener {
@@ -695,14 +697,21 @@ pub fn run(config_path: PathBuf, config: Config, on_exit: fn()) -> Result<(), St
             UntilExit::new(async move { cache.recheck_given_up_every(GIVEN_UP_RECHECK).await }),
         ));
     }
-    if let Some(store) = stack.redis {
+    if let Some(store) = stack.redis.clone() {
         let releases = store.clone();
         server.add_service(background_service(
             "unanswered redis claims",
             // Runs through the drain: a claim made then may time out too.
             UntilExit::new(async move { releases.release_unanswered_claims().await }),
         ));
-        server.add_service(background_service("redis warm-up", RedisWarmup { store }));
+        let on_restart = stack.forget_copies(
+            "dropped the local copies of records read from redis, as the restarted or replaced \
+             server may have lost them",
+        );
+        server.add_service(background_service(
+            "redis warm-up",
+            RedisWarmup { store, on_restart },
+        ));
     }
     if let Some(reloader) = script_reloader {
         server.add_service(background_service(
@@ -974,10 +983,12 @@ impl BackgroundService for UntilExit {
 
 /// Connects the Redis store and loads its scripts soon after start, retrying with backoff
 /// until it succeeds once; after that the store keeps itself connected. Then reads whether
-/// Redis may evict records, now and every [`eviction::CHECK_EVERY`], until the ACL user turns
-/// out not to be allowed to ask.
+/// Redis may evict records, now and every [`eviction::CHECK_EVERY`], and whether a server
+/// restarted or was replaced, every [`restarts::CHECK_EVERY`] (`on_restart` then), until the
+/// ACL user turns out not to be allowed to ask.
 struct RedisWarmup {
     store: Arc<RedisStore>,
+    on_restart: Arc<dyn Fn() + Send + Sync>,
 }
 
 /// Keeps the worker id leased (see [`crate::worker_lease`]).
@@ -1016,9 +1027,34 @@ impl BackgroundService for RedisWarmup {
             }
             pause = (pause * 2).min(Duration::from_secs(5));
         }
-        while self.store.check_eviction().await {
+        let (mut ask_eviction, mut ask_restarts) = (true, true);
+        let mut eviction_due = tokio::time::Instant::now();
+        while ask_eviction || ask_restarts {
+            if ask_eviction && tokio::time::Instant::now() >= eviction_due {
+                ask_eviction = self.store.check_eviction().await;
+                eviction_due = tokio::time::Instant::now() + eviction::CHECK_EVERY;
+            }
+            if ask_restarts {
+                match self.store.check_restarts().await {
+                    Restarts::Changed { before, now } => {
+                        tracing::warn!(
+                            %before,
+                            %now,
+                            "a redis server restarted, or another took its place: records \
+                             written to it may be gone (without persistence, or a replica \
+                             promoted before it had them), and their keys run again"
+                        );
+                        (self.on_restart)();
+                    }
+                    Restarts::Denied(why) => {
+                        tracing::debug!(error = %why, "redis run ids not read: no +info");
+                        ask_restarts = false;
+                    }
+                    Restarts::Same | Restarts::Unknown => {}
+                }
+            }
             tokio::select! {
-                _ = tokio::time::sleep(eviction::CHECK_EVERY) => {}
+                _ = tokio::time::sleep(restarts::CHECK_EVERY) => {}
                 _ = shutdown.changed() => return,
             }
         }

@@ -361,3 +361,62 @@ async fn a_single_server_address_moved_to_the_new_primary_is_followed() {
         .log_containing("redis answered as a replica; connecting afresh")
         .await;
 }
+
+/// A Cluster shard that restarts empty (no persistence) has lost its records. A replica whose
+/// purge channel is on another node keeps its connection to that channel, so nothing told it
+/// before: it went on replaying its local copies of the lost records for their whole ttl, while
+/// every replica without a copy ran those keys again. It now reads the servers' run ids every
+/// few seconds: once it sees the restart it drops its copies, and answers as Redis now does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_records_a_restarted_cluster_shard_lost_are_dropped() {
+    let mut cluster = RedisCluster::start(3);
+    let backend = Backend::start().await;
+    // The local cache is on: its copies are what must go.
+    let proxy = ProxyBuilder::new(&backend)
+        .redis(&cluster.urls())
+        .start()
+        .await;
+    let before = executed_before(&proxy).await;
+    for key in &before {
+        let r = order(proxy.addr, key).await;
+        assert_eq!(r.result(), Some("HIT"), "{key}: {}", r.text());
+    }
+    // A node holding records, other than the first (the seed, where the purge channel is).
+    let lost = (1..cluster.nodes.len())
+        .find(|&n| !cluster.nodes[n].keys().is_empty())
+        .expect("no records beyond the first node");
+    cluster.nodes[lost].restart();
+    cluster.wait_ok();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !proxy
+        .log()
+        .contains("the restarted or replaced server may have lost them")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the restart was never seen\n{}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut ran_again = 0;
+    for key in &before {
+        let r = order(proxy.addr, key).await;
+        match r.result() {
+            Some("HIT") => {}
+            Some("MISS") => {
+                // Lost with the shard: run again, as on any replica, then replayed.
+                ran_again += 1;
+                let replay = order(proxy.addr, key).await;
+                assert_eq!(replay.result(), Some("HIT"), "{key}: {}", replay.text());
+                assert_eq!(replay.body, r.body, "{key}");
+            }
+            _ => panic!("{key}: {} {}", r.status, r.text()),
+        }
+    }
+    assert!(
+        ran_again > 0,
+        "every lost record was replayed from a local copy"
+    );
+    assert_eq!(backend.count(), before.len() + ran_again);
+}

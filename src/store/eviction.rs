@@ -176,7 +176,7 @@ fn setting(node: String, reply: &Value) -> Result<Setting, String> {
     }
 }
 
-fn text_of(value: &Value) -> Option<String> {
+pub(super) fn text_of(value: &Value) -> Option<String> {
     match value {
         Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
         Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),

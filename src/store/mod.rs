@@ -24,6 +24,7 @@ pub mod memory;
 pub mod purge;
 pub mod redis;
 pub mod response;
+pub mod restarts;
 pub mod retry;
 pub mod script_set;
 

@@ -78,6 +78,7 @@ use redis::{
 use tokio::time::Instant;
 
 use super::eviction;
+use super::restarts;
 pub use super::script_set::{
     AvailableVersion, CanaryStatus, Scripts, ScriptsStatus, VersionStats, VersionStatus,
 };
@@ -212,6 +213,8 @@ pub struct RedisStore {
     part_ping_keys: Box<[String]>,
     /// What the readings of Redis's eviction setting found ([`RedisStore::check_eviction`]).
     eviction: parking_lot::Mutex<eviction::Finding>,
+    /// The servers the last reading of their run ids found ([`RedisStore::check_restarts`]).
+    servers: parking_lot::Mutex<Option<restarts::Servers>>,
     /// Claims whose answer never came, for [`RedisStore::release_unanswered_claims`].
     unanswered_tx: tokio::sync::mpsc::UnboundedSender<Unanswered>,
     unanswered_rx: parking_lot::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<Unanswered>>>,
@@ -741,6 +744,7 @@ impl RedisStore {
             prefix: config.key_prefix.clone(),
             op_timeout,
             eviction: parking_lot::Mutex::default(),
+            servers: parking_lot::Mutex::default(),
             unanswered_tx,
             unanswered_rx: parking_lot::Mutex::new(Some(unanswered_rx)),
             unanswered_pending: AtomicUsize::new(0),
@@ -917,6 +921,33 @@ impl RedisStore {
                 tracing::debug!(error = %why, "redis eviction setting not read");
                 true
             }
+        }
+    }
+
+    /// Reads each server's run id (`INFO server`; every primary's, on a Cluster) and tells
+    /// whether a server was restarted or replaced since the last reading (see [`restarts`]).
+    /// A reading that fails, or leaves out a server, changes nothing; the first one finds no
+    /// change.
+    pub async fn check_restarts(&self) -> Restarts {
+        let mut info = redis::cmd("INFO");
+        info.arg("server");
+        let reading = match self.send("info", Call::Command(&info)).await {
+            Ok(reply) => restarts::read(reply),
+            Err(failure) if failure.denied => restarts::Reading::Denied(failure.error.to_string()),
+            Err(failure) => restarts::Reading::Unreadable(failure.error.to_string()),
+        };
+        let found = match reading {
+            restarts::Reading::Servers(found) => found,
+            restarts::Reading::Denied(why) => return Restarts::Denied(why),
+            restarts::Reading::Unreadable(why) => {
+                tracing::debug!(error = %why, "redis run ids not read");
+                return Restarts::Unknown;
+            }
+        };
+        let mut last = self.servers.lock();
+        match last.replace(found.clone()) {
+            Some(before) if before != found => Restarts::Changed { before, now: found },
+            _ => Restarts::Same,
         }
     }
 
@@ -1583,6 +1614,22 @@ impl Noted {
         };
         !std::mem::replace(seen, true)
     }
+}
+
+/// What a reading of the servers' run ids found ([`RedisStore::check_restarts`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Restarts {
+    /// The same servers as at the last reading (or this is the first).
+    Same,
+    /// A server restarted, or another took its place (a failover).
+    Changed {
+        before: restarts::Servers,
+        now: restarts::Servers,
+    },
+    /// Not read this time (a server did not answer).
+    Unknown,
+    /// The ACL user may not run `INFO`.
+    Denied(String),
 }
 
 impl RedisStore {
