@@ -1606,6 +1606,14 @@ impl Gate {
                         self.metrics.fenced_writes.inc();
                         tracing::warn!(%record, "lock lapsed and was taken over; response not stored");
                     }
+                    Refusal::Recreated => {
+                        self.metrics.fenced_writes.inc();
+                        tracing::warn!(
+                            %record,
+                            execution_id = claim.execution_id,
+                            "the record was lost while the backend ran (a failover or a restart without persistence) and a retry created it again, running the key again under another execution id; response not stored"
+                        );
+                    }
                     Refusal::Gone => {
                         tracing::warn!(%record, "the record was gone (a failover lost the claim?); response not stored, replayed here only");
                     }

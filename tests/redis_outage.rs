@@ -612,6 +612,60 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
     }
 }
 
+/// A record lost while its request runs (a restart without persistence, a failover before the
+/// replica had it) lets a retry create it anew and run the key again, under another execution
+/// id. The first request's answer is refused, and said to be that (not a lapsed lock taken
+/// over, which keeps the id): the log, the dead letter's reason, and the fenced-writes count
+/// that pages.
+#[tokio::test]
+async fn a_record_lost_mid_request_and_created_again_is_told_from_a_takeover() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("dead.jsonl");
+    let a = builder(&backend, &redis)
+        .store(&format!(
+            "completion_retry: {{ dead_letter_path: \"{}\" }}",
+            dead.display()
+        ))
+        .start()
+        .await;
+    let b = builder(&backend, &redis).start().await;
+    let addr = a.addr;
+    let slow = tokio::spawn(async move {
+        Request::post("/orders/slow/1200")
+            .key("lost")
+            .body("{}")
+            .send(addr)
+            .await
+    });
+    backend.until_count(1).await;
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: i64 = redis.cmd(&["DEL", &keys[0]]);
+    let second = Request::post("/orders/slow/1200")
+        .key("lost")
+        .body("{}")
+        .send(b.addr)
+        .await;
+    assert_eq!((second.status, second.result()), (201, Some("MISS")));
+    let first = slow.await.unwrap();
+    assert_eq!(first.status, 201);
+    let ex = backend.executions();
+    assert_eq!(ex.len(), 2);
+    assert_ne!(
+        ex[0].execution_id, ex[1].execution_id,
+        "a new record, a new id"
+    );
+    let m = a.metrics_containing("idemgate_dead_letters_total 1").await;
+    assert_eq!(metric(&m, "idemgate_store_fenced_writes_total"), 1.0, "{m}");
+    let text = std::fs::read_to_string(&dead).unwrap();
+    let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    assert_eq!(line["reason"], "record lost, created again");
+    let log = a.log_containing("a retry created it again").await;
+    assert!(!log.contains("lock lapsed and was taken over"), "{log}");
+}
+
 #[tokio::test]
 async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     let redis = RedisServer::start();

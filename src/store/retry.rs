@@ -538,6 +538,10 @@ pub enum Refusal {
     Landed,
     /// Another execution holds the key (the lock lapsed and the key ran again).
     TakenOver,
+    /// Another execution, under another execution id, holds the key: the record was lost (a
+    /// failover or a restart without persistence) and a retry created it anew, running the key
+    /// again (a takeover keeps the id).
+    Recreated,
     /// The record is gone (a failover lost it, or it was evicted or purged).
     Gone,
     /// The record could not be read.
@@ -570,6 +574,14 @@ fn settle_refused(
         })) if !final_refusal && *c == job.completion && execution_id == job.execution_id => {
             (local.stored)(&job.key, job.owner);
             Refusal::Landed
+        }
+        // A record of another execution id: this one's was lost while it ran (a takeover keeps
+        // the id) and a retry created it anew, running the key again. As for a takeover, the
+        // store keeps it, and this replica replays what the store holds.
+        Ok(Some(Record { execution_id, .. })) if execution_id != job.execution_id => {
+            (local.taken_over)(&job.key, job.owner);
+            dead.settle(job, attempts, "record lost, created again", InStore::No);
+            Refusal::Recreated
         }
         // Another execution holds the key now: the store keeps it, and this replica replays
         // what the store holds, like every other replica.
@@ -681,7 +693,7 @@ async fn run(
                             stats.pending.fetch_sub(1, Ordering::AcqRel);
                             tracing::info!("a timed-out completion had been stored after all");
                         }
-                        Refusal::TakenOver => {
+                        Refusal::TakenOver | Refusal::Recreated => {
                             stats.fenced.fetch_add(1, Ordering::Relaxed);
                         }
                         Refusal::Gone | Refusal::Unread => {}
@@ -1729,7 +1741,8 @@ mod tests {
 
     /// A refused write whose record holds the same bytes under another execution id did not
     /// land: another execution answered the same (a 204, say) after the record was lost, and
-    /// the key ran twice. It is dead-lettered, not counted as recovered.
+    /// the key ran twice. It is dead-lettered as such (`record lost, created again`: under
+    /// another execution id, not a takeover), and not counted as recovered.
     #[tokio::test]
     async fn the_same_answer_from_another_execution_is_not_taken_for_this_one() {
         let dir = tempfile::tempdir().unwrap();
@@ -1744,7 +1757,10 @@ mod tests {
         settle(&retrier).await;
         assert_eq!(retrier.stats().recovered.load(Ordering::Relaxed), 0);
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
-        assert!(text.contains("lock taken over"), "{text}");
+        assert!(
+            text.contains("\"reason\":\"record lost, created again\""),
+            "{text}"
+        );
         assert_eq!(retrier.stats().fenced.load(Ordering::Relaxed), 1);
     }
 
@@ -1875,7 +1891,7 @@ mod tests {
         assert!(matches!(again, ClaimOutcome::Existing(_)), "{again:?}");
         assert_eq!(shared.calls.load(Ordering::Relaxed), calls, "replayed here");
 
-        // Taken over: another request holds the key now.
+        // Lost, then created again by a retry (another execution id): the key ran twice.
         let taken = claimed(cached.as_ref(), 31).await;
         assert!(shared.delete(&taken.key).await.unwrap());
         assert!(matches!(
@@ -1886,7 +1902,7 @@ mod tests {
         assert_eq!(written.await.unwrap(), WriteOutcome::NotOwner);
         assert_eq!(
             retrier.refused(taken.clone(), shared.as_ref()).await,
-            Refusal::TakenOver
+            Refusal::Recreated
         );
         let again = cached.claim(&retry_of(&taken)).await.unwrap();
         assert!(
@@ -1920,7 +1936,10 @@ mod tests {
         retrier.flush_dead_letters();
         let text = std::fs::read_to_string(dir.path().join("dead.jsonl")).unwrap();
         assert!(text.contains("\"reason\":\"record gone\""), "{text}");
-        assert!(text.contains("\"reason\":\"lock taken over\""), "{text}");
+        assert!(
+            text.contains("\"reason\":\"record lost, created again\""),
+            "{text}"
+        );
         assert_eq!(retrier.pending(), 0);
     }
 
