@@ -2041,6 +2041,57 @@ fn frame_for_client(session: &mut Session, header: &mut ResponseHeader) {
     }
 }
 
+/// Whether `error` (or an error it wraps) carries the raw bytes pingora read, as its parse
+/// errors do in their context (`buf: ...`).
+fn quotes_bytes(error: &Error) -> bool {
+    chain(error).any(quoting)
+}
+
+fn quoting(e: &Error) -> bool {
+    e.context
+        .as_ref()
+        .is_some_and(|c| c.as_str().contains("buf: "))
+}
+
+/// `error`, then each pingora error it wraps.
+fn chain(error: &Error) -> impl Iterator<Item = &Error> {
+    std::iter::successors(Some(error), |e| {
+        e.cause.as_ref()?.downcast_ref::<Box<Error>>().map(|b| &**b)
+    })
+}
+
+/// A pingora error as pingora writes it, but for the bytes its parse errors quote (`buf: ...`),
+/// a client's or a backend's headers and body, which do not belong in the log.
+struct Redacted<'a>(&'a Error);
+
+impl std::fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut previous: Option<&Error> = None;
+        for e in chain(self.0) {
+            if previous.is_some() {
+                f.write_str(" cause: ")?;
+            }
+            if previous.is_none_or(|p| p.esource != e.esource) {
+                f.write_str(e.esource.as_str())?;
+            }
+            if previous.is_none_or(|p| p.etype != e.etype) {
+                write!(f, " {}", e.etype.as_str())?;
+            }
+            match &e.context {
+                Some(_) if quoting(e) => f.write_str(" context: (the bytes read, not logged)")?,
+                Some(c) => write!(f, " context: {c}")?,
+                None => {}
+            }
+            // A cause of another kind (an I/O error, a parser's) ends the chain.
+            if let Some(cause) = e.cause.as_ref().filter(|c| !c.is::<Box<Error>>()) {
+                write!(f, " cause: {cause}")?;
+            }
+            previous = Some(e);
+        }
+        Ok(())
+    }
+}
+
 /// What makes an answer on pingora's streaming path no answer to relay, as idemgate's own client
 /// refuses it: a status above 599 (HTTP has no such class), or `101 Switching Protocols` to a
 /// request that asked for no upgrade (the client would be left on a connection switched to
@@ -2569,6 +2620,22 @@ impl ProxyHttp for Gate {
         Ok(())
     }
 
+    /// pingora's error line for an answer it could not parse quotes the bytes it read
+    /// (`buf: ...`): a backend's headers and body (a session cookie, a token, a customer's
+    /// data) do not belong in the log. Such an error is said here without them; the rest as
+    /// pingora says them.
+    fn suppress_error_log(&self, session: &Session, ctx: &Self::CTX, error: &Error) -> bool {
+        if !quotes_bytes(error) {
+            return false;
+        }
+        tracing::error!(
+            error = %Redacted(error),
+            request = %self.request_summary(session, ctx),
+            "failed to proxy: an answer could not be parsed (its bytes are not logged)"
+        );
+        true
+    }
+
     /// How pingora's own error lines name the request: method, path and route, as the access
     /// line does. pingora's default adds the query and `Host`, which may carry what a client
     /// means to keep out of logs (a token in a query parameter).
@@ -2668,7 +2735,8 @@ impl ProxyHttp for Gate {
         crate::headguard::request_ended(session);
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let req = session.req_header();
-        let error = e.map(|e| e as &dyn std::fmt::Display);
+        let redacted = e.map(Redacted);
+        let error = redacted.as_ref().map(|e| e as &dyn std::fmt::Display);
         ctx.log_line(req.method.as_str(), req.uri.path(), status, error);
     }
 }
@@ -2699,6 +2767,35 @@ impl<F: Fn() -> PendingCompletion> Drop for WriteOut<'_, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error chain reads as pingora writes it, but for the bytes a parse error quotes.
+    #[test]
+    fn errors_are_logged_as_pingora_writes_them_without_the_bytes_read() {
+        let io = std::io::Error::other("reset");
+        let plain = Error::because(pingora::ErrorType::ReadError, "while reading", io);
+        let plain = Error::because(pingora::ErrorType::HTTPStatus(502), "proxying", plain);
+        assert_eq!(Redacted(&plain).to_string(), plain.to_string());
+        assert!(!quotes_bytes(&plain));
+
+        let parse = Error::because(
+            pingora::ErrorType::InvalidHTTPHeader,
+            "buf: HTTP/1.1 201\\r\\nSet-Cookie: SECRET",
+            httparse::Error::HeaderName,
+        );
+        let mut outer = Error::because(pingora::ErrorType::InvalidHTTPHeader, "upstream", parse);
+        outer.esource = pingora::ErrorSource::Upstream;
+        assert!(quotes_bytes(&outer));
+        assert!(outer.to_string().contains("SECRET"));
+        let redacted = Redacted(&outer).to_string();
+        assert!(!redacted.contains("SECRET"), "{redacted}");
+        assert_eq!(
+            redacted,
+            outer.to_string().replace(
+                "buf: HTTP/1.1 201\\r\\nSet-Cookie: SECRET",
+                "(the bytes read, not logged)"
+            )
+        );
+    }
 
     #[test]
     fn a_stored_response_that_is_no_http_is_not_replayed() {

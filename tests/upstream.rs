@@ -757,6 +757,33 @@ async fn a_streamed_request_gets_the_answer_the_own_client_would_relay() {
     }
 }
 
+/// pingora's error line for an answer it cannot parse quoted the bytes it read: a backend's
+/// cookie or token, a customer's data, went to the log. The line says what failed without them.
+#[tokio::test]
+async fn an_unparsable_streamed_answer_is_logged_without_its_bytes() {
+    let backend = RawBackend::start(vec![send(
+        b"HTTP/1.1 201 Created\r\nSet-Cookie: session=SECRET-TOKEN\r\nBad Name: x\r\n\r\n",
+    )])
+    .await;
+    let proxy = proxy(&backend).await;
+    let r = Request::post("/plain/x")
+        .body("{}")
+        .chunked(1)
+        .send(proxy.addr)
+        .await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    proxy
+        .log_containing("an answer could not be parsed (its bytes are not logged)")
+        .await;
+    // The request's access line, written last, carries the error too.
+    let log = proxy.log_containing("path=\"/plain/x\"").await;
+    assert!(!log.contains("SECRET-TOKEN"), "{log}");
+    assert!(
+        log.contains("context: (the bytes read, not logged)"),
+        "{log}"
+    );
+}
+
 #[tokio::test]
 async fn forwarded_requests_keep_header_spelling_and_drop_hop_by_hop_headers() {
     let backend = RawBackend::start(vec![send(
