@@ -1611,7 +1611,7 @@ impl Gate {
                         tracing::warn!(
                             %record,
                             execution_id = claim.execution_id,
-                            "the record was lost while the backend ran (a failover or a restart without persistence) and a retry created it again, running the key again under another execution id; response not stored"
+                            "the record was lost while the backend ran (a failover, a restart without persistence, a purge) and a retry created it again, running the key again under another execution id; response not stored"
                         );
                     }
                     Refusal::Gone => {

@@ -28,8 +28,7 @@ use crate::store::breaker::{Breaker, BreakerOptions};
 use crate::store::cached::{CachedStore, LocalCacheOptions};
 use crate::store::eviction;
 use crate::store::purge::PurgeBus;
-use crate::store::redis::Restarts;
-use crate::store::restarts;
+use crate::store::restarts::{self, Restarts};
 use crate::store::retry::{CompletionRetrier, LetterStore, LocalHooks, RetryOptions};
 use crate::store::{ForgetLocal, MemoryStore, RecordKey, RecordStore, RedisStore, StoreUsage};
 use crate::worker_lease::{Lease, WorkerIdSource, WorkerIds};
@@ -1029,14 +1028,16 @@ impl BackgroundService for RedisWarmup {
         }
         let (mut ask_eviction, mut ask_restarts) = (true, true);
         let mut eviction_due = tokio::time::Instant::now();
+        let mut watch = restarts::Watch::default();
         while ask_eviction || ask_restarts {
             if ask_eviction && tokio::time::Instant::now() >= eviction_due {
                 ask_eviction = self.store.check_eviction().await;
                 eviction_due = tokio::time::Instant::now() + eviction::CHECK_EVERY;
             }
             if ask_restarts {
-                match self.store.check_restarts().await {
-                    Restarts::Changed { before, now } => {
+                let found = self.store.check_restarts().await;
+                match (watch.after(&found), found) {
+                    (restarts::Step::DropCopies, Restarts::Changed { before, now }) => {
                         tracing::warn!(
                             %before,
                             %now,
@@ -1046,11 +1047,21 @@ impl BackgroundService for RedisWarmup {
                         );
                         (self.on_restart)();
                     }
-                    Restarts::Denied(why) => {
+                    (restarts::Step::Stop, Restarts::Denied(why)) => {
                         tracing::debug!(error = %why, "redis run ids not read: no +info");
                         ask_restarts = false;
                     }
-                    Restarts::Same | Restarts::Unknown => {}
+                    (restarts::Step::Stop, _) => {
+                        tracing::warn!(
+                            readings = restarts::CHANGES_IN_A_ROW,
+                            "redis run ids changed at every reading (INFO answered by another \
+                             server each time: a proxy in front of redis?); restarts are no \
+                             longer followed, and local copies stay until their ttl or a \
+                             resubscription of the purge channel"
+                        );
+                        ask_restarts = false;
+                    }
+                    _ => {}
                 }
             }
             tokio::select! {

@@ -222,7 +222,7 @@ fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
             if still_open(&conn.stream) {
                 return Some(conn.stream);
             }
-            if holds_bytes(&conn.stream) {
+            if holds_stray_bytes(&conn.stream) {
                 stray_bytes_found(backend.addr);
             }
         }
@@ -230,21 +230,28 @@ fn take_idle(backend: &Backend, now: Instant) -> Option<TcpStream> {
     })
 }
 
-/// Whether a connection that polled readable holds bytes (rather than the end of the stream a
-/// backend closing an idle connection leaves, which is usual). Asked only of those.
-fn holds_bytes(stream: &TcpStream) -> bool {
+/// Whether a connection that polled readable holds bytes nobody asked for: not the end of the
+/// stream a backend closing an idle connection leaves, nor the `408` some servers send before
+/// they close one (both usual). Asked only of those.
+fn holds_stray_bytes(stream: &TcpStream) -> bool {
     use std::os::fd::AsRawFd;
-    let mut byte = 0u8;
-    // SAFETY: a one-byte buffer of our own; MSG_PEEK leaves the byte where it is.
+    let mut head = [0u8; 12];
+    // SAFETY: a buffer of our own, of the length given; MSG_PEEK leaves the bytes where they
+    // are.
     let read = unsafe {
         libc::recv(
             stream.as_raw_fd(),
-            (&mut byte as *mut u8).cast(),
-            1,
+            head.as_mut_ptr().cast(),
+            head.len(),
             libc::MSG_PEEK | libc::MSG_DONTWAIT,
         )
     };
-    read > 0
+    let Ok(read) = usize::try_from(read) else {
+        return false;
+    };
+    let idle_timeout_notice =
+        head.starts_with(b"HTTP/1.1 408") || head.starts_with(b"HTTP/1.0 408");
+    read > 0 && !idle_timeout_notice
 }
 
 /// A backend sent bytes after a complete answer (a body after a 204, 304 or an answer to

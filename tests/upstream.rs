@@ -462,6 +462,30 @@ async fn a_pooled_connection_holding_bytes_after_an_answer_is_dropped_and_counte
         .await;
 }
 
+/// Some servers say `408` on an idle connection before closing it: not stray bytes (nothing is
+/// counted), but the connection is not used again all the same.
+#[tokio::test]
+async fn a_408_on_an_idle_connection_is_no_stray_bytes() {
+    let backend = RawBackend::start(vec![
+        created("{}"),
+        Step::Pause(Duration::from_millis(50)),
+        send(b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"),
+    ])
+    .await;
+    let proxy = proxy(&backend).await;
+    for i in 0..2 {
+        let r = order(&format!("idle-408-{i}")).send(proxy.addr).await;
+        assert_eq!((r.status, r.result()), (201, Some("MISS")), "{}", r.text());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(backend.connections(), 2);
+    let metrics = proxy.metrics().await;
+    assert_eq!(
+        common::metric(&metrics, "idemgate_upstream_stray_bytes_total"),
+        Some(0.0)
+    );
+}
+
 #[tokio::test]
 async fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
     // The backend answers, then closes the idle connection 100 ms later (its keep-alive timeout).

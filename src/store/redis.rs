@@ -78,7 +78,7 @@ use redis::{
 use tokio::time::Instant;
 
 use super::eviction;
-use super::restarts;
+use super::restarts::{self, Restarts};
 pub use super::script_set::{
     AvailableVersion, CanaryStatus, Scripts, ScriptsStatus, VersionStats, VersionStatus,
 };
@@ -929,6 +929,18 @@ impl RedisStore {
     /// A reading that fails, or leaves out a server, changes nothing; the first one finds no
     /// change.
     pub async fn check_restarts(&self) -> Restarts {
+        // On a Cluster, how many primaries the reading must cover: a fan-out of `INFO` leaves
+        // out a primary the client holds no connection to (see `eviction::slot_primaries`).
+        let primaries = if self.settings.topology == RedisTopology::Cluster {
+            let mut slots = redis::cmd("CLUSTER");
+            slots.arg("SLOTS");
+            match self.send("cluster slots", Call::Command(&slots)).await {
+                Ok(reply) => eviction::slot_primaries(&reply),
+                Err(_) => return Restarts::Unknown,
+            }
+        } else {
+            None
+        };
         let mut info = redis::cmd("INFO");
         info.arg("server");
         let reading = match self.send("info", Call::Command(&info)).await {
@@ -937,6 +949,12 @@ impl RedisStore {
             Err(failure) => restarts::Reading::Unreadable(failure.error.to_string()),
         };
         let found = match reading {
+            restarts::Reading::Servers(found)
+                if primaries.is_some_and(|primaries| found.len() < primaries) =>
+            {
+                tracing::debug!("redis run ids not read on every primary");
+                return Restarts::Unknown;
+            }
             restarts::Reading::Servers(found) => found,
             restarts::Reading::Denied(why) => return Restarts::Denied(why),
             restarts::Reading::Unreadable(why) => {
@@ -1614,22 +1632,6 @@ impl Noted {
         };
         !std::mem::replace(seen, true)
     }
-}
-
-/// What a reading of the servers' run ids found ([`RedisStore::check_restarts`]).
-#[derive(Debug, PartialEq, Eq)]
-pub enum Restarts {
-    /// The same servers as at the last reading (or this is the first).
-    Same,
-    /// A server restarted, or another took its place (a failover).
-    Changed {
-        before: restarts::Servers,
-        now: restarts::Servers,
-    },
-    /// Not read this time (a server did not answer).
-    Unknown,
-    /// The ACL user may not run `INFO`.
-    Denied(String),
 }
 
 impl RedisStore {

@@ -19,10 +19,29 @@ use redis::Value;
 /// most by the copies of them being dropped.
 pub const CHECK_EVERY: Duration = Duration::from_secs(5);
 
+/// Readings in a row that each found a change, after which the run ids are no longer followed:
+/// an endpoint whose `INFO` answers from another server at each call (a proxy in front of
+/// Redis) would otherwise drop the local copies every few seconds. Ten readings are 50 s of
+/// changes without a pause, which a rolling restart (each server back and in sync before the
+/// next goes) does not make.
+pub const CHANGES_IN_A_ROW: u32 = 10;
+
 /// The servers one reading found: each server's address (empty for the one server of a single
 /// or Sentinel setup) and run id, sorted by address (a Cluster's replies come in no order).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Servers(Vec<(String, String)>);
+
+impl Servers {
+    /// How many servers the reading covers.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it covers none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
 
 impl std::fmt::Display for Servers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -36,6 +55,58 @@ impl std::fmt::Display for Servers {
             }
         }
         Ok(())
+    }
+}
+
+/// What a reading of the servers' run ids found, against the one before
+/// ([`crate::store::RedisStore::check_restarts`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Restarts {
+    /// The same servers as at the last reading (or this is the first).
+    Same,
+    /// A server restarted, or another took its place (a failover).
+    Changed { before: Servers, now: Servers },
+    /// Not read this time (a server did not answer, or a Cluster reading left one out).
+    Unknown,
+    /// The ACL user may not run `INFO`.
+    Denied(String),
+}
+
+/// What to do after a reading ([`Watch::after`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Nothing changed, or nothing could be told.
+    Nothing,
+    /// A server restarted or was replaced: drop the local copies.
+    DropCopies,
+    /// Stop reading: `INFO` is refused, or the run ids change at every reading.
+    Stop,
+}
+
+/// Follows the readings: counts the changes in a row (see [`CHANGES_IN_A_ROW`]).
+#[derive(Debug, Default)]
+pub struct Watch {
+    changes_in_a_row: u32,
+}
+
+impl Watch {
+    /// What to do after the reading `found`.
+    pub fn after(&mut self, found: &Restarts) -> Step {
+        match found {
+            Restarts::Changed { .. } => {
+                self.changes_in_a_row += 1;
+                if self.changes_in_a_row >= CHANGES_IN_A_ROW {
+                    Step::Stop
+                } else {
+                    Step::DropCopies
+                }
+            }
+            Restarts::Denied(_) => Step::Stop,
+            Restarts::Same | Restarts::Unknown => {
+                self.changes_in_a_row = 0;
+                Step::Nothing
+            }
+        }
     }
 }
 
@@ -114,6 +185,31 @@ mod tests {
         assert_eq!(
             servers.to_string(),
             "127.0.0.1:7001 run_id a1, 127.0.0.1:7002 run_id b2"
+        );
+    }
+
+    /// A restart drops the copies; an endpoint whose run id changes at every reading (a proxy
+    /// answering from another server each time) is no longer followed, once it has changed for
+    /// longer than a rolling restart does without a pause.
+    #[test]
+    fn changes_drop_copies_until_they_come_at_every_reading() {
+        let servers = |id: &str| Servers(vec![(String::new(), id.to_owned())]);
+        let changed = || Restarts::Changed {
+            before: servers("a"),
+            now: servers("b"),
+        };
+        let mut watch = Watch::default();
+        assert_eq!(watch.after(&Restarts::Same), Step::Nothing);
+        assert_eq!(watch.after(&changed()), Step::DropCopies);
+        assert_eq!(watch.after(&Restarts::Same), Step::Nothing);
+        for _ in 1..CHANGES_IN_A_ROW {
+            assert_eq!(watch.after(&changed()), Step::DropCopies);
+        }
+        assert_eq!(watch.after(&changed()), Step::Stop);
+        let mut refused = Watch::default();
+        assert_eq!(
+            refused.after(&Restarts::Denied("NOPERM".into())),
+            Step::Stop
         );
     }
 
