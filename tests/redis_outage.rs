@@ -666,6 +666,47 @@ async fn a_record_lost_mid_request_and_created_again_is_told_from_a_takeover() {
     assert!(!log.contains("lock lapsed and was taken over"), "{log}");
 }
 
+/// The same loss, with the retry sent to the replica that still runs the key: the store would
+/// let it run again beside the running execution. The replica claims the record again for the
+/// running execution and tells the retry to wait (409): one execution, stored and replayed.
+#[tokio::test]
+async fn a_record_lost_mid_request_is_claimed_again_by_the_replica_running_it() {
+    let redis = RedisServer::start();
+    let backend = Backend::start().await;
+    let a = builder(&backend, &redis).start().await;
+    let addr = a.addr;
+    let order = || {
+        Request::post("/orders/slow/1200")
+            .key("lost-here")
+            .body("{}")
+    };
+    let slow = tokio::spawn(async move { order().send(addr).await });
+    backend.until_count(1).await;
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: i64 = redis.cmd(&["DEL", &keys[0]]);
+    let retry = order().send(a.addr).await;
+    assert_eq!(
+        (retry.status, retry.result()),
+        (409, Some("CONFLICT")),
+        "{}",
+        retry.text()
+    );
+    let first = slow.await.unwrap();
+    assert_eq!((first.status, first.result()), (201, Some("MISS")));
+    let replay = order().send(a.addr).await;
+    assert_eq!(replay.result(), Some("HIT"), "{}", replay.text());
+    assert_eq!(replay.body, first.body);
+    // Stored in Redis: another replica replays it too.
+    let b = builder(&backend, &redis).start().await;
+    let elsewhere = order().send(b.addr).await;
+    assert_eq!(elsewhere.result(), Some("HIT"), "{}", elsewhere.text());
+    assert_eq!(elsewhere.body, first.body);
+    assert_eq!(backend.count(), 1, "ran beside itself");
+    a.log_containing("claimed again for the running execution")
+        .await;
+}
+
 #[tokio::test]
 async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     let redis = RedisServer::start();

@@ -1336,6 +1336,89 @@ impl<S: RecordStore> CachedStore<S> {
 }
 
 impl<S: RecordStore> CachedStore<S> {
+    /// A live claim of `req`'s key and request (its fingerprint) this replica holds under
+    /// another owner, whose key was not purged since it went out: an execution of the same
+    /// request running here now.
+    fn running_here(&self, req: &ClaimRequest) -> Option<(u128, Pending)> {
+        let now = Instant::now();
+        let key = &req.key;
+        let running: Vec<(u128, Pending)> = {
+            let pending = self.pending.lock();
+            let claims = pending.by_hash.get(&key.hash)?;
+            claims
+                .iter()
+                .filter(|(owner, p)| {
+                    *owner != req.owner.0 && p.deadline > now && p.fingerprint == req.fingerprint
+                })
+                .copied()
+                .collect()
+        };
+        let cache = self.shard(&key.hash).lock();
+        running
+            .into_iter()
+            .find(|(_, p)| !cache.purged_since(&key.hash, p.purges))
+    }
+
+    /// The store created `req`'s record anew while this replica still runs the key under
+    /// `owner`'s claim (`running`): it lost the record (a restart without persistence, a
+    /// failover before the replica had the claim). Run, the retry would execute the key beside
+    /// the execution running here. Instead its claim is given up and the record claimed again
+    /// for the running execution, under its owner token and execution id, so that its answer
+    /// is stored and replayed; the retry is answered as a duplicate of a running request. The
+    /// release, the removal of the released record and the claim are three calls: a retry on
+    /// another replica between them may still run the key, as it may on any other replica
+    /// after such a loss.
+    async fn give_back(&self, req: &ClaimRequest, owner: u128, running: Pending) -> ClaimOutcome {
+        let original = ClaimRequest {
+            key: req.key.clone(),
+            fingerprint: running.fingerprint,
+            owner: OwnerToken(owner),
+            execution_id: running.execution_id,
+            lock_ttl: req.lock_ttl,
+            ttl: req.ttl,
+        };
+        let claimed_again = async {
+            if self.inner.release(&req.key, req.owner).await.ok()? != WriteOutcome::Applied {
+                return None;
+            }
+            self.inner.delete_settled(&req.key).await.ok()?;
+            match self.inner.claim(&original).await.ok()? {
+                ClaimOutcome::Acquired { execution_id, .. } => {
+                    Some(execution_id == running.execution_id)
+                }
+                ClaimOutcome::Existing(_) => Some(false),
+            }
+        }
+        .await
+        .unwrap_or(false);
+        let record = crate::key::hash_label(&req.key.hash);
+        if claimed_again {
+            tracing::warn!(
+                %record,
+                execution_id = running.execution_id,
+                "the store had lost the record of a key this replica is running (a restart \
+                 without persistence, a failover); claimed again for the running execution, \
+                 and its retry told to wait rather than run it beside it"
+            );
+        } else {
+            tracing::warn!(
+                %record,
+                execution_id = running.execution_id,
+                "the store had lost the record of a key this replica is running; its retry is \
+                 told to wait, but the record could not be claimed again for the running \
+                 execution: a retry elsewhere may run the key"
+            );
+        }
+        ClaimOutcome::Existing(Record {
+            fingerprint: running.fingerprint,
+            execution_id: running.execution_id,
+            state: RecordState::InFlight {
+                lock_remaining: running.deadline.saturating_duration_since(Instant::now()),
+            },
+            expires_in: None,
+        })
+    }
+
     /// [`RecordStore::claim`], or with `renewal` [`RecordStore::renew`], which goes to the
     /// store beneath as a renewal too.
     async fn claim_or_renew(
@@ -1394,6 +1477,15 @@ impl<S: RecordStore> CachedStore<S> {
                 return Err(e);
             }
         };
+        // Created anew (the request's own execution id: an absent record, not a released one)
+        // while this replica runs the key: the store lost the record.
+        if let ClaimOutcome::Acquired { execution_id, .. } = outcome {
+            if !renewal && execution_id == req.execution_id {
+                if let Some((owner, running)) = self.running_here(req) {
+                    return Ok(self.give_back(req, owner, running).await);
+                }
+            }
+        }
         if let ClaimOutcome::Existing(record) = &outcome {
             self.keep_copy(&req.key, record, sent, mark);
         }
@@ -3282,6 +3374,60 @@ mod tests {
             assert!(Instant::now() < deadline, "still replaying its own answer");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// The store loses the record of a key this replica is running (a restart without
+    /// persistence), and a retry reaches this replica: the store would have it run again
+    /// beside the execution running here. Instead the record is claimed again for the running
+    /// execution, whose answer is then stored and replayed, and the retry is told to wait.
+    /// Released by its own request, or purged here, the key runs as before.
+    #[tokio::test]
+    async fn a_record_lost_while_its_key_runs_here_is_claimed_again_not_run_beside_it() {
+        let (shared, a, b) = two_replicas();
+        let fresh = |req: &ClaimRequest, id: u64| ClaimRequest {
+            execution_id: id,
+            ..retry_of(req)
+        };
+        let req = claim("t", 41);
+        acquired(&a, &req).await;
+        assert!(shared.delete(&req.key).await.unwrap());
+        let outcome = a.claim(&fresh(&req, 900)).await.unwrap();
+        let ClaimOutcome::Existing(Record {
+            execution_id,
+            state: RecordState::InFlight { lock_remaining },
+            ..
+        }) = outcome
+        else {
+            panic!("the retry ran beside the running execution: {outcome:?}");
+        };
+        assert_eq!(execution_id, req.execution_id);
+        assert!(lock_remaining > Duration::ZERO);
+        let record = shared.get(&req.key).await.unwrap().expect("claimed again");
+        assert_eq!(record.execution_id, req.execution_id);
+        assert!(matches!(record.state, RecordState::InFlight { .. }));
+        // Another replica is told to wait too, and the running execution's answer is stored.
+        assert!(matches!(
+            b.claim(&fresh(&req, 901)).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        let stored = a.complete(&req.key, req.owner, response(b"first"), req.ttl);
+        assert_eq!(stored.await.unwrap(), WriteOutcome::Applied);
+        assert_eq!(replayed_body(b.claim(&fresh(&req, 902)).await), b"first");
+
+        // Released by its own request: the retry runs.
+        let released = claim("t", 42);
+        acquired(&a, &released).await;
+        assert_eq!(
+            a.release(&released.key, released.owner).await.unwrap(),
+            WriteOutcome::Applied
+        );
+        acquired(&a, &fresh(&released, 903)).await;
+
+        // Purged here while it ran: the retry runs.
+        let purged = claim("t", 43);
+        acquired(&a, &purged).await;
+        assert!(a.delete(&purged.key).await.unwrap());
+        acquired(&a, &fresh(&purged, 904)).await;
     }
 
     #[tokio::test]
