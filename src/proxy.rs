@@ -2092,40 +2092,22 @@ impl std::fmt::Display for Redacted<'_> {
     }
 }
 
-/// What makes an answer on pingora's streaming path no answer to relay, as idemgate's own client
-/// refuses it: a status above 599 (HTTP has no such class), or `101 Switching Protocols` to a
-/// request that asked for no upgrade (the client would be left on a connection switched to
-/// nothing it asked for).
-fn streamed_answer_fault(head: &ResponseHeader, upgrade_asked: bool) -> Option<&'static str> {
-    let status = head.status.as_u16();
-    if status > 599 {
-        Some("status code above 599")
-    } else if status == 101 && !upgrade_asked {
-        Some("101 Switching Protocols to a request without Upgrade")
-    } else {
-        None
-    }
-}
-
 /// Removes the headers of an answer that belong to its connection (RFC 9110 §7.6.1): those
 /// `Connection` names and the hop-by-hop ones (`Keep-Alive`, `Proxy-Connection`, `TE`,
 /// `Trailer`, `Upgrade`), as idemgate's own client does; pingora writes `Connection` and the
 /// framing itself, so those stay for it (a framing header `Connection` names too is left: it
 /// frames the body pingora relays).
 fn drop_connection_headers(head: &mut ResponseHeader) {
-    let named: Vec<HeaderName> = head
-        .headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim_ascii()).ok())
-        .filter(|n| {
-            !matches!(
-                n.as_str(),
-                "connection" | "close" | "content-length" | "transfer-encoding"
-            )
-        })
-        .collect();
+    let named: Vec<HeaderName> =
+        upstream::each_connection_token(head.headers.get_all(header::CONNECTION))
+            .filter_map(|t| HeaderName::from_bytes(t).ok())
+            .filter(|n| {
+                !matches!(
+                    n.as_str(),
+                    "connection" | "content-length" | "transfer-encoding"
+                )
+            })
+            .collect();
     for name in named {
         head.remove_header(&name);
     }
@@ -2577,15 +2559,16 @@ impl ProxyHttp for Gate {
     }
 
     /// Holds answers on pingora's streaming path to what idemgate's own client relays (see
-    /// [`streamed_answer_fault`], [`drop_connection_headers`]); marks forwarded responses of
-    /// idempotent routes (`BYPASS`).
+    /// [`upstream::unrelayable_status`], [`drop_connection_headers`]); marks forwarded
+    /// responses of idempotent routes (`BYPASS`).
     async fn response_filter(
         &self,
         session: &mut Session,
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        if let Some(fault) = streamed_answer_fault(upstream_response, session.is_upgrade_req()) {
+        let status = upstream_response.status.as_u16();
+        if let Some(fault) = upstream::unrelayable_status(status, session.is_upgrade_req()) {
             let mut e = Error::explain(pingora::ErrorType::InvalidHTTPHeader, fault);
             e.esource = pingora::ErrorSource::Upstream;
             return Err(e);

@@ -200,6 +200,21 @@ thread_local! {
     static POOL: RefCell<Pool> = RefCell::new(Pool::default());
 }
 
+/// Why an answer of `status` is no answer at all, on this client and pingora's streaming path
+/// alike: HTTP has no status above 599 (RFC 9110 §15), so such a code has no class to say
+/// whether the request ran, and a `101 Switching Protocols` to a request that asked for no
+/// upgrade would leave the client on a connection switched to nothing it asked for. Either way
+/// the outcome is unknown.
+pub fn unrelayable_status(status: u16, upgrade_asked: bool) -> Option<&'static str> {
+    if status > 599 {
+        Some("status code above 599")
+    } else if status == 101 && !upgrade_asked {
+        Some("101 Switching Protocols to a request without Upgrade")
+    } else {
+        None
+    }
+}
+
 /// Pooled connections dropped because the backend had sent bytes nobody asked for on them.
 static STRAY_BYTES_DROPS: AtomicU64 = AtomicU64::new(0);
 
@@ -776,11 +791,6 @@ impl Exchange {
                 }
             };
             let status = parsed.header.status.as_u16();
-            if status == 101 {
-                return Err(UpstreamError::Malformed(
-                    "101 Switching Protocols to a request without Upgrade",
-                ));
-            }
             if status < 200 {
                 continue;
             }
@@ -939,10 +949,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<ParsedHead>, UpstreamError> {
         Err(_) => return Err(refuse("unparsable response head")),
     };
     let code = resp.code.unwrap_or(0);
-    // HTTP has no status above 599 (RFC 9110 §15): such a code has no class to say whether
-    // the request ran, so the answer is no answer, and the outcome unknown.
-    if code > 599 {
-        return Err(UpstreamError::Malformed("status code above 599"));
+    // This client never forwards `Upgrade`.
+    if let Some(why) = unrelayable_status(code, false) {
+        return Err(UpstreamError::Malformed(why));
     }
     let version = resp.version.unwrap_or(1);
     let reason = resp.reason.unwrap_or("");
