@@ -497,13 +497,23 @@ impl PendingClaims {
     /// The live claims of `hash`: each one's shard purge count before it went out, and what
     /// is left of it.
     fn live(&self, hash: &Digest, now: Instant) -> Vec<(u64, Duration)> {
-        self.by_hash.get(hash).map_or_else(Vec::new, |claims| {
-            claims
-                .iter()
-                .filter(|(_, p)| p.deadline > now)
-                .map(|(_, p)| (p.purges, p.deadline - now))
-                .collect()
-        })
+        self.live_claims(hash, now)
+            .map(|(_, p)| (p.purges, p.deadline - now))
+            .collect()
+    }
+
+    /// The claims of `hash` whose lock has not lapsed by `now`, with their owners.
+    fn live_claims(
+        &self,
+        hash: &Digest,
+        now: Instant,
+    ) -> impl Iterator<Item = (u128, Pending)> + '_ {
+        self.by_hash
+            .get(hash)
+            .into_iter()
+            .flatten()
+            .filter(move |(_, p)| p.deadline > now)
+            .copied()
     }
 }
 
@@ -1340,19 +1350,13 @@ impl<S: RecordStore> CachedStore<S> {
     /// another owner, whose key was not purged since it went out: an execution of the same
     /// request running here now.
     fn running_here(&self, req: &ClaimRequest) -> Option<(u128, Pending)> {
-        let now = Instant::now();
         let key = &req.key;
-        let running: Vec<(u128, Pending)> = {
-            let pending = self.pending.lock();
-            let claims = pending.by_hash.get(&key.hash)?;
-            claims
-                .iter()
-                .filter(|(owner, p)| {
-                    *owner != req.owner.0 && p.deadline > now && p.fingerprint == req.fingerprint
-                })
-                .copied()
-                .collect()
-        };
+        let running: Vec<(u128, Pending)> = self
+            .pending
+            .lock()
+            .live_claims(&key.hash, Instant::now())
+            .filter(|(owner, p)| *owner != req.owner.0 && p.fingerprint == req.fingerprint)
+            .collect();
         let cache = self.shard(&key.hash).lock();
         running
             .into_iter()

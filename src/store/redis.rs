@@ -857,19 +857,12 @@ impl RedisStore {
     /// A server that does not answer leaves the last reading as it was, and so does a Cluster
     /// reading that left out a primary owning slots, unless it found one that may evict.
     pub async fn check_eviction(&self) -> bool {
-        // On a Cluster, how many primaries the reading must cover.
-        let primaries = if self.settings.topology == RedisTopology::Cluster {
-            let mut slots = redis::cmd("CLUSTER");
-            slots.arg("SLOTS");
-            match self.send("cluster slots", Call::Command(&slots)).await {
-                Ok(reply) => eviction::slot_primaries(&reply),
-                Err(failure) => {
-                    tracing::debug!(error = %failure.error, "redis eviction setting not read");
-                    return true;
-                }
+        let primaries = match self.slot_primaries().await {
+            Ok(primaries) => primaries,
+            Err(failure) => {
+                tracing::debug!(error = %failure.error, "redis eviction setting not read");
+                return true;
             }
-        } else {
-            None
         };
         let mut info = redis::cmd("INFO");
         info.arg("memory");
@@ -929,17 +922,8 @@ impl RedisStore {
     /// A reading that fails, or leaves out a server, changes nothing; the first one finds no
     /// change.
     pub async fn check_restarts(&self) -> Restarts {
-        // On a Cluster, how many primaries the reading must cover: a fan-out of `INFO` leaves
-        // out a primary the client holds no connection to (see `eviction::slot_primaries`).
-        let primaries = if self.settings.topology == RedisTopology::Cluster {
-            let mut slots = redis::cmd("CLUSTER");
-            slots.arg("SLOTS");
-            match self.send("cluster slots", Call::Command(&slots)).await {
-                Ok(reply) => eviction::slot_primaries(&reply),
-                Err(_) => return Restarts::Unknown,
-            }
-        } else {
-            None
+        let Ok(primaries) = self.slot_primaries().await else {
+            return Restarts::Unknown;
         };
         let mut info = redis::cmd("INFO");
         info.arg("server");
@@ -967,6 +951,20 @@ impl RedisStore {
             Some(before) if before != found => Restarts::Changed { before, now: found },
             _ => Restarts::Same,
         }
+    }
+
+    /// On a Cluster, how many primaries own slots (`CLUSTER SLOTS`): how many servers a fan-out
+    /// of `INFO` must cover to be the whole Cluster's, as it leaves out a primary the client
+    /// holds no connection to (see [`eviction::slot_primaries`]). `None` elsewhere, or for a
+    /// reply of another shape.
+    async fn slot_primaries(&self) -> Result<Option<usize>, Failure> {
+        if self.settings.topology != RedisTopology::Cluster {
+            return Ok(None);
+        }
+        let mut slots = redis::cmd("CLUSTER");
+        slots.arg("SLOTS");
+        let reply = self.send("cluster slots", Call::Command(&slots)).await?;
+        Ok(eviction::slot_primaries(&reply))
     }
 
     /// What the last [`RedisStore::check_eviction`] found: 1 some server may evict records, 0
