@@ -612,6 +612,32 @@ async fn a_completion_that_never_reaches_redis_goes_to_the_dead_letter_file() {
     }
 }
 
+/// `POST /orders/slow/1200` under `key`: the backend answers 1.2 s after it reads it.
+fn slow_order(key: &str) -> Request {
+    Request::post("/orders/slow/1200").key(key).body("{}")
+}
+
+/// Sends [`slow_order`] of `key` to `proxy` and, once the backend runs it, sends `change` with
+/// its record's Redis key after the command's name (the record is the only key in `redis`).
+/// Returns the request's answer to come, and the record's Redis key.
+async fn changed_while_running(
+    proxy: &Proxy,
+    backend: &Backend,
+    redis: &RedisServer,
+    key: &str,
+    change: &[&str],
+) -> (tokio::task::JoinHandle<common::Response>, String) {
+    let (request, addr) = (slow_order(key), proxy.addr);
+    let running = tokio::spawn(async move { request.send(addr).await });
+    backend.until_count(1).await;
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let mut command = vec![change[0], keys[0].as_str()];
+    command.extend_from_slice(&change[1..]);
+    let _: i64 = redis.cmd(&command);
+    (running, keys[0].clone())
+}
+
 /// A record lost while its request runs (a restart without persistence, a failover before the
 /// replica had it) lets a retry create it anew and run the key again, under another execution
 /// id. The first request's answer is refused, and said to be that (not a lapsed lock taken
@@ -631,23 +657,8 @@ async fn a_record_lost_mid_request_and_created_again_is_told_from_a_takeover() {
         .start()
         .await;
     let b = builder(&backend, &redis).start().await;
-    let addr = a.addr;
-    let slow = tokio::spawn(async move {
-        Request::post("/orders/slow/1200")
-            .key("lost")
-            .body("{}")
-            .send(addr)
-            .await
-    });
-    backend.until_count(1).await;
-    let keys = redis.keys();
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    let _: i64 = redis.cmd(&["DEL", &keys[0]]);
-    let second = Request::post("/orders/slow/1200")
-        .key("lost")
-        .body("{}")
-        .send(b.addr)
-        .await;
+    let (slow, _) = changed_while_running(&a, &backend, &redis, "lost", &["DEL"]).await;
+    let second = slow_order("lost").send(b.addr).await;
     assert_eq!((second.status, second.result()), (201, Some("MISS")));
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201);
@@ -674,17 +685,8 @@ async fn a_record_lost_mid_request_is_claimed_again_by_the_replica_running_it() 
     let redis = RedisServer::start();
     let backend = Backend::start().await;
     let a = builder(&backend, &redis).start().await;
-    let addr = a.addr;
-    let order = || {
-        Request::post("/orders/slow/1200")
-            .key("lost-here")
-            .body("{}")
-    };
-    let slow = tokio::spawn(async move { order().send(addr).await });
-    backend.until_count(1).await;
-    let keys = redis.keys();
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    let _: i64 = redis.cmd(&["DEL", &keys[0]]);
+    let order = || slow_order("lost-here");
+    let (slow, _) = changed_while_running(&a, &backend, &redis, "lost-here", &["DEL"]).await;
     let retry = order().send(a.addr).await;
     assert_eq!(
         (retry.status, retry.result()),
@@ -722,24 +724,10 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
         .start()
         .await;
     let b = builder(&backend, &redis).start().await;
-    let addr = a.addr;
-    let slow = tokio::spawn(async move {
-        Request::post("/orders/slow/1200")
-            .key("fence")
-            .body("{}")
-            .send(addr)
-            .await
-    });
-    backend.until_count(1).await;
     // The first holder's lock lapses (as after a failover that lost it): expire it in Redis.
-    let keys = redis.keys();
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    let _: i64 = redis.cmd(&["HSET", &keys[0], "l", "0"]);
-    let second = Request::post("/orders/slow/1200")
-        .key("fence")
-        .body("{}")
-        .send(b.addr)
-        .await;
+    let (slow, record_key) =
+        changed_while_running(&a, &backend, &redis, "fence", &["HSET", "l", "0"]).await;
+    let second = slow_order("fence").send(b.addr).await;
     assert_eq!((second.status, second.result()), (201, Some("MISS")));
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201);
@@ -747,7 +735,7 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     let ex = backend.executions();
     assert_eq!(ex.len(), 2);
     assert_eq!(ex[0].execution_id, ex[1].execution_id);
-    let replay = Request::post("/orders/slow/1200").key("fence").body("{}");
+    let replay = slow_order("fence");
     let c = builder(&backend, &redis).start().await;
     let r = replay.send(c.addr).await;
     assert_eq!(r.result(), Some("HIT"));
@@ -829,7 +817,7 @@ async fn a_lapsed_owner_cannot_overwrite_the_record_of_the_next_one() {
     );
     // Had Redis lost the record (a failover), the line would be all that is left of both
     // answers: reconciling shows it missing, and --apply writes it back.
-    let _: i64 = redis.cmd(&["DEL", &keys[0]]);
+    let _: i64 = redis.cmd(&["DEL", &record_key]);
     let (code, report) = reconcile(false);
     assert_eq!(code, Some(1), "{report}");
     assert!(

@@ -442,8 +442,7 @@ async fn a_pooled_connection_holding_bytes_after_an_answer_is_dropped_and_counte
     ])
     .await;
     let proxy = proxy(&backend).await;
-    let stray = |text: &str| common::metric(text, "idemgate_upstream_stray_bytes_total");
-    assert_eq!(stray(&proxy.metrics().await), Some(0.0));
+    assert_eq!(stray_bytes(&proxy).await, Some(0.0));
     let first = order("stray-1").send(proxy.addr).await;
     assert_eq!(first.status, 204, "{}", first.text());
     // The stray bytes are in by now.
@@ -456,60 +455,55 @@ async fn a_pooled_connection_holding_bytes_after_an_answer_is_dropped_and_counte
         second.text()
     );
     assert_eq!(backend.connections(), 2);
-    assert_eq!(stray(&proxy.metrics().await), Some(1.0));
+    assert_eq!(stray_bytes(&proxy).await, Some(1.0));
     proxy
         .log_containing("held bytes sent after a complete answer")
         .await;
+}
+
+/// `idemgate_upstream_stray_bytes_total` on `proxy` now.
+async fn stray_bytes(proxy: &Proxy) -> Option<f64> {
+    common::metric(
+        &proxy.metrics().await,
+        "idemgate_upstream_stray_bytes_total",
+    )
+}
+
+/// The backend answers, then (`ending`) ends the idle connection: `requests` keys sent 300 ms
+/// apart each get their own answer on a connection of their own (sent on the ended one, the
+/// answer would be lost: 504 and a locked key), and nothing counts as stray bytes.
+async fn each_on_a_new_connection_after(
+    ending: Vec<Step>,
+    requests: usize,
+    key: &str,
+) -> RawBackend {
+    let backend = RawBackend::start([vec![created("{}")], ending].concat()).await;
+    let proxy = proxy(&backend).await;
+    for i in 0..requests {
+        let r = order(&format!("{key}-{i}")).send(proxy.addr).await;
+        assert_eq!((r.status, r.result()), (201, Some("MISS")), "{}", r.text());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(backend.connections(), requests);
+    assert_eq!(stray_bytes(&proxy).await, Some(0.0));
+    backend
 }
 
 /// Some servers say `408` on an idle connection before closing it: not stray bytes (nothing is
 /// counted), but the connection is not used again all the same.
 #[tokio::test]
 async fn a_408_on_an_idle_connection_is_no_stray_bytes() {
-    let backend = RawBackend::start(vec![
-        created("{}"),
-        Step::Pause(Duration::from_millis(50)),
-        send(b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"),
-    ])
-    .await;
-    let proxy = proxy(&backend).await;
-    for i in 0..2 {
-        let r = order(&format!("idle-408-{i}")).send(proxy.addr).await;
-        assert_eq!((r.status, r.result()), (201, Some("MISS")), "{}", r.text());
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-    assert_eq!(backend.connections(), 2);
-    let metrics = proxy.metrics().await;
-    assert_eq!(
-        common::metric(&metrics, "idemgate_upstream_stray_bytes_total"),
-        Some(0.0)
-    );
+    let notice = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
+    let ending = vec![Step::Pause(Duration::from_millis(50)), send(notice)];
+    each_on_a_new_connection_after(ending, 2, "idle-408").await;
 }
 
+/// The backend closes the idle connection 100 ms after its answer (its keep-alive timeout).
 #[tokio::test]
 async fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
-    // The backend answers, then closes the idle connection 100 ms later (its keep-alive timeout).
-    let backend = RawBackend::start(vec![
-        created("{}"),
-        Step::Pause(Duration::from_millis(100)),
-        Step::Close,
-    ])
-    .await;
-    let proxy = proxy(&backend).await;
-    for i in 0..3 {
-        let r = order(&format!("idle-closed-{i}")).send(proxy.addr).await;
-        // Sending on the closed connection would lose the answer: 504 and a locked key.
-        assert_eq!((r.status, r.result()), (201, Some("MISS")), "{}", r.text());
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let ending = vec![Step::Pause(Duration::from_millis(100)), Step::Close];
+    let backend = each_on_a_new_connection_after(ending, 3, "idle-closed").await;
     assert_eq!(backend.count(), 3);
-    assert_eq!(backend.connections(), 3);
-    // A close is no stray bytes.
-    let metrics = proxy.metrics().await;
-    assert_eq!(
-        common::metric(&metrics, "idemgate_upstream_stray_bytes_total"),
-        Some(0.0)
-    );
 }
 
 /// Each connection answers its first request and ends on the second without answering (`end`:
@@ -1158,37 +1152,24 @@ async fn a_malformed_answer_is_settled_only_when_a_final_status_came() {
         assert_eq!(backend.count(), 1, "never executed twice");
     }
 
-    // 70 KB of head sent whole, in one write: refused as well, settled by its status.
-    let mut whole = b"HTTP/1.1 201 Created\r\n".to_vec();
-    for i in 0..70 {
-        whole.extend_from_slice(format!("X-Field-{i}: {}\r\n", "v".repeat(1000)).as_bytes());
-    }
-    whole.extend_from_slice(b"Content-Length: 2\r\n\r\n{}");
-    let backend = RawBackend::start(vec![Step::Send(whole)]).await;
-    let whole_proxy = proxy(&backend).await;
-    let first = order("whole-huge-head").send(whole_proxy.addr).await;
-    assert_eq!(first.status, 502, "{}", first.text());
-    assert_eq!(first.problem_type(), "upstream-answer-invalid");
-    let retry = order("whole-huge-head").send(whole_proxy.addr).await;
-    assert_eq!(
-        retry.problem_type(),
-        "response-not-replayable",
-        "{}",
-        retry.text()
-    );
-    assert_eq!(backend.count(), 1, "never executed twice");
+    // A 201 with 70 KB of fields, its head not ended yet.
+    let huge: Vec<u8> = (0..70).fold(b"HTTP/1.1 201 Created\r\n".to_vec(), |mut head, i| {
+        head.extend_from_slice(format!("X-Field-{i}: {}\r\n", "v".repeat(1000)).as_bytes());
+        head
+    });
+    let rest = b"Content-Length: 2\r\n\r\n{}";
 
-    // 70 KB of head with no end yet, then the rest: past 64 KiB unfinished, it is refused.
-    let mut huge = b"HTTP/1.1 201 Created\r\n".to_vec();
-    for i in 0..70 {
-        huge.extend_from_slice(format!("X-Field-{i}: {}\r\n", "v".repeat(1000)).as_bytes());
-    }
-    // The rest comes 1.5 s later (within a 3 s read timeout): a loaded machine has read the
-    // first part by then.
+    // Sent whole, in one write: refused as well, settled by its status.
+    let backend = RawBackend::start(vec![Step::Send([&huge[..], rest].concat())]).await;
+    let whole_proxy = proxy(&backend).await;
+    settled_not_replayable(&whole_proxy, &backend, "whole-huge-head").await;
+
+    // With no end yet, then the rest: past 64 KiB unfinished, it is refused. The rest comes
+    // 1.5 s later (within a 3 s read timeout): a loaded machine has read the first part by then.
     let backend = RawBackend::start(vec![
         Step::Send(huge),
         Step::Pause(Duration::from_millis(1500)),
-        send(b"Content-Length: 2\r\n\r\n{}"),
+        send(rest),
         Step::Close,
     ])
     .await;
@@ -1196,10 +1177,17 @@ async fn a_malformed_answer_is_settled_only_when_a_final_status_came() {
         .upstream("read_timeout: 3s")
         .start()
         .await;
-    let first = order("huge-head").send(huge_proxy.addr).await;
+    settled_not_replayable(&huge_proxy, &backend, "huge-head").await;
+}
+
+/// `key` sent to `proxy` gets 502 `upstream-answer-invalid` (an answer that cannot be relayed,
+/// whose status says the request ran), its retry 409 `response-not-replayable`, and the
+/// backend ran it once.
+async fn settled_not_replayable(proxy: &Proxy, backend: &RawBackend, key: &str) {
+    let first = order(key).send(proxy.addr).await;
     assert_eq!(first.status, 502, "{}", first.text());
     assert_eq!(first.problem_type(), "upstream-answer-invalid");
-    let retry = order("huge-head").send(huge_proxy.addr).await;
+    let retry = order(key).send(proxy.addr).await;
     assert_eq!(
         retry.problem_type(),
         "response-not-replayable",
